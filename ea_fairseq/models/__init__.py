@@ -1,0 +1,3 @@
+"""Models and architectures: importing this package registers them with fairseq."""
+from . import transformer_lite  # noqa: F401  (registers transformer_lite)
+from . import ea_transformer  # noqa: F401  (registers ea_transformer and its archs)

@@ -1,0 +1,127 @@
+"""Which attention each role of the transformer uses, and its command-line options.
+
+A model of this plugin has three attention *roles*: ``encoder`` (encoder
+self-attention), ``decoder`` (decoder self-attention) and ``cross``
+(encoder-decoder attention). Each role names a variant with
+``--encoder-attention``, ``--decoder-attention`` and ``--cross-attention``; the
+architectures only choose defaults, so variants compose freely (e.g. RAN-D with an EA
+encoder). Each variant registers a builder here that turns the ``MultiheadAttention``
+fairseq built for a role into the mechanism, in place.
+"""
+from typing import Callable, Dict, Tuple
+
+from fairseq.modules import MultiheadAttention
+
+from ..modules.evolving_attention import EvolvingAttention
+
+ROLES: Tuple[str, ...] = ("encoder", "decoder", "cross")
+SLOT = {"encoder": "self", "decoder": "self", "cross": "cross"}
+CONV_LAYOUT = {"encoder": "full", "decoder": "causal", "cross": "rows"}
+
+# role -> variant -> builder(attn, cfg, role) -> attention module
+_BUILDERS: Dict[str, Callable] = {}
+_ROLE_SUPPORT: Dict[str, Tuple[str, ...]] = {}
+
+
+def register_variant(name: str, roles: Tuple[str, ...]):
+    def wrap(fn):
+        _BUILDERS[name] = fn
+        _ROLE_SUPPORT[name] = roles
+        return fn
+
+    return wrap
+
+
+def variant_of(cfg, role: str) -> str:
+    return getattr(cfg, f"{role}_attention", None) or "vanilla"
+
+
+def reads_previous_maps(cfg, role: str) -> bool:
+    """Does this role's attention read the previous layer's logits (cross-layer state)?"""
+    variant = variant_of(cfg, role)
+    if variant == "ea":
+        return ea_alpha(cfg, role) > 0.0
+    return False
+
+
+def build_attention(role: str, attn: MultiheadAttention, cfg):
+    variant = variant_of(cfg, role)
+    if variant == "vanilla":
+        return attn
+    if variant not in _BUILDERS:
+        raise ValueError(
+            f"--{role}-attention {variant}: unknown attention variant; "
+            f"choose one of {['vanilla'] + sorted(_BUILDERS)}"
+        )
+    if role not in _ROLE_SUPPORT[variant]:
+        raise ValueError(
+            f"--{role}-attention {variant}: the {variant} variant is defined for "
+            f"{', '.join(_ROLE_SUPPORT[variant])} attention only"
+        )
+    return _BUILDERS[variant](attn, cfg, role)
+
+
+def add_args(parser):
+    # ``parser`` is fairseq's model-specific argument group (argument_default=SUPPRESS):
+    # options not given on the command line stay unset and the --arch fills them.
+    group = ea = parser
+    for role, what in (
+        ("encoder", "encoder self-attention"),
+        ("decoder", "decoder self-attention"),
+        ("cross", "encoder-decoder attention"),
+    ):
+        group.add_argument(
+            f"--{role}-attention",
+            choices=["vanilla", "ea"],
+            help=f"attention variant of the {what} (default: set by --arch)",
+        )
+    ea.add_argument("--ea-alpha", type=float, metavar="A",
+                    help="α: weight of the previous layer's attention logits in the encoder "
+                         "(paper: 0.1 Lite, 0.5 Base)")
+    ea.add_argument("--ea-decoder-alpha", type=float, metavar="A",
+                    help="α for decoder self- and encoder-decoder attention (paper: 0, §4.3)")
+    ea.add_argument("--ea-beta", type=float, metavar="B",
+                    help="β: weight of ReLU(Conv(A_input)) in the new logits (paper: 0.1)")
+    ea.add_argument("--ea-kernel-size", type=int, choices=[1, 3, 5],
+                    help="size of the attention-map convolution kernel (paper: 3; Table 6)")
+    ea.add_argument("--ea-no-encoder-conv", action="store_true",
+                    help="no convolution on encoder self-attention maps (Table 6)")
+    ea.add_argument("--ea-no-decoder-conv", action="store_true",
+                    help="no convolution on decoder self-attention maps (Table 6)")
+    ea.add_argument("--ea-no-cross-conv", action="store_true",
+                    help="no convolution on encoder-decoder attention maps (Table 6)")
+
+
+def ea_alpha(cfg, role: str) -> float:
+    return float(cfg.ea_alpha if role == "encoder" else cfg.ea_decoder_alpha)
+
+
+@register_variant("ea", roles=ROLES)
+def build_evolving_attention(attn, cfg, role):
+    conv_off = getattr(cfg, f"ea_no_{role}_conv", False)
+    return EvolvingAttention.promote(
+        attn,
+        slot=SLOT[role],
+        alpha=ea_alpha(cfg, role),
+        beta=float(cfg.ea_beta),
+        kernel_size=int(cfg.ea_kernel_size),
+        conv_layout=None if conv_off else CONV_LAYOUT[role],
+        hand_on=ea_alpha(cfg, role) > 0.0,
+    )
+
+
+def set_default(args, name: str, value) -> None:
+    """fairseq's ``getattr(args, name, default)`` idiom, also for options stored as None."""
+    if getattr(args, name, None) is None:
+        setattr(args, name, value)
+
+
+def fill_defaults(args) -> None:
+    """Defaults shared by every architecture of the plugin: everything off."""
+    for role in ROLES:
+        set_default(args, f"{role}_attention", "vanilla")
+        set_default(args, f"ea_no_{role}_conv", False)
+    set_default(args, "ea_alpha", 0.0)
+    set_default(args, "ea_decoder_alpha", 0.0)
+    set_default(args, "ea_beta", 0.0)
+    set_default(args, "ea_kernel_size", 3)

@@ -1,0 +1,239 @@
+"""Attention whose logit map is visible, and the carrier that hands it to the next layer.
+
+Every mechanism in this plugin works on the pre-softmax attention map of a fairseq
+:class:`~fairseq.modules.MultiheadAttention`: EA and PA rewrite it (convolutions, skip
+connections to the previous layer's map), DropAttention drops entries of the softmax
+output. :class:`LogitMapAttention` is the one place where that map is exposed:
+
+* ``super().forward(..., before_softmax=True)`` lets fairseq do everything up to the
+  logits -- projections, key/value caching for incremental decoding, beam-shared
+  encoder keys, key padding and causal masks (both written as ``-inf``);
+* :meth:`LogitMapAttention.transform_logits` is the hook a mechanism overrides;
+* softmax, :meth:`drop_weights` (attention dropout), the value product and the output
+  projection follow, as in fairseq.
+
+A fairseq-built ``MultiheadAttention`` becomes a mechanism in place with
+:meth:`LogitMapAttention.promote`: parameters, their names in the state dict and their
+initialisation stay exactly those of the vanilla module; the mechanism adds its own.
+"""
+from contextlib import contextmanager
+from typing import Dict, Optional
+
+import torch
+import torch.nn.functional as F
+from fairseq.modules import MultiheadAttention
+from torch import Tensor
+
+
+class AttentionMapCarrier:
+    """Hands each layer's attention logits to the next layer of the same stack.
+
+    One carrier is owned by an encoder or a decoder and shared by its layers' attention
+    modules (``slot`` names the attention kind: ``"self"`` or ``"cross"``). It is a plain
+    object, not a module: it never enters the state dict, and :meth:`scope` empties it
+    before and after every forward pass of its stack, so no tensor (or autograd graph)
+    outlives the pass that made it. Optionally it records every layer's maps for
+    analysis (:meth:`record`).
+    """
+
+    def __init__(self):
+        self._last: Dict[str, Tensor] = {}
+        self._recording: Optional[Dict[str, list]] = None
+
+    @contextmanager
+    def scope(self):
+        self._last.clear()
+        try:
+            yield self
+        finally:
+            self._last.clear()
+
+    def previous(self, slot: str) -> Optional[Tensor]:
+        """The logits the previous layer handed on for ``slot`` (None in the first layer)."""
+        return self._last.get(slot)
+
+    def hand_on(self, slot: str, logits: Tensor) -> None:
+        self._last[slot] = logits
+
+    # -- analysis ---------------------------------------------------------------------
+    @contextmanager
+    def record(self):
+        """Collect ``{slot: [per-layer dict of maps]}`` while the context is open."""
+        self._recording = {}
+        try:
+            yield self._recording
+        finally:
+            self._recording = None
+
+    @property
+    def recording(self) -> bool:
+        return self._recording is not None
+
+    def log(self, slot: str, **maps: Tensor) -> None:
+        if self._recording is not None:
+            self._recording.setdefault(slot, []).append(
+                {k: v.detach() for k, v in maps.items()}
+            )
+
+
+class LogitMapAttention(MultiheadAttention):
+    """``MultiheadAttention`` with a hook on its logit map (see module docstring).
+
+    With the identity :meth:`transform_logits` and plain dropout it computes exactly
+    fairseq's attention; mechanisms subclass it.
+    """
+
+    #: set by :meth:`attach`; shared by all layers of one encoder or decoder
+    attention_maps: Optional[AttentionMapCarrier] = None
+    #: DropAttention (or None for fairseq's plain attention dropout)
+    weight_dropout: Optional[torch.nn.Module] = None
+
+    @classmethod
+    def promote(cls, attn: MultiheadAttention, **options) -> "LogitMapAttention":
+        """Turn a fairseq-built ``MultiheadAttention`` into ``cls`` in place."""
+        if not isinstance(attn, MultiheadAttention):
+            raise TypeError(f"expected a fairseq MultiheadAttention, got {type(attn).__name__}")
+        if attn.bias_k is not None or attn.add_zero_attn:
+            raise ValueError(
+                f"{cls.__name__} works on the token-by-token attention map and cannot take "
+                "the extra key column of --add-bias-kv / --add-zero-attn; drop those options."
+            )
+        if getattr(attn, "use_xformers", False):
+            raise ValueError(
+                f"{cls.__name__} needs the attention logits, which xformers attention does "
+                "not expose; drop --encoder/--decoder-xformers-att-config."
+            )
+        attn.__class__ = cls
+        # fairseq's fused training path (F.multi_head_attention_forward) ignores
+        # before_softmax; skipping the embed-dim check is what routes every call through
+        # the path that returns the logits.
+        attn.skip_embed_dim_check = True
+        attn.setup_mechanism(**options)
+        return attn
+
+    def setup_mechanism(self, **options) -> None:
+        """Add the mechanism's own parameters and settings (subclasses)."""
+        if options:
+            raise TypeError(f"unexpected options {sorted(options)}")
+
+    def attach(self, carrier: AttentionMapCarrier) -> None:
+        self.attention_maps = carrier
+
+    def set_weight_dropout(self, module: Optional[torch.nn.Module]) -> None:
+        self.weight_dropout = module
+
+    # -- hooks ---------------------------------------------------------------------------
+    def transform_logits(
+        self,
+        logits: Tensor,
+        masked: Tensor,
+        query_padding_mask: Optional[Tensor],
+        incremental_state,
+    ) -> Tensor:
+        """Rewrite the logits ``(batch, heads, tgt, src)`` before the softmax.
+
+        ``masked`` marks the entries fairseq masked (padding keys, future positions);
+        they hold ``-inf`` in ``logits`` and must hold ``-inf`` in the result.
+        ``query_padding_mask`` (batch, tgt) marks padded query rows (self-attention in a
+        full forward pass only). Identity here.
+        """
+        return logits
+
+    def drop_weights(self, probs: Tensor) -> Tensor:
+        """Dropout on the attention weights ``(batch, heads, tgt, src)``."""
+        if self.weight_dropout is not None:
+            return self.weight_dropout(probs)
+        return self.dropout_module(probs)
+
+    # -- forward -------------------------------------------------------------------------
+    def forward(
+        self,
+        query: Tensor,
+        key: Optional[Tensor],
+        value: Optional[Tensor],
+        key_padding_mask: Optional[Tensor] = None,
+        incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]] = None,
+        need_weights: bool = True,
+        static_kv: bool = False,
+        attn_mask: Optional[Tensor] = None,
+        before_softmax: bool = False,
+        need_head_weights: bool = False,
+    ):
+        tgt_len, bsz, _ = query.size()
+        logits, v = super().forward(
+            query,
+            key,
+            value,
+            key_padding_mask=key_padding_mask,
+            incremental_state=incremental_state,
+            need_weights=False,
+            static_kv=static_kv,
+            attn_mask=attn_mask,
+            before_softmax=True,
+        )
+        logits = logits.view(bsz, self.num_heads, tgt_len, -1)
+        # fairseq writes every mask as -inf (masked_fill for key padding,
+        # fill_with_neg_inf for the future mask); that is the set of masked entries.
+        masked = torch.isneginf(logits)
+        query_padding_mask = None
+        if self.self_attention and incremental_state is None and key_padding_mask is not None:
+            query_padding_mask = key_padding_mask.to(torch.bool)
+        logits = self.transform_logits(logits, masked, query_padding_mask, incremental_state)
+        if before_softmax:
+            return logits.view(bsz * self.num_heads, tgt_len, -1), v
+
+        # softmax in at least float32 (fp16/bf16 upcast, as fairseq), double stays double
+        probs_float = F.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
+        probs = probs_float.type_as(logits)
+        attn = self._attend(self.drop_weights(probs), v, bsz, tgt_len)
+
+        weights: Optional[Tensor] = None
+        if need_weights or need_head_weights:
+            weights = probs_float.transpose(1, 0)  # heads x batch x tgt x src, as fairseq
+            if not need_head_weights:
+                weights = weights.mean(dim=0)
+        return attn, weights
+
+    def _attend(self, probs: Tensor, v: Tensor, bsz: int, tgt_len: int) -> Tensor:
+        """Weighted sum of values and output projection; ``probs`` is (B, H, T, S)."""
+        heads, src_len = self.num_heads, probs.size(-1)
+        kv_bsz = v.size(0) // heads
+        v = v.view(kv_bsz, heads, src_len, self.head_dim)
+        if kv_bsz != bsz:
+            # beam search shares the encoder's keys/values across a sentence's beams
+            out = torch.matmul(probs.view(kv_bsz, -1, heads, tgt_len, src_len), v.unsqueeze(1))
+        else:
+            out = torch.matmul(probs, v)
+        out = out.reshape(bsz, heads, tgt_len, self.head_dim).permute(2, 0, 1, 3)
+        return self.out_proj(out.reshape(tgt_len, bsz, self.embed_dim))
+
+    # -- incremental state of a mechanism ----------------------------------------------
+    def get_mechanism_state(self, incremental_state) -> Dict[str, Optional[Tensor]]:
+        state = self.get_incremental_state(incremental_state, "mechanism_state")
+        return state if state is not None else {}
+
+    def set_mechanism_state(self, incremental_state, state: Dict[str, Optional[Tensor]]):
+        self.set_incremental_state(incremental_state, "mechanism_state", state)
+
+    def reorder_incremental_state(self, incremental_state, new_order: Tensor):
+        """Reorder fairseq's key/value cache, then the mechanism's own cache.
+
+        fairseq's encoder-decoder attention returns early when the batch size did not
+        change (its keys and values are the same for all beams of a sentence); a
+        mechanism's cache of earlier *target* rows depends on each beam's prefix and is
+        always reordered.
+        """
+        incremental_state = super().reorder_incremental_state(incremental_state, new_order)
+        state = self.get_incremental_state(incremental_state, "mechanism_state")
+        if state is not None:
+            for k, v in state.items():
+                if v is not None:
+                    state[k] = v.index_select(0, new_order)
+            self.set_mechanism_state(incremental_state, state)
+        return incremental_state
+
+
+def pad_rows_to(rows: Tensor, width: int) -> Tensor:
+    """Right-pad cached map rows (B, H, R, S') with zeros to ``width`` key columns."""
+    missing = width - rows.size(-1)
+    return F.pad(rows, (0, missing)) if missing > 0 else rows

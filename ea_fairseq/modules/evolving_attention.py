@@ -1,0 +1,106 @@
+"""Evolving Attention (EA-Transformer), EA paper Eq. (4), §3.3 and §3.5.
+
+For layer i of a stack::
+
+    A_input^i = alpha * A_logit^(i-1) + (1 - alpha) * Attention(X)_logit^i     (α: skip connection)
+    A_logit^i = beta * ReLU(Conv(A_input^i)) + (1 - beta) * A_input^i          (β: convolution)
+    A^i       = softmax(A_logit^i)
+
+``Attention(X)_logit = QK^T / sqrt(d)`` is fairseq's own logit map (with its masks);
+``A_logit^i`` is handed to the next layer through the stack's
+:class:`~ea_fairseq.modules.attention_maps.AttentionMapCarrier`. The first layer has no
+previous map and uses ``A_input = Attention(X)_logit``. ``Conv`` is an
+:class:`~ea_fairseq.modules.attention_map_conv.AttentionMapConv` in the layout of the
+attention kind (Fig. 3): ``full`` for encoder self-attention, ``causal`` (masked kernel +
+shift) for decoder self-attention, ``rows`` (shift along the target axis) for
+encoder-decoder attention. Without a convolution, ``A_logit = A_input``.
+
+Masked entries (padding keys, future positions, padded query rows) enter the skip
+connection and the convolution as neutral zeros -- never ``-inf`` or a dtype's minimum --
+and are masked again (``-inf``) after it. In incremental decoding the module caches the
+last ``k - 1`` rows of ``A_input`` (exactly what the convolution reads of earlier steps)
+and reorders them with the beams.
+"""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .attention_map_conv import AttentionMapConv
+from .attention_maps import LogitMapAttention, pad_rows_to
+
+
+class EvolvingAttention(LogitMapAttention):
+    """Multi-head attention with EA's residual convolution over attention maps, Eq. (4)."""
+
+    def setup_mechanism(
+        self,
+        slot: str,
+        alpha: float,
+        beta: float,
+        kernel_size: int,
+        conv_layout: Optional[str],
+        hand_on: bool,
+    ) -> None:
+        for name, value in (("alpha", alpha), ("beta", beta)):
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"EA's {name} must lie in [0, 1] (paper Eq. 4), got {value}")
+        self.slot = slot
+        self.alpha = float(alpha)
+        self.beta = float(beta)
+        self.hand_on_maps = hand_on
+        self.conv = (
+            AttentionMapConv(self.num_heads, kernel_size, conv_layout)
+            if conv_layout is not None
+            else None
+        )
+
+    def transform_logits(self, logits, masked, query_padding_mask, incremental_state):
+        carrier = self.attention_maps
+        a_input = logits.masked_fill(masked, 0.0)
+        previous = carrier.previous(self.slot) if self.alpha > 0.0 else None
+        if previous is not None:
+            # Eq. (4), line 1: the α skip connection from the previous layer's A_logit
+            a_input = self.alpha * previous + (1.0 - self.alpha) * a_input
+        conv_term = None
+        a_logit = a_input
+        if self.conv is not None:
+            conv_input = a_input
+            if query_padding_mask is not None:
+                conv_input = a_input.masked_fill(query_padding_mask[:, None, :, None], 0.0)
+            # Eq. (4), line 2: β mixes ReLU(Conv(A_input)) into A_input
+            conv_term = self.beta * F.relu(self._convolve(conv_input, incremental_state))
+            a_logit = conv_term + (1.0 - self.beta) * a_input
+        if self.hand_on_maps:
+            carrier.hand_on(self.slot, a_logit.masked_fill(masked, 0.0))
+        if carrier.recording:
+            carrier.log(
+                self.slot,
+                dot_product=logits.masked_fill(masked, 0.0),
+                convolution=conv_term if conv_term is not None else torch.zeros_like(a_input),
+                logits=a_logit.masked_fill(masked, 0.0),
+            )
+        return a_logit.masked_fill(masked, float("-inf"))
+
+    def _convolve(self, a_input: Tensor, incremental_state) -> Tensor:
+        if incremental_state is None:
+            return self.conv(a_input)
+        # Incremental decoding: the convolution reads the k-1 rows of A_input before the
+        # current one; they are cached here (zeros before the first target position,
+        # exactly the zero border of the full pass).
+        needed = self.conv.rows_needed
+        if needed == 0:
+            return self.conv(a_input, pad_rows=False)
+        state = self.get_mechanism_state(incremental_state)
+        earlier = state.get("conv_rows")
+        bsz, heads, _, src_len = a_input.shape
+        if earlier is None:
+            earlier = a_input.new_zeros(bsz, heads, needed, src_len)
+        else:
+            # decoder self-attention: earlier rows had fewer keys; the new ones are masked
+            earlier = pad_rows_to(earlier, src_len)
+        rows = torch.cat([earlier, a_input], dim=2)
+        state["conv_rows"] = rows[:, :, -needed:]
+        self.set_mechanism_state(incremental_state, state)
+        return self.conv(rows, pad_rows=False)

@@ -1,0 +1,68 @@
+"""Shared helpers: build plugin and fairseq models from command-line style arguments."""
+import os
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+import ea_fairseq  # noqa: E402,F401  (registers models)
+from fairseq import options  # noqa: E402
+from fairseq.data import Dictionary  # noqa: E402
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def make_dictionary(size: int = 40) -> Dictionary:
+    d = Dictionary()
+    for i in range(size):
+        d.add_symbol(f"w{i}")
+    return d
+
+
+def parse(arch: str, *extra: str):
+    parser = options.get_training_parser()
+    return options.parse_args_and_arch(parser, ["/nonexistent-data", "--arch", arch, *extra])
+
+
+def build_model(arch: str, *extra: str, seed: int = 1, dictionary=None):
+    """Build ``arch`` the way fairseq-train does (options parser, arch defaults, task dicts)."""
+    args = parse(arch, *extra)
+    d = dictionary or make_dictionary()
+    task = SimpleNamespace(source_dictionary=d, target_dictionary=d)
+    torch.manual_seed(seed)
+    model = args_model_class(args).build_model(args, task)
+    return model, args
+
+
+def args_model_class(args):
+    from fairseq.models import ARCH_MODEL_REGISTRY
+
+    return ARCH_MODEL_REGISTRY[args.arch]
+
+
+def random_batch(dictionary, src_lengths, tgt_len, seed=0, left_pad=True):
+    """A left-padded source batch and right-aligned target prefixes, as fairseq builds them."""
+    g = torch.Generator().manual_seed(seed)
+    pad, eos, nspecial = dictionary.pad(), dictionary.eos(), dictionary.nspecial
+    bsz, max_len = len(src_lengths), max(src_lengths)
+    src = torch.full((bsz, max_len), pad, dtype=torch.long)
+    for i, n in enumerate(src_lengths):
+        toks = torch.randint(nspecial, len(dictionary), (n - 1,), generator=g)
+        row = torch.cat([toks, torch.tensor([eos])])
+        if left_pad:
+            src[i, max_len - n:] = row
+        else:
+            src[i, :n] = row
+    prev = torch.randint(nspecial, len(dictionary), (bsz, tgt_len), generator=g)
+    prev[:, 0] = eos
+    return src, torch.tensor(src_lengths), prev
+
+
+@pytest.fixture
+def dictionary():
+    return make_dictionary()

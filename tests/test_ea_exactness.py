@@ -1,0 +1,194 @@
+"""EA-Transformer: exact reduction, causality, incremental == full, batch invariance."""
+import pytest
+import torch
+from fairseq.models.transformer import TransformerModel
+from fairseq.modules import MultiheadAttention
+
+from conftest import build_model, make_dictionary, random_batch
+from ea_fairseq.modules import AttentionMapConv, EvolvingAttention
+
+SMALL = ("--encoder-layers", "3", "--decoder-layers", "3", "--dropout", "0.0")
+ALL_OFF = ("--ea-alpha", "0", "--ea-beta", "0", "--ea-decoder-alpha", "0",
+           "--ea-no-encoder-conv", "--ea-no-decoder-conv", "--ea-no-cross-conv")
+# EA everywhere, with weights large enough that every part visibly moves the output
+STRONG = ("--ea-alpha", "0.5", "--ea-beta", "0.5", "--ea-decoder-alpha", "0.3")
+
+
+def decoder_out(model, src, src_lengths, prev):
+    model.eval()
+    with torch.no_grad():
+        return model(src, src_lengths, prev)[0]
+
+
+def ea_modules(model):
+    return [m for m in model.modules() if isinstance(m, EvolvingAttention)]
+
+
+def randomize_convs(model, scale=0.5, seed=3):
+    """Conv weights drawn large so that a leak through any tap is visible."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, AttentionMapConv):
+                m.weight.copy_(torch.randn(m.weight.shape, generator=g) * scale)
+                m.bias.copy_(torch.randn(m.bias.shape, generator=g) * scale)
+
+
+@pytest.mark.parametrize("extra", [ALL_OFF, ("--ea-alpha", "0", "--ea-beta", "0")],
+                         ids=["convs-off", "convs-on-beta0"])
+def test_switched_off_equals_fairseq_transformer(dictionary, extra):
+    """Same weights, same output as fairseq's own TransformerModel (its fused attention).
+
+    Compared in float64: in float32 fairseq's fused path and its own unfused path already
+    differ by ~2e-6 on these logits (see the bitwise test below for float32).
+    """
+    ea, _ = build_model("ea_transformer_lite", *SMALL, *extra, "--share-all-embeddings")
+    assert len(ea_modules(ea)) == 9, "EA attention must be in the path for this test"
+    vanilla, _ = build_model("transformer_lite", *SMALL, "--share-all-embeddings")
+    assert type(vanilla) is TransformerModel
+    missing, unexpected = ea.load_state_dict(vanilla.state_dict(), strict=False)
+    assert not unexpected
+    assert all(".conv." in k for k in missing) and bool(missing) == ("--ea-no-encoder-conv" not in extra)
+    ea.double(), vanilla.double()
+    src, lengths, prev = random_batch(dictionary, [7, 4, 9], 6)
+    diff = (decoder_out(ea, src, lengths, prev) - decoder_out(vanilla, src, lengths, prev)).abs().max()
+    assert diff <= 1e-6, diff
+
+
+def test_switched_off_is_bitwise_fairseq_unfused_attention_in_float32(dictionary):
+    ea, _ = build_model("ea_transformer_lite", *SMALL, *ALL_OFF)
+    vanilla, _ = build_model("transformer_lite", *SMALL)
+    ea.load_state_dict(vanilla.state_dict())
+    for m in vanilla.modules():
+        if isinstance(m, MultiheadAttention):
+            m.skip_embed_dim_check = True  # fairseq's unfused path: explicit QK^T and softmax
+    src, lengths, prev = random_batch(dictionary, [7, 4, 9], 6)
+    assert torch.equal(decoder_out(ea, src, lengths, prev), decoder_out(vanilla, src, lengths, prev))
+
+
+def test_ea_changes_the_output(dictionary):
+    """Guard for the test above: with EA on, the same weights give a different output."""
+    ea, _ = build_model("ea_transformer_lite", *SMALL, *STRONG)
+    vanilla, _ = build_model("transformer_lite", *SMALL)
+    ea.load_state_dict(vanilla.state_dict(), strict=False)
+    src, lengths, prev = random_batch(dictionary, [7, 4, 9], 6)
+    assert (decoder_out(ea, src, lengths, prev) - decoder_out(vanilla, src, lengths, prev)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("kernel", ["1", "3", "5"])
+@pytest.mark.parametrize("which", ["decoder", "cross", "both"])
+def test_decoder_is_causal(dictionary, kernel, which):
+    off = {"decoder": ("--ea-no-cross-conv",), "cross": ("--ea-no-decoder-conv",), "both": ()}[which]
+    model, _ = build_model("ea_transformer_lite", *SMALL, *STRONG, "--ea-kernel-size", kernel, *off)
+    randomize_convs(model)
+    src, lengths, prev = random_batch(dictionary, [6, 8], 10)
+    base = decoder_out(model, src, lengths, prev)
+    for t in (1, 4, 9):
+        changed = prev.clone()
+        changed[:, t:] = torch.randint(4, len(dictionary), changed[:, t:].shape)
+        out = decoder_out(model, src, lengths, changed)
+        assert (out[:, :t] - base[:, :t]).abs().max() <= 1e-6, f"position < {t} saw the future"
+        assert (out[:, t] - base[:, t]).abs().max() > 1e-4  # and position t does see itself
+
+
+@pytest.mark.parametrize("which", ["decoder", "cross"])
+def test_causality_check_catches_a_leaking_conv(dictionary, which):
+    """Negative control: a row-centred (encoder-style) conv in the decoder reads the next
+    target row, and the causality check above sees it."""
+    off = "--ea-no-cross-conv" if which == "decoder" else "--ea-no-decoder-conv"
+    model, _ = build_model("ea_transformer_lite", *SMALL, *STRONG, off)
+    randomize_convs(model)
+    for m in model.decoder.modules():
+        if isinstance(m, AttentionMapConv):
+            leaky = AttentionMapConv(m.in_channels, 3, "full")
+            m.layout, m.kernel_mask = leaky.layout, None
+            m.row_padding, m.col_padding = leaky.row_padding, leaky.col_padding
+    src, lengths, prev = random_batch(dictionary, [6, 8], 10)
+    base = decoder_out(model, src, lengths, prev)
+    changed = prev.clone()
+    changed[:, 5:] = (changed[:, 5:] + 1 - 4) % (len(dictionary) - 4) + 4
+    out = decoder_out(model, src, lengths, changed)
+    assert (out[:, :5] - base[:, :5]).abs().max() > 1e-4
+
+
+def incremental_logprobs(model, src, lengths, prev, reorder_at=None, new_order=None):
+    """Step through ``prev`` one token at a time; optionally reorder the beams once."""
+    model.eval()
+    with torch.no_grad():
+        enc = model.encoder(src, src_lengths=lengths)
+        state = {}
+        steps = []
+        for t in range(prev.size(1)):
+            if reorder_at is not None and t == reorder_at:
+                model.decoder.reorder_incremental_state_scripting(state, new_order)
+                enc = model.encoder.reorder_encoder_out(enc, new_order)
+                prev = prev.index_select(0, new_order)
+                steps = [s.index_select(0, new_order) for s in steps]
+            out, _ = model.decoder(prev[:, : t + 1], encoder_out=enc, incremental_state=state)
+            steps.append(out[:, -1])
+    return torch.stack(steps, dim=1), prev
+
+
+@pytest.mark.parametrize("kernel", ["3", "5"])
+def test_incremental_equals_full_forward(dictionary, kernel):
+    model, _ = build_model("ea_transformer_lite", *SMALL, *STRONG, "--ea-kernel-size", kernel)
+    randomize_convs(model)
+    src, lengths, prev = random_batch(dictionary, [5, 9, 3, 7], 8)
+    full = decoder_out(model, src, lengths, prev)
+    steps, _ = incremental_logprobs(model, src, lengths, prev)
+    assert (steps - full).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("new_order", [[1, 1, 3, 2], [3, 2]], ids=["reorder", "sentence-finished"])
+def test_incremental_with_beam_reordering(dictionary, new_order):
+    """Two sentences x two beams. Mid-sentence the beams are reordered with repeats (or
+    the first sentence finishes and leaves the batch), as SequenceGenerator does; every
+    step must equal a full pass over the reordered prefixes. fairseq's encoder-decoder
+    attention shares one key/value copy per sentence and skips reordering it when the
+    batch size is unchanged; the convolution rows cache must be reordered regardless."""
+    model, _ = build_model("ea_transformer_lite", *SMALL, *STRONG)
+    randomize_convs(model)
+    src, lengths, _ = random_batch(dictionary, [5, 9], 8)
+    src, lengths = src.repeat_interleave(2, 0), lengths.repeat_interleave(2, 0)
+    _, _, prev = random_batch(dictionary, [5, 9, 5, 9], 8, seed=7)
+    new_order = torch.tensor(new_order)
+    model.decoder.set_beam_size(2)
+    steps, prev_reordered = incremental_logprobs(model, src, lengths, prev, 4, new_order)
+    model.decoder.set_beam_size(1)
+    full = decoder_out(model, src.index_select(0, new_order), lengths.index_select(0, new_order),
+                       prev_reordered)
+    assert (steps - full).abs().max() <= 1e-5
+
+
+def test_batch_invariance_with_left_padding(dictionary):
+    model, _ = build_model("ea_transformer_lite", *SMALL, *STRONG)
+    randomize_convs(model)
+    src, lengths, prev = random_batch(dictionary, [4, 11, 8], 7)
+    batch = decoder_out(model, src, lengths, prev)
+    for i, n in enumerate(lengths.tolist()):
+        alone = decoder_out(model, src[i : i + 1, -n:], lengths[i : i + 1], prev[i : i + 1])
+        assert (alone - batch[i : i + 1]).abs().max() <= 1e-5, f"sentence {i}"
+
+
+def test_first_layer_reads_no_previous_map_and_carrier_is_emptied(dictionary):
+    model, _ = build_model("ea_transformer_lite", *SMALL, *STRONG)
+    src, lengths, prev = random_batch(dictionary, [5, 7], 4)
+    decoder_out(model, src, lengths, prev)
+    assert model.encoder.attention_maps.previous("self") is None
+    assert model.decoder.attention_maps.previous("cross") is None
+    assert "attention_maps" not in dict(model.named_modules())
+    assert not any("attention_maps" in k for k in model.state_dict())
+
+
+def test_masked_entries_never_reach_the_conv_as_inf(dictionary):
+    """Padding and future positions enter the convolutions as zeros (no -inf / NaN)."""
+    model, _ = build_model("ea_transformer_lite", *SMALL, *STRONG)
+    seen = []
+    for m in model.modules():
+        if isinstance(m, AttentionMapConv):
+            m.register_forward_pre_hook(lambda mod, inp: seen.append(inp[0]))
+    src, lengths, prev = random_batch(dictionary, [3, 9], 6)
+    out = decoder_out(model, src, lengths, prev)
+    assert len(seen) == 9
+    assert all(torch.isfinite(x).all() for x in seen)
+    assert torch.isfinite(out).all()
