@@ -1,0 +1,133 @@
+"""EA-Transformer as a fairseq model: sizes, generation, gradients, checkpoints, errors."""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from fairseq.sequence_generator import SequenceGenerator
+
+from conftest import build_model, make_dictionary, parse, random_batch
+from ea_fairseq.checkpoint_safety import load_checkpoint
+
+
+def non_embedding_params(model) -> int:
+    """Parameters outside the token embeddings / output projection (EA Table 5 convention)."""
+    return sum(
+        p.numel() for n, p in model.named_parameters()
+        if "embed_tokens" not in n and "output_projection" not in n and "embed_positions" not in n
+    )
+
+
+@pytest.mark.parametrize("arch,millions", [
+    ("transformer_lite", 2.48), ("ea_transformer_lite", 2.49),
+    ("transformer", 44.14), ("ea_transformer_base", 44.15),
+])
+def test_parameter_counts_match_ea_table5(arch, millions):
+    model, _ = build_model(arch, "--share-all-embeddings", dictionary=make_dictionary(1000))
+    assert round(non_embedding_params(model) / 1e6, 2) == millions
+
+
+def test_ea_adds_exactly_the_conv_parameters():
+    d = make_dictionary(1000)
+    ea, _ = build_model("ea_transformer_lite", dictionary=d)
+    base, _ = build_model("transformer_lite", dictionary=d)
+    heads, k, convs = 4, 3, 18  # 6 encoder + 6 decoder self + 6 cross
+    assert non_embedding_params(ea) - non_embedding_params(base) == convs * (heads * heads * k * k + heads)
+
+
+def test_beam_search_scores_equal_full_forward(dictionary):
+    """Every beam-5 hypothesis' per-token scores equal a teacher-forced full forward pass."""
+    model, _ = build_model("ea_transformer_lite", "--encoder-layers", "3", "--decoder-layers", "3",
+                           "--ea-alpha", "0.5", "--ea-beta", "0.5", "--ea-decoder-alpha", "0.3")
+    model.eval()
+    src, lengths, _ = random_batch(dictionary, [6, 9, 4], 1)
+    gen = SequenceGenerator([model], dictionary, beam_size=5, max_len_b=12)
+    with torch.no_grad():
+        hypos = gen.forward({"net_input": {"src_tokens": src, "src_lengths": lengths}})
+        checked = 0
+        for i, sent in enumerate(hypos):
+            assert len(sent) == 5
+            for h in sent:
+                tokens = h["tokens"].unsqueeze(0)
+                prev = torch.cat([tokens.new_tensor([[dictionary.eos()]]), tokens[:, :-1]], 1)
+                n = lengths[i].item()
+                logits = model(src[i : i + 1, -n:], lengths[i : i + 1], prev)[0]
+                lprobs = F.log_softmax(logits.float(), -1).gather(-1, tokens.unsqueeze(-1))[0, :, 0]
+                assert (lprobs - h["positional_scores"]).abs().max() <= 1e-4
+                checked += 1
+    assert checked == 15
+
+
+def test_one_backward_reaches_every_parameter(dictionary):
+    """legacy_ddp does not report unused parameters: prove there are none."""
+    model, _ = build_model("ea_transformer_lite", "--share-all-embeddings")
+    model.train()
+    src, lengths, prev = random_batch(dictionary, [6, 9, 4], 7)
+    out = model(src, lengths, prev)[0]
+    F.cross_entropy(out.view(-1, out.size(-1)), prev.view(-1)).backward()
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and (p.grad is None or not p.grad.abs().sum())]
+    assert not missing
+
+
+def test_checkpoint_round_trip_is_weights_only(tmp_path, dictionary):
+    model, args = build_model("ea_transformer_lite", "--ea-kernel-size", "5")
+    path = os.path.join(tmp_path, "ckpt.pt")
+    torch.save({"args": args, "model": model.state_dict()}, path)
+    state = load_checkpoint(path)  # torch's weights-only unpickler, never switched off
+    assert state["args"].ea_kernel_size == 5
+    again, _ = build_model("ea_transformer_lite", "--ea-kernel-size", "5", seed=99)
+    again.load_state_dict(state["model"], strict=True)
+    src, lengths, prev = random_batch(dictionary, [5, 3], 4)
+    model.eval(), again.eval()
+    with torch.no_grad():
+        assert torch.equal(model(src, lengths, prev)[0], again(src, lengths, prev)[0])
+
+
+def test_weights_only_still_refuses_other_objects(tmp_path):
+    path = os.path.join(tmp_path, "evil.pt")
+    torch.save({"model": {}, "payload": os.system}, path)
+    with pytest.raises(RuntimeError, match="weights-only"):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (("--ea-alpha", "1.5"), "alpha must lie in"),
+    (("--ea-beta", "-0.1"), "beta must lie in"),
+    (("--checkpoint-activations",), "checkpoint-activations"),
+])
+def test_bad_options_fail_with_a_clear_message(extra, message):
+    with pytest.raises(ValueError, match=message):
+        build_model("ea_transformer_lite", *extra)
+
+
+def test_checkpoint_activations_allowed_without_cross_layer_state():
+    build_model("ea_transformer_lite", "--ea-alpha", "0", "--checkpoint-activations")
+
+
+def test_kernel_size_choices_are_enforced(capsys):
+    with pytest.raises(SystemExit):
+        parse("ea_transformer_lite", "--ea-kernel-size", "4")
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_table6_rows_are_expressible():
+    """Every ablation row of EA Table 6 maps to options on ea_transformer_lite."""
+    rows = {
+        "w/o encoder conv": ("--ea-no-encoder-conv",),
+        "w/o decoder conv": ("--ea-no-decoder-conv",),
+        "w/o enc-dec conv": ("--ea-no-cross-conv",),
+        "w/o skip connection": ("--ea-alpha", "0"),
+        "1x1 conv": ("--ea-kernel-size", "1"),
+        "5x5 conv": ("--ea-kernel-size", "5"),
+    }
+    for extra in rows.values():
+        model, args = build_model("ea_transformer_lite", *extra)
+        convs = {n.split(".")[0] + "/" + n.split(".")[3]: m.kernel_size for n, m in model.named_modules()
+                 if n.endswith(".conv")}
+        assert ("encoder/self_attn" in convs) != ("--ea-no-encoder-conv" in extra)
+        assert ("decoder/self_attn" in convs) != ("--ea-no-decoder-conv" in extra)
+        assert ("decoder/encoder_attn" in convs) != ("--ea-no-cross-conv" in extra)
+        k = int(extra[1]) if "--ea-kernel-size" in extra else 3
+        assert all(ks == (k, k) for ks in convs.values())
+        assert model.encoder.layers[0].self_attn.alpha == (0.0 if "--ea-alpha" in extra else 0.1)
+        assert model.decoder.layers[0].self_attn.alpha == 0.0  # paper §4.3: no decoder skip
