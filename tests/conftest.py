@@ -103,3 +103,64 @@ def tiny_data_bin(tmp_path_factory):
         check=True, capture_output=True,
     )
     return dest
+
+
+def decoder_out(model, src, src_lengths, prev):
+    model.eval()
+    with torch.no_grad():
+        return model(src, src_lengths, prev)[0]
+
+
+def incremental_logprobs(model, src, lengths, prev, reorder_at=None, new_order=None):
+    """Step through ``prev`` one token at a time; optionally reorder the beams once."""
+    model.eval()
+    with torch.no_grad():
+        enc = model.encoder(src, src_lengths=lengths)
+        state = {}
+        steps = []
+        for t in range(prev.size(1)):
+            if reorder_at is not None and t == reorder_at:
+                model.decoder.reorder_incremental_state_scripting(state, new_order)
+                enc = model.encoder.reorder_encoder_out(enc, new_order)
+                prev = prev.index_select(0, new_order)
+                steps = [s.index_select(0, new_order) for s in steps]
+            out, _ = model.decoder(prev[:, : t + 1], encoder_out=enc, incremental_state=state)
+            steps.append(out[:, -1])
+    return torch.stack(steps, dim=1), prev
+
+
+def beam_reorder_gap(model, dictionary, new_order) -> float:
+    """Two sentences x two beams; reorder mid-sentence like SequenceGenerator (within a
+    sentence, or dropping a finished sentence) and return the largest difference between
+    the incremental steps and a full pass over the reordered prefixes."""
+    src, lengths, _ = random_batch(dictionary, [5, 9], 8)
+    src, lengths = src.repeat_interleave(2, 0), lengths.repeat_interleave(2, 0)
+    _, _, prev = random_batch(dictionary, [5, 9, 5, 9], 8, seed=7)
+    new_order = torch.tensor(new_order)
+    model.decoder.set_beam_size(2)
+    steps, prev_reordered = incremental_logprobs(model, src, lengths, prev, 4, new_order)
+    model.decoder.set_beam_size(1)
+    full = decoder_out(model, src.index_select(0, new_order), lengths.index_select(0, new_order),
+                       prev_reordered)
+    return (steps - full).abs().max().item()
+
+
+def causality_gap(model, dictionary, t: int):
+    """(largest change before t, smallest change at t) when target tokens >= t change."""
+    src, lengths, prev = random_batch(dictionary, [6, 8], 10)
+    base = decoder_out(model, src, lengths, prev)
+    changed = prev.clone()
+    changed[:, t:] = (changed[:, t:] + 1 - 4) % (len(dictionary) - 4) + 4
+    out = decoder_out(model, src, lengths, changed)
+    return (out[:, :t] - base[:, :t]).abs().max().item(), (out[:, t] - base[:, t]).abs().max().item()
+
+
+def batch_invariance_gap(model, dictionary) -> float:
+    """Largest difference between sentences decoded alone and inside a left-padded batch."""
+    src, lengths, prev = random_batch(dictionary, [4, 11, 8], 7)
+    batch = decoder_out(model, src, lengths, prev)
+    gaps = []
+    for i, n in enumerate(lengths.tolist()):
+        alone = decoder_out(model, src[i : i + 1, -n:], lengths[i : i + 1], prev[i : i + 1])
+        gaps.append((alone - batch[i : i + 1]).abs().max().item())
+    return max(gaps)

@@ -4,7 +4,8 @@ import torch
 from fairseq.models.transformer import TransformerModel
 from fairseq.modules import MultiheadAttention
 
-from conftest import build_model, make_dictionary, random_batch
+from conftest import (batch_invariance_gap, beam_reorder_gap, build_model, decoder_out,
+                      incremental_logprobs, random_batch)
 from ea_fairseq.modules import AttentionMapConv, EvolvingAttention
 
 SMALL = ("--encoder-layers", "3", "--decoder-layers", "3", "--dropout", "0.0")
@@ -12,12 +13,6 @@ ALL_OFF = ("--ea-alpha", "0", "--ea-beta", "0", "--ea-decoder-alpha", "0",
            "--ea-no-encoder-conv", "--ea-no-decoder-conv", "--ea-no-cross-conv")
 # EA everywhere, with weights large enough that every part visibly moves the output
 STRONG = ("--ea-alpha", "0.5", "--ea-beta", "0.5", "--ea-decoder-alpha", "0.3")
-
-
-def decoder_out(model, src, src_lengths, prev):
-    model.eval()
-    with torch.no_grad():
-        return model(src, src_lengths, prev)[0]
 
 
 def ea_modules(model):
@@ -111,24 +106,6 @@ def test_causality_check_catches_a_leaking_conv(dictionary, which):
     assert (out[:, :5] - base[:, :5]).abs().max() > 1e-4
 
 
-def incremental_logprobs(model, src, lengths, prev, reorder_at=None, new_order=None):
-    """Step through ``prev`` one token at a time; optionally reorder the beams once."""
-    model.eval()
-    with torch.no_grad():
-        enc = model.encoder(src, src_lengths=lengths)
-        state = {}
-        steps = []
-        for t in range(prev.size(1)):
-            if reorder_at is not None and t == reorder_at:
-                model.decoder.reorder_incremental_state_scripting(state, new_order)
-                enc = model.encoder.reorder_encoder_out(enc, new_order)
-                prev = prev.index_select(0, new_order)
-                steps = [s.index_select(0, new_order) for s in steps]
-            out, _ = model.decoder(prev[:, : t + 1], encoder_out=enc, incremental_state=state)
-            steps.append(out[:, -1])
-    return torch.stack(steps, dim=1), prev
-
-
 @pytest.mark.parametrize("kernel", ["3", "5"])
 def test_incremental_equals_full_forward(dictionary, kernel):
     model, _ = build_model("ea_transformer_lite", *SMALL, *STRONG, "--ea-kernel-size", kernel)
@@ -141,33 +118,18 @@ def test_incremental_equals_full_forward(dictionary, kernel):
 
 @pytest.mark.parametrize("new_order", [[1, 1, 3, 2], [3, 2]], ids=["reorder", "sentence-finished"])
 def test_incremental_with_beam_reordering(dictionary, new_order):
-    """Two sentences x two beams. Mid-sentence the beams are reordered with repeats (or
-    the first sentence finishes and leaves the batch), as SequenceGenerator does; every
-    step must equal a full pass over the reordered prefixes. fairseq's encoder-decoder
-    attention shares one key/value copy per sentence and skips reordering it when the
-    batch size is unchanged; the convolution rows cache must be reordered regardless."""
+    """fairseq's encoder-decoder attention shares one key/value copy per sentence and skips
+    reordering it when the batch size is unchanged; the convolution rows cache depends on
+    each beam's prefix and must be reordered regardless."""
     model, _ = build_model("ea_transformer_lite", *SMALL, *STRONG)
     randomize_convs(model)
-    src, lengths, _ = random_batch(dictionary, [5, 9], 8)
-    src, lengths = src.repeat_interleave(2, 0), lengths.repeat_interleave(2, 0)
-    _, _, prev = random_batch(dictionary, [5, 9, 5, 9], 8, seed=7)
-    new_order = torch.tensor(new_order)
-    model.decoder.set_beam_size(2)
-    steps, prev_reordered = incremental_logprobs(model, src, lengths, prev, 4, new_order)
-    model.decoder.set_beam_size(1)
-    full = decoder_out(model, src.index_select(0, new_order), lengths.index_select(0, new_order),
-                       prev_reordered)
-    assert (steps - full).abs().max() <= 1e-5
+    assert beam_reorder_gap(model, dictionary, new_order) <= 1e-5
 
 
 def test_batch_invariance_with_left_padding(dictionary):
     model, _ = build_model("ea_transformer_lite", *SMALL, *STRONG)
     randomize_convs(model)
-    src, lengths, prev = random_batch(dictionary, [4, 11, 8], 7)
-    batch = decoder_out(model, src, lengths, prev)
-    for i, n in enumerate(lengths.tolist()):
-        alone = decoder_out(model, src[i : i + 1, -n:], lengths[i : i + 1], prev[i : i + 1])
-        assert (alone - batch[i : i + 1]).abs().max() <= 1e-5, f"sentence {i}"
+    assert batch_invariance_gap(model, dictionary) <= 1e-5
 
 
 def test_first_layer_reads_no_previous_map_and_carrier_is_emptied(dictionary):

@@ -13,6 +13,7 @@ from typing import Callable, Dict, Tuple
 from fairseq.modules import MultiheadAttention
 
 from ..modules.evolving_attention import EvolvingAttention
+from ..modules.recurrent_attention import RecurrentAttention
 
 ROLES: Tuple[str, ...] = ("encoder", "decoder", "cross")
 SLOT = {"encoder": "self", "decoder": "self", "cross": "cross"}
@@ -36,16 +37,18 @@ def variant_of(cfg, role: str) -> str:
     return getattr(cfg, f"{role}_attention", None) or "vanilla"
 
 
-def reads_previous_maps(cfg, role: str) -> bool:
-    """Does this role's attention read the previous layer's logits (cross-layer state)?"""
+def needs_carrier(cfg, role: str) -> bool:
+    """Does this role's attention read state its stack hands between layers?"""
     variant = variant_of(cfg, role)
     if variant == "ea":
         return ea_alpha(cfg, role) > 0.0
-    return False
+    return variant == "ran"
 
 
-def build_attention(role: str, attn: MultiheadAttention, cfg):
+def build_attention(role: str, attn: MultiheadAttention, cfg, layer_index: int = 0):
     variant = variant_of(cfg, role)
+    if variant == "ran" and layer_index == 0 and cfg.ran_first_layer_standard:
+        variant = "vanilla"  # the authors' code can keep standard attention in layer 1
     if variant == "vanilla":
         return attn
     if variant not in _BUILDERS:
@@ -72,7 +75,7 @@ def add_args(parser):
     ):
         group.add_argument(
             f"--{role}-attention",
-            choices=["vanilla", "ea"],
+            choices=["vanilla", "ea"] + (["ran"] if role != "cross" else []),
             help=f"attention variant of the {what} (default: set by --arch)",
         )
     ea.add_argument("--ea-alpha", type=float, metavar="A",
@@ -90,6 +93,18 @@ def add_args(parser):
                     help="no convolution on decoder self-attention maps (Table 6)")
     ea.add_argument("--ea-no-cross-conv", action="store_true",
                     help="no convolution on encoder-decoder attention maps (Table 6)")
+    group.add_argument("--ran-max-positions", type=int, metavar="L",
+                       help="RAN: size L of the L x L initial attention matrices; longer "
+                            "sentences are refused (paper: 256)")
+    group.add_argument("--ran-fixed-init", action="store_true",
+                       help="RAN: do not train the initial attention matrices A0 (Table 3)")
+    group.add_argument("--ran-no-layernorm", action="store_true",
+                       help="RAN: no layer normalisation in the transition, Eq. 3 (Table 3)")
+    group.add_argument("--ran-no-residual", action="store_true",
+                       help="RAN: no residual connection in the transition, Eq. 4 (Table 3)")
+    group.add_argument("--ran-first-layer-standard", action="store_true",
+                       help="RAN: keep dot-product attention in the first layer of a RAN stack "
+                            "(an option of the authors' code)")
 
 
 def ea_alpha(cfg, role: str) -> float:
@@ -110,6 +125,11 @@ def build_evolving_attention(attn, cfg, role):
     )
 
 
+@register_variant("ran", roles=("encoder", "decoder"))
+def build_recurrent_attention(attn, cfg, role):
+    return RecurrentAttention.promote(attn, causal=role == "decoder")
+
+
 def set_default(args, name: str, value) -> None:
     """fairseq's ``getattr(args, name, default)`` idiom, also for options stored as None."""
     if getattr(args, name, None) is None:
@@ -125,3 +145,6 @@ def fill_defaults(args) -> None:
     set_default(args, "ea_decoder_alpha", 0.0)
     set_default(args, "ea_beta", 0.0)
     set_default(args, "ea_kernel_size", 3)
+    set_default(args, "ran_max_positions", 256)
+    for flag in ("ran_fixed_init", "ran_no_layernorm", "ran_no_residual", "ran_first_layer_standard"):
+        set_default(args, flag, False)

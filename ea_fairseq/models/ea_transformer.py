@@ -7,6 +7,7 @@ that hands a layer's attention logits to the next layer; their ``forward`` only 
 fresh scope on it and returns ``super()``'s result.
 """
 import logging
+from contextlib import contextmanager
 
 from fairseq.distributed import fsdp_wrap
 from fairseq.models import register_model, register_model_architecture
@@ -20,6 +21,7 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, Trans
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 
 from ..modules.attention_maps import AttentionMapCarrier, LogitMapAttention
+from ..modules.recurrent_attention import RecurrentAttention, RecurrentAttentionMatrices
 from . import attention_variants as variants
 from .transformer_lite import transformer_lite
 
@@ -27,17 +29,27 @@ logger = logging.getLogger(__name__)
 
 
 class EATransformerEncoderLayer(TransformerEncoderLayerBase):
+    def __init__(self, cfg, return_fc=False, layer_index=0):
+        self.layer_index = layer_index  # read by the attention builders below
+        super().__init__(cfg, return_fc=return_fc)
+
     def build_self_attention(self, embed_dim, cfg):
-        return variants.build_attention("encoder", super().build_self_attention(embed_dim, cfg), cfg)
+        attn = super().build_self_attention(embed_dim, cfg)
+        return variants.build_attention("encoder", attn, cfg, self.layer_index)
 
 
 class EATransformerDecoderLayer(TransformerDecoderLayerBase):
+    def __init__(self, cfg, no_encoder_attn=False, layer_index=0):
+        self.layer_index = layer_index
+        super().__init__(cfg, no_encoder_attn=no_encoder_attn)
+
     def build_self_attention(self, embed_dim, cfg, add_bias_kv=False, add_zero_attn=False):
         attn = super().build_self_attention(embed_dim, cfg, add_bias_kv, add_zero_attn)
-        return variants.build_attention("decoder", attn, cfg)
+        return variants.build_attention("decoder", attn, cfg, self.layer_index)
 
     def build_encoder_attention(self, embed_dim, cfg):
-        return variants.build_attention("cross", super().build_encoder_attention(embed_dim, cfg), cfg)
+        attn = super().build_encoder_attention(embed_dim, cfg)
+        return variants.build_attention("cross", attn, cfg, self.layer_index)
 
 
 def wrap_layer(layer, cfg):
@@ -49,42 +61,70 @@ def wrap_layer(layer, cfg):
     return fsdp_wrap(layer, min_num_params=cfg.min_params_to_wrap if not checkpoint else 0)
 
 
-def attach_carrier(stack, carrier: AttentionMapCarrier) -> None:
-    for module in stack.modules():
-        if isinstance(module, LogitMapAttention):
-            module.attach(carrier)
+class AttentionMapsMixin:
+    """What an encoder or decoder of this plugin adds to fairseq's: one carrier of
+    attention maps shared by its layers, and the RAN matrices when a layer needs them."""
+
+    def setup_attention_maps(self, cfg, heads: int) -> None:
+        self.attention_maps = AttentionMapCarrier()
+        recurrent = []
+        for module in self.modules():
+            if isinstance(module, LogitMapAttention):
+                module.attach(self.attention_maps)
+            if isinstance(module, RecurrentAttention):
+                module.ran_index = len(recurrent)
+                recurrent.append(module)
+        self.recurrent_matrices = None
+        if recurrent:
+            self.recurrent_matrices = RecurrentAttentionMatrices(
+                heads, cfg.ran_max_positions, len(recurrent), fixed_init=cfg.ran_fixed_init,
+                layer_norm=not cfg.ran_no_layernorm, residual=not cfg.ran_no_residual,
+            )
+
+    def next_layer_index(self) -> int:
+        """Index of the layer being built (fairseq builds a stack's layers in order)."""
+        self._layers_built = getattr(self, "_layers_built", 0) + 1
+        return self._layers_built - 1
+
+    @contextmanager
+    def attention_scope(self, length: int):
+        """A fresh carrier for one forward pass, holding the RAN matrices it needs."""
+        with self.attention_maps.scope():
+            if self.recurrent_matrices is not None:
+                self.attention_maps.hand_on("recurrent", self.recurrent_matrices(length))
+            yield
 
 
-class EATransformerEncoder(TransformerEncoderBase):
+class EATransformerEncoder(AttentionMapsMixin, TransformerEncoderBase):
     def __init__(self, cfg, dictionary, embed_tokens, return_fc=False):
         super().__init__(cfg, dictionary, embed_tokens, return_fc=return_fc)
-        self.attention_maps = AttentionMapCarrier()
-        attach_carrier(self, self.attention_maps)
+        self.setup_attention_maps(cfg, cfg.encoder.attention_heads)
 
     def build_encoder_layer(self, cfg):
-        return wrap_layer(EATransformerEncoderLayer(cfg, return_fc=self.return_fc), cfg)
+        layer = EATransformerEncoderLayer(cfg, self.return_fc, self.next_layer_index())
+        return wrap_layer(layer, cfg)
 
     def forward(self, src_tokens, src_lengths=None, return_all_hiddens: bool = False,
                 token_embeddings=None):
-        with self.attention_maps.scope():
+        with self.attention_scope(src_tokens.size(1)):
             return super().forward(src_tokens, src_lengths, return_all_hiddens, token_embeddings)
 
 
-class EATransformerDecoder(TransformerDecoderBase):
+class EATransformerDecoder(AttentionMapsMixin, TransformerDecoderBase):
     def __init__(self, cfg, dictionary, embed_tokens, no_encoder_attn=False,
                  output_projection=None):
         super().__init__(cfg, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn,
                          output_projection=output_projection)
-        self.attention_maps = AttentionMapCarrier()
-        attach_carrier(self, self.attention_maps)
+        self.setup_attention_maps(cfg, cfg.decoder.attention_heads)
 
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
-        return wrap_layer(EATransformerDecoderLayer(cfg, no_encoder_attn), cfg)
+        layer = EATransformerDecoderLayer(cfg, no_encoder_attn, self.next_layer_index())
+        return wrap_layer(layer, cfg)
 
     def extract_features(self, prev_output_tokens, encoder_out=None, incremental_state=None,
                          full_context_alignment: bool = False, alignment_layer=None,
                          alignment_heads=None):
-        with self.attention_maps.scope():
+        with self.attention_scope(prev_output_tokens.size(1)):
             return super().extract_features(
                 prev_output_tokens, encoder_out, incremental_state,
                 full_context_alignment, alignment_layer, alignment_heads,
@@ -119,15 +159,22 @@ class EATransformerModel(TransformerModel):
 
 def check_options(args) -> None:
     """Refuse combinations the mechanisms cannot honour, before anything is built."""
-    carrying = [r for r in variants.ROLES if variants.reads_previous_maps(args, r)]
+    carrying = [r for r in variants.ROLES if variants.needs_carrier(args, r)]
     if carrying and (getattr(args, "checkpoint_activations", False)
                      or getattr(args, "offload_activations", False)):
         raise ValueError(
-            "--checkpoint-activations recomputes each layer on its own, without the previous "
-            f"layer's attention logits that the {', '.join(carrying)} attention reads "
-            "(α > 0). Drop --checkpoint-activations/--offload-activations, or set "
-            "--ea-alpha 0 / --ea-decoder-alpha 0."
+            "--checkpoint-activations recomputes each layer on its own, outside the forward "
+            "pass that hands attention maps between layers, which the "
+            f"{', '.join(carrying)} attention reads (EA with α > 0, RAN). Drop "
+            "--checkpoint-activations/--offload-activations, or use --ea-alpha 0 / "
+            "--ea-decoder-alpha 0 for EA."
         )
+    for role, side in (("encoder", "source"), ("decoder", "target")):
+        if variants.variant_of(args, role) == "ran":
+            # fairseq then filters (training) or refuses (generation) longer sentences itself
+            name = f"max_{side}_positions"
+            setattr(args, name, min(getattr(args, name, None) or args.ran_max_positions,
+                                    args.ran_max_positions))
     if getattr(args, "cross_self_attention", False) and variants.variant_of(args, "decoder") != "vanilla":
         raise ValueError(
             "--cross-self-attention mixes source and target keys in one map, which the "
@@ -157,3 +204,24 @@ def ea_transformer_base(args):
     variants.set_default(args, "ea_decoder_alpha", 0.0)
     base_architecture(args)
     variants.fill_defaults(args)
+
+
+def _ran_architecture(encoder: bool, decoder: bool, dims):
+    def arch(args):
+        variants.set_default(args, "encoder_attention", "ran" if encoder else "vanilla")
+        variants.set_default(args, "decoder_attention", "ran" if decoder else "vanilla")
+        variants.set_default(args, "attention_dropout", 0.2)  # RAN paper §Settings
+        dims(args)
+        variants.fill_defaults(args)
+
+    return arch
+
+
+for _name, _enc, _dec in (("ran_e", True, False), ("ran_d", False, True), ("ran_all", True, True)):
+    _doc = (f"RAN-{_name[4:].upper()} (RAN paper §3): recurrent attention in the "
+            f"{'encoder and decoder' if _enc and _dec else 'encoder' if _enc else 'decoder'}; "
+            "attention dropout 0.2.")
+    for _suffix, _dims in (("", base_architecture), ("_lite", transformer_lite)):
+        _fn = _ran_architecture(_enc, _dec, _dims)
+        _fn.__name__, _fn.__doc__ = _name + _suffix, _doc + (" transformer_lite dims." if _suffix else " Transformer-base dims.")
+        register_model_architecture("ea_transformer", _name + _suffix)(_fn)

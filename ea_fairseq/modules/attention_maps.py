@@ -181,7 +181,15 @@ class LogitMapAttention(MultiheadAttention):
         logits = self.transform_logits(logits, masked, query_padding_mask, incremental_state)
         if before_softmax:
             return logits.view(bsz * self.num_heads, tgt_len, -1), v
+        return self.attend_with(logits, v, bsz, tgt_len, need_weights, need_head_weights)
 
+    def attend_with(self, logits: Tensor, v: Tensor, bsz: int, tgt_len: int,
+                    need_weights: bool, need_head_weights: bool):
+        """softmax, dropout on the weights, values and output projection.
+
+        ``logits`` is (B, H, T, S) with -inf where masked; ``v`` is (B_kv * H, S, head_dim).
+        Returns fairseq's ``(attn, weights)`` pair.
+        """
         # softmax in at least float32 (fp16/bf16 upcast, as fairseq), double stays double
         probs_float = F.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
         probs = probs_float.type_as(logits)

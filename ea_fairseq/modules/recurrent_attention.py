@@ -1,0 +1,150 @@
+"""Recurrent AtteNtion (RAN), RAN paper §2 (Eqs. 3-4), replacing dot-product self-attention.
+
+A stack (encoder or decoder) owns learnable *Initial Attention Matrices* ``A_0`` of shape
+``heads x L x L`` (``L = --ran-max-positions``) and one *Recurrent Transition Module*
+shared by all heads and layers (:class:`RecurrentAttentionMatrices`)::
+
+    Â_l = LN(tanh(W · A_(l-1) + b))      (Eq. 3; W acts along the key axis)
+    A_l = Â_l + A_(l-1)                   (Eq. 4)
+
+The l-th RAN layer of the stack attends with ``softmax(A_l[pos_q, pos_k] + masks)`` over
+its value projection (:class:`RecurrentAttention`): no query/key projections, no
+token-to-token products. As in the authors' code, the first RAN layer already uses
+``A_1 = A_0 + Rec(A_0)``. Positions are counted per sentence the way fairseq's positional
+embeddings count them (padding skipped), so left-padded sources index the matrices from
+their first real token.
+
+The matrices do not depend on the input. Row ``t`` of ``A_l`` depends only on row ``t``
+of ``A_(l-1)``, so a training pass computes just the rows its longest sentence needs,
+with the graph to ``A_0`` and the transition intact. Without autograd (evaluation,
+generation) the full matrices are computed once per set of weights and reused; the
+cache is keyed on the parameters' storage and version counters, so an optimizer step, a
+``load_state_dict`` or a device/dtype move invalidates it.
+"""
+from typing import Optional, Tuple
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from .attention_maps import LogitMapAttention
+
+
+class RecurrentAttentionMatrices(nn.Module):
+    """``A_0`` and the recurrent transition of one stack; yields ``A_1 .. A_n`` (Eqs. 3-4)."""
+
+    def __init__(self, heads: int, max_positions: int, num_layers: int, fixed_init: bool = False,
+                 layer_norm: bool = True, residual: bool = True):
+        super().__init__()
+        self.max_positions = max_positions
+        self.num_layers = num_layers
+        self.residual = residual
+        # A_0, "randomly initialized and trained together with other model parameters"
+        self.initial = nn.Parameter(torch.empty(heads, max_positions, max_positions),
+                                    requires_grad=not fixed_init)
+        nn.init.xavier_uniform_(self.initial)
+        self.transition = nn.Linear(max_positions, max_positions)  # W, b of Eq. 3
+        self.layer_norm = nn.LayerNorm(max_positions) if layer_norm else None
+        self._cache: Optional[Tuple[tuple, Tuple[Tensor, ...]]] = None
+
+    def step(self, previous: Tensor) -> Tensor:
+        """One application of the Recurrent Transition Module, Eqs. 3-4."""
+        update = torch.tanh(self.transition(previous))
+        if self.layer_norm is not None:
+            update = self.layer_norm(update)
+        return update + previous if self.residual else update
+
+    def compute(self, rows: Optional[int] = None) -> Tuple[Tensor, ...]:
+        a = self.initial if rows is None else self.initial[:, :rows]
+        out = []
+        for _ in range(self.num_layers):
+            a = self.step(a)
+            out.append(a)
+        return tuple(out)
+
+    def _cache_key(self) -> tuple:
+        return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in self.parameters())
+
+    def forward(self, rows: int) -> Tuple[Tensor, ...]:
+        """The matrices of every RAN layer, at least their first ``rows`` query rows."""
+        if rows > self.max_positions:
+            raise ValueError(
+                f"RAN attention got a sequence of {rows} positions but its attention matrices "
+                f"cover {self.max_positions}; raise --ran-max-positions (the paper uses 256 "
+                "with sentences of at most 256 tokens) or filter longer sentences with "
+                "--max-source-positions / --max-target-positions."
+            )
+        if torch.is_grad_enabled():
+            self._cache = None
+            return self.compute(rows)  # training: exact graph back to A_0 and the transition
+        key = self._cache_key()
+        if self._cache is None or self._cache[0] != key:
+            self._cache = (key, self.compute())
+        return self._cache[1]
+
+
+def sentence_positions(padding_mask: Optional[Tensor], length: int, device) -> Tensor:
+    """0-based position of each token within its own sentence, (batch or 1, length).
+
+    Padding is skipped as in fairseq's ``make_positions``; padded slots get position 0
+    (they are masked as keys, and their query rows are never used).
+    """
+    if padding_mask is None:
+        return torch.arange(length, device=device).unsqueeze(0)
+    real = (~padding_mask.to(torch.bool)).long()
+    return (real.cumsum(dim=1) - 1).clamp(min=0)
+
+
+class RecurrentAttention(LogitMapAttention):
+    """Self-attention with input-independent weights ``softmax(A_l)`` (RAN Eqs. 2-4).
+
+    Promoted from fairseq's ``MultiheadAttention``: its query and key projections are
+    removed; the value and output projections stay.
+    """
+
+    def setup_mechanism(self, causal: bool) -> None:
+        if not self.self_attention:
+            raise ValueError("RAN replaces self-attention only (RAN paper §2)")
+        del self.q_proj
+        del self.k_proj
+        self.causal = causal
+        self.ran_index = 0  # which A_l of the stack (set when the stack attaches its carrier)
+
+    def forward(self, query, key, value, key_padding_mask=None, incremental_state=None,
+                need_weights: bool = True, static_kv: bool = False, attn_mask=None,
+                before_softmax: bool = False, need_head_weights: bool = False):
+        tgt_len, bsz, _ = query.size()
+        heads, head_dim = self.num_heads, self.head_dim
+        v = self.v_proj(query).view(tgt_len, bsz, heads, head_dim).permute(1, 2, 0, 3)
+        matrix = self.attention_maps.previous("recurrent")[self.ran_index]  # (H, rows, L)
+
+        if incremental_state is not None:
+            state = self.get_mechanism_state(incremental_state)
+            earlier = state.get("prev_value")
+            start = 0 if earlier is None else earlier.size(2)
+            if earlier is not None:
+                v = torch.cat([earlier, v], dim=2)
+            state["prev_value"] = v
+            self.set_mechanism_state(incremental_state, state)
+            src_len = v.size(2)
+            q_pos = torch.arange(start, start + tgt_len, device=query.device)
+            logits = matrix[:, q_pos, :src_len].unsqueeze(0).expand(bsz, -1, -1, -1)
+            if self.causal and tgt_len > 1:
+                future = torch.arange(src_len, device=query.device)[None, :] > q_pos[:, None]
+                logits = logits.masked_fill(future, float("-inf"))
+        else:
+            src_len = tgt_len
+            pos = sentence_positions(key_padding_mask, tgt_len, query.device)
+            logits = matrix[:, pos[:, :, None], pos[:, None, :]].transpose(0, 1)  # (B|1, H, T, S)
+            logits = logits.expand(bsz, -1, -1, -1)
+            if attn_mask is not None:  # fairseq's future mask for the decoder (-inf above)
+                logits = logits + attn_mask.to(logits.dtype)
+        if key_padding_mask is not None:
+            logits = logits.masked_fill(key_padding_mask.to(torch.bool)[:, None, None, :], float("-inf"))
+        if self.attention_maps.recording:
+            self.attention_maps.log("self", recurrent=logits.masked_fill(torch.isneginf(logits), 0.0))
+        if before_softmax:
+            return logits.reshape(bsz * heads, tgt_len, src_len), v.reshape(bsz * heads, src_len, head_dim)
+
+        return self.attend_with(logits, v.reshape(bsz * heads, src_len, head_dim), bsz, tgt_len,
+                                need_weights, need_head_weights)

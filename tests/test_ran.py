@@ -1,0 +1,157 @@
+"""RAN-E / RAN-D / RAN-ALL: sizes, causality, incremental == full, positions, caching."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import (batch_invariance_gap, beam_reorder_gap, build_model, causality_gap,
+                      decoder_out, incremental_logprobs, make_dictionary, random_batch)
+from ea_fairseq.modules.evolving_attention import EvolvingAttention
+from ea_fairseq.modules.recurrent_attention import RecurrentAttention, RecurrentAttentionMatrices
+
+SMALL = ("--encoder-layers", "3", "--decoder-layers", "3", "--dropout", "0.0",
+         "--attention-dropout", "0.0", "--ran-max-positions", "32")
+
+
+def total_params(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("arch,twin,d,heads,stacks", [
+    ("ran_e", "transformer", 512, 8, ("encoder",)),
+    ("ran_d", "transformer", 512, 8, ("decoder",)),
+    ("ran_all", "transformer", 512, 8, ("encoder", "decoder")),
+    ("ran_all_lite", "transformer_lite", 160, 4, ("encoder", "decoder")),
+])
+def test_parameter_count(arch, twin, d, heads, stacks):
+    """Per replaced attention -2(d^2+d) (no query/key projections); per RAN stack
+    + heads*L^2 (A0) + L^2 + L (transition) + 2L (its layer norm)."""
+    dictionary = make_dictionary(100)
+    ran, _ = build_model(arch, dictionary=dictionary)
+    vanilla, _ = build_model(twin, dictionary=dictionary)
+    L, layers = 256, 6
+    expected = len(stacks) * (layers * -2 * (d * d + d) + heads * L * L + L * L + L + 2 * L)
+    assert total_params(ran) - total_params(vanilla) == expected
+    for stack in stacks:
+        assert getattr(ran, stack).recurrent_matrices.initial.shape == (heads, L, L)
+
+
+@pytest.mark.parametrize("arch", ["ran_d_lite", "ran_all_lite"])
+def test_ran_decoder_is_causal(dictionary, arch):
+    model, _ = build_model(arch, *SMALL)
+    for t in (1, 4, 9):
+        before, at = causality_gap(model, dictionary, t)
+        assert before <= 1e-6 and at > 1e-4
+
+
+@pytest.mark.parametrize("arch", ["ran_e_lite", "ran_d_lite", "ran_all_lite"])
+def test_incremental_equals_full_forward(dictionary, arch):
+    model, _ = build_model(arch, *SMALL)
+    src, lengths, prev = random_batch(dictionary, [5, 9, 3, 7], 8)
+    steps, _ = incremental_logprobs(model, src, lengths, prev)
+    assert (steps - decoder_out(model, src, lengths, prev)).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("new_order", [[1, 1, 3, 2], [3, 2]], ids=["reorder", "sentence-finished"])
+def test_incremental_with_beam_reordering(dictionary, new_order):
+    model, _ = build_model("ran_all_lite", *SMALL)
+    assert beam_reorder_gap(model, dictionary, new_order) <= 1e-5
+
+
+@pytest.mark.parametrize("arch", ["ran_e_lite", "ran_all_lite"])
+def test_positions_count_from_each_sentence_start(dictionary, arch):
+    """fairseq left-pads sources: a sentence's translation must not depend on its batch."""
+    model, _ = build_model(arch, *SMALL)
+    assert batch_invariance_gap(model, dictionary) <= 1e-5
+
+
+def test_ran_layers_have_no_query_key_projections():
+    model, _ = build_model("ran_all_lite", *SMALL)
+    for layer in list(model.encoder.layers) + list(model.decoder.layers):
+        assert isinstance(layer.self_attn, RecurrentAttention)
+        assert not hasattr(layer.self_attn, "q_proj") and not hasattr(layer.self_attn, "k_proj")
+    assert not isinstance(model.decoder.layers[0].encoder_attn, RecurrentAttention)  # cross stays
+    assert [layer.self_attn.ran_index for layer in model.encoder.layers] == [0, 1, 2]
+
+
+def test_first_layer_standard_option():
+    model, _ = build_model("ran_e_lite", *SMALL, "--ran-first-layer-standard")
+    kinds = [isinstance(layer.self_attn, RecurrentAttention) for layer in model.encoder.layers]
+    assert kinds == [False, True, True]
+    assert model.encoder.recurrent_matrices.num_layers == 2
+
+
+def test_matrices_follow_eqs_3_and_4():
+    torch.manual_seed(0)
+    m = RecurrentAttentionMatrices(heads=2, max_positions=5, num_layers=3)
+    a = m.initial
+    for got in m.compute():
+        a = F.layer_norm(torch.tanh(a @ m.transition.weight.T + m.transition.bias), (5,),
+                         m.layer_norm.weight, m.layer_norm.bias) + a
+        assert torch.allclose(got, a, atol=1e-6)
+    rows = m.compute(rows=3)
+    assert all(torch.allclose(r, f[:, :3], atol=1e-6) for r, f in zip(rows, m.compute()))
+
+
+@pytest.mark.parametrize("flag", ["--ran-fixed-init", "--ran-no-layernorm", "--ran-no-residual"])
+def test_ablation_options(flag):
+    model, _ = build_model("ran_e_lite", *SMALL, flag)
+    m = model.encoder.recurrent_matrices
+    assert m.initial.requires_grad == (flag != "--ran-fixed-init")
+    assert (m.layer_norm is None) == (flag == "--ran-no-layernorm")
+    assert m.residual == (flag != "--ran-no-residual")
+
+
+def test_a0_and_transition_are_trained_saved_and_cached_for_inference(dictionary):
+    model, _ = build_model("ran_all_lite", *SMALL)
+    mats = model.encoder.recurrent_matrices
+    # training: gradients reach A0 and the transition of both stacks
+    model.train()
+    src, lengths, prev = random_batch(dictionary, [5, 9], 6)
+    out = model(src, lengths, prev)[0]
+    F.cross_entropy(out.reshape(-1, out.size(-1)), prev.reshape(-1)).backward()
+    for stack in (model.encoder, model.decoder):
+        for name, p in stack.recurrent_matrices.named_parameters():
+            assert p.grad is not None and p.grad.abs().sum() > 0, name
+    assert "encoder.recurrent_matrices.initial" in model.state_dict()
+    # inference: computed once, reused, equal to a fresh computation
+    model.eval()
+    with torch.no_grad():
+        first = mats(8)
+        assert mats(12) is first
+        assert all(torch.equal(a, b) for a, b in zip(first, mats.compute()))
+        # an optimizer step changes the weights in place -> recomputed
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+        second = mats(8)
+        assert second is not first and all(torch.equal(a, b) for a, b in zip(second, mats.compute()))
+        # loading other weights -> recomputed
+        other, _ = build_model("ran_all_lite", *SMALL, seed=5)
+        model.load_state_dict(other.state_dict())
+        third = mats(8)
+        assert third is not second and torch.equal(third[0], other.encoder.recurrent_matrices.compute()[0])
+
+
+def test_too_long_input_is_a_clear_error(dictionary):
+    model, args = build_model("ran_e_lite", *SMALL)
+    assert args.max_source_positions == 32  # fairseq's own size filter applies
+    assert model.max_positions()[0] == 32
+    src, lengths, prev = random_batch(dictionary, [40], 3)
+    with pytest.raises(ValueError, match="--ran-max-positions"):
+        decoder_out(model, src, lengths, prev)
+
+
+def test_ran_d_with_an_ea_encoder(dictionary):
+    """The point of one plugin for both families: RAN-D with an evolving-attention encoder."""
+    model, _ = build_model("ran_d_lite", *SMALL, "--encoder-attention", "ea", "--ea-alpha", "0.5",
+                           "--ea-beta", "0.5")
+    assert all(isinstance(layer.self_attn, EvolvingAttention) for layer in model.encoder.layers)
+    assert all(isinstance(layer.self_attn, RecurrentAttention) for layer in model.decoder.layers)
+    assert model.encoder.recurrent_matrices is None
+    src, lengths, prev = random_batch(dictionary, [5, 9, 3, 7], 8)
+    steps, _ = incremental_logprobs(model, src, lengths, prev)
+    assert (steps - decoder_out(model, src, lengths, prev)).abs().max() <= 1e-5
+    assert batch_invariance_gap(model, dictionary) <= 1e-5
+
+
+def test_checkpoint_activations_refused_with_ran():
+    with pytest.raises(ValueError, match="checkpoint-activations"):
+        build_model("ran_e_lite", "--checkpoint-activations")
