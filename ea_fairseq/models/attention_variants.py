@@ -12,7 +12,10 @@ from typing import Callable, Dict, Tuple
 
 from fairseq.modules import MultiheadAttention
 
+from ..modules.attention_maps import LogitMapAttention
+from ..modules.drop_attention import MODES as DROP_MODES, RESCALES as DROP_RESCALES, DropAttention
 from ..modules.evolving_attention import EvolvingAttention
+from ..modules.predictive_attention import PredictiveAttention
 from ..modules.recurrent_attention import RecurrentAttention
 
 ROLES: Tuple[str, ...] = ("encoder", "decoder", "cross")
@@ -42,15 +45,26 @@ def needs_carrier(cfg, role: str) -> bool:
     variant = variant_of(cfg, role)
     if variant == "ea":
         return ea_alpha(cfg, role) > 0.0
-    return variant == "ran"
+    return variant in ("ran", "pa")
 
 
 def build_attention(role: str, attn: MultiheadAttention, cfg, layer_index: int = 0):
     variant = variant_of(cfg, role)
     if variant == "ran" and layer_index == 0 and cfg.ran_first_layer_standard:
         variant = "vanilla"  # the authors' code can keep standard attention in layer 1
-    if variant == "vanilla":
-        return attn
+    if variant != "vanilla":
+        attn = _build_variant(variant, role, attn, cfg, layer_index)
+    if role in (getattr(cfg, "drop_attention_on", None) or ()) and cfg.drop_attention != "none":
+        if not isinstance(attn, LogitMapAttention):  # vanilla attention with DropAttention
+            attn = LogitMapAttention.promote(attn)
+        attn.set_weight_dropout(DropAttention(
+            cfg.drop_attention, cfg.drop_attention_p, cfg.drop_attention_window,
+            cfg.drop_attention_rescale,
+        ))
+    return attn
+
+
+def _build_variant(variant, role, attn, cfg, layer_index):
     if variant not in _BUILDERS:
         raise ValueError(
             f"--{role}-attention {variant}: unknown attention variant; "
@@ -61,7 +75,7 @@ def build_attention(role: str, attn: MultiheadAttention, cfg, layer_index: int =
             f"--{role}-attention {variant}: the {variant} variant is defined for "
             f"{', '.join(_ROLE_SUPPORT[variant])} attention only"
         )
-    return _BUILDERS[variant](attn, cfg, role)
+    return _BUILDERS[variant](attn, cfg, role, layer_index)
 
 
 def add_args(parser):
@@ -75,7 +89,7 @@ def add_args(parser):
     ):
         group.add_argument(
             f"--{role}-attention",
-            choices=["vanilla", "ea"] + (["ran"] if role != "cross" else []),
+            choices=["vanilla", "ea"] + (["pa", "ran"] if role == "encoder" else ["ran"] if role == "decoder" else []),
             help=f"attention variant of the {what} (default: set by --arch)",
         )
     ea.add_argument("--ea-alpha", type=float, metavar="A",
@@ -93,6 +107,22 @@ def add_args(parser):
                     help="no convolution on decoder self-attention maps (Table 6)")
     ea.add_argument("--ea-no-cross-conv", action="store_true",
                     help="no convolution on encoder-decoder attention maps (Table 6)")
+    group.add_argument("--pa-alpha", type=float, metavar="A",
+                       help="PA: weight of the predicted attention logits, Eq. 4 (IWSLT'14: 0.1)")
+    group.add_argument("--pa-conv-layers", type=int, metavar="M",
+                       help="PA: 3x3 conv+ReLU layers of the prediction CNN; 0 = residual "
+                            "connection only, the paper's 'Transformer with RC' (default 1)")
+    group.add_argument("--drop-attention", choices=("none",) + DROP_MODES,
+                       help="DropAttention: drop key columns (c) or elements (e) of the "
+                            "attention weights in training, replacing --attention-dropout there")
+    group.add_argument("--drop-attention-p", type=float, metavar="P",
+                       help="DropAttention drop rate p (MT best: 0.2 with window 2, element)")
+    group.add_argument("--drop-attention-window", type=int, metavar="W",
+                       help="DropAttention window w: each drop covers w consecutive keys")
+    group.add_argument("--drop-attention-rescale", choices=DROP_RESCALES,
+                       help="DropAttention rescaling: re-normalise rows (paper default) or 1/(1-p)")
+    group.add_argument("--drop-attention-on", nargs="+", choices=ROLES, metavar="ROLE",
+                       help="attentions DropAttention applies to: encoder decoder cross (default: all)")
     group.add_argument("--ran-max-positions", type=int, metavar="L",
                        help="RAN: size L of the L x L initial attention matrices; longer "
                             "sentences are refused (paper: 256)")
@@ -112,7 +142,7 @@ def ea_alpha(cfg, role: str) -> float:
 
 
 @register_variant("ea", roles=ROLES)
-def build_evolving_attention(attn, cfg, role):
+def build_evolving_attention(attn, cfg, role, layer_index):
     conv_off = getattr(cfg, f"ea_no_{role}_conv", False)
     return EvolvingAttention.promote(
         attn,
@@ -126,8 +156,15 @@ def build_evolving_attention(attn, cfg, role):
 
 
 @register_variant("ran", roles=("encoder", "decoder"))
-def build_recurrent_attention(attn, cfg, role):
+def build_recurrent_attention(attn, cfg, role, layer_index):
     return RecurrentAttention.promote(attn, causal=role == "decoder")
+
+
+@register_variant("pa", roles=("encoder",))
+def build_predictive_attention(attn, cfg, role, layer_index):
+    return PredictiveAttention.promote(
+        attn, alpha=float(cfg.pa_alpha), conv_layers=int(cfg.pa_conv_layers), predict=layer_index > 0,
+    )
 
 
 def set_default(args, name: str, value) -> None:
@@ -145,6 +182,13 @@ def fill_defaults(args) -> None:
     set_default(args, "ea_decoder_alpha", 0.0)
     set_default(args, "ea_beta", 0.0)
     set_default(args, "ea_kernel_size", 3)
+    set_default(args, "pa_alpha", 0.0)
+    set_default(args, "pa_conv_layers", 1)
+    set_default(args, "drop_attention", "none")
+    set_default(args, "drop_attention_p", 0.1)
+    set_default(args, "drop_attention_window", 1)
+    set_default(args, "drop_attention_rescale", "normalized")
+    set_default(args, "drop_attention_on", list(ROLES))
     set_default(args, "ran_max_positions", 256)
     for flag in ("ran_fixed_init", "ran_no_layernorm", "ran_no_residual", "ran_first_layer_standard"):
         set_default(args, flag, False)

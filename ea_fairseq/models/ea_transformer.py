@@ -165,7 +165,7 @@ def check_options(args) -> None:
         raise ValueError(
             "--checkpoint-activations recomputes each layer on its own, outside the forward "
             "pass that hands attention maps between layers, which the "
-            f"{', '.join(carrying)} attention reads (EA with α > 0, RAN). Drop "
+            f"{', '.join(carrying)} attention reads (EA with α > 0, PA, RAN). Drop "
             "--checkpoint-activations/--offload-activations, or use --ea-alpha 0 / "
             "--ea-decoder-alpha 0 for EA."
         )
@@ -203,6 +203,17 @@ def ea_transformer_base(args):
     variants.set_default(args, "ea_beta", 0.1)
     variants.set_default(args, "ea_decoder_alpha", 0.0)
     base_architecture(args)
+    variants.fill_defaults(args)
+
+
+@register_model_architecture("ea_transformer", "pa_transformer_lite")
+def pa_transformer_lite(args):
+    """PA-Transformer on transformer_lite dims (PA paper §4, IWSLT'14 setting: α=0.1,
+    one conv layer, encoder only)."""
+    variants.set_default(args, "encoder_attention", "pa")
+    variants.set_default(args, "pa_alpha", 0.1)
+    variants.set_default(args, "pa_conv_layers", 1)
+    transformer_lite(args)
     variants.fill_defaults(args)
 
 

@@ -83,11 +83,6 @@ class LogitMapAttention(MultiheadAttention):
     fairseq's attention; mechanisms subclass it.
     """
 
-    #: set by :meth:`attach`; shared by all layers of one encoder or decoder
-    attention_maps: Optional[AttentionMapCarrier] = None
-    #: DropAttention (or None for fairseq's plain attention dropout)
-    weight_dropout: Optional[torch.nn.Module] = None
-
     @classmethod
     def promote(cls, attn: MultiheadAttention, **options) -> "LogitMapAttention":
         """Turn a fairseq-built ``MultiheadAttention`` into ``cls`` in place."""
@@ -104,6 +99,9 @@ class LogitMapAttention(MultiheadAttention):
                 "not expose; drop --encoder/--decoder-xformers-att-config."
             )
         attn.__class__ = cls
+        # instance attributes (a class attribute would shadow the registered submodule):
+        attn.attention_maps = None  # AttentionMapCarrier, set by attach()
+        attn.weight_dropout = None  # DropAttention, or None for fairseq's attention dropout
         # fairseq's fused training path (F.multi_head_attention_forward) ignores
         # before_softmax; skipping the embed-dim check is what routes every call through
         # the path that returns the logits.

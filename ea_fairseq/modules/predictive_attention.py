@@ -1,0 +1,57 @@
+"""Predictive Attention (PA-Transformer), PA paper §3.3, Eq. (4).
+
+For every encoder block but the first::
+
+    A = softmax(α · CNN(A_pre_logits) + (1 − α) · Attention(X)_logits)
+
+``A_pre_logits`` are the previous block's logits before its softmax (what this module
+hands on through the stack's carrier); ``CNN`` is ``--pa-conv-layers`` 3x3 heads-to-heads
+convolutions (:class:`~ea_fairseq.modules.attention_map_conv.AttentionMapConv`, the same
+convolution EA uses) each followed by a ReLU. With zero layers the prediction is the
+previous logits themselves: the paper's "Transformer with RC" (Table 5). The first block
+only hands its logits on. PA is defined for encoder self-attention (the paper's MT setup).
+
+Masked entries and padded query rows are zero before every convolution, so padding looks
+like the convolutions' zero border at every depth of the CNN.
+"""
+from typing import Optional
+
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .attention_map_conv import AttentionMapConv
+from .attention_maps import LogitMapAttention
+
+
+class PredictiveAttention(LogitMapAttention):
+    """Encoder self-attention whose logits are predicted from the previous block's (Eq. 4)."""
+
+    def setup_mechanism(self, alpha: float, conv_layers: int, predict: bool) -> None:
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"PA's alpha must lie in [0, 1] (PA paper Eq. 4), got {alpha}")
+        if conv_layers < 0:
+            raise ValueError(f"--pa-conv-layers must be >= 0, got {conv_layers}")
+        self.alpha = float(alpha)
+        # no prediction module in the first block (PA §3.3): no parameters there either
+        self.predictor: Optional[nn.ModuleList] = (
+            nn.ModuleList(AttentionMapConv(self.num_heads, 3, "full") for _ in range(conv_layers))
+            if predict else None
+        )
+
+    def transform_logits(self, logits, masked, query_padding_mask, incremental_state):
+        carrier = self.attention_maps
+        current = logits.masked_fill(masked, 0.0)
+        previous = carrier.previous("self")
+        prediction = None
+        if self.predictor is not None and previous is not None:
+            neutral = masked if query_padding_mask is None else masked | query_padding_mask[:, None, :, None]
+            prediction = previous.masked_fill(neutral, 0.0)
+            for conv in self.predictor:  # CNN: conv + ReLU per layer
+                prediction = F.relu(conv(prediction)).masked_fill(neutral, 0.0)
+            current = self.alpha * prediction + (1.0 - self.alpha) * current  # Eq. (4)
+        carrier.hand_on("self", current.masked_fill(masked, 0.0))
+        if carrier.recording:
+            carrier.log("self", dot_product=logits.masked_fill(masked, 0.0),
+                        prediction=prediction if prediction is not None else current.new_zeros(()),
+                        logits=current.masked_fill(masked, 0.0))
+        return current.masked_fill(masked, float("-inf"))

@@ -1,0 +1,76 @@
+"""PA-Transformer (predictive attention): Eq. 4, reduction to vanilla, sizes, padding."""
+import pytest
+import torch
+import torch.nn.functional as F
+from fairseq.modules import MultiheadAttention
+
+from conftest import batch_invariance_gap, build_model, decoder_out, make_dictionary, random_batch
+from ea_fairseq.modules import AttentionMapCarrier, PredictiveAttention
+
+SMALL = ("--encoder-layers", "3", "--decoder-layers", "2", "--dropout", "0.0")
+
+
+def non_embedding(model):
+    return sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
+
+
+def test_alpha_zero_is_the_vanilla_transformer(dictionary):
+    pa, _ = build_model("pa_transformer_lite", *SMALL, "--pa-alpha", "0")
+    vanilla, _ = build_model("transformer_lite", *SMALL)
+    missing, unexpected = pa.load_state_dict(vanilla.state_dict(), strict=False)
+    assert not unexpected and all(".predictor." in k for k in missing) and missing
+    pa.double(), vanilla.double()
+    src, lengths, prev = random_batch(dictionary, [7, 4, 9], 6)
+    assert (decoder_out(pa, src, lengths, prev) - decoder_out(vanilla, src, lengths, prev)).abs().max() <= 1e-6
+
+
+@pytest.mark.parametrize("layers", [0, 1, 2])
+def test_parameters_added_are_only_the_prediction_convs(layers):
+    d = make_dictionary(500)
+    pa, _ = build_model("pa_transformer_lite", "--pa-conv-layers", str(layers), dictionary=d)
+    base, _ = build_model("transformer_lite", dictionary=d)
+    heads, predicting_blocks = 4, 5  # no prediction in the first block
+    assert non_embedding(pa) - non_embedding(base) == predicting_blocks * layers * (heads * heads * 9 + heads)
+    assert pa.encoder.layers[0].self_attn.predictor is None
+    assert all(not isinstance(layer.self_attn, PredictiveAttention) for layer in pa.decoder.layers)
+
+
+def test_eq4_on_a_single_module():
+    torch.manual_seed(0)
+    attn = PredictiveAttention.promote(MultiheadAttention(8, 2, self_attention=True),
+                                       alpha=0.3, conv_layers=1, predict=True)
+    carrier = AttentionMapCarrier()
+    attn.attach(carrier)
+    prev, cur = torch.randn(1, 2, 4, 4), torch.randn(1, 2, 4, 4)
+    masked = torch.zeros(1, 2, 4, 4, dtype=torch.bool)
+    with carrier.scope():
+        carrier.hand_on("self", prev)
+        out = attn.transform_logits(cur, masked, None, None)
+        conv = attn.predictor[0]
+        expected = 0.3 * F.relu(F.conv2d(prev, conv.weight, conv.bias, padding=1)) + 0.7 * cur
+        assert torch.allclose(out, expected, atol=1e-6)
+        assert torch.allclose(carrier.previous("self"), expected, atol=1e-6)  # handed on
+
+
+def test_transformer_with_rc_is_plain_residual_of_logits():
+    attn = PredictiveAttention.promote(MultiheadAttention(8, 2, self_attention=True),
+                                       alpha=0.25, conv_layers=0, predict=True)
+    carrier = AttentionMapCarrier()
+    attn.attach(carrier)
+    prev, cur = torch.randn(1, 2, 3, 3), torch.randn(1, 2, 3, 3)
+    with carrier.scope():
+        carrier.hand_on("self", prev)
+        out = attn.transform_logits(cur, torch.zeros_like(cur, dtype=torch.bool), None, None)
+    assert torch.allclose(out, 0.25 * prev + 0.75 * cur)
+
+
+@pytest.mark.parametrize("layers", ["1", "2"])
+def test_batch_invariance_with_left_padding(dictionary, layers):
+    model, _ = build_model("pa_transformer_lite", *SMALL, "--pa-alpha", "0.5", "--pa-conv-layers", layers)
+    assert batch_invariance_gap(model, dictionary) <= 1e-5
+
+
+def test_pa_is_encoder_only(capsys):
+    with pytest.raises(SystemExit):
+        build_model("pa_transformer_lite", "--decoder-attention", "pa")
+    assert "invalid choice" in capsys.readouterr().err
