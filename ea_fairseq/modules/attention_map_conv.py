@@ -68,10 +68,14 @@ class AttentionMapConv(nn.Conv2d):
         weight = self.weight if self.kernel_mask is None else self.weight * self.kernel_mask
         top, bottom = self.row_padding if pad_rows else (0, 0)
         left, right = self.col_padding
-        if top == bottom and left == right:
-            return F.conv2d(maps, weight, self.bias, padding=(top, left))
-        maps = F.pad(maps, (left, right, top, bottom))
-        return F.conv2d(maps, weight, self.bias)
+        rows = maps.size(2) - (0 if pad_rows else self.rows_needed)
+        # Heads are few (4-8 channels): the channels-last layout is several times faster
+        # for such convolutions on CPU. A one-sided (shifted) padding is done as symmetric
+        # padding with the surplus rows/columns cropped, which saves a padded copy.
+        out = F.conv2d(maps.contiguous(memory_format=torch.channels_last), weight, self.bias,
+                       padding=(max(top, bottom), max(left, right)))
+        out = out[:, :, :rows, : maps.size(3)] if (top, left) != (bottom, right) else out
+        return out.contiguous()
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", layout={self.layout}"

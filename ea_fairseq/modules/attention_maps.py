@@ -170,9 +170,7 @@ class LogitMapAttention(MultiheadAttention):
             before_softmax=True,
         )
         logits = logits.view(bsz, self.num_heads, tgt_len, -1)
-        # fairseq writes every mask as -inf (masked_fill for key padding,
-        # fill_with_neg_inf for the future mask); that is the set of masked entries.
-        masked = torch.isneginf(logits)
+        masked = masked_entries(logits, key_padding_mask, attn_mask)
         query_padding_mask = None
         if self.self_attention and incremental_state is None and key_padding_mask is not None:
             query_padding_mask = key_padding_mask.to(torch.bool)
@@ -237,6 +235,31 @@ class LogitMapAttention(MultiheadAttention):
                     state[k] = v.index_select(0, new_order)
             self.set_mechanism_state(incremental_state, state)
         return incremental_state
+
+
+def masked_entries(logits: Tensor, key_padding_mask: Optional[Tensor],
+                   attn_mask: Optional[Tensor]) -> Tensor:
+    """The entries fairseq masked in ``logits`` (B, H, T, S), as a broadcastable bool mask.
+
+    fairseq writes both masks as ``-inf``: padded keys (``key_padding_mask``, B x S) and
+    future positions (``attn_mask``, T x S, additive). Built from the small masks when they
+    describe the whole map, from the logits themselves otherwise (e.g. the key padding of
+    one incremental step, which fairseq extends with its cached keys).
+    """
+    bsz, _, tgt_len, src_len = logits.shape
+    masked = None
+    if key_padding_mask is not None:
+        if key_padding_mask.shape != (bsz, src_len):
+            return torch.isneginf(logits)
+        masked = key_padding_mask.to(torch.bool)[:, None, None, :]
+    if attn_mask is not None:
+        if attn_mask.shape != (tgt_len, src_len):
+            return torch.isneginf(logits)
+        future = attn_mask if attn_mask.dtype == torch.bool else torch.isneginf(attn_mask)
+        masked = future[None, None] if masked is None else masked | future[None, None]
+    if masked is None:
+        return logits.new_zeros((1, 1, 1, 1), dtype=torch.bool)
+    return masked
 
 
 def pad_rows_to(rows: Tensor, width: int) -> Tensor:

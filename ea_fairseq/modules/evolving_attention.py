@@ -58,27 +58,26 @@ class EvolvingAttention(LogitMapAttention):
 
     def transform_logits(self, logits, masked, query_padding_mask, incremental_state):
         carrier = self.attention_maps
-        a_input = logits.masked_fill(masked, 0.0)
+        # entries that enter the skip connection and the convolution as zeros
+        neutral = masked if query_padding_mask is None else masked | query_padding_mask[:, None, :, None]
+        a_input = logits.masked_fill(neutral, 0.0)
         previous = carrier.previous(self.slot) if self.alpha > 0.0 else None
         if previous is not None:
-            # Eq. (4), line 1: the α skip connection from the previous layer's A_logit
-            a_input = self.alpha * previous + (1.0 - self.alpha) * a_input
+            # Eq. (4), line 1: the α skip connection, α·A_logit(i-1) + (1-α)·Attention(X)_logit
+            a_input = torch.lerp(a_input, previous, self.alpha)
         conv_term = None
         a_logit = a_input
         if self.conv is not None:
-            conv_input = a_input
-            if query_padding_mask is not None:
-                conv_input = a_input.masked_fill(query_padding_mask[:, None, :, None], 0.0)
-            # Eq. (4), line 2: β mixes ReLU(Conv(A_input)) into A_input
-            conv_term = self.beta * F.relu(self._convolve(conv_input, incremental_state))
-            a_logit = conv_term + (1.0 - self.beta) * a_input
-        if self.hand_on_maps:
-            carrier.hand_on(self.slot, a_logit.masked_fill(masked, 0.0))
+            # Eq. (4), line 2: β·ReLU(Conv(A_input)) + (1-β)·A_input
+            conv_term = F.relu(self._convolve(a_input, incremental_state), inplace=True)
+            a_logit = torch.lerp(a_input, conv_term, self.beta)
+        if self.hand_on_maps:  # the next layer's A_logit(i-1), neutral where masked
+            carrier.hand_on(self.slot, a_logit.masked_fill(neutral, 0.0))
         if carrier.recording:
             carrier.log(
                 self.slot,
                 dot_product=logits.masked_fill(masked, 0.0),
-                convolution=conv_term if conv_term is not None else torch.zeros_like(a_input),
+                convolution=self.beta * conv_term if conv_term is not None else torch.zeros_like(a_input),
                 logits=a_logit.masked_fill(masked, 0.0),
             )
         return a_logit.masked_fill(masked, float("-inf"))
