@@ -182,28 +182,27 @@ def check_options(args) -> None:
         )
 
 
+def _ea_defaults(args, alpha: float, dims) -> None:
+    """EA in every attention (§4.3): encoder α as given, no decoder skip, β=0.1."""
+    for role in variants.ROLES:
+        variants.set_default(args, f"{role}_attention", "ea")
+    variants.set_default(args, "ea_alpha", alpha)
+    variants.set_default(args, "ea_beta", 0.1)
+    variants.set_default(args, "ea_decoder_alpha", 0.0)
+    dims(args)
+    variants.fill_defaults(args)
+
+
 @register_model_architecture("ea_transformer", "ea_transformer_lite")
 def ea_transformer_lite(args):
     """EA-Transformer-Lite (EA paper §4.3, Table 5): transformer_lite dims, α=0.1, β=0.1."""
-    for role in variants.ROLES:
-        variants.set_default(args, f"{role}_attention", "ea")
-    variants.set_default(args, "ea_alpha", 0.1)
-    variants.set_default(args, "ea_beta", 0.1)
-    variants.set_default(args, "ea_decoder_alpha", 0.0)
-    transformer_lite(args)
-    variants.fill_defaults(args)
+    _ea_defaults(args, 0.1, transformer_lite)
 
 
 @register_model_architecture("ea_transformer", "ea_transformer_base")
 def ea_transformer_base(args):
     """EA-Transformer-Base (EA paper §4.3, Table 5): transformer-base dims, α=0.5, β=0.1."""
-    for role in variants.ROLES:
-        variants.set_default(args, f"{role}_attention", "ea")
-    variants.set_default(args, "ea_alpha", 0.5)
-    variants.set_default(args, "ea_beta", 0.1)
-    variants.set_default(args, "ea_decoder_alpha", 0.0)
-    base_architecture(args)
-    variants.fill_defaults(args)
+    _ea_defaults(args, 0.5, base_architecture)
 
 
 @register_model_architecture("ea_transformer", "pa_transformer_lite")

@@ -1,0 +1,163 @@
+"""Figures (matplotlib, Agg backend: no display needed).
+
+* :func:`plot_maps` -- heatmaps of one attention of one sentence, layers x heads, tokens
+  on the axes (any kind of a dump: ``weights``, EA's ``convolution``/``dot_product``, ...).
+* :func:`plot_kinds` -- one head, the weights beside the carrier's maps (EA Fig. 11).
+* :func:`plot_entropy` -- entropy per layer of several models on one figure.
+* :func:`plot_js` -- the layer-by-layer Jensen-Shannon divergence matrices.
+"""
+import math
+import os
+from typing import List, Mapping, Optional, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
+import numpy as np  # noqa: E402
+
+from .maps import ATTENTIONS, AttentionDump  # noqa: E402
+
+
+def _save(fig, out: str) -> str:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def _heatmap(ax, m, rows_tok, cols_tok, probabilities: bool, lim: float):
+    if probabilities:
+        im = ax.imshow(m, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
+    else:  # logits / convolution terms: signed, one symmetric scale per figure
+        im = ax.imshow(m, cmap="RdBu_r", vmin=-lim, vmax=lim, aspect="auto")
+    n_rows, n_cols = m.shape
+    ax.set_xticks(range(n_cols))
+    ax.set_yticks(range(n_rows))
+    ax.set_xticklabels(cols_tok if len(cols_tok) == n_cols else range(1, n_cols + 1),
+                       rotation=90, fontsize=6)
+    ax.set_yticklabels(rows_tok if len(rows_tok) == n_rows else range(1, n_rows + 1), fontsize=6)
+    return im
+
+
+def _figure(n_rows: int, n_cols: int, shape):
+    cell = max(1.7, 0.22 * max(shape))
+    return plt.subplots(n_rows, n_cols, squeeze=False, layout="constrained",
+                        figsize=(cell * n_cols + 1.2, cell * n_rows + 0.6))
+
+
+def plot_maps(dump: AttentionDump, sid: int, attention: str, kind: str = "weights",
+              out: str = "maps.png", layers: Optional[Sequence[int]] = None,
+              heads: Optional[Sequence[int]] = None) -> str:
+    """Grid of heatmaps (rows: layers, columns: heads); ``layers``/``heads`` are 1-based."""
+    maps = dump.get(sid, attention, kind)  # (L, H, T, S)
+    rows_tok, cols_tok = dump.axis_tokens(sid, attention)
+    layers = list(layers) if layers else list(range(1, maps.shape[0] + 1))
+    heads = list(heads) if heads else list(range(1, maps.shape[1] + 1))
+    probabilities = kind == "weights"
+    shown = np.abs(maps[[l - 1 for l in layers]][:, [h - 1 for h in heads]])
+    lim = (float(np.nanmax(shown)) if np.isfinite(shown).any() else 0.0) or 1.0
+    fig, axes = _figure(len(layers), len(heads), maps.shape[2:])
+    for r, layer in enumerate(layers):
+        for c, head in enumerate(heads):
+            ax = axes[r][c]
+            im = _heatmap(ax, maps[layer - 1, head - 1], rows_tok, cols_tok, probabilities, lim)
+            if r == 0:
+                ax.set_title(f"head {head}", fontsize=8)
+            if c == 0:
+                ax.set_ylabel(f"layer {layer}", fontsize=8)
+    fig.colorbar(im, ax=axes, shrink=0.8, label="weight" if probabilities else kind)
+    fig.suptitle(f"sentence {sid}: {attention} {kind}", fontsize=10)
+    return _save(fig, out)
+
+
+def plot_kinds(dump: AttentionDump, sid: int, attention: str, head: int = 1,
+               kinds: Optional[Sequence[str]] = None, out: str = "kinds.png",
+               layers: Optional[Sequence[int]] = None) -> str:
+    """EA Fig. 11 layout for one head: per layer, the attention weights beside the maps
+    the carrier recorded (EA: ``logits`` = β·conv + (1-β)·input, ``convolution``,
+    ``dot_product``). Every signed map of a column shares one colour scale."""
+    available = dump.sentences[sid].kinds[attention]
+    kinds = [k for k in (kinds or available) if k in available]
+    if not kinds:
+        raise ValueError(f"none of the kinds is in the dump; {attention} has {available}")
+    stacks = {k: dump.get(sid, attention, k) for k in kinds}
+    stacks = {k: a for k, a in stacks.items() if a.ndim == 4}  # stacked (layers, heads, T, S)
+    n_layers = next(iter(stacks.values())).shape[0]
+    layers = list(layers) if layers else list(range(1, n_layers + 1))
+    rows_tok, cols_tok = dump.axis_tokens(sid, attention)
+    fig, axes = _figure(len(layers), len(kinds), next(iter(stacks.values())).shape[2:])
+    for c, kind in enumerate(kinds):
+        m = stacks[kind][[l - 1 for l in layers], head - 1]
+        lim = float(np.nanmax(np.abs(m))) if np.isfinite(m).any() else 1.0
+        lim = lim or 1.0
+        for r, layer in enumerate(layers):
+            ax = axes[r][c]
+            im = _heatmap(ax, m[r], rows_tok, cols_tok, kind == "weights", lim)
+            if r == 0:
+                ax.set_title(kind, fontsize=8)
+            if c == 0:
+                ax.set_ylabel(f"layer {layer}", fontsize=8)
+        bar = fig.colorbar(im, ax=axes[:, c], shrink=0.6, location="bottom")
+        bar.ax.tick_params(labelsize=7)
+        bar.ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(3))
+    fig.suptitle(f"sentence {sid}: {attention}, head {head}", fontsize=10)
+    return _save(fig, out)
+
+
+def _attentions(results: Mapping[str, Mapping[str, dict]]) -> List[str]:
+    names = {a for r in results.values() for a in r}
+    return sorted(names, key=lambda a: (ATTENTIONS.index(a) if a in ATTENTIONS else 9, a))
+
+
+def plot_entropy(results: Mapping[str, Mapping[str, dict]], out: str = "entropy.png",
+                 metric: str = "entropy") -> str:
+    """``results``: ``{model: {attention: metrics}}`` (the ``metrics`` JSON); one panel per
+    attention, one line per model."""
+    attentions = _attentions(results)
+    fig, axes = plt.subplots(1, len(attentions), squeeze=False, layout="constrained",
+                             figsize=(4.2 * len(attentions), 3.4))
+    for ax, attention in zip(axes[0], attentions):
+        for model, per_attention in results.items():
+            r = per_attention.get(attention)
+            if r is None:
+                continue
+            layers = np.arange(1, r["layers"] + 1)
+            ax.plot(layers, r[metric], marker="o", label=model)
+        ax.set_title(attention)
+        ax.set_xlabel("layer")
+        ax.set_ylabel(f"{metric} (nats)" if metric == "entropy" else metric)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=8)
+    return _save(fig, out)
+
+
+def plot_js(results: Mapping[str, Mapping[str, dict]], out: str = "js.png") -> str:
+    """One JS-divergence matrix per (model, attention), annotated."""
+    panels = [(m, a, r) for m, per in results.items() for a, r in per.items()]
+    cols = min(3, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, squeeze=False, layout="constrained",
+                             figsize=(3.9 * cols, 3.5 * rows))
+    vmax = max((max(max(row) for row in r["js"]) for _, _, r in panels if r["layers"]), default=1.0) or 1.0
+    for ax, (model, attention, r) in zip(axes.flat, panels):
+        js = np.array(r["js"])
+        im = ax.imshow(js, cmap="magma_r", vmin=0.0, vmax=vmax)
+        n = js.shape[0]
+        ax.set_xticks(range(n))
+        ax.set_yticks(range(n))
+        ax.set_xticklabels(range(1, n + 1))
+        ax.set_yticklabels(range(1, n + 1))
+        for i in range(n):
+            for j in range(n):
+                ax.text(j, i, f"{js[i, j]:.2g}", ha="center", va="center", fontsize=7,
+                        color="white" if js[i, j] > 0.6 * vmax else "black")
+        ax.set_title(f"{model}\n{attention}", fontsize=9)
+        ax.set_xlabel("layer")
+        ax.set_ylabel("layer")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.colorbar(im, ax=axes, shrink=0.8, label="JS divergence (nats)")
+    return _save(fig, out)

@@ -1,0 +1,202 @@
+# Shared steps of the prepare-*.sh recipes: fetch/unpack, tokenize, clean, BPE, binarize.
+# Sourced, not run. The text work is done by scripts/nmt_text.py (sacremoses) and
+# subword-nmt's Python modules; binarization by fairseq-preprocess.
+#
+# Options every prepare script accepts (each also as an environment variable):
+#   --raw-dir DIR     (EA_RAW_DIR)     already-downloaded archives; nothing is downloaded then
+#   --no-download     (EA_NO_DOWNLOAD=1) never touch the network
+#   --work-dir DIR    (EA_WORK_DIR)    raw/tokenized/BPE text       [work/NAME]
+#   --dest-dir DIR    (EA_DEST_DIR)    fairseq-preprocess output    [data-bin/NAME]
+#   --workers N       (WORKERS)        processes for tokenization/BPE/binarization [nproc]
+#   --bpe-tokens N    (BPE_TOKENS)     BPE merge operations          [recipe's value]
+# Tools: PYTHON (python3 from PATH), which must have fairseq, sacremoses and subword-nmt.
+
+set -euo pipefail
+
+EA_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+PYTHON="${PYTHON:-python3}"
+
+ea_log() { echo "[$EA_NAME] $*" >&2; }
+ea_die() { echo "[$EA_NAME] error: $*" >&2; exit 1; }
+
+# ea_parse_args NAME "$@": sets RAW_DIR NO_DOWNLOAD WORK DEST WORKERS BPE_TOKENS ORIG TMP PREP;
+# options the recipe itself defines are left in the array EA_REST.
+ea_parse_args() {
+  EA_NAME="$1"; shift
+  RAW_DIR="${EA_RAW_DIR:-}"
+  NO_DOWNLOAD="${EA_NO_DOWNLOAD:-}"
+  WORK="${EA_WORK_DIR:-work/$EA_NAME}"
+  DEST="${EA_DEST_DIR:-data-bin/$EA_NAME}"
+  WORKERS="${WORKERS:-$(nproc 2>/dev/null || echo 1)}"
+  EA_REST=()
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      --raw-dir) RAW_DIR="$2"; shift 2 ;;
+      --no-download) NO_DOWNLOAD=1; shift ;;
+      --work-dir) WORK="$2"; shift 2 ;;
+      --dest-dir) DEST="$2"; shift 2 ;;
+      --workers) WORKERS="$2"; shift 2 ;;
+      --bpe-tokens) BPE_TOKENS="$2"; shift 2 ;;
+      -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
+      *) EA_REST+=("$1"); shift ;;
+    esac
+  done
+  if [ -n "$RAW_DIR" ] && [ ! -d "$RAW_DIR" ]; then ea_die "--raw-dir $RAW_DIR is not a directory"; fi
+  ORIG="$WORK/orig"; TMP="$WORK/tmp"; PREP="$WORK/prep"
+  mkdir -p "$ORIG" "$TMP" "$PREP"
+}
+
+ea_no_extra_args() {
+  if [ ${#EA_REST[@]} -gt 0 ]; then ea_die "unknown option(s): ${EA_REST[*]} (see --help)"; fi
+}
+
+# ea_fetch NAME=URL ...: every file into $ORIG (from $RAW_DIR, else downloaded) and unpacked
+# to $ORIG/<NAME without extension>/; stops with the list of missing files otherwise.
+ea_fetch() {
+  local opts=()
+  if [ -n "$RAW_DIR" ]; then opts+=(--raw-dir "$RAW_DIR"); fi
+  if [ -n "$NO_DOWNLOAD" ]; then opts+=(--no-download); fi
+  "$PYTHON" "$EA_REPO/scripts/nmt_text.py" fetch --orig "$ORIG" "${opts[@]}" "$@" \
+    || { echo "[$EA_NAME] stopped: raw data missing (see above)" >&2; exit 2; }
+}
+
+# ea_find PATTERN...: path of the first file under $ORIG matching the first matching glob.
+ea_find() { "$PYTHON" "$EA_REPO/scripts/nmt_text.py" find --any "$ORIG" "$@"; }
+
+# ea_text [nmt_text.py text options] INPUT...
+ea_text() { "$PYTHON" "$EA_REPO/scripts/nmt_text.py" text --workers "$WORKERS" "$@"; }
+
+ea_lines() { wc -l < "$1" | tr -d ' '; }
+
+# ea_check_parallel A B: same number of lines, or stop.
+ea_check_parallel() {
+  local a b; a=$(ea_lines "$1"); b=$(ea_lines "$2")
+  [ "$a" = "$b" ] || ea_die "$1 has $a lines but $2 has $b"
+}
+
+# ea_clean IN_PREFIX L1 L2 OUT_PREFIX MIN MAX [RATIO]: clean-corpus-n.perl.
+ea_clean() {
+  "$PYTHON" "$EA_REPO/scripts/nmt_text.py" clean --ratio "${7:-1.5}" "$1" "$2" "$3" "$4" "$5" "$6"
+}
+
+# ea_bpe CODES N DIR_IN DIR_OUT SRC TGT SPLIT...: learn a joint BPE of N merges on
+# DIR_IN/train.{SRC,TGT} and apply it to DIR_IN/SPLIT.{SRC,TGT} -> DIR_OUT/SPLIT.{SRC,TGT}.
+ea_bpe() {
+  local codes="$1" n="$2" din="$3" dout="$4" src="$5" tgt="$6"; shift 6
+  ea_log "learning joint BPE ($n merges) on $din/train.{$src,$tgt}"
+  cat "$din/train.$src" "$din/train.$tgt" > "$TMP/bpe-train.joint"
+  "$PYTHON" -m subword_nmt.learn_bpe -s "$n" --num-workers "$WORKERS" \
+    -i "$TMP/bpe-train.joint" -o "$codes"
+  rm -f "$TMP/bpe-train.joint"
+  local split l
+  for split in "$@"; do
+    for l in "$src" "$tgt"; do
+      "$PYTHON" -m subword_nmt.apply_bpe -c "$codes" --num-workers "$WORKERS" \
+        -i "$din/$split.$l" -o "$dout/$split.$l"
+    done
+  done
+}
+
+# ea_binarize SRC TGT TEXT_DIR DEST [REVERSE_TEXT_DIR]: fairseq-preprocess of
+# TEXT_DIR/{train,valid,test}.{SRC,TGT} with a joined dictionary into DEST; with
+# REVERSE_TEXT_DIR also its valid/test sets as the TGT->SRC direction, same dictionary
+# (DEST/{valid,test}.TGT-SRC.*). Both runs share one process (scripts/binarize.py).
+ea_binarize() {
+  local src="$1" tgt="$2" dir="$3" dest="$4" rev="${5:-}"
+  ea_log "binarizing $dir -> $dest"
+  mkdir -p "$dest"
+  rm -f "$dest/dict.$src.txt" "$dest/dict.$tgt.txt"
+  local runs=(--source-lang "$src" --target-lang "$tgt"
+              --trainpref "$dir/train" --validpref "$dir/valid" --testpref "$dir/test"
+              --destdir "$dest" --joined-dictionary --workers "$WORKERS")
+  local scratch="$TMP/binarize-$tgt-$src"
+  rm -rf "$scratch"
+  if [ -n "$rev" ]; then
+    runs+=(--- --source-lang "$tgt" --target-lang "$src"
+           --validpref "$rev/valid" --testpref "$rev/test"
+           --srcdict "$dest/dict.$tgt.txt" --tgtdict "$dest/dict.$src.txt"
+           --destdir "$scratch" --workers "$WORKERS")
+  fi
+  "$PYTHON" "$EA_REPO/scripts/binarize.py" "${runs[@]}"
+  if [ -n "$rev" ]; then
+    mv "$scratch"/*.bin "$scratch"/*.idx "$dest"/
+    rm -rf "$scratch"
+  fi
+}
+
+# ea_keep_raw_test SRC TGT RAW_SRC RAW_TGT DEST: the untokenized test sentences, next to the
+# binarized data, as DEST/test.raw.SRC-TGT.{SRC,TGT}: evaluate.sh scores sacreBLEU against them.
+ea_keep_raw_test() {
+  cp "$3" "$5/test.raw.$1-$2.$1"
+  cp "$4" "$5/test.raw.$1-$2.$2"
+}
+
+ea_done() {
+  ea_log "done: $DEST ($(ls "$DEST" | wc -l | tr -d ' ') files); BPE codes in $DEST/code"
+}
+
+# ---------------------------------------------------------------- WMT steps (shared by the
+# prepare-wmt*.sh recipes): normalize punctuation, drop non-printing characters, tokenize
+# with aggressive hyphen splitting, as fairseq's WMT recipes.
+
+# ea_wmt_tok LANG OUT [nmt_text.py text options] FILE...
+ea_wmt_tok() {
+  local l="$1" out="$2"; shift 2
+  mkdir -p "$(dirname "$out")"
+  ea_text --normalize-punct --remove-non-printing --tokenize --aggressive-dash -l "$l" -o "$out" "$@"
+}
+
+# ea_wmt_test SRC TGT SRC_SGM TGT_SGM [NAME]: NAME (test) from SGML: the raw sentences to
+# $TMP/NAME.raw.{SRC,TGT} (sacreBLEU references), tokenized ones to $TMP/tok/NAME.*
+# (fairseq's recipes tokenize test sets without punctuation normalization).
+ea_wmt_test() {
+  local src="$1" tgt="$2" name="${5:-test}"
+  mkdir -p "$TMP/tok"
+  ea_text --input-format sgm --raw-output "$TMP/$name.raw.$src" --fix-apostrophe --tokenize \
+    --aggressive-dash -l "$src" -o "$TMP/tok/$name.$src" "$3"
+  ea_text --input-format sgm --raw-output "$TMP/$name.raw.$tgt" --fix-apostrophe --tokenize \
+    --aggressive-dash -l "$tgt" -o "$TMP/tok/$name.$tgt" "$4"
+  ea_check_parallel "$TMP/tok/$name.$src" "$TMP/tok/$name.$tgt"
+}
+
+# ea_wmt_bpe SRC TGT MAXLEN: joint BPE learnt on $TMP/tok/train.*, applied to
+# train/valid/test; train and valid cleaned after BPE (1-MAXLEN tokens, ratio 1.5; MAXLEN 0:
+# no cleaning) -> $PREP/{train,valid,test}.*
+ea_wmt_bpe() {
+  local src="$1" tgt="$2" maxlen="$3" l split
+  ea_check_parallel "$TMP/tok/train.$src" "$TMP/tok/train.$tgt"
+  ea_check_parallel "$TMP/tok/valid.$src" "$TMP/tok/valid.$tgt"
+  mkdir -p "$TMP/bpe"
+  ea_bpe "$PREP/code" "$BPE_TOKENS" "$TMP/tok" "$TMP/bpe" "$src" "$tgt" train valid test
+  for split in train valid; do
+    if [ "$maxlen" -gt 0 ]; then
+      ea_clean "$TMP/bpe/$split" "$src" "$tgt" "$PREP/$split" 1 "$maxlen" 1.5
+    else
+      for l in "$src" "$tgt"; do cp "$TMP/bpe/$split.$l" "$PREP/$split.$l"; done
+    fi
+  done
+  for l in "$src" "$tgt"; do cp "$TMP/bpe/test.$l" "$PREP/test.$l"; done
+}
+
+# ea_wmt_finish SRC TGT MAXLEN: ea_wmt_bpe, then binarize to $DEST with the BPE codes and
+# the raw test sentences ($TMP/test.raw.*).
+ea_wmt_finish() {
+  ea_wmt_bpe "$1" "$2" "$3"
+  ea_binarize "$1" "$2" "$PREP" "$DEST"
+  cp "$PREP/code" "$DEST/code"
+  ea_keep_raw_test "$1" "$2" "$TMP/test.raw.$1" "$TMP/test.raw.$2" "$DEST"
+}
+
+# WMT'14 valid (newstest2013) and test (newstest2014) sets, then the shared finish.
+# $1: the test set's pair code in the sgm file names (deen, fren).
+ea_wmt14_eval_sets() {
+  local pair=$1 l f fmt
+  ea_log "pre-processing valid (newstest2013) and test (newstest2014) data"
+  for l in $src $tgt; do
+    f=$(ea_find "dev/newstest2013.$l" "newstest2013-src.$l.sgm" "newstest2013-ref.$l.sgm")
+    fmt=plain; case "$f" in *.sgm) fmt=sgm ;; esac
+    ea_wmt_tok $l "$TMP/tok/valid.$l" --input-format $fmt "$f"
+  done
+  ea_wmt_test $src $tgt "$(ea_find "newstest2014-$pair-src.$src.sgm")" "$(ea_find "newstest2014-$pair-ref.$tgt.sgm")"
+  ea_wmt_finish $src $tgt 250
+}

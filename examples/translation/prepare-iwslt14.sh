@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# IWSLT'14 German-English, the fairseq recipe (as used by the EA and PA papers):
+# Moses tokenization (sacremoses), clean (1-175 tokens, ratio 1.5), lowercase, joint BPE
+# with 10k merges (subword-nmt); valid = every 23rd training pair; test =
+# IWSLT14.TED.dev2010 + TEDX.dev2012 + TED.tst2010-2012 concatenated (fairseq's order).
+#
+#   bash examples/translation/prepare-iwslt14.sh [--raw-dir DIR] [--no-download]
+#        [--work-dir DIR] [--dest-dir DIR] [--workers N] [--bpe-tokens N]
+#
+# Raw data: de-en.tgz (the WIT3 release; its original host is gone, fairseq keeps a copy
+# at the URL below). With --raw-dir DIR (or EA_RAW_DIR) the file is taken from DIR and
+# nothing is downloaded. Output: data-bin/iwslt14.tokenized.de-en (joined dictionary).
+
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+BPE_TOKENS="${BPE_TOKENS:-10000}"
+ea_parse_args iwslt14.tokenized.de-en "$@"
+ea_no_extra_args
+
+src=de
+tgt=en
+lang=de-en
+
+ea_fetch "de-en.tgz=http://dl.fbaipublicfiles.com/fairseq/data/iwslt14/de-en.tgz"
+
+ea_log "pre-processing train data"
+# fairseq lowercases after cleaning; lowercasing leaves the token counts alone, so doing it
+# in the same pass gives the same corpus.
+for l in $src $tgt; do
+  f=$(ea_find "train.tags.$lang.$l")
+  ea_text --input-format iwslt-train --tokenize --lowercase -l $l -o "$TMP/train.tags.$lang.tok.$l" "$f"
+done
+ea_check_parallel "$TMP/train.tags.$lang.tok.$src" "$TMP/train.tags.$lang.tok.$tgt"
+ea_clean "$TMP/train.tags.$lang.tok" $src $tgt "$TMP/train.tags.$lang" 1 175 1.5
+
+ea_log "pre-processing valid/test data"
+for l in $src $tgt; do
+  files=()
+  for t in IWSLT14.TED.dev2010 IWSLT14.TEDX.dev2012 IWSLT14.TED.tst2010 IWSLT14.TED.tst2011 IWSLT14.TED.tst2012; do
+    f=$(ea_find "$t.$lang.$l.xml")
+    files+=("$f")
+  done
+  ea_text --input-format sgm --fix-apostrophe --tokenize --lowercase -l $l -o "$TMP/test.$l" "${files[@]}"
+done
+ea_check_parallel "$TMP/test.$src" "$TMP/test.$tgt"
+
+ea_log "creating train, valid, test"
+for l in $src $tgt; do
+  "$PYTHON" "$EA_REPO/scripts/nmt_text.py" split 23 "$TMP/train.tags.$lang.$l" "$TMP/valid.$l" "$TMP/train.$l"
+done
+
+ea_bpe "$PREP/code" "$BPE_TOKENS" "$TMP" "$PREP" $src $tgt train valid test
+ea_binarize $src $tgt "$PREP" "$DEST"
+cp "$PREP/code" "$DEST/code"
+ea_done

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# WMT'14 English-French (EA Table 5, RAN Table 1): Europarl v7, CommonCrawl, UN (2000),
+# News Commentary v9 and the 10^9 corpus (Giga-FrEn), about 36M pairs; newstest2013 as
+# valid, newstest2014 (full) as test. Same text processing as prepare-wmt14en2de.sh
+# (normalize punctuation, remove non-printing characters, Moses tokenization with
+# aggressive hyphen splitting, joint BPE 40k merges, train/valid cleaned after BPE to 1-250
+# tokens, ratio 1.5). Untokenized test sentences: DEST/test.raw.en-fr.{en,fr}.
+#
+#   bash examples/translation/prepare-wmt14en2fr.sh [--raw-dir DIR] [--no-download]
+#        [--work-dir DIR] [--dest-dir DIR] [--workers N] [--bpe-tokens N]
+#
+# Raw data (file names as expected in --raw-dir): training-parallel-europarl-v7.tgz
+#   training-parallel-commoncrawl.tgz training-parallel-un.tgz training-parallel-nc-v9.tgz
+#   training-giga-fren.tar dev.tgz test-full.tgz
+# Output: data-bin/wmt14_en_fr (joined dictionary). Tokenizing 36M pairs with sacremoses
+# takes hours: give it --workers.
+
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+BPE_TOKENS="${BPE_TOKENS:-40000}"
+ea_parse_args wmt14_en_fr "$@"
+ea_no_extra_args
+
+src=en
+tgt=fr
+
+ea_fetch \
+  "training-parallel-europarl-v7.tgz=http://www.statmt.org/wmt13/training-parallel-europarl-v7.tgz" \
+  "training-parallel-commoncrawl.tgz=http://www.statmt.org/wmt13/training-parallel-commoncrawl.tgz" \
+  "training-parallel-un.tgz=http://www.statmt.org/wmt13/training-parallel-un.tgz" \
+  "training-parallel-nc-v9.tgz=http://www.statmt.org/wmt14/training-parallel-nc-v9.tgz" \
+  "training-giga-fren.tar=http://www.statmt.org/wmt10/training-giga-fren.tar" \
+  "dev.tgz=http://www.statmt.org/wmt14/dev.tgz" \
+  "test-full.tgz=http://www.statmt.org/wmt14/test-full.tgz"
+
+ea_log "pre-processing train data"
+for l in $src $tgt; do
+  files=()
+  for c in europarl-v7.fr-en.$l commoncrawl.fr-en.$l undoc.2000.fr-en.$l \
+           news-commentary-v9.fr-en.$l "giga-fren.release2.fixed.$l*"; do
+    f=$(ea_find "$c"); files+=("$f")
+  done
+  ea_wmt_tok $l "$TMP/tok/train.$l" "${files[@]}"
+done
+
+ea_wmt14_eval_sets fren
+ea_done

@@ -1,0 +1,172 @@
+#!/usr/bin/env python3
+"""Average the parameters of several fairseq checkpoints into one.
+
+  # the last 10 epoch checkpoints (checkpointE.pt) of a run
+  python scripts/average_checkpoints.py --inputs CKPT_DIR --num-epoch-checkpoints 10 \\
+      --output CKPT_DIR/averaged.pt
+  # the last 5 update checkpoints (checkpoint_E_U.pt), none after update 50000
+  python scripts/average_checkpoints.py --inputs CKPT_DIR --num-update-checkpoints 5 \\
+      --checkpoint-upper-bound 50000 --output avg.pt
+  # explicit files
+  python scripts/average_checkpoints.py --inputs a.pt b.pt c.pt --output avg.pt
+
+Every floating-point tensor of ``state["model"]`` is summed in float64, divided by the
+number of checkpoints and cast back to its dtype. Other entries (integer buffers, non-tensor
+values) must be identical in every input. The result keeps the rest of the first input's
+state (its ``cfg``/``args``, ...); with the last-N options the first input is the newest
+checkpoint. ``fairseq-generate --path`` loads the output like any checkpoint.
+
+Checkpoints are read with torch's weights-only unpickler, the fairseq configuration classes
+allow-listed (``ea_fairseq.checkpoint_safety``); nothing else is unpickled.
+"""
+import argparse
+import collections
+import os
+import re
+import sys
+from typing import Any, Dict, List, Optional
+
+import torch
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+sys.path.insert(0, _REPO)
+from ea_fairseq.checkpoint_safety import load_checkpoint  # noqa: E402  (weights-only, allow-listed)
+
+
+class AverageError(ValueError):
+    """Inputs that cannot be averaged (or found)."""
+
+
+def last_checkpoints(directory: str, n: int, by_update: bool,
+                     upper_bound: Optional[int] = None) -> List[str]:
+    """The ``n`` newest checkpointE.pt (or checkpoint_E_U.pt) files in ``directory``, newest first."""
+    if by_update:
+        pattern, kind = re.compile(r"^checkpoint_\d+_(\d+)\.pt$"), "update checkpoints checkpoint_E_U.pt"
+    else:
+        pattern, kind = re.compile(r"^checkpoint(\d+)\.pt$"), "epoch checkpoints checkpointE.pt"
+    if not os.path.isdir(directory):
+        raise AverageError(f"{directory} is not a directory (with --num-*-checkpoints, "
+                           "--inputs names the checkpoint directory)")
+    found = []
+    for name in os.listdir(directory):
+        m = pattern.match(name)
+        if m is None:
+            continue
+        number = int(m.group(1))
+        if upper_bound is None or number <= upper_bound:
+            found.append((number, os.path.join(directory, name)))
+    bound = f" at or below {upper_bound}" if upper_bound is not None else ""
+    if not found:
+        raise AverageError(f"no {kind}{bound} in {directory}")
+    if len(found) < n:
+        raise AverageError(
+            f"asked for the last {n} {kind} but {directory} has only {len(found)}{bound}: "
+            f"{', '.join(os.path.basename(p) for _, p in sorted(found))}")
+    found.sort(reverse=True)
+    return [path for _, path in found[:n]]
+
+
+def average(paths: List[str]) -> Dict[str, Any]:
+    """Average ``state['model']`` over ``paths``; the rest of the state is ``paths[0]``'s."""
+    if not paths:
+        raise AverageError("no checkpoints to average")
+    first = load_checkpoint(paths[0])
+    if "model" not in first:
+        raise AverageError(f"{paths[0]} has no 'model' entry: not a fairseq checkpoint")
+    reference = first["model"]
+    sums: Dict[str, Any] = {}
+    for key, value in reference.items():
+        if torch.is_tensor(value) and value.is_floating_point():
+            sums[key] = value.detach().to(torch.float64).clone()
+    for path in paths[1:]:
+        model = load_checkpoint(path).get("model")
+        if model is None:
+            raise AverageError(f"{path} has no 'model' entry: not a fairseq checkpoint")
+        missing = [k for k in reference if k not in model]
+        extra = [k for k in model if k not in reference]
+        if missing or extra:
+            what = []
+            if missing:
+                what.append(f"lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+            if extra:
+                what.append(f"has extra {extra[:5]}{' ...' if len(extra) > 5 else ''}")
+            raise AverageError(f"{path} does not match {paths[0]}: it {' and '.join(what)}")
+        for key, ref in reference.items():
+            value = model[key]
+            if torch.is_tensor(ref) != torch.is_tensor(value):
+                raise AverageError(f"key {key!r}: a tensor in one checkpoint, not in {path}")
+            if torch.is_tensor(ref):
+                if value.shape != ref.shape:
+                    raise AverageError(f"key {key!r}: shape {tuple(value.shape)} in {path} but "
+                                       f"{tuple(ref.shape)} in {paths[0]}")
+                if value.dtype != ref.dtype:
+                    raise AverageError(f"key {key!r}: dtype {value.dtype} in {path} but "
+                                       f"{ref.dtype} in {paths[0]}")
+                if key in sums:
+                    sums[key] += value.detach().to(torch.float64)
+                elif not torch.equal(value, ref):
+                    raise AverageError(f"key {key!r} ({ref.dtype}) differs between {paths[0]} and "
+                                       f"{path}; only floating-point tensors are averaged")
+            elif value != ref:
+                raise AverageError(f"key {key!r} (non-tensor) differs between {paths[0]} and {path}")
+        del model
+    averaged = collections.OrderedDict()
+    for key, ref in reference.items():
+        if key in sums:
+            averaged[key] = sums[key].div_(len(paths)).to(ref.dtype)
+        else:
+            averaged[key] = ref
+    first["model"] = averaged
+    return first
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--inputs", nargs="+", required=True, metavar="PATH",
+                        help="checkpoint files, or with --num-*-checkpoints one directory")
+    parser.add_argument("--output", required=True, metavar="FILE", help="where to write the average")
+    last = parser.add_mutually_exclusive_group()
+    last.add_argument("--num-epoch-checkpoints", type=int, metavar="N",
+                      help="average the last N checkpointE.pt in the --inputs directory")
+    last.add_argument("--num-update-checkpoints", type=int, metavar="N",
+                      help="average the last N checkpoint_E_U.pt in the --inputs directory")
+    parser.add_argument("--checkpoint-upper-bound", type=int, metavar="K",
+                        help="with --num-*-checkpoints: ignore checkpoints after epoch/update K")
+    args = parser.parse_args(argv)
+
+    try:
+        n = args.num_epoch_checkpoints or args.num_update_checkpoints
+        if n is not None:
+            if n < 1:
+                raise AverageError("--num-*-checkpoints must be at least 1")
+            if len(args.inputs) != 1:
+                raise AverageError("with --num-*-checkpoints, --inputs takes one directory")
+            paths = last_checkpoints(args.inputs[0], n, by_update=args.num_update_checkpoints is not None,
+                                     upper_bound=args.checkpoint_upper_bound)
+        else:
+            if args.checkpoint_upper_bound is not None:
+                raise AverageError("--checkpoint-upper-bound needs --num-epoch-checkpoints or "
+                                   "--num-update-checkpoints")
+            paths = list(args.inputs)
+            for path in paths:
+                if not os.path.isfile(path):
+                    raise AverageError(f"{path}: no such checkpoint file")
+        print(f"averaging {len(paths)} checkpoints: {', '.join(paths)}", file=sys.stderr)
+        state = average(paths)
+    except AverageError as err:
+        print(f"average_checkpoints: error: {err}", file=sys.stderr)
+        return 1
+    out_dir = os.path.dirname(os.path.abspath(args.output))
+    os.makedirs(out_dir, exist_ok=True)
+    tmp = args.output + ".tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, args.output)
+    print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

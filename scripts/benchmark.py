@@ -1,0 +1,374 @@
+#!/usr/bin/env python3
+"""Speed and memory of every architecture against its fairseq twin, side by side in one run.
+
+    python scripts/benchmark.py                    # full run (about 15 min on 2 cores)
+    python scripts/benchmark.py --quick            # small smoke run
+    python scripts/benchmark.py --only ea_transformer_lite ran_all_lite
+
+Every figure that matters is a *ratio* to the vanilla twin of the same dimensions
+(``transformer_lite`` for the Lite family, fairseq's ``transformer`` for base-sized),
+measured in the same process on the same batches with the same seed, the two models'
+runs interleaved and repeated; medians are reported with min-max spread. Absolute
+numbers are printed with a description of the machine and of its load: run the
+benchmark alone (a concurrent job distorts CPU timings many times over).
+
+Measured:
+* training: tokens/s of full updates (forward, label-smoothed loss, backward, Adam);
+  peak memory of training (resident-set growth in a fresh subprocess per model);
+* generation: sentences/s with fairseq's SequenceGenerator, beam 5 and 1, batch sizes
+  1/32/128, incremental decoding, every hypothesis forced to the same length so all
+  models decode the same number of steps; with a realistic vocabulary (10k joint BPE
+  for Lite, 32k for base) and a small one;
+* scaling: time of one incremental decoding step as the prefix grows (t = 8 ... 256).
+
+Writes ``<out>/benchmark.json`` and ``<out>/benchmark.md``.
+"""
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import ea_fairseq  # noqa: E402,F401  (registers the architectures)
+from fairseq import options  # noqa: E402
+from fairseq.data import Dictionary  # noqa: E402
+from fairseq.models import ARCH_MODEL_REGISTRY  # noqa: E402
+from fairseq.sequence_generator import SequenceGenerator  # noqa: E402
+
+LITE_TWIN, BASE_TWIN = "transformer_lite", "transformer"
+PAIRS = {  # arch -> (twin, family)
+    "ea_transformer_lite": (LITE_TWIN, "lite"),
+    "pa_transformer_lite": (LITE_TWIN, "lite"),
+    "ran_e_lite": (LITE_TWIN, "lite"),
+    "ran_d_lite": (LITE_TWIN, "lite"),
+    "ran_all_lite": (LITE_TWIN, "lite"),
+    "ea_transformer_base": (BASE_TWIN, "base"),
+    "ran_all": (BASE_TWIN, "base"),
+    "ran_d": (BASE_TWIN, "base"),
+}
+VOCAB = {"lite": 10000, "base": 32000}
+
+
+# -- building ---------------------------------------------------------------------------
+def dictionary(size: int) -> Dictionary:
+    d = Dictionary()
+    for i in range(size - d.nspecial):
+        d.add_symbol(f"w{i}")
+    return d
+
+
+def build(arch: str, vocab: int, seed: int = 1):
+    parser = options.get_training_parser()
+    args = options.parse_args_and_arch(parser, ["/nonexistent", "--arch", arch, "--share-all-embeddings"])
+    d = dictionary(vocab)
+    torch.manual_seed(seed)
+    model = ARCH_MODEL_REGISTRY[arch].build_model(args, SimpleNamespace(source_dictionary=d, target_dictionary=d))
+    return model, d
+
+
+def batch(d: Dictionary, tokens: int = 0, seed: int = 0, lo: int = 10, hi: int = 40, sentences: int = 0):
+    """Sentences of IWSLT-like lengths, left-padded: ``sentences`` of them, or as many as
+    make up ``tokens`` source tokens."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = []
+    while (len(lengths) < sentences) if sentences else (sum(lengths) < tokens):
+        lengths.append(int(torch.randint(lo, hi + 1, (1,), generator=g)))
+    bsz, width = len(lengths), max(lengths)
+    src = torch.full((bsz, width), d.pad(), dtype=torch.long)
+    tgt = torch.full((bsz, width + 1), d.pad(), dtype=torch.long)
+    prev = torch.full((bsz, width + 1), d.pad(), dtype=torch.long)
+    for i, n in enumerate(lengths):
+        s = torch.randint(d.nspecial, len(d), (n,), generator=g)
+        src[i, width - n:] = s
+        t = torch.randint(d.nspecial, len(d), (n,), generator=g)
+        tgt[i, :n], tgt[i, n] = t, d.eos()
+        prev[i, 0], prev[i, 1 : n + 1] = d.eos(), t
+    return src, torch.tensor(lengths), prev, tgt
+
+
+# -- measurements -----------------------------------------------------------------------
+def train_step(model, opt, data, pad):
+    src, lengths, prev, tgt = data
+    opt.zero_grad(set_to_none=True)
+    logits = model(src, lengths, prev)[0]
+    lprobs = F.log_softmax(logits.float(), dim=-1).view(-1, logits.size(-1))
+    target = tgt.view(-1)
+    keep = target.ne(pad)
+    nll = -lprobs.gather(1, target.unsqueeze(1)).squeeze(1)
+    smooth = -lprobs.mean(dim=-1)
+    loss = (0.9 * nll + 0.1 * smooth)[keep].sum()
+    loss.backward()
+    opt.step()
+
+
+def interleaved(fns: dict, repeats: int, warmup: int = 1):
+    """Run each callable ``repeats`` times, interleaved; seconds per run, by name."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return times
+
+
+def summary(values):
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def bench_training(arch, twin, vocab, tokens, updates, repeats):
+    data = None
+    fns, tok = {}, None
+    for name in (arch, twin):
+        model, d = build(name, vocab)
+        model.train()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98))
+        data = data or batch(d, tokens)
+        tok = int(data[3].ne(d.pad()).sum())
+
+        def run(model=model, opt=opt, pad=d.pad()):
+            for _ in range(updates):
+                train_step(model, opt, data, pad)
+
+        fns[name] = run
+    times = interleaved(fns, repeats)
+    per = {k: summary([tok * updates / t for t in v]) for k, v in times.items()}
+    ratios = [t_twin / t_arch for t_arch, t_twin in zip(times[arch], times[twin])]
+    return {"tokens_per_update": tok, "tokens_per_s": per, "ratio": summary(ratios)}
+
+
+def memory_probe(arch, vocab, tokens, updates):
+    """Peak resident-set growth of training ``arch`` in this (fresh) process, in MiB."""
+    model, d = build(arch, vocab)
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    data = batch(d, tokens)
+    train_step(model, opt, data, d.pad())  # allocate optimizer state before the baseline
+    import gc
+
+    gc.collect()
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with open("/proc/self/statm") as f:
+        rss_now = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+    for _ in range(updates):
+        train_step(model, opt, data, d.pad())
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"peak_mib": peak / 1024, "step_peak_mib": (peak - min(base, rss_now)) / 1024}
+
+
+def bench_memory(arch, twin, vocab, tokens):
+    out = {}
+    for name in (arch, twin):
+        proc = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--memory-probe", name, "--vocab", str(vocab),
+             "--tokens", str(tokens)],
+            capture_output=True, text=True, check=True,
+        )
+        out[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {**out, "ratio": out[arch]["step_peak_mib"] / max(out[twin]["step_peak_mib"], 1e-9)}
+
+
+def bench_generation(arch, twin, vocab, beams, batch_sizes, length, repeats):
+    results = []
+    models = {name: build(name, vocab) for name in (arch, twin)}
+    for beam in beams:
+        for bsz in batch_sizes:
+            n_sent = max(bsz, 8)
+            fns = {}
+            for name, (model, d) in models.items():
+                model.eval()
+                src, lengths, _, _ = batch(d, seed=1, lo=length, hi=length, sentences=n_sent)
+                gen = SequenceGenerator([model], d, beam_size=beam, max_len_a=0, max_len_b=length,
+                                        min_len=length)
+
+                def run(gen=gen, src=src, lengths=lengths, bsz=bsz):
+                    with torch.no_grad():
+                        for i in range(0, src.size(0), bsz):
+                            gen.forward({"net_input": {"src_tokens": src[i : i + bsz],
+                                                       "src_lengths": lengths[i : i + bsz]}})
+
+                fns[name] = run
+            times = interleaved(fns, repeats)
+            ratios = [t_twin / t_arch for t_arch, t_twin in zip(times[arch], times[twin])]
+            results.append({
+                "beam": beam, "batch": bsz, "sentences": n_sent, "vocab": vocab,
+                "sentences_per_s": {k: summary([n_sent / t for t in v]) for k, v in times.items()},
+                "ratio": summary(ratios),
+            })
+    return results
+
+
+def bench_scaling(archs, vocab, steps_at, bsz, repeats):
+    """Milliseconds of one incremental decoding step at prefix length t."""
+    out = {}
+    max_t = max(steps_at)
+    for name in archs:
+        model, d = build(name, vocab)
+        model.eval()
+        src, lengths, _, _ = batch(d, seed=2, lo=20, hi=20, sentences=bsz)
+        per_t = {t: [] for t in steps_at}
+        with torch.no_grad():
+            enc = model.encoder(src, src_lengths=lengths)
+            for _ in range(repeats):
+                state = {}
+                prev = torch.full((bsz, 1), d.eos(), dtype=torch.long)
+                for t in range(max_t + 1):
+                    t0 = time.perf_counter()
+                    logits, _ = model.decoder(prev, encoder_out=enc, incremental_state=state)
+                    dt = time.perf_counter() - t0
+                    if t in per_t:
+                        per_t[t].append(dt * 1000)
+                    nxt = logits[:, -1].argmax(-1, keepdim=True)
+                    prev = torch.cat([prev, nxt], dim=1)
+        out[name] = {t: statistics.median(v) for t, v in per_t.items()}
+    return out
+
+
+# -- reporting --------------------------------------------------------------------------
+def machine():
+    cpu = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__, "python": platform.python_version(),
+        "loadavg_start": os.getloadavg(),
+    }
+
+
+def busy_processes():
+    """Other processes using CPU right now (what could distort the timings)."""
+    out = subprocess.run(["ps", "-eo", "pid,pcpu,comm", "--sort=-pcpu"], capture_output=True, text=True)
+    rows = []
+    for line in out.stdout.splitlines()[1:]:
+        pid, pcpu, comm = line.split(None, 2)
+        if int(pid) != os.getpid() and float(pcpu) >= 5.0:
+            rows.append(f"{comm} ({pcpu}% cpu)")
+    return rows
+
+
+def fmt(s, digits=2):
+    return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}–{s['max']:.{digits}f})"
+
+
+def markdown(report) -> str:
+    m = report["machine"]
+    lines = [
+        "## Benchmark: ratios to the vanilla twin (higher is faster)",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} with {m['torch_threads']} threads; "
+        f"load average {m['loadavg_start'][0]:.2f} at start, {report['loadavg_end'][0]:.2f} at end; "
+        f"other busy processes: {', '.join(report['busy']) or 'none'}.",
+        "Each cell: median (min–max) over interleaved repeats.",
+        "",
+    ]
+    if report.get("training"):
+        lines += ["### Training (full updates: forward, loss, backward, Adam)", "",
+                  "| arch | twin | tokens/update | arch tokens/s | twin tokens/s | speed ratio | memory ratio |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for arch, r in report["training"].items():
+            twin = PAIRS[arch][0]
+            mem = report.get("memory", {}).get(arch)
+            lines.append(
+                f"| {arch} | {twin} | {r['tokens_per_update']} | {r['tokens_per_s'][arch]['median']:.0f} | "
+                f"{r['tokens_per_s'][twin]['median']:.0f} | {fmt(r['ratio'])} | "
+                + (f"{mem['ratio']:.2f} ({mem[arch]['step_peak_mib']:.0f} vs {mem[twin]['step_peak_mib']:.0f} MiB) |"
+                   if mem else "– |"))
+        lines.append("")
+    if report.get("generation"):
+        lines += ["### Generation (fairseq SequenceGenerator, incremental, fixed output length)", "",
+                  "| arch | vocab | beam | batch | arch sent/s | twin sent/s | speed ratio |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for arch, rows in report["generation"].items():
+            twin = PAIRS[arch][0]
+            for r in rows:
+                lines.append(
+                    f"| {arch} | {r['vocab']} | {r['beam']} | {r['batch']} | "
+                    f"{r['sentences_per_s'][arch]['median']:.1f} | {r['sentences_per_s'][twin]['median']:.1f} | "
+                    f"{fmt(r['ratio'])} |")
+        lines.append("")
+    if report.get("scaling"):
+        steps = sorted({int(t) for v in report["scaling"].values() for t in v})
+        lines += ["### One decoding step at prefix length t (ms)", "",
+                  "| arch | " + " | ".join(f"t={t}" for t in steps) + " |",
+                  "| --- |" + " --- |" * len(steps)]
+        for arch, v in report["scaling"].items():
+            lines.append(f"| {arch} | " + " | ".join(f"{v[t]:.2f}" for t in steps) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny settings: checks the pipeline, not speed")
+    ap.add_argument("--only", nargs="+", choices=sorted(PAIRS), help="architectures to measure")
+    ap.add_argument("--skip", nargs="+", default=[], choices=["training", "memory", "generation", "scaling"])
+    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks"), help="output directory")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--memory-probe", help=argparse.SUPPRESS)
+    ap.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--tokens", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.memory_probe:
+        print(json.dumps(memory_probe(args.memory_probe, args.vocab, args.tokens, updates=2)))
+        return
+
+    quick = args.quick
+    archs = args.only or (["ea_transformer_lite", "ran_all_lite"] if quick else list(PAIRS))
+    report = {"machine": machine(), "busy": busy_processes(), "training": {}, "memory": {},
+              "generation": {}, "scaling": {}}
+    for arch in archs:
+        twin, family = PAIRS[arch]
+        vocab = 1000 if quick else VOCAB[family]
+        tokens = 300 if quick else (4096 if family == "lite" else 2048)
+        print(f"[bench] {arch} vs {twin} (vocab {vocab})", file=sys.stderr, flush=True)
+        if "training" not in args.skip:
+            report["training"][arch] = bench_training(arch, twin, vocab, tokens, updates=1 if quick else 2,
+                                                      repeats=2 if quick else 5)
+        if "memory" not in args.skip:
+            report["memory"][arch] = bench_memory(arch, twin, vocab, tokens)
+        if "generation" not in args.skip:
+            rows = []
+            vocabs = [vocab] if quick else [vocab, 1000]
+            for v in vocabs:
+                rows += bench_generation(arch, twin, v, beams=[5] if quick else [5, 1],
+                                         batch_sizes=[1, 4] if quick else [1, 32, 128],
+                                         length=6 if quick else 25, repeats=1 if quick else 3)
+            report["generation"][arch] = rows
+    if "scaling" not in args.skip:
+        scaled = [a for a in archs if a.startswith(("ea_transformer_lite", "ran_all_lite", "ran_d_lite"))]
+        if scaled:
+            steps = [8, 16] if quick else [8, 16, 32, 64, 128, 255]
+            report["scaling"] = bench_scaling(scaled + [LITE_TWIN], 1000 if quick else VOCAB["lite"],
+                                              steps, bsz=8 if quick else 40, repeats=1 if quick else 3)
+    report["loadavg_end"] = os.getloadavg()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "benchmark.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    md = markdown(report)
+    with open(os.path.join(args.out, "benchmark.md"), "w") as f:
+        f.write(md + "\n")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

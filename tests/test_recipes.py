@@ -1,0 +1,332 @@
+"""The translation recipes, offline, on tiny fixture archives (tests/recipe_fixtures.py).
+
+Each prepare script runs with --raw-dir (so it never touches the network; EA_NO_DOWNLOAD is
+set as well), its binarized output is trained on for a few updates with fairseq-train, and
+scripts/evaluate.sh scores the resulting checkpoints end to end. The CLIs are the ones
+installed next to the Python running the tests.
+"""
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+import recipe_fixtures as fx  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPES = REPO / "examples" / "translation"
+BIN = Path(sys.executable).parent
+TINY = ["--arch", "transformer", "--encoder-layers", "1", "--decoder-layers", "1",
+        "--encoder-embed-dim", "16", "--decoder-embed-dim", "16",
+        "--encoder-ffn-embed-dim", "32", "--decoder-ffn-embed-dim", "32",
+        "--encoder-attention-heads", "2", "--decoder-attention-heads", "2"]
+TINY_RUN = ["--required-batch-size-multiple", "1", "--no-progress-bar", "--num-workers", "0",
+            "--log-format", "simple", "--seed", "1", "--cpu"]
+
+
+def tool(name: str) -> str:
+    path = BIN / name
+    if not path.exists():
+        pytest.skip(f"{name} is not installed next to {sys.executable}")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def env():
+    e = dict(os.environ)
+    e.update(PATH=f"{BIN}{os.pathsep}{e.get('PATH', '')}", PYTHON=sys.executable,
+             FAIRSEQ_GENERATE=tool("fairseq-generate"),
+             FAIRSEQ_TRAIN=tool("fairseq-train"), WORKERS="1", EA_NO_DOWNLOAD="1",
+             OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", NGPUS="0")
+    for var in ("EA_RAW_DIR", "EA_WORK_DIR", "EA_DEST_DIR", "BPE_TOKENS", "CUDA_VISIBLE_DEVICES"):
+        e.pop(var, None)
+    e["CUDA_VISIBLE_DEVICES"] = ""
+    return e
+
+
+def run(cmd, env, cwd, check=True):
+    proc = subprocess.run([str(c) for c in cmd], env=env, cwd=cwd, capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{cmd[:3]} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\n"
+                             f"stderr:\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def prepare(script, raw, work, env, *args):
+    dest = work / "data-bin"
+    run(["bash", RECIPES / script, *args, "--raw-dir", raw, "--work-dir", work / "work",
+         "--dest-dir", dest], env, cwd=work)
+    return dest
+
+
+def train(data, save, env, *args, epochs=2):
+    run([tool("fairseq-train"), data, *TINY, "--share-all-embeddings", "--optimizer", "adam",
+         "--lr", "1e-3", "--max-tokens", "1000", "--max-epoch", str(epochs), "--save-dir", save,
+         *TINY_RUN, *args], env, cwd=save.parent)
+    return save
+
+
+def load_bleu():
+    spec = importlib.util.spec_from_file_location("ea_recipes_bleu", REPO / "scripts" / "bleu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def lines(path: Path):
+    return path.read_text(encoding="utf-8").splitlines()
+
+
+# ------------------------------------------------------------------ prepared + trained runs
+# The recipes run two at a time (the machines have 2 cores; each recipe is mostly serial
+# process start-up), every one on its own fixture archives in its own directory.
+
+
+def _iwslt14(root, env):
+    """prepare-iwslt14.sh, then 2 epochs through train.sh (transformer_lite, tiny dims)."""
+    info = fx.iwslt14(root / "raw", n_train=200)
+    data = prepare("prepare-iwslt14.sh", root / "raw", root, env)
+    save = root / "checkpoints"
+    train_env = dict(env, DATA=str(data), SAVE_DIR=str(save), MAX_EPOCH="2", MAX_TOKENS="1000")
+    proc = run(["bash", RECIPES / "train.sh", "transformer_lite", "iwslt14_de_en",
+                *TINY[2:], *TINY_RUN], train_env, cwd=root)
+    return dict(root=root, data=data, save=save, info=info, train_log=proc.stdout + proc.stderr)
+
+
+def _wmt14_en_de(root, env):
+    tests = fx.wmt14(root / "raw", "de")
+    data = prepare("prepare-wmt14en2de.sh", root / "raw", root, env)
+    save = train(data, root / "checkpoints", env)
+    return dict(root=root, data=data, save=save, tests=tests)
+
+
+def _wmt14_en_fr(root, env):
+    fx.wmt14(root / "raw", "fr")
+    data = prepare("prepare-wmt14en2fr.sh", root / "raw", root, env)
+    train(data, root / "checkpoints", env, "--max-update", "2", "--no-save", epochs=1)
+    return dict(root=root, data=data)
+
+
+def _wmt17_lv(root, env):
+    """Both directions: LV->EN trains on the en-lv pairs and validates on the lv-en set."""
+    tests = fx.wmt17(root / "raw", "lv")
+    data = prepare("prepare-wmt17.sh", root / "raw", root, env, "lv")
+    train(data, root / "checkpoints", env, "-s", "lv", "-t", "en", "--max-update", "2",
+          "--no-save", epochs=1)
+    return dict(root=root, data=data, tests=tests)
+
+
+def _wmt17(lang):
+    def job(root, env):
+        fx.wmt17(root / "raw", lang)
+        return dict(root=root, data=prepare("prepare-wmt17.sh", root / "raw", root, env, lang))
+    return job
+
+
+JOBS = {"iwslt14": _iwslt14, "wmt14_en_de": _wmt14_en_de, "wmt14_en_fr": _wmt14_en_fr,
+        "wmt17_lv": _wmt17_lv, "wmt17_fi": _wmt17("fi"), "wmt17_tr": _wmt17("tr")}
+
+
+@pytest.fixture(scope="module")
+def recipes(tmp_path_factory, env):
+    """Start every recipe job, two at a time; ``recipes(name)`` waits for one's result."""
+    pool = ThreadPoolExecutor(max_workers=2)
+    futures = {name: pool.submit(job, tmp_path_factory.mktemp(name), env) for name, job in JOBS.items()}
+    yield lambda name: futures[name].result()
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.fixture(scope="module")
+def iwslt(recipes):
+    return recipes("iwslt14")
+
+
+@pytest.fixture(scope="module")
+def wmt14_en_de(recipes):
+    return recipes("wmt14_en_de")
+
+
+# ------------------------------------------------------------------ prepare scripts
+
+
+def test_prepare_iwslt14(iwslt):
+    data, prep = iwslt["data"], iwslt["root"] / "work" / "prep"
+    for split in ("train", "valid", "test"):
+        for lang in ("de", "en"):
+            assert (data / f"{split}.de-en.{lang}.bin").is_file()
+    assert (data / "code").is_file() and (data / "dict.de.txt").read_text() == (data / "dict.en.txt").read_text()
+    # fairseq's splits: valid = every 23rd of the cleaned training pairs; test = the 5 sets
+    n_train, n_valid = len(lines(prep / "train.de")), len(lines(prep / "valid.de"))
+    assert n_valid == (n_train + n_valid) // 23 and 150 < n_train + n_valid <= 202
+    assert len(lines(prep / "test.en")) == iwslt["info"]["test_lines"] == len(lines(prep / "test.de"))
+    text = (prep / "train.en").read_text() + (prep / "test.en").read_text()
+    assert text == text.lower(), "IWSLT'14 is lowercased"
+    assert "&quot;" in text and "<url>" not in text and "<title>" not in text
+    assert "\u2019" not in (prep / "test.en").read_text()
+    assert len(lines(data / "code")) > 10  # joint BPE merges learnt on de+en
+    assert "arch='transformer_lite'" in iwslt["train_log"] and "num_updates" in iwslt["train_log"]
+    assert (iwslt["save"] / "checkpoint2.pt").is_file()
+
+
+def test_prepare_wmt14en2de(wmt14_en_de):
+    data, prep = wmt14_en_de["data"], wmt14_en_de["root"] / "work" / "prep"
+    for split in ("train", "valid", "test"):
+        assert (data / f"{split}.en-de.de.idx").is_file()
+    # raw test sentences kept for sacreBLEU, in test-set order; tokenized with -a
+    assert lines(data / "test.raw.en-de.de") == wmt14_en_de["tests"]["test_de"]
+    assert lines(data / "test.raw.en-de.en") == wmt14_en_de["tests"]["test_en"]
+    assert " @-@ " in (prep / "test.de").read_text().replace("@@ ", "")
+    assert len(lines(prep / "valid.en")) == 6  # newstest2013, not a slice of train
+    assert (wmt14_en_de["save"] / "checkpoint2.pt").is_file()
+
+
+def test_prepare_wmt14en2fr(recipes):
+    res = recipes("wmt14_en_fr")
+    prep = res["root"] / "work" / "prep"
+    # five corpora of 60 pairs (Giga-FrEn read from its .gz), minus what cleaning drops
+    assert 240 < len(lines(prep / "train.fr")) <= 300
+    assert (res["data"] / "test.raw.en-fr.fr").is_file()
+
+
+def test_prepare_wmt17_lv_both_directions(recipes):
+    res = recipes("wmt17_lv")
+    data, tests = res["data"], res["tests"]
+    for name in ("train.en-lv.lv", "valid.en-lv.lv", "test.en-lv.lv", "valid.lv-en.lv", "test.lv-en.en"):
+        assert (data / f"{name}.idx").is_file(), name
+    assert not (data / "train.lv-en.lv.idx").exists()
+    assert lines(data / "test.raw.en-lv.lv") == tests["en-lv"][1]
+    assert lines(data / "test.raw.lv-en.en") == tests["lv-en"][1]
+    assert (data / "preprocess.log").read_text().count("Wrote preprocessed data") == 1
+
+
+@pytest.mark.parametrize("lang", ["fi", "tr"])
+def test_prepare_wmt17(recipes, lang):
+    res = recipes(f"wmt17_{lang}")
+    prep = res["root"] / "work" / "prep"
+    n = len(lines(prep / f"train.{lang}"))
+    assert n == len(lines(prep / "train.en"))
+    assert n == (180 if lang == "fi" else 60)  # fi: Europarl + Rapid + Wiki Headlines (|||)
+    for name in (f"train.en-{lang}.{lang}", f"test.{lang}-en.en", f"valid.{lang}-en.{lang}"):
+        assert (res["data"] / f"{name}.idx").is_file(), name
+
+
+def test_prepare_wmt14en2de_alternative_data_is_asked_for(tmp_path, env):
+    """--wmt17-news-commentary wants News Commentary v12; without it, it names the file."""
+    fx.wmt14(tmp_path / "raw", "de")
+    proc = run(["bash", RECIPES / "prepare-wmt14en2de.sh", "--wmt17-news-commentary",
+                "--raw-dir", tmp_path / "raw", "--work-dir", tmp_path / "w"], env, tmp_path, check=False)
+    assert proc.returncode == 2
+    assert "training-parallel-nc-v12.tgz" in proc.stderr and "--raw-dir" in proc.stderr
+    assert "training-parallel-nc-v9.tgz" not in proc.stderr
+
+
+def test_prepare_without_data_lists_the_files(tmp_path, env):
+    (tmp_path / "empty").mkdir()
+    proc = run(["bash", RECIPES / "prepare-wmt17.sh", "tr", "--raw-dir", tmp_path / "empty",
+                "--work-dir", tmp_path / "w"], env, tmp_path, check=False)
+    assert proc.returncode == 2
+    for name in ("dev.tgz", "test.tgz", "en-tr.txt.zip"):
+        assert name in proc.stderr
+    proc = run(["bash", RECIPES / "prepare-iwslt14.sh", "--work-dir", tmp_path / "w2"],
+               env, tmp_path, check=False)  # EA_NO_DOWNLOAD=1 in env
+    assert proc.returncode == 2 and "de-en.tgz" in proc.stderr and "EA_NO_DOWNLOAD" in proc.stderr
+
+
+# ------------------------------------------------------------------ training / evaluation
+
+
+def test_train_sh_defaults_follow_the_papers(env, tmp_path):
+    def dry(family, pair, **extra):
+        proc = run(["bash", RECIPES / "train.sh", family, pair], dict(env, DRY_RUN="1", **extra), tmp_path)
+        return proc.stdout
+
+    cmd = dry("ea_lite", "wmt14_en_de", NGPUS="0")
+    assert "--lr 1e-3" in cmd and "--dropout 0.3" in cmd and "--update-freq 128" in cmd
+    assert "--ea-alpha 0.1 --ea-beta 0.1" in cmd and "--patience 5" in cmd and "--cpu" in cmd
+    assert "--warmup-updates 4000" in cmd and "--label-smoothing 0.1" in cmd
+    cmd = dry("ea_base", "wmt14_en_fr", NGPUS="2")
+    assert "--update-freq 64" in cmd and "--dropout 0.1" in cmd and "--ea-alpha 0.5" in cmd
+    assert "--distributed-world-size 2" in cmd
+    cmd = dry("pa_lite", "iwslt14_de_en", NGPUS="0")
+    assert "--arch pa_transformer_lite" in cmd and "--lr 5e-4" in cmd and "--dropout 0.2" in cmd
+    cmd = dry("ran_d", "wmt17_tr_en", NGPUS="1")
+    assert "--source-lang tr --target-lang en" in cmd and "data-bin/wmt17_en_tr" in cmd
+    assert "--attention-dropout 0.2" in cmd and "--max-update 150000" in cmd
+    assert "--update-freq 2" in cmd and "--patience" not in cmd
+    cmd = dry("ran_all", "wmt14_en_fr", NGPUS="8", LR="5e-4", DROP_ATTENTION="element")
+    assert "--max-update 250000" in cmd and "--lr 5e-4" in cmd and "--update-freq 1" in cmd
+    assert "--drop-attention element --drop-attention-p 0.2 --drop-attention-window 2" in cmd
+    proc = run(["bash", RECIPES / "train.sh", "pa_lite", "wmt14_en_de"], dict(env, DRY_RUN="1"),
+               tmp_path, check=False)
+    assert proc.returncode != 0 and "IWSLT" in proc.stderr
+
+
+def _evaluate(run_info, mode, env, *args):
+    return run(["bash", REPO / "scripts" / "evaluate.sh", run_info["save"], run_info["data"], mode,
+                "--num-avg", "2", "--cpu", *args, "--", "--max-len-a", "0", "--max-len-b", "6"],
+               env, cwd=run_info["root"])
+
+
+def _score(line: str) -> float:
+    return float(re.search(r": (?:BLEU4 = )?([0-9.]+)", line).group(1))
+
+
+def test_evaluate_iwslt_end_to_end(iwslt, env):
+    proc = _evaluate(iwslt, "iwslt", env)
+    out = proc.stdout
+    assert "average of the last 2 epoch checkpoints" in out
+    assert re.search(r"^fairseq tokenized BLEU .*: BLEU4 = [0-9.]+", out, re.M), out
+    assert "sacreBLEU" not in out
+    ev = iwslt["save"] / "eval"
+    assert (ev / "average_last2_epochs.pt").is_file()
+    gen = (ev / "generate-test.de-en.txt").read_text()
+    assert len(re.findall(r"^H-\d+\t", gen, re.M)) == iwslt["info"]["test_lines"]  # none dropped
+    # fairseq's scorer and a whitespace-token BLEU of the same H/T lines agree
+    bleu = load_bleu()
+    parsed = bleu.parse_generate(str(ev / "generate-test.de-en.txt"))
+    ids = sorted(parsed["H"])
+    score, _ = bleu.tokenized_bleu([parsed["H"][i] for i in ids], [parsed["T"][i] for i in ids])
+    assert abs(score.score - _score(out.splitlines()[2])) < 0.01
+
+
+def test_evaluate_wmt14_en_de_end_to_end(wmt14_en_de, env):
+    out = _evaluate(wmt14_en_de, "wmt14-en-de", env, "--ran-wmt").stdout
+    assert "beam 4, lenpen 0.6" in out
+    assert re.search(r"^compound-split tokenized BLEU .*: [0-9.]+ .*tok:none", out, re.M), out
+    assert re.search(r"^detokenized sacreBLEU .*: [0-9.]+ .*signature: nrefs:1\|case:mixed\|eff:no\|"
+                     r"tok:13a\|smooth:exp\|version:", out, re.M), out
+    ev = wmt14_en_de["save"] / "eval"
+    assert "##AT##-##AT##" in (ev / "test.en-de.ref.tok").read_text()
+    assert len(lines(ev / "test.en-de.hyp.detok")) == len(wmt14_en_de["tests"]["test_de"])
+
+
+def test_evaluate_other_wmt_mode_and_errors(wmt14_en_de, env, capsys):
+    info = wmt14_en_de
+    ev = info["save"] / "eval"
+    bleu = load_bleu()
+    assert bleu.compound_split("a @-@ b c-d e - f") == "a ##AT##-##AT## b c ##AT##-##AT## d e - f"
+    # --mode wmt (En-Fr, WMT'17): tokenized BLEU without the compound split, and sacreBLEU
+    assert bleu.main([str(ev / "generate-test.en-de.txt"), "--mode", "wmt", "--target-lang", "de",
+                      "--raw-ref", str(info["data"] / "test.raw.en-de.de"),
+                      "--expect-idx", str(info["data"] / "test.en-de.en.idx")]) == 0
+    out = capsys.readouterr().out
+    assert "tokenized BLEU (Moses-tokenized" in out and "compound-split" not in out
+    assert "detokenized sacreBLEU" in out
+    # a reference file that does not match the test set is refused
+    short = info["root"] / "short.de"
+    short.write_text("one line\n")
+    assert bleu.main([str(ev / "generate-test.en-de.txt"), "--mode", "wmt", "--target-lang", "de",
+                      "--raw-ref", str(short)]) == 1
+    assert "has 1 lines" in capsys.readouterr().err
+    # fewer checkpoints than asked for: a clear error before anything is translated
+    proc = run(["bash", REPO / "scripts" / "evaluate.sh", info["save"], info["data"], "wmt",
+                "--num-avg", "5", "--cpu"], env, info["root"], check=False)
+    assert proc.returncode != 0 and "only 2" in proc.stderr
+    proc = run(["bash", REPO / "scripts" / "evaluate.sh", info["save"], info["data"], "bogus"],
+               env, info["root"], check=False)
+    assert proc.returncode != 0 and "MODE must be" in proc.stderr
