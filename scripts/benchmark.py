@@ -320,6 +320,9 @@ def main():
     ap.add_argument("--quick", action="store_true", help="tiny settings: checks the pipeline, not speed")
     ap.add_argument("--only", nargs="+", choices=sorted(PAIRS), help="architectures to measure")
     ap.add_argument("--skip", nargs="+", default=[], choices=["training", "memory", "generation", "scaling"])
+    ap.add_argument("--beams", nargs="+", type=int, help="beam sizes (default: 5 1)")
+    ap.add_argument("--batch-sizes", nargs="+", type=int, help="generation batch sizes (default: 1 32 128)")
+    ap.add_argument("--small-vocab", action="store_true", help="also generate with a 1k vocabulary")
     ap.add_argument("--out", default=os.path.join(REPO, "benchmarks"), help="output directory")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--memory-probe", help=argparse.SUPPRESS)
@@ -348,10 +351,10 @@ def main():
             report["memory"][arch] = bench_memory(arch, twin, vocab, tokens)
         if "generation" not in args.skip:
             rows = []
-            vocabs = [vocab] if quick else [vocab, 1000]
+            vocabs = [vocab] if quick or not args.small_vocab else [vocab, 1000]
             for v in vocabs:
-                rows += bench_generation(arch, twin, v, beams=[5] if quick else [5, 1],
-                                         batch_sizes=[1, 4] if quick else [1, 32, 128],
+                rows += bench_generation(arch, twin, v, beams=args.beams or ([5] if quick else [5, 1]),
+                                         batch_sizes=args.batch_sizes or ([1, 4] if quick else [1, 32, 128]),
                                          length=6 if quick else 25, repeats=1 if quick else 3)
             report["generation"][arch] = rows
     if "scaling" not in args.skip:
