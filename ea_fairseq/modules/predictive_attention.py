@@ -49,9 +49,11 @@ class PredictiveAttention(LogitMapAttention):
             for conv in self.predictor:  # CNN: conv + ReLU per layer
                 prediction = F.relu(conv(prediction)).masked_fill(neutral, 0.0)
             current = self.alpha * prediction + (1.0 - self.alpha) * current  # Eq. (4)
-        carrier.hand_on("self", current.masked_fill(masked, 0.0))
+        # ``current`` is already zero where masked (both of its terms are), as the next
+        # block's A_pre_logits must be
+        carrier.hand_on("self", current)
         if carrier.recording:
             carrier.log("self", dot_product=logits.masked_fill(masked, 0.0),
                         prediction=prediction if prediction is not None else current.new_zeros(()),
-                        logits=current.masked_fill(masked, 0.0))
+                        logits=current)
         return current.masked_fill(masked, float("-inf"))
