@@ -111,10 +111,13 @@ def decoder_out(model, src, src_lengths, prev):
         return model(src, src_lengths, prev)[0]
 
 
-def incremental_logprobs(model, src, lengths, prev, reorder_at=None, new_order=None):
-    """Step through ``prev`` one token at a time; optionally reorder the beams once."""
+def incremental_logprobs(model, src, lengths, prev, reorder_at=None, new_order=None, grad=False):
+    """Step through ``prev`` one token at a time; optionally reorder the beams once.
+
+    ``grad=True`` decodes with autograd on, which keeps mechanisms off their
+    decoding-only shortcuts (e.g. RAN's precomputed step weights)."""
     model.eval()
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         enc = model.encoder(src, src_lengths=lengths)
         state = {}
         steps = []

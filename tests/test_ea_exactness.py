@@ -154,3 +154,27 @@ def test_masked_entries_never_reach_the_conv_as_inf(dictionary):
     assert len(seen) == 9
     assert all(torch.isfinite(x).all() for x in seen)
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("layout", ["causal", "rows"])  # the decoder's layouts
+@pytest.mark.parametrize("batch", [3, 200], ids=["direct-kernel", "onednn"])
+def test_one_step_convolution_equals_the_full_map_row(layout, batch):
+    """A decoding step convolves only its cached rows, with a small-batch kernel below
+    DIRECT_CONV_MAX_BATCH hypotheses and oneDNN above; both give the full pass's row."""
+    from ea_fairseq.modules import attention_map_conv
+
+    assert attention_map_conv.DIRECT_CONV_MAX_BATCH in range(3, 200)
+    torch.manual_seed(0)
+    conv = AttentionMapConv(4, 3, layout)
+    maps = torch.randn(batch, 4, 6, 7)
+    with torch.no_grad():
+        full = conv(maps)
+        for t in range(6):
+            rows = torch.nn.functional.pad(maps[:, :, : t + 1], (0, 0, 2, 0))[:, :, -3:]
+            step = conv(rows, pad_rows=False)
+            assert step.shape == (batch, 4, 1, 7)
+            assert (step[:, :, 0] - full[:, :, t]).abs().max() <= 1e-5
+        # the masked kernel kept for decoding follows in-place weight updates
+        conv.weight.mul_(-2.0)
+        assert (conv(maps) - full).abs().max() > 1e-3
+        assert (conv(rows, pad_rows=False)[:, :, 0] - conv(maps)[:, :, 5]).abs().max() <= 1e-5

@@ -51,6 +51,33 @@ def test_incremental_equals_full_forward(dictionary, arch):
     assert (steps - decoder_out(model, src, lengths, prev)).abs().max() <= 1e-5
 
 
+def test_decoding_step_weights_equal_the_general_path(dictionary, monkeypatch):
+    """Decoding without autograd reads each step's weights from the precomputed causal
+    softmax of A_l; with autograd on, the same steps go through logits, masks and softmax.
+    Both must agree, across a beam reorder, and the shortcut must really be taken."""
+    model, _ = build_model("ran_all_lite", *SMALL)
+    src, lengths, prev = random_batch(dictionary, [5, 9, 3, 7], 8)
+    calls = []
+    original = RecurrentAttention.causal_weights
+    monkeypatch.setattr(RecurrentAttention, "causal_weights",
+                        lambda self, m: calls.append(1) or original(self, m))
+    order = torch.tensor([1, 1, 3, 2])
+    fast, _ = incremental_logprobs(model, src, lengths, prev, reorder_at=4, new_order=order)
+    assert len(calls) == 3 * prev.size(1)  # every decoder RAN layer, every step
+    calls.clear()
+    general, _ = incremental_logprobs(model, src, lengths, prev, reorder_at=4, new_order=order, grad=True)
+    assert not calls
+    assert (fast - general.detach()).abs().max() <= 1e-5
+    # new weights (as after an optimizer step or loading a checkpoint): new step weights
+    plain, _ = incremental_logprobs(model, src, lengths, prev)
+    with torch.no_grad():
+        model.decoder.recurrent_matrices.initial.mul_(3.0)
+    fast_after, _ = incremental_logprobs(model, src, lengths, prev)
+    general_after, _ = incremental_logprobs(model, src, lengths, prev, grad=True)
+    assert (fast_after - general_after.detach()).abs().max() <= 1e-5
+    assert (fast_after - plain).abs().max() > 1e-3
+
+
 @pytest.mark.parametrize("new_order", [[1, 1, 3, 2], [3, 2]], ids=["reorder", "sentence-finished"])
 def test_incremental_with_beam_reordering(dictionary, new_order):
     model, _ = build_model("ran_all_lite", *SMALL)

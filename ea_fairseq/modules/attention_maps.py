@@ -130,8 +130,10 @@ class LogitMapAttention(MultiheadAttention):
     ) -> Tensor:
         """Rewrite the logits ``(batch, heads, tgt, src)`` before the softmax.
 
-        ``masked`` marks the entries fairseq masked (padding keys, future positions);
-        they hold ``-inf`` in ``logits`` and must hold ``-inf`` in the result.
+        ``masked`` marks the entries fairseq masked (padding keys, future positions),
+        broadcastable to ``logits``, or is None when nothing is masked (e.g. one step of
+        incremental decoding); masked entries hold ``-inf`` in ``logits`` and must hold
+        ``-inf`` in the result.
         ``query_padding_mask`` (batch, tgt) marks padded query rows (self-attention in a
         full forward pass only). Identity here.
         """
@@ -238,28 +240,44 @@ class LogitMapAttention(MultiheadAttention):
 
 
 def masked_entries(logits: Tensor, key_padding_mask: Optional[Tensor],
-                   attn_mask: Optional[Tensor]) -> Tensor:
+                   attn_mask: Optional[Tensor]) -> Optional[Tensor]:
     """The entries fairseq masked in ``logits`` (B, H, T, S), as a broadcastable bool mask.
 
     fairseq writes both masks as ``-inf``: padded keys (``key_padding_mask``, B x S) and
     future positions (``attn_mask``, T x S, additive). Built from the small masks when they
     describe the whole map, from the logits themselves otherwise (e.g. the key padding of
-    one incremental step, which fairseq extends with its cached keys).
+    one incremental step, which fairseq extends with its cached keys). None when fairseq
+    masked nothing, so that callers skip the masking passes altogether.
     """
     bsz, _, tgt_len, src_len = logits.shape
     masked = None
     if key_padding_mask is not None:
         if key_padding_mask.shape != (bsz, src_len):
             return torch.isneginf(logits)
-        masked = key_padding_mask.to(torch.bool)[:, None, None, :]
+        key_padding_mask = key_padding_mask.to(torch.bool)
+        # fairseq hands on a padding mask even when nothing is padded; one cheap test
+        # here saves every masking pass of the (much larger) map
+        if key_padding_mask.any():
+            masked = key_padding_mask[:, None, None, :]
     if attn_mask is not None:
         if attn_mask.shape != (tgt_len, src_len):
             return torch.isneginf(logits)
         future = attn_mask if attn_mask.dtype == torch.bool else torch.isneginf(attn_mask)
         masked = future[None, None] if masked is None else masked | future[None, None]
-    if masked is None:
-        return logits.new_zeros((1, 1, 1, 1), dtype=torch.bool)
     return masked
+
+
+def neutral_entries(masked: Optional[Tensor], query_padding_mask: Optional[Tensor]) -> Optional[Tensor]:
+    """Entries a map transform must treat as neutral zeros: ``masked`` plus padded query rows."""
+    if query_padding_mask is None:
+        return masked
+    padded_rows = query_padding_mask[:, None, :, None]
+    return padded_rows if masked is None else masked | padded_rows
+
+
+def fill_masked(values: Tensor, mask: Optional[Tensor], fill: float) -> Tensor:
+    """``values.masked_fill(mask, fill)``; ``values`` itself when ``mask`` is None."""
+    return values if mask is None else values.masked_fill(mask, fill)
 
 
 def pad_rows_to(rows: Tensor, width: int) -> Tensor:

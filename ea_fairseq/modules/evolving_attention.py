@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .attention_map_conv import AttentionMapConv
-from .attention_maps import LogitMapAttention, pad_rows_to
+from .attention_maps import LogitMapAttention, fill_masked, neutral_entries, pad_rows_to
 
 
 class EvolvingAttention(LogitMapAttention):
@@ -59,8 +59,8 @@ class EvolvingAttention(LogitMapAttention):
     def transform_logits(self, logits, masked, query_padding_mask, incremental_state):
         carrier = self.attention_maps
         # entries that enter the skip connection and the convolution as zeros
-        neutral = masked if query_padding_mask is None else masked | query_padding_mask[:, None, :, None]
-        a_input = logits.masked_fill(neutral, 0.0)
+        neutral = neutral_entries(masked, query_padding_mask)
+        a_input = fill_masked(logits, neutral, 0.0)
         previous = carrier.previous(self.slot) if self.alpha > 0.0 else None
         if previous is not None:
             # Eq. (4), line 1: the α skip connection, α·A_logit(i-1) + (1-α)·Attention(X)_logit
@@ -72,15 +72,15 @@ class EvolvingAttention(LogitMapAttention):
             conv_term = F.relu(self._convolve(a_input, incremental_state), inplace=True)
             a_logit = torch.lerp(a_input, conv_term, self.beta)
         if self.hand_on_maps:  # the next layer's A_logit(i-1), neutral where masked
-            carrier.hand_on(self.slot, a_logit.masked_fill(neutral, 0.0))
+            carrier.hand_on(self.slot, fill_masked(a_logit, neutral, 0.0))
         if carrier.recording:
             carrier.log(
                 self.slot,
-                dot_product=logits.masked_fill(masked, 0.0),
+                dot_product=fill_masked(logits, masked, 0.0),
                 convolution=self.beta * conv_term if conv_term is not None else torch.zeros_like(a_input),
-                logits=a_logit.masked_fill(masked, 0.0),
+                logits=fill_masked(a_logit, masked, 0.0),
             )
-        return a_logit.masked_fill(masked, float("-inf"))
+        return fill_masked(a_logit, masked, float("-inf"))
 
     def _convolve(self, a_input: Tensor, incremental_state) -> Tensor:
         if incremental_state is None:

@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .attention_map_conv import AttentionMapConv
-from .attention_maps import LogitMapAttention
+from .attention_maps import LogitMapAttention, fill_masked, neutral_entries
 
 
 class PredictiveAttention(LogitMapAttention):
@@ -40,20 +40,20 @@ class PredictiveAttention(LogitMapAttention):
 
     def transform_logits(self, logits, masked, query_padding_mask, incremental_state):
         carrier = self.attention_maps
-        current = logits.masked_fill(masked, 0.0)
+        current = fill_masked(logits, masked, 0.0)
         previous = carrier.previous("self")
         prediction = None
         if self.predictor is not None and previous is not None:
-            neutral = masked if query_padding_mask is None else masked | query_padding_mask[:, None, :, None]
-            prediction = previous.masked_fill(neutral, 0.0)
+            neutral = neutral_entries(masked, query_padding_mask)
+            prediction = fill_masked(previous, neutral, 0.0)
             for conv in self.predictor:  # CNN: conv + ReLU per layer
-                prediction = F.relu(conv(prediction)).masked_fill(neutral, 0.0)
+                prediction = fill_masked(F.relu(conv(prediction)), neutral, 0.0)
             current = self.alpha * prediction + (1.0 - self.alpha) * current  # Eq. (4)
         # ``current`` is already zero where masked (both of its terms are), as the next
         # block's A_pre_logits must be
         carrier.hand_on("self", current)
         if carrier.recording:
-            carrier.log("self", dot_product=logits.masked_fill(masked, 0.0),
+            carrier.log("self", dot_product=fill_masked(logits, masked, 0.0),
                         prediction=prediction if prediction is not None else current.new_zeros(()),
                         logits=current)
-        return current.masked_fill(masked, float("-inf"))
+        return fill_masked(current, masked, float("-inf"))

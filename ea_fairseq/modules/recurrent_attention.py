@@ -109,6 +109,22 @@ class RecurrentAttention(LogitMapAttention):
         del self.k_proj
         self.causal = causal
         self.ran_index = 0  # which A_l of the stack (set when the stack attaches its carrier)
+        self._causal_weights = None  # (A_l it was computed from, softmax of its lower triangle)
+
+    def causal_weights(self, matrix: Tensor) -> Tensor:
+        """``softmax`` of every row of ``A_l`` over the keys up to its own position (H, L, L).
+
+        Decoding without autograd reads a step's attention weights from here: they depend
+        on the position only, so they are computed once per set of matrices (the stack's
+        cache hands out the same tensor until the weights change).
+        """
+        cached = self._causal_weights
+        if cached is None or cached[0] is not matrix:
+            future = torch.ones(matrix.shape[-2:], dtype=torch.bool, device=matrix.device).triu(1)
+            weights = torch.softmax(matrix.masked_fill(future, float("-inf")), dim=-1,
+                                    dtype=torch.promote_types(matrix.dtype, torch.float32))
+            self._causal_weights = cached = (matrix, weights.to(matrix.dtype))
+        return cached[1]
 
     def forward(self, query, key, value, key_padding_mask=None, incremental_state=None,
                 need_weights: bool = True, static_kv: bool = False, attn_mask=None,
@@ -127,6 +143,14 @@ class RecurrentAttention(LogitMapAttention):
             state["prev_value"] = v
             self.set_mechanism_state(incremental_state, state)
             src_len = v.size(2)
+            if (self.causal and key_padding_mask is None and not torch.is_grad_enabled()
+                    and not self.training and not (need_weights or need_head_weights or before_softmax)
+                    and not self.attention_maps.recording):
+                # a decoding step: the weights of these positions are fixed rows of the
+                # stack's matrices; no logits, masks or softmax per step and sentence
+                weights = self.causal_weights(matrix)[:, start : start + tgt_len, :src_len]
+                out = torch.matmul(weights, v)  # (H, T, S) x (B, H, S, D), shared by the batch
+                return self.out_proj(out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, self.embed_dim)), None
             q_pos = torch.arange(start, start + tgt_len, device=query.device)
             logits = matrix[:, q_pos, :src_len].unsqueeze(0).expand(bsz, -1, -1, -1)
             if self.causal and tgt_len > 1:
