@@ -13,8 +13,10 @@ numbers are printed with a description of the machine and of its load: run the
 benchmark alone (a concurrent job distorts CPU timings many times over).
 
 Measured:
-* training: tokens/s of full updates (forward, label-smoothed loss, backward, Adam);
-  peak memory of training (resident-set growth in a fresh subprocess per model);
+* training: tokens/s of full updates (forward, label-smoothed loss, backward, Adam) over
+  one short, one middle and one long batch, each of sentences of similar length as
+  fairseq's length-sorted batching makes them; peak memory of training the long batch
+  (resident-set growth in a fresh subprocess per model);
 * generation: sentences/s with fairseq's SequenceGenerator, beam 5 and 1, batch sizes
   1/32/128, incremental decoding, every hypothesis forced to the same length so all
   models decode the same number of steps; with a realistic vocabulary (10k joint BPE
@@ -97,6 +99,27 @@ def batch(d: Dictionary, tokens: int = 0, seed: int = 0, lo: int = 10, hi: int =
     return src, torch.tensor(lengths), prev, tgt
 
 
+def keep_freed_memory() -> bool:
+    """Make glibc keep freed memory for reuse instead of returning it to the OS.
+
+    By default every block above 32 MiB (the vocabulary-sized loss tensors) is unmapped
+    when freed and page-faulted back, zeroed, on the next update: measured here, that
+    is a third of a CPU training step's time and most of its run-to-run spread. Kept,
+    both models are timed on their computation (which, if anything, makes a mechanism's
+    own overhead a larger share). Returns whether the setting took (glibc only).
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
+        ok = libc.mallopt(m_mmap_threshold, 1 << 30) and libc.mallopt(m_trim_threshold, 1 << 40)
+        return bool(ok and libc.mallopt(m_top_pad, 1 << 28))
+    except (OSError, AttributeError, TypeError):
+        return False
+
+
 # -- measurements -----------------------------------------------------------------------
 def train_step(model, opt, data, pad):
     src, lengths, prev, tgt = data
@@ -130,25 +153,33 @@ def summary(values):
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
-def bench_training(arch, twin, vocab, tokens, updates, repeats):
+# fairseq batches sentences of similar length (its batch_by_size walks length-sorted
+# indices), so a training batch has little padding; these source/target length ranges
+# stand for the short, middle and long batches of an IWSLT-like epoch.
+LENGTH_BUCKETS = ((10, 13), (22, 25), (34, 37))
+
+
+def bench_training(arch, twin, vocab, tokens, updates, repeats, buckets=LENGTH_BUCKETS):
     data = None
     fns, tok = {}, None
     for name in (arch, twin):
         model, d = build(name, vocab)
         model.train()
         opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98))
-        data = data or batch(d, tokens)
-        tok = int(data[3].ne(d.pad()).sum())
+        data = data or [batch(d, tokens, seed=i, lo=lo, hi=hi) for i, (lo, hi) in enumerate(buckets)]
+        tok = sum(int(b[3].ne(d.pad()).sum()) for b in data)
 
         def run(model=model, opt=opt, pad=d.pad()):
             for _ in range(updates):
-                train_step(model, opt, data, pad)
+                for b in data:
+                    train_step(model, opt, b, pad)
 
         fns[name] = run
     times = interleaved(fns, repeats)
     per = {k: summary([tok * updates / t for t in v]) for k, v in times.items()}
     ratios = [t_twin / t_arch for t_arch, t_twin in zip(times[arch], times[twin])]
-    return {"tokens_per_update": tok, "tokens_per_s": per, "ratio": summary(ratios)}
+    return {"tokens_per_update": tok // len(data), "batches": [list(b) for b in buckets],
+            "tokens_per_s": per, "ratio": summary(ratios)}
 
 
 def memory_probe(arch, vocab, tokens, updates):
@@ -156,7 +187,8 @@ def memory_probe(arch, vocab, tokens, updates):
     model, d = build(arch, vocab)
     model.train()
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    data = batch(d, tokens)
+    lo, hi = LENGTH_BUCKETS[-1]  # the longest batches set the peak
+    data = batch(d, tokens, lo=lo, hi=hi)
     train_step(model, opt, data, d.pad())  # allocate optimizer state before the baseline
     import gc
 
@@ -276,11 +308,18 @@ def markdown(report) -> str:
         f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} with {m['torch_threads']} threads; "
         f"load average {m['loadavg_start'][0]:.2f} at start, {report['loadavg_end'][0]:.2f} at end; "
         f"other busy processes: {', '.join(report['busy']) or 'none'}.",
-        "Each cell: median (min–max) over interleaved repeats.",
+        "Each cell: median (min–max) over interleaved repeats. "
+        + ("Freed memory kept for reuse (no page-fault churn; `--system-allocator` to compare)."
+           if m.get("freed_memory_kept") else "glibc's default allocator."),
         "",
     ]
     if report.get("training"):
+        buckets = next(iter(report["training"].values())).get("batches", [])
         lines += ["### Training (full updates: forward, loss, backward, Adam)", "",
+                  "One batch per sentence-length range "
+                  + ", ".join(f"{lo}–{hi}" for lo, hi in buckets)
+                  + " (similar lengths per batch, as fairseq batches them); "
+                  "memory: resident-set growth of a training step on the longest batch.", "",
                   "| arch | twin | tokens/update | arch tokens/s | twin tokens/s | speed ratio | memory ratio |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]
         for arch, r in report["training"].items():
@@ -325,6 +364,9 @@ def main():
     ap.add_argument("--small-vocab", action="store_true", help="also generate with a 1k vocabulary")
     ap.add_argument("--out", default=os.path.join(REPO, "benchmarks"), help="output directory")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--system-allocator", action="store_true",
+                    help="leave glibc's allocator as it is (default: keep freed memory for reuse, "
+                         "which removes page-fault noise from the timings; memory probes always leave it)")
     ap.add_argument("--memory-probe", help=argparse.SUPPRESS)
     ap.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--tokens", type=int, help=argparse.SUPPRESS)
@@ -334,10 +376,12 @@ def main():
     if args.memory_probe:
         print(json.dumps(memory_probe(args.memory_probe, args.vocab, args.tokens, updates=2)))
         return
+    kept = keep_freed_memory() if not args.system_allocator else False
 
     quick = args.quick
     archs = args.only or (["ea_transformer_lite", "ran_all_lite"] if quick else list(PAIRS))
-    report = {"machine": machine(), "busy": busy_processes(), "training": {}, "memory": {},
+    report = {"machine": {**machine(), "freed_memory_kept": kept}, "busy": busy_processes(),
+              "training": {}, "memory": {},
               "generation": {}, "scaling": {}}
     for arch in archs:
         twin, family = PAIRS[arch]
@@ -345,7 +389,7 @@ def main():
         tokens = 300 if quick else (4096 if family == "lite" else 2048)
         print(f"[bench] {arch} vs {twin} (vocab {vocab})", file=sys.stderr, flush=True)
         if "training" not in args.skip:
-            report["training"][arch] = bench_training(arch, twin, vocab, tokens, updates=1 if quick else 2,
+            report["training"][arch] = bench_training(arch, twin, vocab, tokens, updates=1,
                                                       repeats=2 if quick else 5)
         if "memory" not in args.skip:
             report["memory"][arch] = bench_memory(arch, twin, vocab, tokens)

@@ -69,11 +69,13 @@ class AttentionMapConv(nn.Conv2d):
         """How many earlier target rows one output row reads (the incremental cache size)."""
         return self.kernel_size[0] - 1
 
-    def forward(self, maps: Tensor, pad_rows: bool = True) -> Tensor:
+    def forward(self, maps: Tensor, pad_rows: bool = True, keep_layout: bool = False) -> Tensor:
         """``maps`` is (batch, heads, tgt, src); returns the convolved map of the same width.
 
         With ``pad_rows=False`` the caller supplies the ``rows_needed`` earlier rows on top
         of the rows to compute (incremental decoding) and gets ``tgt - rows_needed`` rows.
+        With ``keep_layout=True`` the result may be a strided (channels-last, cropped) view:
+        cheaper when the next operation reads it once anyway.
         """
         weight = self.masked_weight()
         top, bottom = self.row_padding if pad_rows else (0, 0)
@@ -96,7 +98,7 @@ class AttentionMapConv(nn.Conv2d):
             out = F.conv2d(maps.contiguous(), weight, self.bias, padding=padding)
         out = out[:, :, :rows, : maps.size(3)] if (top, left) != (bottom, right) else out
         # one decoding step's row is small and read once: the cropped view will do
-        return out.contiguous() if pad_rows else out
+        return out.contiguous() if pad_rows and not keep_layout else out
 
     def masked_weight(self) -> Tensor:
         """The kernel with the causal layout's masked taps zeroed (the kernel itself otherwise).

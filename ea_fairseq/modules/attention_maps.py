@@ -124,20 +124,22 @@ class LogitMapAttention(MultiheadAttention):
     def transform_logits(
         self,
         logits: Tensor,
-        masked: Tensor,
+        masked: Optional[Tensor],
         query_padding_mask: Optional[Tensor],
         incremental_state,
     ) -> Tensor:
         """Rewrite the logits ``(batch, heads, tgt, src)`` before the softmax.
 
-        ``masked`` marks the entries fairseq masked (padding keys, future positions),
-        broadcastable to ``logits``, or is None when nothing is masked (e.g. one step of
-        incremental decoding); masked entries hold ``-inf`` in ``logits`` and must hold
-        ``-inf`` in the result.
-        ``query_padding_mask`` (batch, tgt) marks padded query rows (self-attention in a
-        full forward pass only). Identity here.
+        ``masked`` marks the masked entries (padding keys, future positions), broadcastable
+        to ``logits``, or is None when nothing is masked (e.g. one step of incremental
+        decoding). In ``logits`` they hold ``-inf`` where fairseq masked them (future
+        positions; padded keys in decoding steps) and the raw scores otherwise (padded keys
+        in a full pass, see :meth:`forward`); in the result they must hold ``-inf``.
+        ``logits`` is fairseq's fresh score tensor, which autograd does not keep: it may be
+        changed in place. ``query_padding_mask`` (batch, tgt) marks padded query rows
+        (self-attention in a full forward pass only). Here: just the masking.
         """
-        return logits
+        return fill_masked_(logits, masked, float("-inf"))
 
     def drop_weights(self, probs: Tensor) -> Tensor:
         """Dropout on the attention weights ``(batch, heads, tgt, src)``."""
@@ -160,11 +162,15 @@ class LogitMapAttention(MultiheadAttention):
         need_head_weights: bool = False,
     ):
         tgt_len, bsz, _ = query.size()
+        # In a full pass the padded keys are masked once, in place, by transform_logits;
+        # fairseq would mask them out of place first, only for a mechanism to overwrite
+        # the same entries again. A decoding step leaves them to fairseq, which keeps the
+        # padding of the cached keys.
         logits, v = super().forward(
             query,
             key,
             value,
-            key_padding_mask=key_padding_mask,
+            key_padding_mask=key_padding_mask if incremental_state is not None else None,
             incremental_state=incremental_state,
             need_weights=False,
             static_kv=static_kv,
@@ -278,6 +284,11 @@ def neutral_entries(masked: Optional[Tensor], query_padding_mask: Optional[Tenso
 def fill_masked(values: Tensor, mask: Optional[Tensor], fill: float) -> Tensor:
     """``values.masked_fill(mask, fill)``; ``values`` itself when ``mask`` is None."""
     return values if mask is None else values.masked_fill(mask, fill)
+
+
+def fill_masked_(values: Tensor, mask: Optional[Tensor], fill: float) -> Tensor:
+    """In-place :func:`fill_masked`."""
+    return values if mask is None else values.masked_fill_(mask, fill)
 
 
 def pad_rows_to(rows: Tensor, width: int) -> Tensor:

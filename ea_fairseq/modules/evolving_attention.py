@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .attention_map_conv import AttentionMapConv
-from .attention_maps import LogitMapAttention, fill_masked, neutral_entries, pad_rows_to
+from .attention_maps import LogitMapAttention, fill_masked, fill_masked_, neutral_entries, pad_rows_to
 
 
 class EvolvingAttention(LogitMapAttention):
@@ -58,33 +58,37 @@ class EvolvingAttention(LogitMapAttention):
 
     def transform_logits(self, logits, masked, query_padding_mask, incremental_state):
         carrier = self.attention_maps
+        recorded = fill_masked(logits, masked, 0.0) if carrier.recording else None
         # entries that enter the skip connection and the convolution as zeros
         neutral = neutral_entries(masked, query_padding_mask)
-        a_input = fill_masked(logits, neutral, 0.0)
         previous = carrier.previous(self.slot) if self.alpha > 0.0 else None
         if previous is not None:
             # Eq. (4), line 1: the α skip connection, α·A_logit(i-1) + (1-α)·Attention(X)_logit
-            a_input = torch.lerp(a_input, previous, self.alpha)
+            # (the previous map holds -inf where masked: the fill below replaces it)
+            a_input = fill_masked_(torch.lerp(logits, previous, self.alpha), neutral, 0.0)
+        else:
+            a_input = fill_masked_(logits, neutral, 0.0)
         conv_term = None
         a_logit = a_input
         if self.conv is not None:
             # Eq. (4), line 2: β·ReLU(Conv(A_input)) + (1-β)·A_input
             conv_term = F.relu(self._convolve(a_input, incremental_state), inplace=True)
             a_logit = torch.lerp(a_input, conv_term, self.beta)
-        if self.hand_on_maps:  # the next layer's A_logit(i-1), neutral where masked
-            carrier.hand_on(self.slot, fill_masked(a_logit, neutral, 0.0))
+        a_logit = fill_masked_(a_logit, masked, float("-inf"))
+        if self.hand_on_maps:  # the next layer's A_logit(i-1)
+            carrier.hand_on(self.slot, a_logit)
         if carrier.recording:
             carrier.log(
                 self.slot,
-                dot_product=fill_masked(logits, masked, 0.0),
+                dot_product=recorded,
                 convolution=self.beta * conv_term if conv_term is not None else torch.zeros_like(a_input),
                 logits=fill_masked(a_logit, masked, 0.0),
             )
-        return fill_masked(a_logit, masked, float("-inf"))
+        return a_logit
 
     def _convolve(self, a_input: Tensor, incremental_state) -> Tensor:
         if incremental_state is None:
-            return self.conv(a_input)
+            return self.conv(a_input, keep_layout=True)
         # Incremental decoding: the convolution reads the k-1 rows of A_input before the
         # current one; they are cached here (zeros before the first target position,
         # exactly the zero border of the full pass).
