@@ -301,18 +301,18 @@ def fmt(s, digits=2):
 
 
 def markdown(report) -> str:
-    m = report["machine"]
-    lines = [
-        "## Benchmark: ratios to the vanilla twin (higher is faster)",
-        "",
-        f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} with {m['torch_threads']} threads; "
-        f"load average {m['loadavg_start'][0]:.2f} at start, {report['loadavg_end'][0]:.2f} at end; "
-        f"other busy processes: {', '.join(report['busy']) or 'none'}.",
-        "Each cell: median (min–max) over interleaved repeats. "
-        + ("Freed memory kept for reuse (no page-fault churn; `--system-allocator` to compare)."
-           if m.get("freed_memory_kept") else "glibc's default allocator."),
-        "",
-    ]
+    lines = ["## Benchmark: ratios to the vanilla twin (higher is faster)", ""]
+    for run in report["runs"]:
+        m = run["machine"]
+        lines += [
+            f"Run of {', '.join(run['archs'])}: {m['cpu']}, {m['cores']} cores, torch {m['torch']} "
+            f"with {m['torch_threads']} threads; load average {m['loadavg_start'][0]:.2f} at start, "
+            f"{run['loadavg_end'][0]:.2f} at end; other busy processes: {', '.join(run['busy']) or 'none'}; "
+            + ("freed memory kept for reuse (no page-fault churn; `--system-allocator` to compare)."
+               if m.get("freed_memory_kept") else "glibc's default allocator."),
+            "",
+        ]
+    lines += ["Each cell: median (min–max) over interleaved repeats.", ""]
     if report.get("training"):
         buckets = next(iter(report["training"].values())).get("batches", [])
         lines += ["### Training (full updates: forward, loss, backward, Adam)", "",
@@ -363,6 +363,8 @@ def main():
     ap.add_argument("--batch-sizes", nargs="+", type=int, help="generation batch sizes (default: 1 32 128)")
     ap.add_argument("--small-vocab", action="store_true", help="also generate with a 1k vocabulary")
     ap.add_argument("--out", default=os.path.join(REPO, "benchmarks"), help="output directory")
+    ap.add_argument("--append", action="store_true",
+                    help="merge into the report already in --out (e.g. base-sized archs run separately)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--system-allocator", action="store_true",
                     help="leave glibc's allocator as it is (default: keep freed memory for reuse, "
@@ -409,7 +411,17 @@ def main():
                                               steps, bsz=8 if quick else 40, repeats=1 if quick else 3)
     report["loadavg_end"] = os.getloadavg()
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "benchmark.json"), "w") as f:
+    path = os.path.join(args.out, "benchmark.json")
+    run = {"machine": report.pop("machine"), "busy": report.pop("busy"),
+           "loadavg_end": report.pop("loadavg_end"), "archs": archs}
+    report["runs"] = [run]
+    if args.append and os.path.exists(path):
+        with open(path) as f:
+            earlier = json.load(f)
+        for section in ("training", "memory", "generation", "scaling"):
+            report[section] = {**earlier.get(section, {}), **report[section]}
+        report["runs"] = earlier.get("runs", []) + [run]
+    with open(path, "w") as f:
         json.dump(report, f, indent=1, default=str)
     md = markdown(report)
     with open(os.path.join(args.out, "benchmark.md"), "w") as f:
