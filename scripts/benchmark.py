@@ -349,6 +349,7 @@ def markdown(report) -> str:
                   "| arch | " + " | ".join(f"t={t}" for t in steps) + " |",
                   "| --- |" + " --- |" * len(steps)]
         for arch, v in report["scaling"].items():
+            v = {int(t): ms for t, ms in v.items()}  # JSON keeps the step numbers as strings
             lines.append(f"| {arch} | " + " | ".join(f"{v[t]:.2f}" for t in steps) + " |")
         lines.append("")
     return "\n".join(lines)

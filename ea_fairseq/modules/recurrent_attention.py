@@ -158,8 +158,14 @@ class RecurrentAttention(LogitMapAttention):
                 logits = logits.masked_fill(future, float("-inf"))
         else:
             src_len = tgt_len
-            pos = sentence_positions(key_padding_mask, tgt_len, query.device)
-            logits = matrix[:, pos[:, :, None], pos[:, None, :]].transpose(0, 1)  # (B|1, H, T, S)
+            if key_padding_mask is None or not key_padding_mask[:, 0].any():
+                # no sentence starts with padding (right-padded targets, or sources of
+                # one length): every real token's position is its index, a plain slice
+                # (whose backward is a sum, not a scatter into A_l)
+                logits = matrix[:, :tgt_len, :tgt_len].unsqueeze(0)
+            else:
+                pos = sentence_positions(key_padding_mask, tgt_len, query.device)
+                logits = matrix[:, pos[:, :, None], pos[:, None, :]].transpose(0, 1)  # (B, H, T, S)
             logits = logits.expand(bsz, -1, -1, -1)
             if attn_mask is not None:  # fairseq's future mask for the decoder (-inf above)
                 logits = logits + attn_mask.to(logits.dtype)

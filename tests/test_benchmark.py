@@ -1,0 +1,44 @@
+"""The benchmark script runs end to end and merges separate runs into one report.
+
+Timings themselves are never asserted (a unit test is no place to time anything); what is
+checked is that every requested measurement is made, side by side with its twin, and
+reported as a ratio.
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def bench(out, *args):
+    subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark.py"), "--quick", "--out", str(out),
+                    "--beams", "1", "--batch-sizes", "2", *args], check=True, capture_output=True, text=True)
+
+
+def test_benchmark_runs_and_appends(tmp_path):
+    bench(tmp_path, "--only", "ran_all_lite")
+    bench(tmp_path, "--only", "ea_transformer_lite", "--skip", "training", "memory", "--append")
+    report = json.loads((tmp_path / "benchmark.json").read_text())
+    assert [run["archs"] for run in report["runs"]] == [["ran_all_lite"], ["ea_transformer_lite"]]
+    assert report["runs"][0]["machine"]["freed_memory_kept"] in (True, False)
+
+    training = report["training"]["ran_all_lite"]
+    assert training["ratio"]["median"] > 0 and len(training["batches"]) == 3
+    assert set(training["tokens_per_s"]) == {"ran_all_lite", "transformer_lite"}
+    memory = report["memory"]["ran_all_lite"]
+    assert memory["ratio"] > 0 and memory["transformer_lite"]["step_peak_mib"] > 0
+
+    for arch in ("ran_all_lite", "ea_transformer_lite"):
+        (row,) = report["generation"][arch]
+        assert (row["beam"], row["batch"]) == (1, 2)
+        assert set(row["sentences_per_s"]) == {arch, "transformer_lite"}
+        assert row["ratio"]["median"] > 0
+    # the second run's scaling rows join the first's (read back from JSON)
+    assert set(report["scaling"]) == {"ran_all_lite", "ea_transformer_lite", "transformer_lite"}
+
+    md = (tmp_path / "benchmark.md").read_text()
+    assert "| ran_all_lite | transformer_lite |" in md
+    assert "| ea_transformer_lite | 1000 | 1 | 2 |" in md
+    assert md.count("Run of ") == 2
