@@ -7,8 +7,9 @@ output. :class:`LogitMapAttention` is the one place where that map is exposed:
 
 * ``super().forward(..., before_softmax=True)`` lets fairseq do everything up to the
   logits -- projections, key/value caching for incremental decoding, beam-shared
-  encoder keys, key padding and causal masks (both written as ``-inf``);
-* :meth:`LogitMapAttention.transform_logits` is the hook a mechanism overrides;
+  encoder keys, the causal mask, and in decoding steps the key padding (all ``-inf``);
+* :meth:`LogitMapAttention.transform_logits` is the hook a mechanism overrides; it
+  masks (in a full pass the padded keys are masked there, once, in place);
 * softmax, :meth:`drop_weights` (attention dropout), the value product and the output
   projection follow, as in fairseq.
 
