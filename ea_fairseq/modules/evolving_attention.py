@@ -20,9 +20,8 @@ connection and the convolution as neutral zeros -- never ``-inf`` or a dtype's m
 and are masked again (``-inf``) after it; the map handed on to the next layer is that
 masked one (the next layer's zero fill, after its skip connection, replaces the ``-inf``).
 Every fill works in place on tensors autograd does not keep. In incremental decoding the
-module caches the
-last ``k - 1`` rows of ``A_input`` (exactly what the convolution reads of earlier steps)
-and reorders them with the beams.
+module caches the last ``k - 1`` rows of ``A_input`` (exactly what the convolution reads
+of earlier steps) and reorders them with the beams.
 """
 from typing import Optional
 
