@@ -163,15 +163,20 @@ class LogitMapAttention(MultiheadAttention):
         need_head_weights: bool = False,
     ):
         tgt_len, bsz, _ = query.size()
-        # In a full pass the padded keys are masked once, in place, by transform_logits;
-        # fairseq would mask them out of place first, only for a mechanism to overwrite
-        # the same entries again. A decoding step leaves them to fairseq, which keeps the
-        # padding of the cached keys.
+        # In a full pass whose padding mask covers every key, the padded keys are masked
+        # once, in place, by transform_logits; fairseq would mask them out of place first,
+        # only for a mechanism to overwrite the same entries again. Otherwise (a decoding
+        # step, whose cached keys fairseq pads itself; any other mask shape) fairseq masks
+        # them and masked_entries reads its -inf back.
+        own_padding = (
+            incremental_state is None and key_padding_mask is not None and key is not None
+            and key_padding_mask.shape == (bsz, key.size(0))
+        )
         logits, v = super().forward(
             query,
             key,
             value,
-            key_padding_mask=key_padding_mask if incremental_state is not None else None,
+            key_padding_mask=None if own_padding else key_padding_mask,
             incremental_state=incremental_state,
             need_weights=False,
             static_kv=static_kv,
