@@ -25,6 +25,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from .attention_maps import values_key
+
 LAYOUTS = ("full", "causal", "rows")
 
 # One decoding step convolves a few rows per hypothesis. Up to this many hypotheses,
@@ -110,7 +112,7 @@ class AttentionMapConv(nn.Conv2d):
         if torch.is_grad_enabled():
             self._masked = None
             return self.weight * self.kernel_mask
-        key = (self.weight.data_ptr(), self.weight._version, self.kernel_mask.data_ptr())
+        key = values_key((self.weight, self.kernel_mask))
         if self._masked is None or self._masked[0] != key:
             self._masked = (key, self.weight * self.kernel_mask)
         return self._masked[1]

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from .attention_maps import LogitMapAttention
+from .attention_maps import LogitMapAttention, values_key
 
 
 class RecurrentAttentionMatrices(nn.Module):
@@ -62,9 +62,6 @@ class RecurrentAttentionMatrices(nn.Module):
             out.append(a)
         return tuple(out)
 
-    def _cache_key(self) -> tuple:
-        return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in self.parameters())
-
     def forward(self, rows: int) -> Tuple[Tensor, ...]:
         """The matrices of every RAN layer, at least their first ``rows`` query rows."""
         if rows > self.max_positions:
@@ -77,7 +74,7 @@ class RecurrentAttentionMatrices(nn.Module):
         if torch.is_grad_enabled():
             self._cache = None
             return self.compute(rows)  # training: exact graph back to A_0 and the transition
-        key = self._cache_key()
+        key = values_key(self.parameters())
         if self._cache is None or self._cache[0] != key:
             self._cache = (key, self.compute())
         return self._cache[1]
