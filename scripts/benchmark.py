@@ -153,6 +153,11 @@ def summary(values):
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
+def ratio_to_twin(times, arch, twin):
+    """Speed ratios (twin's time / arch's time) of the interleaved repeats, summarised."""
+    return summary([t_twin / t_arch for t_arch, t_twin in zip(times[arch], times[twin])])
+
+
 # fairseq batches sentences of similar length (its batch_by_size walks length-sorted
 # indices), so a training batch has little padding; these source/target length ranges
 # stand for the short, middle and long batches of an IWSLT-like epoch.
@@ -161,13 +166,14 @@ LENGTH_BUCKETS = ((10, 13), (22, 25), (34, 37))
 
 def bench_training(arch, twin, vocab, tokens, updates, repeats, buckets=LENGTH_BUCKETS):
     data = None
-    fns, tok = {}, None
+    fns = {}
     for name in (arch, twin):
         model, d = build(name, vocab)
         model.train()
         opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98))
-        data = data or [batch(d, tokens, seed=i, lo=lo, hi=hi) for i, (lo, hi) in enumerate(buckets)]
-        tok = sum(int(b[3].ne(d.pad()).sum()) for b in data)
+        if data is None:  # the same batches for both models
+            data = [batch(d, tokens, seed=i, lo=lo, hi=hi) for i, (lo, hi) in enumerate(buckets)]
+            tok = sum(int(b[3].ne(d.pad()).sum()) for b in data)
 
         def run(model=model, opt=opt, pad=d.pad()):
             for _ in range(updates):
@@ -177,9 +183,8 @@ def bench_training(arch, twin, vocab, tokens, updates, repeats, buckets=LENGTH_B
         fns[name] = run
     times = interleaved(fns, repeats)
     per = {k: summary([tok * updates / t for t in v]) for k, v in times.items()}
-    ratios = [t_twin / t_arch for t_arch, t_twin in zip(times[arch], times[twin])]
     return {"tokens_per_update": tok // len(data), "batches": [list(b) for b in buckets],
-            "tokens_per_s": per, "ratio": summary(ratios)}
+            "tokens_per_s": per, "ratio": ratio_to_twin(times, arch, twin)}
 
 
 def memory_probe(arch, vocab, tokens, updates):
@@ -235,11 +240,10 @@ def bench_generation(arch, twin, vocab, beams, batch_sizes, length, repeats):
 
                 fns[name] = run
             times = interleaved(fns, repeats)
-            ratios = [t_twin / t_arch for t_arch, t_twin in zip(times[arch], times[twin])]
             results.append({
                 "beam": beam, "batch": bsz, "sentences": n_sent, "vocab": vocab,
                 "sentences_per_s": {k: summary([n_sent / t for t in v]) for k, v in times.items()},
-                "ratio": summary(ratios),
+                "ratio": ratio_to_twin(times, arch, twin),
             })
     return results
 
