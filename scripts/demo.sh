@@ -175,6 +175,16 @@ train_one() {  # arch -> trains into train/$arch, logs there and (prefixed) to s
   echo $(( SECONDS - t0 )) > "$run/train_seconds"
   echo "$cfg_prefix --arch $arch" > "$run/.done"
 }
+in_parallel() {  # FUNCTION WHAT ARCH...: FUNCTION ARCH for each arch, $n_par at a time
+  local fn=$1 what=$2 arch p pids=()
+  shift 2
+  for arch in "$@"; do
+    while [ "$(jobs -rp | wc -l)" -ge "$n_par" ]; do sleep 2; done
+    "$fn" "$arch" &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p" || die "$what failed (see above)"; done
+}
 cfg_prefix="$data_cfg threads=$threads ${train_args[*]}"
 todo=()
 for arch in "${arch_list[@]}"; do
@@ -186,13 +196,7 @@ for arch in "${arch_list[@]}"; do
 done
 if [ ${#todo[@]} -gt 0 ]; then
   stage "3/6 training ${todo[*]}: $updates updates each, seed $seed, $max_tokens tokens/batch, $n_par at a time with $threads thread(s) each (logs: $work/train/ARCH/train.log)"
-  pids=()
-  for arch in "${todo[@]}"; do
-    while [ "$(jobs -rp | wc -l)" -ge "$n_par" ]; do sleep 2; done
-    train_one "$arch" &
-    pids+=($!)
-  done
-  for p in "${pids[@]}"; do wait "$p" || die "training failed (see above)"; done
+  in_parallel train_one "training" "${todo[@]}"
 fi
 declare -A train_secs
 for arch in "${arch_list[@]}"; do train_secs[$arch]=$(cat "train/$arch/train_seconds"); done
@@ -235,13 +239,7 @@ for arch in "${arch_list[@]}"; do
 done
 if [ ${#todo[@]} -gt 0 ]; then
   stage "4-5/6 averaging the last $n_avg checkpoints and translating the test set (beam 5): ${todo[*]}"
-  pids=()
-  for arch in "${todo[@]}"; do
-    while [ "$(jobs -rp | wc -l)" -ge "$n_par" ]; do sleep 2; done
-    eval_one "$arch" &
-    pids+=($!)
-  done
-  for p in "${pids[@]}"; do wait "$p" || die "averaging/translation failed (see above)"; done
+  in_parallel eval_one "averaging/translation" "${todo[@]}"
 fi
 
 # ----------------------------------------------------------------------------- 6. report
