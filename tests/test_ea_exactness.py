@@ -7,12 +7,28 @@ from fairseq.modules import MultiheadAttention
 from conftest import (batch_invariance_gap, beam_reorder_gap, build_model, decoder_out,
                       incremental_logprobs, random_batch)
 from ea_fairseq.modules import AttentionMapConv, EvolvingAttention
+from ea_fairseq.modules import evolving_attention_step as fused
 
 SMALL = ("--encoder-layers", "3", "--decoder-layers", "3", "--dropout", "0.0")
 ALL_OFF = ("--ea-alpha", "0", "--ea-beta", "0", "--ea-decoder-alpha", "0",
            "--ea-no-encoder-conv", "--ea-no-decoder-conv", "--ea-no-cross-conv")
 # EA everywhere, with weights large enough that every part visibly moves the output
 STRONG = ("--ea-alpha", "0.5", "--ea-beta", "0.5", "--ea-decoder-alpha", "0.3")
+
+
+@pytest.fixture(params=["fused-step", "pytorch-step"])
+def decoding_step(request, monkeypatch):
+    """Decode with the fused step kernel (checked to run) or with the PyTorch path."""
+    if request.param == "pytorch-step":
+        monkeypatch.setattr(fused, "extension", lambda: None)
+        yield request.param
+        return
+    assert fused.extension() is not None, "the fused decoding-step kernel did not build"
+    calls = []
+    step = fused.evolving_attention_step
+    monkeypatch.setattr(fused, "evolving_attention_step", lambda *a: calls.append(1) or step(*a))
+    yield request.param
+    assert calls, "decoding never reached the fused step kernel"
 
 
 def ea_modules(model):
@@ -107,7 +123,7 @@ def test_causality_check_catches_a_leaking_conv(dictionary, which):
 
 
 @pytest.mark.parametrize("kernel", ["3", "5"])
-def test_incremental_equals_full_forward(dictionary, kernel):
+def test_incremental_equals_full_forward(dictionary, kernel, decoding_step):
     model, _ = build_model("ea_transformer_lite", *SMALL, *STRONG, "--ea-kernel-size", kernel)
     randomize_convs(model)
     src, lengths, prev = random_batch(dictionary, [5, 9, 3, 7], 8)
@@ -117,7 +133,7 @@ def test_incremental_equals_full_forward(dictionary, kernel):
 
 
 @pytest.mark.parametrize("new_order", [[1, 1, 3, 2], [3, 2]], ids=["reorder", "sentence-finished"])
-def test_incremental_with_beam_reordering(dictionary, new_order):
+def test_incremental_with_beam_reordering(dictionary, new_order, decoding_step):
     """fairseq's encoder-decoder attention shares one key/value copy per sentence and skips
     reordering it when the batch size is unchanged; the convolution rows cache depends on
     each beam's prefix and must be reordered regardless."""

@@ -201,8 +201,11 @@ class LogitMapAttention(MultiheadAttention):
         Returns fairseq's ``(attn, weights)`` pair.
         """
         # softmax in at least float32 (fp16/bf16 upcast, as fairseq), double stays double
-        probs_float = F.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
-        probs = probs_float.type_as(logits)
+        if logits.dtype in (torch.float32, torch.float64):
+            probs = probs_float = logits.softmax(-1)  # (one decoding step: no casts to pay for)
+        else:
+            probs_float = logits.softmax(-1, dtype=torch.float32)
+            probs = probs_float.type_as(logits)
         attn = self._attend(self.drop_weights(probs), v, bsz, tgt_len)
 
         weights: Optional[Tensor] = None
@@ -266,7 +269,8 @@ def masked_entries(logits: Tensor, key_padding_mask: Optional[Tensor],
     if key_padding_mask is not None:
         if key_padding_mask.shape != (bsz, src_len):
             return torch.isneginf(logits)
-        key_padding_mask = key_padding_mask.to(torch.bool)
+        if key_padding_mask.dtype != torch.bool:
+            key_padding_mask = key_padding_mask.to(torch.bool)
         # fairseq hands on a padding mask even when nothing is padded; one cheap test
         # here saves every masking pass of the (much larger) map
         if key_padding_mask.any():

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import evolving_attention_step as fused
 from .attention_map_conv import AttentionMapConv
 from .attention_maps import LogitMapAttention, fill_masked, fill_masked_, neutral_entries, pad_rows_to
 
@@ -60,6 +61,12 @@ class EvolvingAttention(LogitMapAttention):
 
     def transform_logits(self, logits, masked, query_padding_mask, incremental_state):
         carrier = self.attention_maps
+        if incremental_state is not None and not carrier.recording:
+            a_logit = self._fused_decoding_step(logits, masked, incremental_state)
+            if a_logit is not None:
+                if self.hand_on_maps:
+                    carrier.hand_on(self.slot, a_logit)
+                return a_logit
         recorded = fill_masked(logits, masked, 0.0) if carrier.recording else None
         # entries that enter the skip connection and the convolution as zeros
         neutral = neutral_entries(masked, query_padding_mask)
@@ -86,6 +93,26 @@ class EvolvingAttention(LogitMapAttention):
                 convolution=self.beta * conv_term if conv_term is not None else torch.zeros_like(a_input),
                 logits=fill_masked(a_logit, masked, 0.0),
             )
+        return a_logit
+
+    def _fused_decoding_step(self, logits, masked, incremental_state) -> Optional[Tensor]:
+        """Eq. (4) for one decoding step in one fused kernel (see
+        :mod:`~ea_fairseq.modules.evolving_attention_step`); None where it does not apply."""
+        conv = self.conv
+        if conv is None or conv.rows_needed == 0 or not fused.applies(logits):
+            return None
+        bsz, _, _, src_len = logits.shape
+        keys = fused.key_mask(masked, bsz, src_len)
+        if keys is False:
+            return None
+        previous = self.attention_maps.previous(self.slot) if self.alpha > 0.0 else None
+        state = self.get_mechanism_state(incremental_state)
+        a_logit, rows = fused.evolving_attention_step(
+            logits, previous, state.get("conv_rows"), keys, conv.masked_weight(), conv.bias,
+            self.alpha, self.beta, conv.col_padding[0],
+        )
+        state["conv_rows"] = rows
+        self.set_mechanism_state(incremental_state, state)
         return a_logit
 
     def _convolve(self, a_input: Tensor, incremental_state) -> Tensor:

@@ -1,0 +1,132 @@
+"""The fused decoding step of EA (Eq. 4): same values as the PyTorch path, clear failures."""
+import logging
+
+import pytest
+import torch
+from fairseq.modules import MultiheadAttention
+
+from ea_fairseq.modules import AttentionMapCarrier, EvolvingAttention
+from ea_fairseq.modules import evolving_attention_step as fused
+
+HEADS = 4
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    ext = fused.extension()
+    assert ext is not None, "the fused decoding-step kernel did not build (C++ compiler, ninja)"
+    return ext
+
+
+def ea_attention(layout, kernel_size, alpha, dtype, seed=0):
+    torch.manual_seed(seed)
+    mha = MultiheadAttention(16, HEADS, self_attention=layout == "causal",
+                             encoder_decoder_attention=layout == "rows")
+    attn = EvolvingAttention.promote(mha, slot="self", alpha=alpha, beta=0.4,
+                                     kernel_size=kernel_size, conv_layout=layout, hand_on=True)
+    attn.attach(AttentionMapCarrier())
+    with torch.no_grad():  # large weights and biases of both signs: every tap and the ReLU matter
+        attn.conv.weight.normal_()
+        attn.conv.bias.normal_()
+    return attn.to(dtype)
+
+
+def decode(attn, steps, bsz, src_len, padded, dtype, reorder_at=None):
+    """Feed random step logits (fairseq's -inf on padded keys) and previous-layer maps;
+    return every step's A_logit. Beams are reordered once, as in beam search."""
+    g = torch.Generator().manual_seed(1)
+    state, outs = {}, []
+    with torch.no_grad():
+        for t in range(steps):
+            if t == reorder_at:
+                attn.reorder_incremental_state(state, torch.arange(bsz).flip(0).roll(1))
+            width = t + 1 if attn.conv.layout == "causal" else src_len
+            logits = torch.randn(bsz, HEADS, 1, width, generator=g, dtype=dtype) * 3
+            masked = None
+            if padded:  # the first keys of every other sentence, the last one included, are
+                keys = torch.zeros(bsz, width, dtype=torch.bool)  # padding (left-padded sources)
+                keys[(bsz - 1) % 2 :: 2, : min(2, width - 1)] = True
+                masked = keys[:, None, None, :]
+                logits.masked_fill_(masked, float("-inf"))
+            previous = torch.randn(bsz, HEADS, 1, width, generator=g, dtype=dtype)
+            attn.attention_maps.hand_on("self", fused_mask(previous, masked))
+            outs.append(attn.transform_logits(logits, masked, None, state).clone())
+    return outs
+
+
+def fused_mask(values, masked):
+    return values if masked is None else values.masked_fill(masked, float("-inf"))
+
+
+@pytest.mark.parametrize("layout", ["causal", "rows"])
+@pytest.mark.parametrize("kernel_size", [3, 5])
+@pytest.mark.parametrize("alpha", [0.0, 0.3])
+@pytest.mark.parametrize("padded", [False, True], ids=["no-padding", "padded-keys"])
+@pytest.mark.parametrize("bsz", [1, 7, 300], ids=["b1", "b7", "b300-threads"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float", "double"])
+def test_fused_step_equals_the_pytorch_path(kernel, monkeypatch, layout, kernel_size, alpha,
+                                            padded, bsz, dtype):
+    attn = ea_attention(layout, kernel_size, alpha, dtype)
+    steps, src_len = 6, 9
+    got = decode(attn, steps, bsz, src_len, padded, dtype, reorder_at=3)
+    monkeypatch.setattr(fused, "extension", lambda: None)
+    want = decode(attn, steps, bsz, src_len, padded, dtype, reorder_at=3)
+    tol = 1e-4 if dtype == torch.float32 else 1e-10
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == dtype
+        assert torch.equal(torch.isneginf(g), torch.isneginf(w))
+        finite = torch.isfinite(w)
+        assert finite.any() and (g[finite] - w[finite]).abs().max() <= tol * w[finite].abs().max()
+    if padded:
+        assert torch.isneginf(got[-1][-1]).any()
+
+
+def test_fused_step_runs_only_where_it_applies(kernel):
+    logits = torch.zeros(2, HEADS, 1, 5)
+    with torch.no_grad():
+        assert fused.applies(logits)
+        assert not fused.applies(torch.zeros(2, HEADS, 3, 5))  # several rows: the PyTorch path
+        assert not fused.applies(logits.half())
+    # with autograd on (training, gradient-based analysis) the ops must be autograd's
+    assert not fused.applies(logits)
+    per_head = torch.zeros(2, HEADS, 1, 5, dtype=torch.bool)
+    assert fused.key_mask(per_head, 2, 5) is False
+    keys = torch.tensor([[True, False, False, False, False]])[:, None, None, :]
+    assert fused.key_mask(keys, 2, 5).shape == (2, 5)
+
+
+def test_bad_input_is_refused_with_a_message(kernel):
+    weight = torch.zeros(HEADS, HEADS, 3, 3)
+    with pytest.raises(RuntimeError, match=r"logits must be \(B, H, 1, S\)"):
+        kernel.evolving_attention_step(torch.zeros(2, HEADS, 2, 5), None, None, None, weight,
+                                       None, 0.0, 0.1, 1)
+    with pytest.raises(RuntimeError, match="earlier rows must be"):
+        kernel.evolving_attention_step(torch.zeros(2, HEADS, 1, 5), None,
+                                       torch.zeros(2, HEADS, 2, 6), None, weight, None, 0.0, 0.1, 2)
+    with pytest.raises(RuntimeError, match="of the logits' dtype"):
+        kernel.evolving_attention_step(torch.zeros(2, HEADS, 1, 5), None, None, None,
+                                       weight.double(), None, 0.0, 0.1, 1)
+
+
+def test_an_unbuildable_kernel_falls_back_with_a_warning(monkeypatch, caplog):
+    import torch.utils.cpp_extension as cpp
+
+    def no_ninja(*args, **kwargs):
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(cpp, "load", no_ninja)
+    monkeypatch.setattr(fused, "_state", {"module": None, "tried": False})
+    with caplog.at_level(logging.WARNING, logger=fused.__name__):
+        assert fused.extension() is None
+        assert fused.extension() is None  # tried once per process, warned once
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "pip install ninja" in warnings[0].getMessage()
+    assert "Ninja is required" in warnings[0].getMessage()
+    with torch.no_grad():
+        assert not fused.applies(torch.zeros(1, HEADS, 1, 3))
+
+
+def test_the_switch_turns_the_kernel_off(monkeypatch):
+    monkeypatch.setattr(fused, "_state", {"module": None, "tried": False})
+    monkeypatch.setenv(fused.ENV_SWITCH, "0")
+    assert fused.extension() is None
