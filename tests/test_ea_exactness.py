@@ -7,7 +7,7 @@ from fairseq.modules import MultiheadAttention
 from conftest import (batch_invariance_gap, beam_reorder_gap, build_model, decoder_out,
                       incremental_logprobs, random_batch)
 from ea_fairseq.modules import AttentionMapConv, EvolvingAttention
-from ea_fairseq.modules import evolving_attention_step as fused
+from ea_fairseq.modules import evolving_attention_kernels as fused
 
 SMALL = ("--encoder-layers", "3", "--decoder-layers", "3", "--dropout", "0.0")
 ALL_OFF = ("--ea-alpha", "0", "--ea-beta", "0", "--ea-decoder-alpha", "0",

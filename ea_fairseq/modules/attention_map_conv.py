@@ -71,13 +71,16 @@ class AttentionMapConv(nn.Conv2d):
         """How many earlier target rows one output row reads (the incremental cache size)."""
         return self.kernel_size[0] - 1
 
-    def forward(self, maps: Tensor, pad_rows: bool = True, keep_layout: bool = False) -> Tensor:
+    def forward(self, maps: Tensor, pad_rows: bool = True, keep_layout: bool = False,
+                crop: bool = True) -> Tensor:
         """``maps`` is (batch, heads, tgt, src); returns the convolved map of the same width.
 
         With ``pad_rows=False`` the caller supplies the ``rows_needed`` earlier rows on top
         of the rows to compute (incremental decoding) and gets ``tgt - rows_needed`` rows.
         With ``keep_layout=True`` the result may be a strided (channels-last, cropped) view:
-        cheaper when the next operation reads it once anyway.
+        cheaper when the next operation reads it once anyway. With ``crop=False`` (whole
+        maps) it is the uncropped channels-last output, whose ``[:, :, :tgt, :src]`` is the
+        result: for a consumer that crops as it reads (and writes the gradient in place).
         """
         weight = self.masked_weight()
         top, bottom = self.row_padding if pad_rows else (0, 0)
@@ -98,6 +101,8 @@ class AttentionMapConv(nn.Conv2d):
                                  (1, 1), padding)
         else:
             out = F.conv2d(maps.contiguous(), weight, self.bias, padding=padding)
+        if pad_rows and not crop:
+            return out
         out = out[:, :, :rows, : maps.size(3)] if (top, left) != (bottom, right) else out
         # one decoding step's row is small and read once: the cropped view will do
         return out.contiguous() if pad_rows and not keep_layout else out

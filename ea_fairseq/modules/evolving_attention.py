@@ -22,6 +22,13 @@ masked one (the next layer's zero fill, after its skip connection, replaces the 
 Every fill works in place on tensors autograd does not keep. In incremental decoding the
 module caches the last ``k - 1`` rows of ``A_input`` (exactly what the convolution reads
 of earlier steps) and reorders them with the beams.
+
+On CPU, for float32/float64 maps, the arithmetic around the convolution runs in the
+fused kernels of :mod:`~ea_fairseq.modules.evolving_attention_kernels` (one pass
+before it and one after it in full passes, forward and backward; one call per
+attention in a decoding step); the PyTorch operations below are the reference path,
+used for other devices and dtypes, for recording maps, and where the kernels cannot
+be built. Tests hold both to the same values and gradients.
 """
 from typing import Optional
 
@@ -29,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import evolving_attention_step as fused
+from . import evolving_attention_kernels as fused
 from .attention_map_conv import AttentionMapConv
 from .attention_maps import LogitMapAttention, fill_masked, fill_masked_, neutral_entries, pad_rows_to
 
@@ -71,19 +78,26 @@ class EvolvingAttention(LogitMapAttention):
         # entries that enter the skip connection and the convolution as zeros
         neutral = neutral_entries(masked, query_padding_mask)
         previous = carrier.previous(self.slot) if self.alpha > 0.0 else None
-        if previous is not None:
-            # Eq. (4), line 1: the α skip connection, α·A_logit(i-1) + (1-α)·Attention(X)_logit
-            # (the previous map holds -inf where masked: the fill below replaces it)
-            a_input = fill_masked_(torch.lerp(logits, previous, self.alpha), neutral, 0.0)
-        else:
-            a_input = fill_masked_(logits, neutral, 0.0)
         conv_term = None
-        a_logit = a_input
-        if self.conv is not None:
-            # Eq. (4), line 2: β·ReLU(Conv(A_input)) + (1-β)·A_input
-            conv_term = F.relu(self._convolve(a_input, incremental_state), inplace=True)
-            a_logit = torch.lerp(a_input, conv_term, self.beta)
-        a_logit = fill_masked_(a_logit, masked, float("-inf"))
+        if (self.conv is not None and incremental_state is None and not carrier.recording
+                and fused.full_map_applies(logits)):
+            # Eq. (4), both lines, fused around the convolution (masked entries -> -inf)
+            a_input = fused.evolving_attention_input(logits, previous, neutral, self.alpha)
+            a_logit = fused.convolution_residual(a_input, self.conv(a_input, crop=False), masked,
+                                                 self.beta)
+        else:
+            if previous is not None:
+                # Eq. (4), line 1: the α skip connection, α·A_logit(i-1) + (1-α)·Attention(X)_logit
+                # (the previous map holds -inf where masked: the fill below replaces it)
+                a_input = fill_masked_(torch.lerp(logits, previous, self.alpha), neutral, 0.0)
+            else:
+                a_input = fill_masked_(logits, neutral, 0.0)
+            a_logit = a_input
+            if self.conv is not None:
+                # Eq. (4), line 2: β·ReLU(Conv(A_input)) + (1-β)·A_input
+                conv_term = F.relu(self._convolve(a_input, incremental_state), inplace=True)
+                a_logit = torch.lerp(a_input, conv_term, self.beta)
+            a_logit = fill_masked_(a_logit, masked, float("-inf"))
         if self.hand_on_maps:  # the next layer's A_logit(i-1)
             carrier.hand_on(self.slot, a_logit)
         if carrier.recording:
@@ -97,7 +111,7 @@ class EvolvingAttention(LogitMapAttention):
 
     def _fused_decoding_step(self, logits, masked, incremental_state) -> Optional[Tensor]:
         """Eq. (4) for one decoding step in one fused kernel (see
-        :mod:`~ea_fairseq.modules.evolving_attention_step`); None where it does not apply."""
+        :mod:`~ea_fairseq.modules.evolving_attention_kernels`); None where it does not apply."""
         conv = self.conv
         if conv is None or conv.rows_needed == 0 or not fused.applies(logits):
             return None

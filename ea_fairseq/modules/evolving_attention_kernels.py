@@ -1,4 +1,14 @@
-"""One incremental decoding step of Evolving Attention, EA paper Eq. (4), in one fused kernel.
+"""Fused CPU kernels for Evolving Attention, EA paper Eq. (4).
+
+* :func:`evolving_attention_input` and :func:`convolution_residual` (training and full
+  passes): Eq. (4) before and after the convolution, one pass forward and one backward
+  each (autograd functions). The first writes ``A_input`` channels-last, the layout the
+  convolution reads; the second reads the convolution's uncropped output and writes
+  its gradient, border zeros included, in that layout. In PyTorch ops that is lerp,
+  neutral fill and a layout copy before the convolution, ReLU, lerp and masking after
+  it, their backward passes, the crop's zero fill and copy, and layout conversions.
+* :func:`evolving_attention_step` (incremental decoding): the whole of Eq. (4) for one
+  new query row per hypothesis.
 
 A decoding step hands each attention one new query row per hypothesis. For that row,
 Eq. (4) -- the α skip connection, the neutral zeros of masked entries, the convolution
@@ -6,13 +16,13 @@ over the cached ``k - 1`` earlier rows of ``A_input`` and the new one, ReLU, the
 interpolation and the ``-inf`` masking -- is a handful of tensor operations on a few
 hundred numbers, and on CPU each one's fixed cost is larger than its work: measured
 here, they made EA-Lite's beam search 30% slower than the vanilla transformer's.
-``csrc/evolving_attention_step.cpp`` does the same arithmetic in one pass.
+``csrc/evolving_attention.cpp`` does the same arithmetic in one pass.
 
-The kernel is a PyTorch C++ extension built on first use (about 30 s, once per machine:
+The kernels are a PyTorch C++ extension built on first use (about 30 s, once per machine:
 ``torch.utils.cpp_extension`` keeps it in ``TORCH_EXTENSIONS_DIR``). It needs a C++
 compiler and ``ninja``; without them, or with ``EA_FAIRSEQ_FUSED_STEP=0``, decoding uses
 the PyTorch path of :class:`~ea_fairseq.modules.evolving_attention.EvolvingAttention`,
-which computes the same values (tests check both against the full forward pass).
+which computes the same values and gradients (tests check both).
 """
 import logging
 import os
@@ -25,7 +35,7 @@ from torch import Tensor
 logger = logging.getLogger(__name__)
 
 SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc",
-                      "evolving_attention_step.cpp")
+                      "evolving_attention.cpp")
 ENV_SWITCH = "EA_FAIRSEQ_FUSED_STEP"
 DTYPES = (torch.float32, torch.float64)
 
@@ -63,8 +73,8 @@ def _build():
         except ImportError:
             pass
         logger.info("building EA's fused decoding-step kernel (once per machine)")
-        return load(name="ea_fairseq_evolving_attention_step", sources=[SOURCE],
-                    extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+        return load(name="ea_fairseq_evolving_attention", sources=[SOURCE],
+                    extra_cflags=["-O3", "-fno-trapping-math", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as err:  # no compiler, no ninja, read-only cache, ...
         logger.warning(
             "EA's fused decoding-step kernel could not be built (%s: %s); decoding uses the "
@@ -118,3 +128,65 @@ def evolving_attention_step(logits: Tensor, previous: Optional[Tensor], earlier:
         float(beta),
         int(left),
     )
+
+
+class EvolvingAttentionInput(torch.autograd.Function):
+    """EA Eq. (4), line 1, before the convolution (see :func:`evolving_attention_input`)."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, previous: Optional[Tensor], neutral: Optional[Tensor], alpha: float):
+        ctx.alpha, ctx.has_previous = alpha, previous is not None
+        ctx.save_for_backward(neutral)
+        return extension().evolving_attention_input_forward(logits, previous, neutral, alpha)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (neutral,) = ctx.saved_tensors
+        grad_logits, grad_previous = extension().evolving_attention_input_backward(
+            grad, neutral, ctx.alpha, ctx.has_previous)
+        return grad_logits, grad_previous if ctx.has_previous else None, None, None
+
+
+class ConvolutionResidual(torch.autograd.Function):
+    """EA Eq. (4), line 2, after the convolution (see :func:`convolution_residual`)."""
+
+    @staticmethod
+    def forward(ctx, a_input: Tensor, conv: Tensor, masked: Optional[Tensor], beta: float):
+        ctx.beta = beta
+        ctx.channels_last = not a_input.is_contiguous()
+        ctx.save_for_backward(conv, masked)
+        return extension().convolution_residual_forward(a_input, conv, masked, beta)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        conv, masked = ctx.saved_tensors
+        grad_a, grad_conv = extension().convolution_residual_backward(
+            grad, conv, masked, ctx.beta, ctx.channels_last)
+        return grad_a, grad_conv, None, None
+
+
+def full_map_applies(logits: Tensor) -> bool:
+    """Whether the fused full-pass functions can take this map (else: the PyTorch path)."""
+    return logits.dtype in DTYPES and logits.device.type == "cpu" and extension() is not None
+
+
+def evolving_attention_input(logits: Tensor, previous: Optional[Tensor], neutral: Optional[Tensor],
+                             alpha: float) -> Tensor:
+    """``A_input = α·A_logit(i-1) + (1-α)·logits`` (just ``logits`` without ``previous``),
+    zero where ``neutral`` (Eq. 4, line 1), in the channels-last layout the convolution
+    reads. ``previous`` may hold ``-inf`` where ``neutral`` is set."""
+    if neutral is not None:
+        neutral = neutral.expand(logits.shape)
+    return EvolvingAttentionInput.apply(logits, previous, neutral, float(alpha))
+
+
+def convolution_residual(a_input: Tensor, conv: Tensor, masked: Optional[Tensor], beta: float) -> Tensor:
+    """``A_logit = β·ReLU(C) + (1-β)·A_input``, ``-inf`` where ``masked`` (Eq. 4, line 2).
+
+    ``a_input`` is (B, H, T, S), in any layout; ``conv`` the convolution's uncropped output,
+    at least T x S, of which ``[:, :, :T, :S]`` is C; ``masked`` broadcastable to the map,
+    or None. The result is contiguous.
+    """
+    if masked is not None:
+        masked = masked.expand(a_input.shape)
+    return ConvolutionResidual.apply(a_input, conv, masked, float(beta))

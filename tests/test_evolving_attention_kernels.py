@@ -6,7 +6,7 @@ import torch
 from fairseq.modules import MultiheadAttention
 
 from ea_fairseq.modules import AttentionMapCarrier, EvolvingAttention
-from ea_fairseq.modules import evolving_attention_step as fused
+from ea_fairseq.modules import evolving_attention_kernels as fused
 
 HEADS = 4
 
@@ -130,3 +130,72 @@ def test_the_switch_turns_the_kernel_off(monkeypatch):
     monkeypatch.setattr(fused, "_state", {"module": None, "tried": False})
     monkeypatch.setenv(fused.ENV_SWITCH, "0")
     assert fused.extension() is None
+
+
+# -- full passes (training): the fused functions around the convolution ------------------
+def full_pass(attn, logits, previous, masked, query_padding, use_kernel, monkeypatch):
+    """A_logit and the gradients of a weighted sum of it w.r.t. logits, previous map,
+    kernel and bias, through the fused functions or the PyTorch path."""
+    monkeypatch.setattr(fused, "extension", (lambda ext=fused.extension(): ext) if use_kernel
+                        else (lambda: None))
+    logits = logits.clone().requires_grad_()
+    previous = previous.clone().requires_grad_()
+    attn.conv.zero_grad()
+    carrier = attn.attention_maps
+    with carrier.scope():
+        carrier.hand_on("self", previous.masked_fill(masked, float("-inf")))
+        out = attn.transform_logits(logits.clone(), masked, query_padding, None)
+    finite = torch.isfinite(out)
+    weights = torch.linspace(-1, 2, out.numel(), dtype=out.dtype).view_as(out)
+    (out.masked_fill(~finite, 0) * weights).sum().backward()
+    return out.detach(), logits.grad, previous.grad, attn.conv.weight.grad.clone(), attn.conv.bias.grad.clone()
+
+
+@pytest.mark.parametrize("layout", ["full", "causal", "rows"])
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.7])
+@pytest.mark.parametrize("beta", [0.1, 0.6])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float", "double"])
+def test_fused_full_pass_equals_the_pytorch_path_with_gradients(kernel, monkeypatch, layout, alpha,
+                                                                  beta, dtype):
+    attn = ea_attention(layout, 3, alpha, dtype)
+    attn.beta = beta
+    g = torch.Generator().manual_seed(2)
+    bsz, tgt, src = 5, 6, 7 if layout == "rows" else 6
+    logits = torch.randn(bsz, HEADS, tgt, src, generator=g, dtype=dtype) * 2
+    previous = torch.randn(bsz, HEADS, tgt, src, generator=g, dtype=dtype)
+    keys = torch.zeros(bsz, src, dtype=torch.bool)
+    keys[1::2, :2] = True  # left-padded sentences
+    masked = keys[:, None, None, :]
+    query_padding = None
+    if layout == "causal":
+        masked = masked | torch.ones(tgt, src, dtype=torch.bool).triu(1)[None, None]
+    if layout != "rows":  # self-attention: padded query rows are neutral too
+        query_padding = keys[:, :tgt]
+    logits = logits.masked_fill(masked, float("-inf"))
+    got = full_pass(attn, logits, previous, masked, query_padding, True, monkeypatch)
+    want = full_pass(attn, logits, previous, masked, query_padding, False, monkeypatch)
+    assert torch.equal(torch.isneginf(got[0]), torch.isneginf(want[0]))
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    for name, x, y in zip(("A_logit", "dlogits", "dprevious", "dweight", "dbias"), got, want):
+        if name == "dprevious" and alpha == 0.0:
+            assert x is None and y is None
+            continue
+        x, y = x.masked_fill(~torch.isfinite(y), 0), y.masked_fill(~torch.isfinite(y), 0)
+        assert (x - y).abs().max() <= tol * (1 + y.abs().max()), name
+    assert got[1].abs().sum() > 0 and got[3].abs().sum() > 0
+
+
+def test_fused_functions_pass_gradcheck(kernel):
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 3, 4, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    previous = torch.randn(2, 3, 4, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    neutral = torch.zeros(2, 1, 1, 5, dtype=torch.bool)
+    neutral[1, ..., :2] = True
+    assert torch.autograd.gradcheck(
+        lambda x, p: fused.evolving_attention_input(x, p, neutral, 0.3), (logits, previous))
+    conv = torch.randn(2, 3, 6, 7, generator=g, dtype=torch.float64).to(
+        memory_format=torch.channels_last).requires_grad_()
+    a_input = torch.randn(2, 3, 4, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda a, c: fused.convolution_residual(a, c, neutral, 0.4).masked_fill(neutral, 0),
+        (a_input, conv))

@@ -1,0 +1,464 @@
+// Evolving Attention (EA paper Eq. 4) kernels: the residual convolution's elementwise part
+// in training (convolution_residual_forward/backward), and one incremental decoding step
+// fused whole (evolving_attention_step).
+//
+// One incremental decoding step:
+// For one new query row per hypothesis, with the convolution's k-1 earlier rows of
+// A_input cached (EA decoder self-attention: masked kernel + shift, Fig. 3b;
+// encoder-decoder attention: shift along the target axis, Fig. 3c):
+//
+//   A_input = alpha * A_logit(i-1) + (1 - alpha) * logits      (skipped when no previous)
+//   A_input = 0 where masked                                   (neutral entries)
+//   A_logit = beta * ReLU(Conv(A_input)) + (1 - beta) * A_input
+//   A_logit = -inf where masked
+//
+// Conv reads, for output column j, rows (cached k-1 rows, then the new row) and columns
+// j - left .. j - left + k - 1 (zero outside the map; cached rows narrower than the map,
+// as in decoder self-attention, read zeros in the new columns). This is the PyTorch path
+// of ea_fairseq/modules/evolving_attention.py in one pass: it removes the half dozen
+// small tensor operations per attention and decoding step whose fixed costs dominate a
+// step on CPU.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// Output tile: this many outputs stay in registers while all H * k * k taps pass over
+// them (measured: 32 vectorises well with GCC; 16 did not).
+constexpr int64_t kTile = 32;
+
+// acc[j] = bias + sum over taps of w * window, for j < span (rounded up to whole tiles:
+// the buffers carry kTile + k slack), for one output head.
+template <typename scalar_t>
+inline __attribute__((always_inline)) void convolve_block(
+    const scalar_t* w, const scalar_t* window, scalar_t* acc, int64_t H, int64_t k,
+    int64_t stride, int64_t span, scalar_t bias) {
+  for (int64_t j0 = 0; j0 < span; j0 += kTile) {
+    scalar_t t[kTile];
+    for (int64_t jj = 0; jj < kTile; ++jj) t[jj] = bias;
+    for (int64_t i = 0; i < H; ++i) {
+      for (int64_t r = 0; r < k; ++r) {
+        const scalar_t* row = window + (i * k + r) * stride + j0;
+        const scalar_t* wr = w + (i * k + r) * k;
+        for (int64_t c = 0; c < k; ++c) {
+          const scalar_t wv = wr[c];  // the causal kernel's masked taps are zeros
+          const scalar_t* in = row + c;
+          for (int64_t jj = 0; jj < kTile; ++jj) t[jj] += wv * in[jj];
+        }
+      }
+    }
+    std::copy(t, t + kTile, acc + j0);
+  }
+}
+
+// Compiled for AVX2 and for any x86-64 (or the target's default), chosen at load time.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define EA_CLONES __attribute__((target_clones("arch=haswell", "default")))
+#else
+#define EA_CLONES
+#endif
+EA_CLONES void convolve_block_float(const float* w, const float* window, float* acc, int64_t H,
+                                    int64_t k, int64_t stride, int64_t span, float bias) {
+  convolve_block<float>(w, window, acc, H, k, stride, span, bias);
+}
+EA_CLONES void convolve_block_double(const double* w, const double* window, double* acc,
+                                     int64_t H, int64_t k, int64_t stride, int64_t span,
+                                     double bias) {
+  convolve_block<double>(w, window, acc, H, k, stride, span, bias);
+}
+inline void convolve(const float* w, const float* window, float* acc, int64_t H, int64_t k,
+                     int64_t stride, int64_t span, float bias) {
+  convolve_block_float(w, window, acc, H, k, stride, span, bias);
+}
+inline void convolve(const double* w, const double* window, double* acc, int64_t H, int64_t k,
+                     int64_t stride, int64_t span, double bias) {
+  convolve_block_double(w, window, acc, H, k, stride, span, bias);
+}
+
+// torch.lerp's formula (exact at both ends), so both paths round alike
+template <typename scalar_t>
+inline scalar_t torch_lerp(scalar_t start, scalar_t end, scalar_t weight) {
+  const scalar_t diff = end - start;
+  return weight < scalar_t(0.5) ? start + weight * diff : end - diff * (scalar_t(1) - weight);
+}
+
+template <typename scalar_t>
+void step_kernel(
+    const at::Tensor& logits,    // (B, H, S), contiguous; overwritten with A_logit
+    const at::Tensor& previous,  // (B, H, S) contiguous, or undefined
+    const at::Tensor& earlier,   // (B, H, k-1, S_prev) contiguous, or undefined
+    const at::Tensor& masked,    // (B, S) bool contiguous, or undefined
+    const at::Tensor& weight,    // (H, H, k, k) contiguous, the (masked) kernel
+    const at::Tensor& bias,      // (H) or undefined
+    at::Tensor& rows_out,        // (B, H, k-1, S): the cache for the next step
+    double alpha, double beta, int64_t left) {
+  const int64_t B = logits.size(0), H = logits.size(1), S = logits.size(2);
+  const int64_t k = weight.size(2), R = k - 1;
+  const int64_t S_prev = earlier.defined() ? earlier.size(3) : 0;
+  scalar_t* lg = logits.data_ptr<scalar_t>();
+  const scalar_t* pv = previous.defined() ? previous.data_ptr<scalar_t>() : nullptr;
+  const scalar_t* ea = earlier.defined() ? earlier.data_ptr<scalar_t>() : nullptr;
+  const bool* mk = masked.defined() ? masked.data_ptr<bool>() : nullptr;
+  const scalar_t* w = weight.data_ptr<scalar_t>();
+  const scalar_t* bs = bias.defined() ? bias.data_ptr<scalar_t>() : nullptr;
+  scalar_t* ro = rows_out.data_ptr<scalar_t>();
+  const scalar_t a = static_cast<scalar_t>(alpha), b = static_cast<scalar_t>(beta);
+  const scalar_t neg_inf = -std::numeric_limits<scalar_t>::infinity();
+
+  // The convolution runs over blocks of hypotheses: for each tap, one long loop over the
+  // block's rows laid end to end (each zero-bordered to W = S + k - 1 columns), so the
+  // compiler vectorises it; the border columns between hypotheses are computed and dropped.
+  const int64_t W = S + k - 1;
+  const int64_t block = std::max<int64_t>(1, std::min<int64_t>(64, 4096 / W));
+  const int64_t blocks = (B + block - 1) / block;
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, H * H * k * k * W * block));
+  at::parallel_for(0, blocks, grain, [&](int64_t first, int64_t last) {
+    // window[i][r][n][W]: the k rows input head i contributes for hypothesis n
+    std::vector<scalar_t> window(H * k * block * W + kTile + k);
+    std::vector<scalar_t> acc(block * W + kTile);
+    // locals, not captures: stores through the map rows could alias captured scalars
+    const scalar_t skip = a, residual = b, fill = neg_inf;
+    for (int64_t blk = first; blk < last; ++blk) {
+      const int64_t n0 = blk * block, nb = std::min(block, B - n0);
+      std::fill(window.begin(), window.end(), scalar_t(0));
+      for (int64_t h = 0; h < H; ++h) {
+        for (int64_t q = 0; q < nb; ++q) {
+          const int64_t n = n0 + q;
+          const bool* m = mk ? mk + n * S : nullptr;
+          for (int64_t r = 0; r < R && ea; ++r) {
+            const scalar_t* src = ea + ((n * H + h) * R + r) * S_prev;
+            std::copy(src, src + S_prev, window.data() + ((h * k + r) * block + q) * W + left);
+          }
+          // the new row of A_input: skip connection, neutral zeros where masked
+          const scalar_t* x = lg + (n * H + h) * S;
+          const scalar_t* p = pv ? pv + (n * H + h) * S : nullptr;
+          scalar_t* cur = window.data() + ((h * k + R) * block + q) * W + left;
+          for (int64_t s = 0; s < S; ++s) {
+            const scalar_t v = p ? torch_lerp(x[s], p[s], skip) : x[s];
+            cur[s] = (m && m[s]) ? scalar_t(0) : v;
+          }
+          // the next step's cache: the last k-1 rows, the new one included
+          for (int64_t r = 0; r < R; ++r) {
+            const scalar_t* src = window.data() + ((h * k + r + 1) * block + q) * W + left;
+            std::copy(src, src + S, ro + ((n * H + h) * R + r) * S);
+          }
+        }
+      }
+      const int64_t span = (nb - 1) * W + S;  // the last valid output + 1
+      for (int64_t o = 0; o < H; ++o) {
+        convolve(w + o * H * k * k, window.data(), acc.data(), H, k, block * W, span,
+                 bs ? bs[o] : scalar_t(0));
+        for (int64_t q = 0; q < nb; ++q) {
+          const int64_t n = n0 + q;
+          const bool* m = mk ? mk + n * S : nullptr;
+          const scalar_t* cur = window.data() + ((o * k + R) * block + q) * W + left;
+          const scalar_t* conv_row = acc.data() + q * W;
+          scalar_t* out = lg + (n * H + o) * S;
+          for (int64_t s = 0; s < S; ++s) {
+            const scalar_t conv = conv_row[s] > scalar_t(0) ? conv_row[s] : scalar_t(0);
+            out[s] = (m && m[s]) ? fill : torch_lerp(cur[s], conv, residual);
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// Training and full passes: Eq. (4) around the convolution, one pass each way.
+//
+//   input:    A_input = 0 where neutral, else lerp(logits, A_logit(i-1), alpha)
+//             (or logits without a previous map), written channels-last: the layout of
+//             oneDNN's fast small-channel convolutions, so the convolution reads it as is;
+//   residual: A_logit = -inf where masked, else lerp(A_input, ReLU(C), beta), with
+//             C = conv[:, :, :T, :S] read from the convolution's uncropped output.
+// Backward passes write each gradient in the layout of the tensor it belongs to (the
+// convolution's, border zeros included; A_input's channels-last), so autograd needs no
+// crop, copy or layout conversion between them. Every tensor is read through its
+// strides; masks are bool tensors expanded to the map's shape (zero strides).
+namespace {
+
+struct Map4 {  // the strides of a 4-D view
+  int64_t s0, s1, s2, s3;
+  explicit Map4(const at::Tensor& t)
+      : s0(t.stride(0)), s1(t.stride(1)), s2(t.stride(2)), s3(t.stride(3)) {}
+  int64_t at(int64_t b, int64_t h, int64_t t, int64_t s) const {
+    return b * s0 + h * s1 + t * s2 + s * s3;
+  }
+};
+
+bool defined(const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
+void check_map(const at::Tensor& t, const at::Tensor& like, const char* name) {
+  TORCH_CHECK(t.dim() == 4 && t.sizes() == like.sizes(), name, " must be a (B, H, T, S) map");
+  TORCH_CHECK(t.scalar_type() == like.scalar_type(), name, " must be of the map's dtype");
+}
+
+void check_mask(const c10::optional<at::Tensor>& m, const at::Tensor& like) {
+  if (defined(m)) {
+    TORCH_CHECK(m->scalar_type() == at::kBool && m->sizes() == like.sizes(),
+                "masks must be bool and expanded to the map's shape");
+  }
+}
+
+void check_conv(const at::Tensor& conv, const at::Tensor& like) {
+  TORCH_CHECK(conv.dim() == 4 && conv.size(0) == like.size(0) && conv.size(1) == like.size(1) &&
+                  conv.size(2) >= like.size(2) && conv.size(3) >= like.size(3),
+              "the convolution output must cover the map");
+  TORCH_CHECK(conv.scalar_type() == like.scalar_type(), "conv must be of the map's dtype");
+}
+
+int64_t grain_rows(int64_t H, int64_t S) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, H * S)); }
+
+}  // namespace
+
+at::Tensor evolving_attention_input_forward(at::Tensor logits, c10::optional<at::Tensor> previous,
+                                            c10::optional<at::Tensor> neutral, double alpha) {
+  TORCH_CHECK(logits.dim() == 4, "logits must be a (B, H, T, S) map");
+  if (defined(previous)) check_map(*previous, logits, "previous");
+  check_mask(neutral, logits);
+  const int64_t B = logits.size(0), H = logits.size(1), T = logits.size(2), S = logits.size(3);
+  auto out = at::empty(logits.sizes(), logits.options().memory_format(at::MemoryFormat::ChannelsLast));
+  const Map4 xm(logits), om(out);
+  const Map4 pm(defined(previous) ? *previous : logits), nm(defined(neutral) ? *neutral : logits);
+  const bool* nk = defined(neutral) ? neutral->data_ptr<bool>() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "evolving_attention_input_forward", [&] {
+    const scalar_t* x = logits.data_ptr<scalar_t>();
+    const scalar_t* pv = defined(previous) ? previous->data_ptr<scalar_t>() : nullptr;
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const scalar_t a = static_cast<scalar_t>(alpha);
+    at::parallel_for(0, B * T, grain_rows(H, S), [&](int64_t first, int64_t last) {
+      // locals, not captures: stores through the map rows could alias captured scalars
+      const scalar_t skip = a;
+      const int64_t x_step = xm.s3, p_step = pm.s3, n_step = nm.s3, o_step = om.s3;
+      for (int64_t row = first; row < last; ++row) {
+        const int64_t b = row / T, t = row % T;
+        for (int64_t h = 0; h < H; ++h) {
+          const scalar_t* x_row = x + xm.at(b, h, t, 0);
+          scalar_t* o_row = o + om.at(b, h, t, 0);
+          if (pv) {
+            const scalar_t* p_row = pv + pm.at(b, h, t, 0);
+            for (int64_t s = 0; s < S; ++s)
+              o_row[s * o_step] = torch_lerp(x_row[s * x_step], p_row[s * p_step], skip);
+          } else {
+            for (int64_t s = 0; s < S; ++s) o_row[s * o_step] = x_row[s * x_step];
+          }
+          if (nk) {  // neutral zeros (also replaces the previous map's -inf)
+            const bool* n_row = nk + nm.at(b, h, t, 0);
+            for (int64_t s = 0; s < S; ++s)
+              o_row[s * o_step] = n_row[s * n_step] ? scalar_t(0) : o_row[s * o_step];
+          }
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// (dlogits, dprevious or undefined), both contiguous.
+std::vector<at::Tensor> evolving_attention_input_backward(at::Tensor grad,
+                                                          c10::optional<at::Tensor> neutral,
+                                                          double alpha, bool has_previous) {
+  TORCH_CHECK(grad.dim() == 4, "grad must be a (B, H, T, S) map");
+  check_mask(neutral, grad);
+  const int64_t B = grad.size(0), H = grad.size(1), T = grad.size(2), S = grad.size(3);
+  auto grad_x = at::empty(grad.sizes(), grad.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor grad_p;
+  if (has_previous) grad_p = at::empty_like(grad_x);
+  const Map4 gm(grad), nm(defined(neutral) ? *neutral : grad);
+  const bool* nk = defined(neutral) ? neutral->data_ptr<bool>() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES(grad.scalar_type(), "evolving_attention_input_backward", [&] {
+    const scalar_t* g = grad.data_ptr<scalar_t>();
+    scalar_t* gx = grad_x.data_ptr<scalar_t>();
+    scalar_t* gp = has_previous ? grad_p.data_ptr<scalar_t>() : nullptr;
+    const scalar_t a = static_cast<scalar_t>(alpha);
+    at::parallel_for(0, B * T, grain_rows(H, S), [&](int64_t first, int64_t last) {
+      const scalar_t w_prev = gp ? a : scalar_t(0), w_x = gp ? scalar_t(1) - a : scalar_t(1);
+      const int64_t g_step = gm.s3, n_step = nm.s3;
+      for (int64_t row = first; row < last; ++row) {
+        const int64_t b = row / T, t = row % T;
+        for (int64_t h = 0; h < H; ++h) {
+          const scalar_t* g_row = g + gm.at(b, h, t, 0);
+          const bool* n_row = nk ? nk + nm.at(b, h, t, 0) : nullptr;
+          scalar_t* gx_row = gx + ((b * H + h) * T + t) * S;
+          for (int64_t s = 0; s < S; ++s) gx_row[s] = g_row[s * g_step];
+          if (n_row) {
+            for (int64_t s = 0; s < S; ++s) gx_row[s] = n_row[s * n_step] ? scalar_t(0) : gx_row[s];
+          }
+          if (gp) {
+            scalar_t* gp_row = gp + ((b * H + h) * T + t) * S;
+            for (int64_t s = 0; s < S; ++s) {
+              gp_row[s] = gx_row[s] * w_prev;
+              gx_row[s] = gx_row[s] * w_x;
+            }
+          }
+        }
+      }
+    });
+  });
+  return {grad_x, grad_p};
+}
+
+at::Tensor convolution_residual_forward(at::Tensor a_input, at::Tensor conv,
+                                        c10::optional<at::Tensor> masked, double beta) {
+  TORCH_CHECK(a_input.dim() == 4, "A_input must be a (B, H, T, S) map");
+  check_conv(conv, a_input);
+  check_mask(masked, a_input);
+  const int64_t B = a_input.size(0), H = a_input.size(1), T = a_input.size(2),
+                S = a_input.size(3);
+  auto out = at::empty(a_input.sizes(), a_input.options().memory_format(at::MemoryFormat::Contiguous));
+  const Map4 am(a_input), cm(conv), mm(defined(masked) ? *masked : a_input);
+  const bool* mk = defined(masked) ? masked->data_ptr<bool>() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES(a_input.scalar_type(), "convolution_residual_forward", [&] {
+    const scalar_t* a = a_input.data_ptr<scalar_t>();
+    const scalar_t* c = conv.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const scalar_t bt = static_cast<scalar_t>(beta);
+    at::parallel_for(0, B * T, grain_rows(H, S), [&](int64_t first, int64_t last) {
+      // locals, not captures: stores through o_row could alias a captured scalar
+      const scalar_t weight = bt, fill = -std::numeric_limits<scalar_t>::infinity();
+      const int64_t a_step = am.s3, c_step = cm.s3, m_step = mm.s3;
+      for (int64_t row = first; row < last; ++row) {
+        const int64_t b = row / T, t = row % T;
+        for (int64_t h = 0; h < H; ++h) {
+          const scalar_t* a_row = a + am.at(b, h, t, 0);
+          const scalar_t* c_row = c + cm.at(b, h, t, 0);
+          scalar_t* o_row = o + ((b * H + h) * T + t) * S;
+          for (int64_t s = 0; s < S; ++s) {
+            const scalar_t cv = c_row[s * c_step];
+            o_row[s] = torch_lerp(a_row[s * a_step], cv > scalar_t(0) ? cv : scalar_t(0), weight);
+          }
+          if (mk) {
+            const bool* m_row = mk + mm.at(b, h, t, 0);
+            for (int64_t s = 0; s < S; ++s) o_row[s] = m_row[s * m_step] ? fill : o_row[s];
+          }
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// (dA_input in A_input's layout, dConv in conv's layout and size: zero where cropped,
+// masked or ReLU-clipped).
+std::vector<at::Tensor> convolution_residual_backward(at::Tensor grad, at::Tensor conv,
+                                                      c10::optional<at::Tensor> masked,
+                                                      double beta, bool channels_last_input) {
+  TORCH_CHECK(grad.dim() == 4, "grad must be a (B, H, T, S) map");
+  check_conv(conv, grad);
+  check_mask(masked, grad);
+  const int64_t B = grad.size(0), H = grad.size(1), T = grad.size(2), S = grad.size(3);
+  const int64_t Tc = conv.size(2), Sc = conv.size(3);
+  auto grad_a = at::empty(grad.sizes(), grad.options().memory_format(
+      channels_last_input ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous));
+  auto grad_c = at::empty_like(conv, at::MemoryFormat::Preserve);
+  const Map4 gm(grad), cm(conv), gam(grad_a), gcm(grad_c), mm(defined(masked) ? *masked : grad);
+  const bool* mk = defined(masked) ? masked->data_ptr<bool>() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES(grad.scalar_type(), "convolution_residual_backward", [&] {
+    const scalar_t* g = grad.data_ptr<scalar_t>();
+    const scalar_t* c = conv.data_ptr<scalar_t>();
+    scalar_t* ga = grad_a.data_ptr<scalar_t>();
+    scalar_t* gc = grad_c.data_ptr<scalar_t>();
+    const scalar_t bt = static_cast<scalar_t>(beta);
+    at::parallel_for(0, B * Tc, grain_rows(H, Sc), [&](int64_t first, int64_t last) {
+      // locals, not captures: stores through the gradient rows could alias captured scalars
+      const scalar_t w_conv = bt, w_input = scalar_t(1) - bt;
+      const int64_t g_step = gm.s3, c_step = cm.s3, ga_step = gam.s3, gc_step = gcm.s3,
+                    m_step = mm.s3;
+      for (int64_t row = first; row < last; ++row) {
+        const int64_t b = row / Tc, t = row % Tc;
+        for (int64_t h = 0; h < H; ++h) {
+          scalar_t* gc_row = gc + gcm.at(b, h, t, 0);
+          if (t >= T) {  // the convolution's cropped border rows
+            for (int64_t s = 0; s < Sc; ++s) gc_row[s * gc_step] = scalar_t(0);
+            continue;
+          }
+          const scalar_t* g_row = g + gm.at(b, h, t, 0);
+          const scalar_t* c_row = c + cm.at(b, h, t, 0);
+          const bool* m_row = mk ? mk + mm.at(b, h, t, 0) : nullptr;
+          scalar_t* ga_row = ga + gam.at(b, h, t, 0);
+          // branch-free selects (-fno-trapping-math): the ReLU's signs are random
+          for (int64_t s = 0; s < S; ++s) {
+            const scalar_t gv = g_row[s * g_step];
+            const scalar_t kept = (m_row && m_row[s * m_step]) ? scalar_t(0) : gv;
+            ga_row[s * ga_step] = kept * w_input;
+            const scalar_t through = kept * w_conv;
+            gc_row[s * gc_step] = c_row[s * c_step] > scalar_t(0) ? through : scalar_t(0);
+          }
+          for (int64_t s = S; s < Sc; ++s) gc_row[s * gc_step] = scalar_t(0);  // border columns
+        }
+      }
+    });
+  });
+  return {grad_a, grad_c};
+}
+
+// Returns (A_logit (B, H, 1, S), written into `logits`; the next step's cached rows).
+std::vector<at::Tensor> evolving_attention_step(
+    at::Tensor logits, c10::optional<at::Tensor> previous, c10::optional<at::Tensor> earlier,
+    c10::optional<at::Tensor> masked, at::Tensor weight, c10::optional<at::Tensor> bias,
+    double alpha, double beta, int64_t left) {
+  TORCH_CHECK(logits.dim() == 4 && logits.size(2) == 1, "logits must be (B, H, 1, S)");
+  TORCH_CHECK(logits.is_contiguous(), "logits must be contiguous");
+  TORCH_CHECK(weight.dim() == 4 && weight.size(2) == weight.size(3) && weight.size(2) > 1,
+              "weight must be (H, H, k, k) with k > 1");
+  const int64_t B = logits.size(0), H = logits.size(1), S = logits.size(3);
+  const int64_t k = weight.size(2);
+  TORCH_CHECK(weight.size(0) == H && weight.size(1) == H, "weight must map the map's heads");
+  TORCH_CHECK(left >= 0 && left < k, "left padding must lie in [0, k)");
+  auto check = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.scalar_type() == logits.scalar_type() && t.is_contiguous(), name,
+                " must be contiguous and of the logits' dtype");
+  };
+  at::Tensor prev_t, earlier_t, masked_t, bias_t;
+  if (previous.has_value() && previous->defined()) {
+    prev_t = *previous;
+    check(prev_t, "previous");
+    TORCH_CHECK(prev_t.numel() == logits.numel(), "previous must match the logits");
+  }
+  if (earlier.has_value() && earlier->defined()) {
+    earlier_t = *earlier;
+    check(earlier_t, "earlier");
+    TORCH_CHECK(earlier_t.dim() == 4 && earlier_t.size(0) == B && earlier_t.size(1) == H &&
+                    earlier_t.size(2) == k - 1 && earlier_t.size(3) <= S,
+                "earlier rows must be (B, H, k-1, <=S)");
+  }
+  if (masked.has_value() && masked->defined()) {
+    masked_t = *masked;
+    TORCH_CHECK(masked_t.scalar_type() == at::kBool && masked_t.is_contiguous() &&
+                    masked_t.numel() == B * S,
+                "masked must be a contiguous (B, S) bool tensor");
+  }
+  if (bias.has_value() && bias->defined()) {
+    bias_t = *bias;
+    check(bias_t, "bias");
+  }
+  check(weight, "weight");
+  auto rows_out = at::empty({B, H, k - 1, S}, logits.options());
+  auto flat = logits.view({B, H, S});
+  AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "evolving_attention_step", [&] {
+    step_kernel<scalar_t>(flat, prev_t, earlier_t, masked_t, weight, bias_t, rows_out, alpha,
+                          beta, left);
+  });
+  return {logits, rows_out};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("evolving_attention_step", &evolving_attention_step,
+        "One incremental decoding step of Evolving Attention, EA Eq. (4), fused (CPU)");
+  m.def("evolving_attention_input_forward", &evolving_attention_input_forward,
+        "EA Eq. (4) line 1 before the convolution: neutral-filled lerp(logits, previous, alpha), "
+        "channels-last");
+  m.def("evolving_attention_input_backward", &evolving_attention_input_backward,
+        "Gradients of evolving_attention_input_forward");
+  m.def("convolution_residual_forward", &convolution_residual_forward,
+        "EA Eq. (4) line 2 after the convolution: masked lerp(A_input, ReLU(C), beta)");
+  m.def("convolution_residual_backward", &convolution_residual_backward,
+        "Gradients of convolution_residual_forward");
+}
