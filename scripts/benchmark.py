@@ -406,7 +406,7 @@ def main():
             for v in vocabs:
                 rows += bench_generation(arch, twin, v, beams=args.beams or ([5] if quick else [5, 1]),
                                          batch_sizes=args.batch_sizes or ([1, 4] if quick else [1, 32, 128]),
-                                         length=6 if quick else 25, repeats=1 if quick else 3)
+                                         length=6 if quick else 25, repeats=1 if quick else 5)
             report["generation"][arch] = rows
     if "scaling" not in args.skip:
         scaled = [a for a in archs if a.startswith(("ea_transformer_lite", "ran_all_lite", "ran_d_lite"))]

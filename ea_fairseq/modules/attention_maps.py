@@ -221,8 +221,9 @@ class LogitMapAttention(MultiheadAttention):
         kv_bsz = v.size(0) // heads
         v = v.view(kv_bsz, heads, src_len, self.head_dim)
         if kv_bsz != bsz:
-            # beam search shares the encoder's keys/values across a sentence's beams
-            out = torch.matmul(probs.view(kv_bsz, -1, heads, tgt_len, src_len), v.unsqueeze(1))
+            # beam search shares the encoder's keys/values across a sentence's beams; as in
+            # fairseq, an einsum (a broadcasting matmul would copy v once per beam)
+            out = torch.einsum("bxhts,bhsd->bxhtd", probs.view(kv_bsz, -1, heads, tgt_len, src_len), v)
         else:
             out = torch.matmul(probs, v)
         out = out.reshape(bsz, heads, tgt_len, self.head_dim).permute(2, 0, 1, 3)
