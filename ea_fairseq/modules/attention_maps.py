@@ -146,7 +146,10 @@ class LogitMapAttention(MultiheadAttention):
         """Dropout on the attention weights ``(batch, heads, tgt, src)``."""
         if self.weight_dropout is not None:
             return self.weight_dropout(probs)
-        return self.dropout_module(probs)
+        dropout = self.dropout_module
+        if not (dropout.training or dropout.apply_during_inference):
+            return probs  # what FairseqDropout returns, without a module call per decoding step
+        return dropout(probs)
 
     # -- forward -------------------------------------------------------------------------
     def forward(
@@ -221,12 +224,15 @@ class LogitMapAttention(MultiheadAttention):
         kv_bsz = v.size(0) // heads
         v = v.view(kv_bsz, heads, src_len, self.head_dim)
         if kv_bsz != bsz:
-            # beam search shares the encoder's keys/values across a sentence's beams; as in
-            # fairseq, an einsum (a broadcasting matmul would copy v once per beam)
-            out = torch.einsum("bxhts,bhsd->bxhtd", probs.view(kv_bsz, -1, heads, tgt_len, src_len), v)
+            # beam search shares the encoder's keys/values across a sentence's beams: the
+            # beams' rows go into one matmul per sentence and head (a broadcasting matmul
+            # would copy v once per beam)
+            beams = bsz // kv_bsz
+            rows = probs.view(kv_bsz, beams, heads, tgt_len, src_len).transpose(1, 2)
+            out = torch.matmul(rows.reshape(kv_bsz, heads, beams * tgt_len, src_len), v)
+            out = out.view(kv_bsz, heads, beams, tgt_len, self.head_dim).permute(3, 0, 2, 1, 4)
         else:
-            out = torch.matmul(probs, v)
-        out = out.reshape(bsz, heads, tgt_len, self.head_dim).permute(2, 0, 1, 3)
+            out = torch.matmul(probs, v).permute(2, 0, 1, 3)  # (T, B, H, head_dim)
         return self.out_proj(out.reshape(tgt_len, bsz, self.embed_dim))
 
     # -- incremental state of a mechanism ----------------------------------------------

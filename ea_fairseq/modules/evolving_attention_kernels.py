@@ -89,10 +89,10 @@ def _build():
 def applies(logits: Tensor) -> bool:
     """Whether the fused step can compute this step's map (else: the PyTorch path)."""
     return (
-        logits.size(2) == 1
+        not torch.is_grad_enabled()
+        and logits.size(2) == 1
         and logits.dtype in DTYPES
         and logits.device.type == "cpu"
-        and not torch.is_grad_enabled()
         and extension() is not None
     )
 
@@ -118,16 +118,8 @@ def evolving_attention_step(logits: Tensor, previous: Optional[Tensor], earlier:
     ``(A_logit, rows to cache)``.
     """
     return extension().evolving_attention_step(
-        logits.contiguous(),
-        None if previous is None else previous.contiguous(),
-        None if earlier is None else earlier.contiguous(),
-        masked,
-        weight.contiguous(),
-        bias,
-        float(alpha),
-        float(beta),
-        int(left),
-    )
+        logits.contiguous(), None if previous is None else previous.contiguous(),
+        None if earlier is None else earlier.contiguous(), masked, weight, bias, alpha, beta, left)
 
 
 class EvolvingAttentionInput(torch.autograd.Function):
