@@ -23,7 +23,7 @@ def decoding_step(request, monkeypatch):
         monkeypatch.setattr(fused, "extension", lambda: None)
         yield request.param
         return
-    assert fused.extension() is not None, "the fused decoding-step kernel did not build"
+    assert fused.extension() is not None, "the fused EA kernels did not build"
     calls = []
     step = fused.evolving_attention_step
     monkeypatch.setattr(fused, "evolving_attention_step", lambda *a: calls.append(1) or step(*a))

@@ -14,7 +14,7 @@ HEADS = 4
 @pytest.fixture(scope="module")
 def kernel():
     ext = fused.extension()
-    assert ext is not None, "the fused decoding-step kernel did not build (C++ compiler, ninja)"
+    assert ext is not None, "the fused EA kernels did not build (C++ compiler, ninja)"
     return ext
 
 

@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from .attention_maps import values_key
 
 LAYOUTS = ("full", "causal", "rows")
 
@@ -116,9 +117,8 @@ class AttentionMapConv(nn.Conv2d):
         if torch.is_grad_enabled():
             self._masked = None
             return self.weight * self.kernel_mask
-        # (the mask is a constant buffer: a device/dtype move changes the weight's key too)
-        weight = self.weight
-        key = (weight.data_ptr(), weight._version, weight.dtype)
+        # the mask is a constant buffer: a device/dtype move changes the weight's key too
+        key = values_key((self.weight,))
         if self._masked is None or self._masked[0] != key:
             self._masked = (key, self.weight * self.kernel_mask)
         return self._masked[1]

@@ -18,10 +18,10 @@ hundred numbers, and on CPU each one's fixed cost is larger than its work: measu
 here, they made EA-Lite's beam search 30% slower than the vanilla transformer's.
 ``csrc/evolving_attention.cpp`` does the same arithmetic in one pass.
 
-The kernels are a PyTorch C++ extension built on first use (about 30 s, once per machine:
+The kernels are a PyTorch C++ extension built on first use (about 40 s, once per machine:
 ``torch.utils.cpp_extension`` keeps it in ``TORCH_EXTENSIONS_DIR``). It needs a C++
-compiler and ``ninja``; without them, or with ``EA_FAIRSEQ_FUSED_STEP=0``, decoding uses
-the PyTorch path of :class:`~ea_fairseq.modules.evolving_attention.EvolvingAttention`,
+compiler and ``ninja``; without them, or with ``EA_FAIRSEQ_FUSED_KERNELS=0``, training and
+decoding use the PyTorch path of :class:`~ea_fairseq.modules.evolving_attention.EvolvingAttention`,
 which computes the same values and gradients (tests check both).
 """
 import logging
@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc",
                       "evolving_attention.cpp")
-ENV_SWITCH = "EA_FAIRSEQ_FUSED_STEP"
+ENV_SWITCH = "EA_FAIRSEQ_FUSED_KERNELS"
 DTYPES = (torch.float32, torch.float64)
 
 _lock = threading.Lock()
@@ -72,13 +72,14 @@ def _build():
             os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path])
         except ImportError:
             pass
-        logger.info("building EA's fused decoding-step kernel (once per machine)")
+        logger.info("building EA's fused CPU kernels (once per machine)")
         return load(name="ea_fairseq_evolving_attention", sources=[SOURCE],
-                    extra_cflags=["-O3", "-fno-trapping-math", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+                    extra_cflags=["-O3", "-fno-trapping-math", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as err:  # no compiler, no ninja, read-only cache, ...
         logger.warning(
-            "EA's fused decoding-step kernel could not be built (%s: %s); decoding uses the "
-            "PyTorch path: same results, slower on CPU. To build it, install a C++ compiler "
+            "EA's fused CPU kernels could not be built (%s: %s); training and decoding use "
+            "the PyTorch path: same results, slower on CPU. To build it, install a C++ compiler "
             "and `pip install ninja`; set %s=0 to silence this.",
             type(err).__name__, (str(err).strip().splitlines() or [""])[-1], ENV_SWITCH)
         return None
