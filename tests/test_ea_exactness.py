@@ -18,16 +18,22 @@ STRONG = ("--ea-alpha", "0.5", "--ea-beta", "0.5", "--ea-decoder-alpha", "0.3")
 
 @pytest.fixture(params=["fused-step", "pytorch-step"])
 def decoding_step(request, monkeypatch):
-    """Decode with the fused step kernel (checked to run) or with the PyTorch path."""
+    """Decode with the fused step kernel (checked to run) or with the PyTorch path; yields
+    the list of the kernel's calls (whether each returned the weights), or None."""
     if request.param == "pytorch-step":
         monkeypatch.setattr(fused, "extension", lambda: None)
-        yield request.param
+        yield None
         return
     assert fused.extension() is not None, "the fused EA kernels did not build"
     calls = []
     step = fused.evolving_attention_step
-    monkeypatch.setattr(fused, "evolving_attention_step", lambda *a: calls.append(1) or step(*a))
-    yield request.param
+
+    def counted(*args):
+        calls.append(len(args) > 9 and args[9] is not None)  # the values: weights and context
+        return step(*args)
+
+    monkeypatch.setattr(fused, "evolving_attention_step", counted)
+    yield calls
     assert calls, "decoding never reached the fused step kernel"
 
 
@@ -122,24 +128,39 @@ def test_causality_check_catches_a_leaking_conv(dictionary, which):
     assert (out[:, :5] - base[:, :5]).abs().max() > 1e-4
 
 
+# decoder α > 0: each layer hands its A_logit on; α = 0 (the papers' decoder): no layer
+# reads it, and the fused step returns the attention weights, softmax included
+DECODER_ALPHA = pytest.mark.parametrize("decoder_alpha", ["0.3", "0"], ids=["hand-on", "weights"])
+
+
+def check_step_kind(calls, decoder_alpha):
+    if calls is not None:  # the fused step ran: as A_logit, or as the weights
+        assert set(calls) == {decoder_alpha == "0"}
+
+
+@DECODER_ALPHA
 @pytest.mark.parametrize("kernel", ["3", "5"])
-def test_incremental_equals_full_forward(dictionary, kernel, decoding_step):
-    model, _ = build_model("ea_transformer_lite", *SMALL, *STRONG, "--ea-kernel-size", kernel)
+def test_incremental_equals_full_forward(dictionary, kernel, decoding_step, decoder_alpha):
+    model, _ = build_model("ea_transformer_lite", *SMALL, *STRONG, "--ea-decoder-alpha",
+                           decoder_alpha, "--ea-kernel-size", kernel)
     randomize_convs(model)
     src, lengths, prev = random_batch(dictionary, [5, 9, 3, 7], 8)
     full = decoder_out(model, src, lengths, prev)
     steps, _ = incremental_logprobs(model, src, lengths, prev)
     assert (steps - full).abs().max() <= 1e-5
+    check_step_kind(decoding_step, decoder_alpha)
 
 
+@DECODER_ALPHA
 @pytest.mark.parametrize("new_order", [[1, 1, 3, 2], [3, 2]], ids=["reorder", "sentence-finished"])
-def test_incremental_with_beam_reordering(dictionary, new_order, decoding_step):
+def test_incremental_with_beam_reordering(dictionary, new_order, decoding_step, decoder_alpha):
     """fairseq's encoder-decoder attention shares one key/value copy per sentence and skips
     reordering it when the batch size is unchanged; the convolution rows cache depends on
     each beam's prefix and must be reordered regardless."""
-    model, _ = build_model("ea_transformer_lite", *SMALL, *STRONG)
+    model, _ = build_model("ea_transformer_lite", *SMALL, *STRONG, "--ea-decoder-alpha", decoder_alpha)
     randomize_convs(model)
     assert beam_reorder_gap(model, dictionary, new_order) <= 1e-5
+    check_step_kind(decoding_step, decoder_alpha)
 
 
 def test_batch_invariance_with_left_padding(dictionary):

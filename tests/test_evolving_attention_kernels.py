@@ -18,12 +18,12 @@ def kernel():
     return ext
 
 
-def ea_attention(layout, kernel_size, alpha, dtype, seed=0):
+def ea_attention(layout, kernel_size, alpha, dtype, seed=0, hand_on=True):
     torch.manual_seed(seed)
     mha = MultiheadAttention(16, HEADS, self_attention=layout == "causal",
                              encoder_decoder_attention=layout == "rows")
     attn = EvolvingAttention.promote(mha, slot="self", alpha=alpha, beta=0.4,
-                                     kernel_size=kernel_size, conv_layout=layout, hand_on=True)
+                                     kernel_size=kernel_size, conv_layout=layout, hand_on=hand_on)
     attn.attach(AttentionMapCarrier())
     with torch.no_grad():  # large weights and biases of both signs: every tap and the ReLU matter
         attn.conv.weight.normal_()
@@ -31,9 +31,11 @@ def ea_attention(layout, kernel_size, alpha, dtype, seed=0):
     return attn.to(dtype)
 
 
-def decode(attn, steps, bsz, src_len, padded, dtype, reorder_at=None):
+def decode(attn, steps, bsz, src_len, padded, dtype, reorder_at=None, weights=False):
     """Feed random step logits (fairseq's -inf on padded keys) and previous-layer maps;
-    return every step's A_logit. Beams are reordered once, as in beam search."""
+    return every step's A_logit, or with ``weights`` the pair (softmax, value product) as
+    the attention computes it (:meth:`attend_step` where it applies; encoder-decoder values
+    shared by beams of 5 where the batch allows). Beams are reordered once, as in beam search."""
     g = torch.Generator().manual_seed(1)
     state, outs = {}, []
     with torch.no_grad():
@@ -50,8 +52,26 @@ def decode(attn, steps, bsz, src_len, padded, dtype, reorder_at=None):
                 logits.masked_fill_(masked, float("-inf"))
             previous = torch.randn(bsz, HEADS, 1, width, generator=g, dtype=dtype)
             attn.attention_maps.hand_on("self", fused_mask(previous, masked))
-            outs.append(attn.transform_logits(logits, masked, None, state).clone())
+            if not weights:
+                outs.append(attn.transform_logits(logits, masked, None, state).clone())
+                continue
+            beams = 5 if layout_shares_values(attn) and bsz % 5 == 0 else 1
+            v = torch.randn(bsz // beams * HEADS, width, attn.head_dim, generator=g, dtype=dtype)
+            step = attn.attend_step(logits, masked, v, state)
+            if fused.extension() is not None:
+                assert step is not None, "the fused step did not compute the attention"
+                context, probs = step
+            else:
+                assert step is None
+                probs = attn.transform_logits(logits, masked, None, state).softmax(-1)
+                context = torch.einsum("kbhts,khsd->tkbhd", probs.view(bsz // beams, beams, HEADS, 1, width),
+                                       v.view(bsz // beams, HEADS, width, -1)).reshape(1, bsz, -1)
+            outs.append((probs.clone(), context.clone()))
     return outs
+
+
+def layout_shares_values(attn):
+    return attn.conv.layout == "rows"
 
 
 def fused_mask(values, masked):
@@ -64,21 +84,30 @@ def fused_mask(values, masked):
 @pytest.mark.parametrize("padded", [False, True], ids=["no-padding", "padded-keys"])
 @pytest.mark.parametrize("bsz", [1, 7, 300], ids=["b1", "b7", "b300-threads"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float", "double"])
+@pytest.mark.parametrize("weights", [False, True], ids=["A_logit", "softmax"])
 def test_fused_step_equals_the_pytorch_path(kernel, monkeypatch, layout, kernel_size, alpha,
-                                            padded, bsz, dtype):
-    attn = ea_attention(layout, kernel_size, alpha, dtype)
+                                            padded, bsz, dtype, weights):
+    """A_logit (handed on to the next layer) or, when no layer reads it, the weights."""
+    attn = ea_attention(layout, kernel_size, alpha, dtype, hand_on=not weights)
     steps, src_len = 6, 9
-    got = decode(attn, steps, bsz, src_len, padded, dtype, reorder_at=3)
+    got = decode(attn, steps, bsz, src_len, padded, dtype, reorder_at=3, weights=weights)
     monkeypatch.setattr(fused, "extension", lambda: None)
-    want = decode(attn, steps, bsz, src_len, padded, dtype, reorder_at=3)
+    want = decode(attn, steps, bsz, src_len, padded, dtype, reorder_at=3, weights=weights)
     tol = 1e-4 if dtype == torch.float32 else 1e-10
     for g, w in zip(got, want):
+        if weights:  # masked keys weigh exactly 0, rows sum to 1; then the value products
+            (g, g_context), (w, w_context) = g, w
+            assert torch.equal(g == 0, w == 0)
+            assert (g.sum(-1) - 1).abs().max() <= tol
+            assert g_context.shape == w_context.shape == (1, bsz, 16)
+            assert (g_context - w_context).abs().max() <= tol * w_context.abs().max()
         assert g.shape == w.shape and g.dtype == dtype
         assert torch.equal(torch.isneginf(g), torch.isneginf(w))
         finite = torch.isfinite(w)
         assert finite.any() and (g[finite] - w[finite]).abs().max() <= tol * w[finite].abs().max()
     if padded:
-        assert torch.isneginf(got[-1][-1]).any()
+        last = got[-1][0] if weights else got[-1]
+        assert (last[-1] == 0).any() if weights else torch.isneginf(last[-1]).any()
 
 
 def test_fused_step_runs_only_where_it_applies(kernel):

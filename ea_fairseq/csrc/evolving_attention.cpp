@@ -11,6 +11,10 @@
 //   A_input = 0 where masked                                   (neutral entries)
 //   A_logit = beta * ReLU(Conv(A_input)) + (1 - beta) * A_input
 //   A_logit = -inf where masked
+//   (optionally) P = softmax(A_logit) over the keys, the attention weights, and the
+//   context P V (the value product, before the output projection): when no later layer
+//   reads A_logit and no dropout acts on the weights, the step's whole attention after
+//   QK^T is this one call
 //
 // Conv reads, for output column j, rows (cached k-1 rows, then the new row) and columns
 // j - left .. j - left + k - 1 (zero outside the map; cached rows narrower than the map,
@@ -23,6 +27,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <vector>
 
@@ -87,6 +92,21 @@ inline scalar_t torch_lerp(scalar_t start, scalar_t end, scalar_t weight) {
   return weight < scalar_t(0.5) ? start + weight * diff : end - diff * (scalar_t(1) - weight);
 }
 
+// In place, as torch.softmax: exp(x - max) / sum; -inf entries become 0 (a row that is
+// all -inf becomes NaN, as in torch).
+template <typename scalar_t>
+inline void softmax_row(scalar_t* x, int64_t n) {
+  scalar_t top = -std::numeric_limits<scalar_t>::infinity();
+  for (int64_t s = 0; s < n; ++s) top = x[s] > top ? x[s] : top;
+  scalar_t sum = 0;
+  for (int64_t s = 0; s < n; ++s) {
+    x[s] = std::exp(x[s] - top);
+    sum += x[s];
+  }
+  const scalar_t scale = scalar_t(1) / sum;
+  for (int64_t s = 0; s < n; ++s) x[s] *= scale;
+}
+
 template <typename scalar_t>
 void step_kernel(
     const at::Tensor& logits,    // (B, H, S), contiguous; overwritten with A_logit
@@ -96,6 +116,8 @@ void step_kernel(
     const at::Tensor& weight,    // (H, H, k, k) contiguous, the (masked) kernel
     const at::Tensor& bias,      // (H) or undefined
     at::Tensor& rows_out,        // (B, H, k-1, S): the cache for the next step
+    const at::Tensor& values,    // (B_kv * H, S, d) contiguous, or undefined
+    at::Tensor& context,         // (B, H * d): P V, written when `values` is defined
     double alpha, double beta, int64_t left) {
   const int64_t B = logits.size(0), H = logits.size(1), S = logits.size(2);
   const int64_t k = weight.size(2), R = k - 1;
@@ -107,6 +129,12 @@ void step_kernel(
   const scalar_t* w = weight.data_ptr<scalar_t>();
   const scalar_t* bs = bias.defined() ? bias.data_ptr<scalar_t>() : nullptr;
   scalar_t* ro = rows_out.data_ptr<scalar_t>();
+  const scalar_t* vs = values.defined() ? values.data_ptr<scalar_t>() : nullptr;
+  scalar_t* cx = values.defined() ? context.data_ptr<scalar_t>() : nullptr;
+  const int64_t D = values.defined() ? values.size(2) : 0;
+  // beam search shares the encoder's values across a sentence's hypotheses (kept
+  // sentence-major: hypothesis n reads the values of sentence n / beams)
+  const int64_t beams = values.defined() ? B / (values.size(0) / H) : 1;
   const scalar_t a = static_cast<scalar_t>(alpha), b = static_cast<scalar_t>(beta);
   const scalar_t neg_inf = -std::numeric_limits<scalar_t>::infinity();
 
@@ -114,7 +142,8 @@ void step_kernel(
   // block's rows laid end to end (each zero-bordered to W = S + k - 1 columns), so the
   // compiler vectorises it; the border columns between hypotheses are computed and dropped.
   const int64_t W = S + k - 1;
-  const int64_t block = std::max<int64_t>(1, std::min<int64_t>(64, 4096 / W));
+  // (no larger than the batch: the block's buffers are zeroed for every block)
+  const int64_t block = std::max<int64_t>(1, std::min<int64_t>({64, 4096 / W, B}));
   const int64_t blocks = (B + block - 1) / block;
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, H * H * k * k * W * block));
   at::parallel_for(0, blocks, grain, [&](int64_t first, int64_t last) {
@@ -162,6 +191,17 @@ void step_kernel(
           for (int64_t s = 0; s < S; ++s) {
             const scalar_t conv = conv_row[s] > scalar_t(0) ? conv_row[s] : scalar_t(0);
             out[s] = (m && m[s]) ? fill : torch_lerp(cur[s], conv, residual);
+          }
+          if (vs) {  // the weights, and the context row: sum over keys of weight * value
+            softmax_row(out, S);
+            const scalar_t* v = vs + ((n / beams) * H + o) * S * D;
+            scalar_t* c = cx + (n * H + o) * D;
+            std::fill(c, c + D, scalar_t(0));
+            for (int64_t s = 0; s < S; ++s) {
+              const scalar_t p_s = out[s];
+              const scalar_t* v_s = v + s * D;
+              for (int64_t d = 0; d < D; ++d) c[d] += p_s * v_s[d];
+            }
           }
         }
       }
@@ -399,11 +439,13 @@ std::vector<at::Tensor> convolution_residual_backward(at::Tensor grad, at::Tenso
   return {grad_a, grad_c};
 }
 
-// Returns (A_logit (B, H, 1, S), written into `logits`; the next step's cached rows).
+// Returns (A_logit (B, H, 1, S) -- or with `values` (B_kv * H, S, d) its softmax over the
+// keys -- written into `logits`; the next step's cached rows; with `values`, the context
+// P V as (1, B, H * d), the output projection's input, else None).
 std::vector<at::Tensor> evolving_attention_step(
     at::Tensor logits, c10::optional<at::Tensor> previous, c10::optional<at::Tensor> earlier,
     c10::optional<at::Tensor> masked, at::Tensor weight, c10::optional<at::Tensor> bias,
-    double alpha, double beta, int64_t left) {
+    double alpha, double beta, int64_t left, c10::optional<at::Tensor> values) {
   TORCH_CHECK(logits.dim() == 4 && logits.size(2) == 1, "logits must be (B, H, 1, S)");
   TORCH_CHECK(logits.is_contiguous(), "logits must be contiguous");
   TORCH_CHECK(weight.dim() == 4 && weight.size(2) == weight.size(3) && weight.size(2) > 1,
@@ -440,18 +482,32 @@ std::vector<at::Tensor> evolving_attention_step(
     check(bias_t, "bias");
   }
   check(weight, "weight");
+  at::Tensor values_t, context;
+  if (values.has_value() && values->defined()) {
+    values_t = *values;
+    check(values_t, "values");
+    TORCH_CHECK(values_t.dim() == 3 && values_t.size(1) == S && values_t.size(0) % H == 0 &&
+                    values_t.size(0) > 0 && B % (values_t.size(0) / H) == 0,
+                "values must be (B_kv * H, S, head_dim), B a multiple of B_kv");
+    context = at::empty({1, B, H * values_t.size(2)}, logits.options());
+  }
   auto rows_out = at::empty({B, H, k - 1, S}, logits.options());
   auto flat = logits.view({B, H, S});
   AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "evolving_attention_step", [&] {
-    step_kernel<scalar_t>(flat, prev_t, earlier_t, masked_t, weight, bias_t, rows_out, alpha,
-                          beta, left);
+    step_kernel<scalar_t>(flat, prev_t, earlier_t, masked_t, weight, bias_t, rows_out, values_t,
+                          context, alpha, beta, left);
   });
-  return {logits, rows_out};
+  return {logits, rows_out, context};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("evolving_attention_step", &evolving_attention_step,
-        "One incremental decoding step of Evolving Attention, EA Eq. (4), fused (CPU)");
+        "One incremental decoding step of Evolving Attention, EA Eq. (4), fused (CPU); with "
+        "values it returns the attention weights instead of A_logit, and the context "
+        "(weights times values)",
+        py::arg("logits"), py::arg("previous"), py::arg("earlier"), py::arg("masked"),
+        py::arg("weight"), py::arg("bias"), py::arg("alpha"), py::arg("beta"), py::arg("left"),
+        py::arg("values") = py::none());
   m.def("evolving_attention_input_forward", &evolving_attention_input_forward,
         "EA Eq. (4) line 1 before the convolution: neutral-filled lerp(logits, previous, alpha), "
         "channels-last");

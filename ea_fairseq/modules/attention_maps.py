@@ -9,16 +9,18 @@ output. :class:`LogitMapAttention` is the one place where that map is exposed:
   logits -- projections, key/value caching for incremental decoding, beam-shared
   encoder keys, the causal mask, and in decoding steps the key padding (all ``-inf``);
 * :meth:`LogitMapAttention.transform_logits` is the hook a mechanism overrides; it
-  masks (in a full pass the padded keys are masked there, once, in place);
+  masks (padded keys are masked there, once, in place, wherever the padding mask covers
+  every key: full passes, and the encoder's keys in a decoding step);
 * softmax, :meth:`drop_weights` (attention dropout), the value product and the output
-  projection follow, as in fairseq.
+  projection follow, as in fairseq. In a decoding step a mechanism may compute the
+  weights and the value product in one go instead (:meth:`LogitMapAttention.attend_step`).
 
 A fairseq-built ``MultiheadAttention`` becomes a mechanism in place with
 :meth:`LogitMapAttention.promote`: parameters, their names in the state dict and their
 initialisation stay exactly those of the vanilla module; the mechanism adds its own.
 """
 from contextlib import contextmanager
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -142,14 +144,34 @@ class LogitMapAttention(MultiheadAttention):
         """
         return fill_masked_(logits, masked, float("-inf"))
 
+    def attend_step(self, logits: Tensor, masked: Optional[Tensor], v: Tensor,
+                    incremental_state) -> Optional[Tuple[Tensor, Tensor]]:
+        """One decoding step's attention after QK^T in one go, or None (here: always) for
+        :meth:`transform_logits`, softmax, :meth:`drop_weights` and the value product.
+
+        ``logits``, ``masked`` as for :meth:`transform_logits` (a step has no padded query
+        rows), ``v`` (B_kv * H, S, head_dim) as for :meth:`attend_with`. Returns
+        ``(context, weights)``: the value product (T, B, embed_dim), the output projection's
+        input, and the weights ``softmax(transform_logits(...))`` (B, H, T, S). Only called
+        where :meth:`drops_weights` is False.
+        """
+        return None
+
+    def drops_weights(self) -> bool:
+        """Whether :meth:`drop_weights` changes the weights (training, or fairseq's
+        ``--retain-dropout`` at inference)."""
+        if self.weight_dropout is not None:
+            return self.weight_dropout.training and self.weight_dropout.p > 0.0
+        dropout = self.dropout_module
+        return (dropout.training or dropout.apply_during_inference) and dropout.p > 0.0
+
     def drop_weights(self, probs: Tensor) -> Tensor:
         """Dropout on the attention weights ``(batch, heads, tgt, src)``."""
+        if not self.drops_weights():
+            return probs  # what the dropout module returns, without a call per decoding step
         if self.weight_dropout is not None:
             return self.weight_dropout(probs)
-        dropout = self.dropout_module
-        if not (dropout.training or dropout.apply_during_inference):
-            return probs  # what FairseqDropout returns, without a module call per decoding step
-        return dropout(probs)
+        return self.dropout_module(probs)
 
     # -- forward -------------------------------------------------------------------------
     def forward(
@@ -166,14 +188,16 @@ class LogitMapAttention(MultiheadAttention):
         need_head_weights: bool = False,
     ):
         tgt_len, bsz, _ = query.size()
-        # In a full pass whose padding mask covers every key, the padded keys are masked
-        # once, in place, by transform_logits; fairseq would mask them out of place first,
-        # only for a mechanism to overwrite the same entries again. Otherwise (a decoding
-        # step, whose cached keys fairseq pads itself; any other mask shape) fairseq masks
-        # them and masked_entries reads its -inf back.
+        # Where the padding mask covers every key -- a full pass, or the encoder's keys in a
+        # decoding step (static_kv: the caller hands them, and their mask, to every step) --
+        # the padded keys are masked once, in place, by transform_logits (or attend_step);
+        # fairseq would mask them out of place first, only for a mechanism to overwrite the
+        # same entries again. Otherwise (decoder self-attention steps, whose cached keys
+        # fairseq pads itself; any other mask shape) fairseq masks them and masked_entries
+        # reads its -inf back.
         own_padding = (
-            incremental_state is None and key_padding_mask is not None and key is not None
-            and key_padding_mask.shape == (bsz, key.size(0))
+            (incremental_state is None or static_kv) and key_padding_mask is not None
+            and key is not None and key_padding_mask.shape == (bsz, key.size(0))
         )
         logits, v = super().forward(
             query,
@@ -188,6 +212,11 @@ class LogitMapAttention(MultiheadAttention):
         )
         logits = logits.view(bsz, self.num_heads, tgt_len, -1)
         masked = masked_entries(logits, key_padding_mask, attn_mask)
+        if incremental_state is not None and not before_softmax and not self.drops_weights():
+            step = self.attend_step(logits, masked, v, incremental_state)
+            if step is not None:
+                context, probs = step
+                return self.out_proj(context), fairseq_weights(probs, need_weights, need_head_weights)
         query_padding_mask = None
         if self.self_attention and incremental_state is None and key_padding_mask is not None:
             query_padding_mask = key_padding_mask.to(torch.bool)
@@ -210,13 +239,7 @@ class LogitMapAttention(MultiheadAttention):
             probs_float = logits.softmax(-1, dtype=torch.float32)
             probs = probs_float.type_as(logits)
         attn = self._attend(self.drop_weights(probs), v, bsz, tgt_len)
-
-        weights: Optional[Tensor] = None
-        if need_weights or need_head_weights:
-            weights = probs_float.transpose(1, 0)  # heads x batch x tgt x src, as fairseq
-            if not need_head_weights:
-                weights = weights.mean(dim=0)
-        return attn, weights
+        return attn, fairseq_weights(probs_float, need_weights, need_head_weights)
 
     def _attend(self, probs: Tensor, v: Tensor, bsz: int, tgt_len: int) -> Tensor:
         """Weighted sum of values and output projection; ``probs`` is (B, H, T, S)."""
@@ -261,6 +284,15 @@ class LogitMapAttention(MultiheadAttention):
         return incremental_state
 
 
+def fairseq_weights(probs: Tensor, need_weights: bool, need_head_weights: bool) -> Optional[Tensor]:
+    """The weights fairseq's attention returns: per head (heads x batch x tgt x src) or
+    averaged over heads, or None when not asked for."""
+    if not (need_weights or need_head_weights):
+        return None
+    weights = probs.transpose(1, 0)
+    return weights if need_head_weights else weights.mean(dim=0)
+
+
 def masked_entries(logits: Tensor, key_padding_mask: Optional[Tensor],
                    attn_mask: Optional[Tensor]) -> Optional[Tensor]:
     """The entries fairseq masked in ``logits`` (B, H, T, S), as a broadcastable bool mask.
@@ -268,8 +300,9 @@ def masked_entries(logits: Tensor, key_padding_mask: Optional[Tensor],
     fairseq writes both masks as ``-inf``: padded keys (``key_padding_mask``, B x S) and
     future positions (``attn_mask``, T x S, additive). Built from the small masks when they
     describe the whole map, from the logits themselves otherwise (e.g. the key padding of
-    one incremental step, which fairseq extends with its cached keys). None when fairseq
-    masked nothing, so that callers skip the masking passes altogether.
+    one incremental step, which fairseq extends with its cached keys). None when nothing is
+    masked, so that callers skip the masking passes altogether (a decoding step's one-row
+    map keeps a padding mask even when it is all False: testing it costs what it saves).
     """
     bsz, _, tgt_len, src_len = logits.shape
     masked = None
@@ -279,8 +312,9 @@ def masked_entries(logits: Tensor, key_padding_mask: Optional[Tensor],
         if key_padding_mask.dtype != torch.bool:
             key_padding_mask = key_padding_mask.to(torch.bool)
         # fairseq hands on a padding mask even when nothing is padded; one cheap test
-        # here saves every masking pass of the (much larger) map
-        if key_padding_mask.any():
+        # here saves every masking pass of the (much larger) map -- but not of a decoding
+        # step's single row, which the test would cost about as much as it saves
+        if tgt_len == 1 or key_padding_mask.any():
             masked = key_padding_mask[:, None, None, :]
     if attn_mask is not None:
         if attn_mask.shape != (tgt_len, src_len):

@@ -109,9 +109,17 @@ class EvolvingAttention(LogitMapAttention):
             )
         return a_logit
 
-    def _fused_decoding_step(self, logits, masked, incremental_state) -> Optional[Tensor]:
+    def attend_step(self, logits, masked, v, incremental_state):
+        """A decoding step's Eq. (4), softmax and value product in one fused kernel call,
+        when no later layer reads this layer's A_logit (else None: :meth:`transform_logits`)."""
+        if self.hand_on_maps or self.attention_maps.recording:
+            return None
+        return self._fused_decoding_step(logits, masked, incremental_state, values=v)
+
+    def _fused_decoding_step(self, logits, masked, incremental_state, values=None):
         """Eq. (4) for one decoding step in one fused kernel (see
-        :mod:`~ea_fairseq.modules.evolving_attention_kernels`); None where it does not apply."""
+        :mod:`~ea_fairseq.modules.evolving_attention_kernels`): ``A_logit``, or with
+        ``values`` the pair (context, weights); None where the kernel does not apply."""
         conv = self.conv
         if conv is None or conv.rows_needed == 0 or not fused.applies(logits):
             return None
@@ -121,15 +129,15 @@ class EvolvingAttention(LogitMapAttention):
             return None
         previous = self.attention_maps.previous(self.slot) if self.alpha > 0.0 else None
         state = self.get_incremental_state(incremental_state, "mechanism_state")
-        a_logit, rows = fused.evolving_attention_step(
+        out, rows, context = fused.evolving_attention_step(
             logits, previous, None if state is None else state["conv_rows"], keys,
-            conv.masked_weight(), conv.bias, self.alpha, self.beta, conv.col_padding[0],
+            conv.masked_weight(), conv.bias, self.alpha, self.beta, conv.col_padding[0], values,
         )
         if state is None:  # the first step; later steps update the stored dict in place
             self.set_mechanism_state(incremental_state, {"conv_rows": rows})
         else:
             state["conv_rows"] = rows
-        return a_logit
+        return out if values is None else (context, out)
 
     def _convolve(self, a_input: Tensor, incremental_state) -> Tensor:
         if incremental_state is None:

@@ -8,7 +8,8 @@
   neutral fill and a layout copy before the convolution, ReLU, lerp and masking after
   it, their backward passes, the crop's zero fill and copy, and layout conversions.
 * :func:`evolving_attention_step` (incremental decoding): the whole of Eq. (4) for one
-  new query row per hypothesis.
+  new query row per hypothesis -- and, where no later layer reads the map, the softmax and
+  the value product too.
 
 A decoding step hands each attention one new query row per hypothesis. For that row,
 Eq. (4) -- the α skip connection, the neutral zeros of masked entries, the convolution
@@ -109,18 +110,22 @@ def key_mask(masked: Optional[Tensor], bsz: int, src_len: int) -> Optional[Tenso
 
 def evolving_attention_step(logits: Tensor, previous: Optional[Tensor], earlier: Optional[Tensor],
                             masked: Optional[Tensor], weight: Tensor, bias: Optional[Tensor],
-                            alpha: float, beta: float, left: int):
+                            alpha: float, beta: float, left: int, values: Optional[Tensor] = None):
     """EA Eq. (4) for one query row per hypothesis, written into ``logits`` (B, H, 1, S).
 
     ``previous`` is the previous layer's ``A_logit`` row (or None), ``earlier`` the cached
     ``k - 1`` rows of ``A_input`` (B, H, k-1, S' <= S; None before the first step),
     ``masked`` a (B, S) bool mask, ``weight`` the (masked) kernel, ``left`` the zero
     columns left of the map (``k - 1`` causal, ``k // 2`` centred). Returns
-    ``(A_logit, rows to cache)``.
+    ``(A_logit, rows to cache, None)``. With ``values`` (B_kv * H, S, head_dim; beam search
+    shares a sentence's values across its hypotheses) it returns ``(weights, rows to cache,
+    context)``: the softmax of ``A_logit`` over the keys in its place, and the value
+    product as (1, B, H * head_dim).
     """
     return extension().evolving_attention_step(
         logits.contiguous(), None if previous is None else previous.contiguous(),
-        None if earlier is None else earlier.contiguous(), masked, weight, bias, alpha, beta, left)
+        None if earlier is None else earlier.contiguous(), masked, weight, bias, alpha, beta, left,
+        None if values is None else values.contiguous())
 
 
 class EvolvingAttentionInput(torch.autograd.Function):
