@@ -136,13 +136,18 @@ def train_step(model, opt, data, pad):
 
 
 def interleaved(fns: dict, repeats: int, warmup: int = 1):
-    """Run each callable ``repeats`` times, interleaved; seconds per run, by name."""
+    """Run each callable ``repeats`` times, interleaved; seconds per run, by name.
+
+    The order alternates between repeats (A B, B A, ...), so that neither side always runs
+    first: what one run leaves behind (caches, the allocator, the machine's drift) then
+    falls on both alike."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     times = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
+    for r in range(repeats):
+        order = list(fns.items())
+        for k, fn in order if r % 2 == 0 else reversed(order):
             t0 = time.perf_counter()
             fn()
             times[k].append(time.perf_counter() - t0)
@@ -397,7 +402,7 @@ def main():
         print(f"[bench] {arch} vs {twin} (vocab {vocab})", file=sys.stderr, flush=True)
         if "training" not in args.skip:
             report["training"][arch] = bench_training(arch, twin, vocab, tokens, updates=1,
-                                                      repeats=2 if quick else 5)
+                                                      repeats=2 if quick else 9)
         if "memory" not in args.skip:
             report["memory"][arch] = bench_memory(arch, twin, vocab, tokens)
         if "generation" not in args.skip:

@@ -42,3 +42,16 @@ def test_benchmark_runs_and_appends(tmp_path):
     assert "| ran_all_lite | transformer_lite |" in md
     assert "| ea_transformer_lite | 1000 | 1 | 2 |" in md
     assert md.count("Run of ") == 2
+
+
+def test_interleaved_runs_alternate_which_side_goes_first():
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import benchmark
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    calls = []
+    times = benchmark.interleaved({"arch": lambda: calls.append("a"), "twin": lambda: calls.append("t")},
+                                  repeats=4, warmup=0)
+    assert "".join(calls) == "atta" * 2
+    assert [len(v) for v in times.values()] == [4, 4]

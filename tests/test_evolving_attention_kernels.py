@@ -87,7 +87,9 @@ def fused_mask(values, masked):
 @pytest.mark.parametrize("weights", [False, True], ids=["A_logit", "softmax"])
 def test_fused_step_equals_the_pytorch_path(kernel, monkeypatch, layout, kernel_size, alpha,
                                             padded, bsz, dtype, weights):
-    """A_logit (handed on to the next layer) or, when no layer reads it, the weights."""
+    """A_logit (handed on to the next layer) or, when no layer reads it, the weights and
+    the value product (at every batch size here, above the size where decoding uses it too)."""
+    monkeypatch.setattr(fused, "STEP_VALUES_MAX_BATCH", 10**6)
     attn = ea_attention(layout, kernel_size, alpha, dtype, hand_on=not weights)
     steps, src_len = 6, 9
     got = decode(attn, steps, bsz, src_len, padded, dtype, reorder_at=3, weights=weights)
@@ -124,6 +126,15 @@ def test_fused_step_runs_only_where_it_applies(kernel):
     assert fused.key_mask(keys, 2, 5).shape == (2, 5)
 
 
+def test_large_steps_take_torch_softmax_and_matmul(kernel):
+    attn = ea_attention("rows", 3, 0.0, torch.float32, hand_on=False)
+    for bsz, fused_values in ((fused.STEP_VALUES_MAX_BATCH, True), (fused.STEP_VALUES_MAX_BATCH + 1, False)):
+        logits = torch.randn(bsz, HEADS, 1, 6)
+        v = torch.randn(bsz * HEADS, 6, attn.head_dim)
+        with torch.no_grad():
+            assert (attn.attend_step(logits, None, v, {}) is not None) == fused_values
+
+
 def test_bad_input_is_refused_with_a_message(kernel):
     weight = torch.zeros(HEADS, HEADS, 3, 3)
     with pytest.raises(RuntimeError, match=r"logits must be \(B, H, 1, S\)"):
@@ -135,6 +146,9 @@ def test_bad_input_is_refused_with_a_message(kernel):
     with pytest.raises(RuntimeError, match="of the logits' dtype"):
         kernel.evolving_attention_step(torch.zeros(2, HEADS, 1, 5), None, None, None,
                                        weight.double(), None, 0.0, 0.1, 1)
+    with pytest.raises(RuntimeError, match=r"values must be \(B_kv \* H, S, head_dim\)"):
+        kernel.evolving_attention_step(torch.zeros(6, HEADS, 1, 5), None, None, None, weight,
+                                       None, 0.0, 0.1, 1, torch.zeros(4 * HEADS, 5, 8))
 
 
 def test_an_unbuildable_kernel_falls_back_with_a_warning(monkeypatch, caplog):

@@ -28,61 +28,51 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
 namespace {
 
-// Output tile: this many outputs stay in registers while all H * k * k taps pass over
-// them (measured: 32 vectorises well with GCC; 16 did not).
-constexpr int64_t kTile = 32;
-
-// acc[j] = bias + sum over taps of w * window, for j < span (rounded up to whole tiles:
-// the buffers carry kTile + k slack), for one output head.
-template <typename scalar_t>
-inline __attribute__((always_inline)) void convolve_block(
-    const scalar_t* w, const scalar_t* window, scalar_t* acc, int64_t H, int64_t k,
-    int64_t stride, int64_t span, scalar_t bias) {
-  for (int64_t j0 = 0; j0 < span; j0 += kTile) {
-    scalar_t t[kTile];
-    for (int64_t jj = 0; jj < kTile; ++jj) t[jj] = bias;
-    for (int64_t i = 0; i < H; ++i) {
-      for (int64_t r = 0; r < k; ++r) {
-        const scalar_t* row = window + (i * k + r) * stride + j0;
-        const scalar_t* wr = w + (i * k + r) * k;
-        for (int64_t c = 0; c < k; ++c) {
-          const scalar_t wv = wr[c];  // the causal kernel's masked taps are zeros
-          const scalar_t* in = row + c;
-          for (int64_t jj = 0; jj < kTile; ++jj) t[jj] += wv * in[jj];
-        }
-      }
-    }
-    std::copy(t, t + kTile, acc + j0);
-  }
-}
-
-// Compiled for AVX2 and for any x86-64 (or the target's default), chosen at load time.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define EA_CLONES __attribute__((target_clones("arch=haswell", "default")))
-#else
-#define EA_CLONES
+// The step's inner loops (evolving_attention_loops.h), compiled for AVX2 + FMA and for
+// any CPU; the AVX2 build runs where the CPU has it. (Feature tests, not GCC's
+// target_clones("arch=haswell"): that one asks for the CPU model, which a virtual machine
+// may not report, and then silently runs the portable build.)
+#if defined(__x86_64__) && defined(__GNUC__)
+namespace avx2 {
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#include "evolving_attention_loops.h"
+#pragma GCC pop_options
+}  // namespace avx2
+#define EA_HAVE_AVX2_BUILD 1
 #endif
-EA_CLONES void convolve_block_float(const float* w, const float* window, float* acc, int64_t H,
-                                    int64_t k, int64_t stride, int64_t span, float bias) {
-  convolve_block<float>(w, window, acc, H, k, stride, span, bias);
+namespace portable {
+#include "evolving_attention_loops.h"
+}  // namespace portable
+
+#ifdef EA_HAVE_AVX2_BUILD
+const bool kUseAvx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+const bool kUseAvx2 = false;
+#endif
+
+template <typename scalar_t>
+inline void convolve(const scalar_t* w, const scalar_t* window, scalar_t* acc, int64_t H,
+                     int64_t k, int64_t stride, int64_t span, scalar_t bias) {
+#ifdef EA_HAVE_AVX2_BUILD
+  if (kUseAvx2) return avx2::convolve(w, window, acc, H, k, stride, span, bias);
+#endif
+  portable::convolve(w, window, acc, H, k, stride, span, bias);
 }
-EA_CLONES void convolve_block_double(const double* w, const double* window, double* acc,
-                                     int64_t H, int64_t k, int64_t stride, int64_t span,
-                                     double bias) {
-  convolve_block<double>(w, window, acc, H, k, stride, span, bias);
-}
-inline void convolve(const float* w, const float* window, float* acc, int64_t H, int64_t k,
-                     int64_t stride, int64_t span, float bias) {
-  convolve_block_float(w, window, acc, H, k, stride, span, bias);
-}
-inline void convolve(const double* w, const double* window, double* acc, int64_t H, int64_t k,
-                     int64_t stride, int64_t span, double bias) {
-  convolve_block_double(w, window, acc, H, k, stride, span, bias);
+
+template <typename scalar_t>
+inline void attend(scalar_t* x, int64_t n, const scalar_t* values, scalar_t* context, int64_t D) {
+#ifdef EA_HAVE_AVX2_BUILD
+  if (kUseAvx2) return avx2::attend(x, n, values, context, D);
+#endif
+  portable::attend(x, n, values, context, D);
 }
 
 // torch.lerp's formula (exact at both ends), so both paths round alike
@@ -90,21 +80,6 @@ template <typename scalar_t>
 inline scalar_t torch_lerp(scalar_t start, scalar_t end, scalar_t weight) {
   const scalar_t diff = end - start;
   return weight < scalar_t(0.5) ? start + weight * diff : end - diff * (scalar_t(1) - weight);
-}
-
-// In place, as torch.softmax: exp(x - max) / sum; -inf entries become 0 (a row that is
-// all -inf becomes NaN, as in torch).
-template <typename scalar_t>
-inline void softmax_row(scalar_t* x, int64_t n) {
-  scalar_t top = -std::numeric_limits<scalar_t>::infinity();
-  for (int64_t s = 0; s < n; ++s) top = x[s] > top ? x[s] : top;
-  scalar_t sum = 0;
-  for (int64_t s = 0; s < n; ++s) {
-    x[s] = std::exp(x[s] - top);
-    sum += x[s];
-  }
-  const scalar_t scale = scalar_t(1) / sum;
-  for (int64_t s = 0; s < n; ++s) x[s] *= scale;
 }
 
 template <typename scalar_t>
@@ -148,8 +123,8 @@ void step_kernel(
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, H * H * k * k * W * block));
   at::parallel_for(0, blocks, grain, [&](int64_t first, int64_t last) {
     // window[i][r][n][W]: the k rows input head i contributes for hypothesis n
-    std::vector<scalar_t> window(H * k * block * W + kTile + k);
-    std::vector<scalar_t> acc(block * W + kTile);
+    std::vector<scalar_t> window(H * k * block * W + portable::kTile + k);
+    std::vector<scalar_t> acc(block * W + portable::kTile);
     // locals, not captures: stores through the map rows could alias captured scalars
     const scalar_t skip = a, residual = b, fill = neg_inf;
     for (int64_t blk = first; blk < last; ++blk) {
@@ -192,16 +167,8 @@ void step_kernel(
             const scalar_t conv = conv_row[s] > scalar_t(0) ? conv_row[s] : scalar_t(0);
             out[s] = (m && m[s]) ? fill : torch_lerp(cur[s], conv, residual);
           }
-          if (vs) {  // the weights, and the context row: sum over keys of weight * value
-            softmax_row(out, S);
-            const scalar_t* v = vs + ((n / beams) * H + o) * S * D;
-            scalar_t* c = cx + (n * H + o) * D;
-            std::fill(c, c + D, scalar_t(0));
-            for (int64_t s = 0; s < S; ++s) {
-              const scalar_t p_s = out[s];
-              const scalar_t* v_s = v + s * D;
-              for (int64_t d = 0; d < D; ++d) c[d] += p_s * v_s[d];
-            }
+          if (vs) {  // the weights, and the context row
+            attend(out, S, vs + ((n / beams) * H + o) * S * D, cx + (n * H + o) * D, D);
           }
         }
       }

@@ -40,6 +40,13 @@ SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 ENV_SWITCH = "EA_FAIRSEQ_FUSED_KERNELS"
 DTYPES = (torch.float32, torch.float64)
 
+# Up to this many hypotheses a decoding step's softmax and value product run inside the
+# step kernel (its call replaces half a dozen small tensor operations, whose fixed costs
+# dominate small steps); above it torch's softmax and batched matmul, which the kernel's
+# loops do not match on large steps (measured here: 11 vs 32 us per attention call at 5
+# hypotheses, 714 vs 539 us at 640).
+STEP_VALUES_MAX_BATCH = 64
+
 _lock = threading.Lock()
 _state = {"module": None, "tried": False}
 
