@@ -244,7 +244,8 @@ def bench_generation(arch, twin, vocab, beams, batch_sizes, length, repeats):
                                                        "src_lengths": lengths[i : i + bsz]}})
 
                 fns[name] = run
-            times = interleaved(fns, repeats)
+            # one sentence at a time: short runs, the noisiest; twice the repeats and one more
+            times = interleaved(fns, repeats if bsz > 1 else 2 * repeats + 1)
             results.append({
                 "beam": beam, "batch": bsz, "sentences": n_sent, "vocab": vocab,
                 "sentences_per_s": {k: summary([n_sent / t for t in v]) for k, v in times.items()},
@@ -296,17 +297,27 @@ def machine():
 
 def busy_processes():
     """Other processes using CPU right now (what could distort the timings)."""
-    out = subprocess.run(["ps", "-eo", "pid,pcpu,comm", "--sort=-pcpu"], capture_output=True, text=True)
+    out = subprocess.run(["ps", "-eo", "pid,ppid,pcpu,comm", "--sort=-pcpu"], capture_output=True, text=True)
     rows = []
     for line in out.stdout.splitlines()[1:]:
-        pid, pcpu, comm = line.split(None, 2)
-        if int(pid) != os.getpid() and float(pcpu) >= 5.0:
+        pid, ppid, pcpu, comm = line.split(None, 3)
+        # not this process, nor the ps it runs to ask
+        if os.getpid() not in (int(pid), int(ppid)) and float(pcpu) >= 5.0:
             rows.append(f"{comm} ({pcpu}% cpu)")
     return rows
 
 
 def fmt(s, digits=2):
     return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}–{s['max']:.{digits}f})"
+
+
+def merge_generation_rows(earlier: list, later: list) -> list:
+    """One arch's generation rows of two runs: a later row replaces the earlier one of the
+    same vocabulary, beam and batch size; the rest stay (a run may add batch sizes)."""
+    key = lambda r: (r["vocab"], r["beam"], r["batch"])  # noqa: E731
+    merged = {key(r): r for r in earlier}
+    merged.update({key(r): r for r in later})
+    return sorted(merged.values(), key=lambda r: (-r["vocab"], -r["beam"], r["batch"]))
 
 
 def markdown(report) -> str:
@@ -321,7 +332,9 @@ def markdown(report) -> str:
                if m.get("freed_memory_kept") else "glibc's default allocator."),
             "",
         ]
-    lines += ["Each cell: median (min–max) over interleaved repeats.", ""]
+    lines += ["Each cell: median (min–max) over interleaved repeats, alternating which side runs first "
+              "(their number: `n` in benchmark.json; generation at batch 1, whose runs are the "
+              "shortest and noisiest, takes twice as many and one more).", ""]
     if report.get("training"):
         buckets = next(iter(report["training"].values())).get("batches", [])
         lines += ["### Training (full updates: forward, loss, backward, Adam)", "",
@@ -428,8 +441,12 @@ def main():
     if args.append and os.path.exists(path):
         with open(path) as f:
             earlier = json.load(f)
-        for section in ("training", "memory", "generation", "scaling"):
+        for section in ("training", "memory", "scaling"):
             report[section] = {**earlier.get(section, {}), **report[section]}
+        generation = dict(earlier.get("generation", {}))
+        for arch, rows in report["generation"].items():
+            generation[arch] = merge_generation_rows(generation.get(arch, []), rows)
+        report["generation"] = generation
         report["runs"] = earlier.get("runs", []) + [run]
     with open(path, "w") as f:
         json.dump(report, f, indent=1, default=str)

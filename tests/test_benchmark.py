@@ -44,14 +44,30 @@ def test_benchmark_runs_and_appends(tmp_path):
     assert md.count("Run of ") == 2
 
 
-def test_interleaved_runs_alternate_which_side_goes_first():
+def benchmark_module():
     sys.path.insert(0, str(REPO / "scripts"))
     try:
         import benchmark
     finally:
         sys.path.remove(str(REPO / "scripts"))
+    return benchmark
+
+
+def test_interleaved_runs_alternate_which_side_goes_first():
+    benchmark = benchmark_module()
     calls = []
     times = benchmark.interleaved({"arch": lambda: calls.append("a"), "twin": lambda: calls.append("t")},
                                   repeats=4, warmup=0)
     assert "".join(calls) == "atta" * 2
     assert [len(v) for v in times.values()] == [4, 4]
+
+
+def test_an_appended_run_replaces_only_the_generation_rows_it_measured():
+    """A later run of an arch at one more batch size keeps the earlier run's other rows."""
+    row = lambda vocab, beam, batch, ratio: {"vocab": vocab, "beam": beam, "batch": batch,  # noqa: E731
+                                             "ratio": {"median": ratio}}
+    earlier = [row(32000, 5, 1, 1.0), row(32000, 5, 32, 1.1), row(32000, 1, 1, 0.9)]
+    later = [row(32000, 5, 128, 1.2), row(32000, 5, 32, 1.15)]
+    merged = benchmark_module().merge_generation_rows(earlier, later)
+    assert [(r["beam"], r["batch"], r["ratio"]["median"]) for r in merged] == [
+        (5, 1, 1.0), (5, 32, 1.15), (5, 128, 1.2), (1, 1, 0.9)]
