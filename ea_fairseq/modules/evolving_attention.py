@@ -130,15 +130,15 @@ class EvolvingAttention(LogitMapAttention):
         if keys is False:
             return None
         previous = self.attention_maps.previous(self.slot) if self.alpha > 0.0 else None
-        state = self.get_incremental_state(incremental_state, "mechanism_state")
+        state = self.get_mechanism_state(incremental_state)
+        earlier = state.get("conv_rows")
         out, rows, context = fused.evolving_attention_step(
-            logits, previous, None if state is None else state["conv_rows"], keys,
-            conv.masked_weight(), conv.bias, self.alpha, self.beta, conv.col_padding[0], values,
+            logits, previous, earlier, keys, conv.masked_weight(), conv.bias, self.alpha,
+            self.beta, conv.col_padding[0], values,
         )
-        if state is None:  # the first step; later steps update the stored dict in place
-            self.set_mechanism_state(incremental_state, {"conv_rows": rows})
-        else:
-            state["conv_rows"] = rows
+        state["conv_rows"] = rows
+        if earlier is None:  # the first step stores the dict; later steps update it in place
+            self.set_mechanism_state(incremental_state, state)
         return out if values is None else (context, out)
 
     def _convolve(self, a_input: Tensor, incremental_state) -> Tensor:
