@@ -112,7 +112,8 @@ def decoder_out(model, src, src_lengths, prev):
 
 
 def incremental_logprobs(model, src, lengths, prev, reorder_at=None, new_order=None, grad=False):
-    """Step through ``prev`` one token at a time; optionally reorder the beams once.
+    """Step through ``prev`` one token at a time; optionally reorder the beams once (or,
+    with a list of orders, several times in a row before the next step).
 
     ``grad=True`` decodes with autograd on, which keeps mechanisms off their
     decoding-only shortcuts (e.g. RAN's precomputed step weights)."""
@@ -123,10 +124,11 @@ def incremental_logprobs(model, src, lengths, prev, reorder_at=None, new_order=N
         steps = []
         for t in range(prev.size(1)):
             if reorder_at is not None and t == reorder_at:
-                model.decoder.reorder_incremental_state_scripting(state, new_order)
-                enc = model.encoder.reorder_encoder_out(enc, new_order)
-                prev = prev.index_select(0, new_order)
-                steps = [s.index_select(0, new_order) for s in steps]
+                for order in new_order if isinstance(new_order, list) else [new_order]:
+                    model.decoder.reorder_incremental_state_scripting(state, order)
+                    enc = model.encoder.reorder_encoder_out(enc, order)
+                    prev = prev.index_select(0, order)
+                    steps = [s.index_select(0, order) for s in steps]
             out, _ = model.decoder(prev[:, : t + 1], encoder_out=enc, incremental_state=state)
             steps.append(out[:, -1])
     return torch.stack(steps, dim=1), prev
@@ -134,17 +136,19 @@ def incremental_logprobs(model, src, lengths, prev, reorder_at=None, new_order=N
 
 def beam_reorder_gap(model, dictionary, new_order) -> float:
     """Two sentences x two beams; reorder mid-sentence like SequenceGenerator (within a
-    sentence, or dropping a finished sentence) and return the largest difference between
-    the incremental steps and a full pass over the reordered prefixes."""
+    sentence, or dropping a finished sentence; a list of orders: several reorders before
+    one step) and return the largest difference between the incremental steps and a full
+    pass over the reordered prefixes."""
     src, lengths, _ = random_batch(dictionary, [5, 9], 8)
     src, lengths = src.repeat_interleave(2, 0), lengths.repeat_interleave(2, 0)
     _, _, prev = random_batch(dictionary, [5, 9, 5, 9], 8, seed=7)
-    new_order = torch.tensor(new_order)
+    orders = [torch.tensor(o) for o in (new_order if isinstance(new_order[0], list) else [new_order])]
     model.decoder.set_beam_size(2)
-    steps, prev_reordered = incremental_logprobs(model, src, lengths, prev, 4, new_order)
+    steps, prev_reordered = incremental_logprobs(model, src, lengths, prev, 4, orders)
     model.decoder.set_beam_size(1)
-    full = decoder_out(model, src.index_select(0, new_order), lengths.index_select(0, new_order),
-                       prev_reordered)
+    for order in orders:
+        src, lengths = src.index_select(0, order), lengths.index_select(0, order)
+    full = decoder_out(model, src, lengths, prev_reordered)
     return (steps - full).abs().max().item()
 
 

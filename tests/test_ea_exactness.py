@@ -152,11 +152,13 @@ def test_incremental_equals_full_forward(dictionary, kernel, decoding_step, deco
 
 
 @DECODER_ALPHA
-@pytest.mark.parametrize("new_order", [[1, 1, 3, 2], [3, 2]], ids=["reorder", "sentence-finished"])
+@pytest.mark.parametrize("new_order", [[1, 1, 3, 2], [3, 2], [[1, 1, 3, 2], [1, 0, 2, 2]]],
+                         ids=["reorder", "sentence-finished", "two-reorders-before-a-step"])
 def test_incremental_with_beam_reordering(dictionary, new_order, decoding_step, decoder_alpha):
     """fairseq's encoder-decoder attention shares one key/value copy per sentence and skips
     reordering it when the batch size is unchanged; the convolution rows cache depends on
-    each beam's prefix and must be reordered regardless."""
+    each beam's prefix and must be reordered regardless (EA applies the order lazily, in
+    the next step: two reorders before a step compose)."""
     model, _ = build_model("ea_transformer_lite", *SMALL, *STRONG, "--ea-decoder-alpha", decoder_alpha)
     randomize_convs(model)
     assert beam_reorder_gap(model, dictionary, new_order) <= 1e-5

@@ -1,4 +1,5 @@
 """EA-Transformer as a fairseq model: sizes, generation, gradients, checkpoints, errors."""
+import copy
 import os
 
 import pytest
@@ -35,10 +36,11 @@ def test_ea_adds_exactly_the_conv_parameters():
     assert non_embedding_params(ea) - non_embedding_params(base) == convs * (heads * heads * k * k + heads)
 
 
-def test_beam_search_scores_equal_full_forward(dictionary):
+@pytest.mark.parametrize("decoder_alpha", ["0.3", "0"], ids=["maps-handed-on", "fused-weights"])
+def test_beam_search_scores_equal_full_forward(dictionary, decoder_alpha):
     """Every beam-5 hypothesis' per-token scores equal a teacher-forced full forward pass."""
     model, _ = build_model("ea_transformer_lite", "--encoder-layers", "3", "--decoder-layers", "3",
-                           "--ea-alpha", "0.5", "--ea-beta", "0.5", "--ea-decoder-alpha", "0.3")
+                           "--ea-alpha", "0.5", "--ea-beta", "0.5", "--ea-decoder-alpha", decoder_alpha)
     model.eval()
     src, lengths, _ = random_batch(dictionary, [6, 9, 4], 1)
     gen = SequenceGenerator([model], dictionary, beam_size=5, max_len_b=12)
@@ -56,6 +58,39 @@ def test_beam_search_scores_equal_full_forward(dictionary):
                 assert (lprobs - h["positional_scores"]).abs().max() <= 1e-4
                 checked += 1
     assert checked == 15
+
+
+def test_beam_reorder_reaches_modules_swapped_in_between_decoding_runs(dictionary):
+    """The decoder lists the modules that hold incremental state once per decoding run,
+    not at every beam-search step (fairseq walks all modules each step); a run that starts
+    from an empty state lists them afresh, so a module swapped in is reordered, and the one
+    it replaced is not."""
+    model, _ = build_model("ea_transformer_lite", "--encoder-layers", "2", "--decoder-layers", "2")
+    model.eval()
+    src, lengths, prev = random_batch(dictionary, [5, 7], 4)
+    dec = model.decoder
+    calls = []
+
+    def spied(module, name):
+        reorder = module.reorder_incremental_state
+        module.reorder_incremental_state = lambda state, order: (calls.append(name), reorder(state, order))[1]
+        return module
+
+    def decoding_run():
+        state = {}
+        with torch.no_grad():
+            enc = model.encoder(src, src_lengths=lengths)
+            for t in range(1, 3):
+                dec(prev[:, :t], encoder_out=enc, incremental_state=state)
+                dec.reorder_incremental_state_scripting(state, torch.tensor([1, 0]))
+
+    replacement = copy.deepcopy(dec.layers[1].self_attn)
+    spied(dec.layers[1].self_attn, "old")
+    decoding_run()
+    assert calls == ["old", "old"]
+    dec.layers[1].self_attn = spied(replacement, "new")
+    decoding_run()
+    assert calls[2:] == ["new", "new"]
 
 
 def test_one_backward_reaches_every_parameter(dictionary):

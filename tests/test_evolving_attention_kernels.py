@@ -149,6 +149,13 @@ def test_bad_input_is_refused_with_a_message(kernel):
     with pytest.raises(RuntimeError, match=r"values must be \(B_kv \* H, S, head_dim\)"):
         kernel.evolving_attention_step(torch.zeros(6, HEADS, 1, 5), None, None, None, weight,
                                        None, 0.0, 0.1, 1, torch.zeros(4 * HEADS, 5, 8))
+    earlier = torch.zeros(3, HEADS, 2, 5)  # rows of 3 hypotheses, read in beam search's new order
+    with pytest.raises(RuntimeError, match=r"order\[1\] = 3 does not index the 3 cached hypotheses"):
+        kernel.evolving_attention_step(torch.zeros(2, HEADS, 1, 5), None, earlier, None, weight,
+                                       None, 0.0, 0.1, 1, None, torch.tensor([0, 3]))
+    with pytest.raises(RuntimeError, match="one entry per hypothesis"):
+        kernel.evolving_attention_step(torch.zeros(2, HEADS, 1, 5), None, earlier, None, weight,
+                                       None, 0.0, 0.1, 1, None, torch.tensor([0, 1, 2]))
 
 
 def test_an_unbuildable_kernel_falls_back_with_a_warning(monkeypatch, caplog):

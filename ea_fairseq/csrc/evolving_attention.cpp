@@ -86,7 +86,9 @@ template <typename scalar_t>
 void step_kernel(
     const at::Tensor& logits,    // (B, H, S), contiguous; overwritten with A_logit
     const at::Tensor& previous,  // (B, H, S) contiguous, or undefined
-    const at::Tensor& earlier,   // (B, H, k-1, S_prev) contiguous, or undefined
+    const at::Tensor& earlier,   // (B_prev, H, k-1, S_prev) contiguous, or undefined
+    const at::Tensor& order,     // (B) int64: hypothesis n's earlier rows are earlier[order[n]]
+                                 // (beam search's reorder, applied here), or undefined: n
     const at::Tensor& masked,    // (B, S) bool contiguous, or undefined
     const at::Tensor& weight,    // (H, H, k, k) contiguous, the (masked) kernel
     const at::Tensor& bias,      // (H) or undefined
@@ -100,6 +102,7 @@ void step_kernel(
   scalar_t* lg = logits.data_ptr<scalar_t>();
   const scalar_t* pv = previous.defined() ? previous.data_ptr<scalar_t>() : nullptr;
   const scalar_t* ea = earlier.defined() ? earlier.data_ptr<scalar_t>() : nullptr;
+  const int64_t* od = order.defined() ? order.data_ptr<int64_t>() : nullptr;
   const bool* mk = masked.defined() ? masked.data_ptr<bool>() : nullptr;
   const scalar_t* w = weight.data_ptr<scalar_t>();
   const scalar_t* bs = bias.defined() ? bias.data_ptr<scalar_t>() : nullptr;
@@ -134,8 +137,9 @@ void step_kernel(
         for (int64_t q = 0; q < nb; ++q) {
           const int64_t n = n0 + q;
           const bool* m = mk ? mk + n * S : nullptr;
+          const int64_t from = od ? od[n] : n;
           for (int64_t r = 0; r < R && ea; ++r) {
-            const scalar_t* src = ea + ((n * H + h) * R + r) * S_prev;
+            const scalar_t* src = ea + ((from * H + h) * R + r) * S_prev;
             std::copy(src, src + S_prev, window.data() + ((h * k + r) * block + q) * W + left);
           }
           // the new row of A_input: skip connection, neutral zeros where masked
@@ -412,7 +416,8 @@ std::vector<at::Tensor> convolution_residual_backward(at::Tensor grad, at::Tenso
 std::vector<at::Tensor> evolving_attention_step(
     at::Tensor logits, c10::optional<at::Tensor> previous, c10::optional<at::Tensor> earlier,
     c10::optional<at::Tensor> masked, at::Tensor weight, c10::optional<at::Tensor> bias,
-    double alpha, double beta, int64_t left, c10::optional<at::Tensor> values) {
+    double alpha, double beta, int64_t left, c10::optional<at::Tensor> values,
+    c10::optional<at::Tensor> order) {
   TORCH_CHECK(logits.dim() == 4 && logits.size(2) == 1, "logits must be (B, H, 1, S)");
   TORCH_CHECK(logits.is_contiguous(), "logits must be contiguous");
   TORCH_CHECK(weight.dim() == 4 && weight.size(2) == weight.size(3) && weight.size(2) > 1,
@@ -425,7 +430,7 @@ std::vector<at::Tensor> evolving_attention_step(
     TORCH_CHECK(t.scalar_type() == logits.scalar_type() && t.is_contiguous(), name,
                 " must be contiguous and of the logits' dtype");
   };
-  at::Tensor prev_t, earlier_t, masked_t, bias_t;
+  at::Tensor prev_t, earlier_t, masked_t, bias_t, order_t;
   if (previous.has_value() && previous->defined()) {
     prev_t = *previous;
     check(prev_t, "previous");
@@ -434,9 +439,22 @@ std::vector<at::Tensor> evolving_attention_step(
   if (earlier.has_value() && earlier->defined()) {
     earlier_t = *earlier;
     check(earlier_t, "earlier");
-    TORCH_CHECK(earlier_t.dim() == 4 && earlier_t.size(0) == B && earlier_t.size(1) == H &&
-                    earlier_t.size(2) == k - 1 && earlier_t.size(3) <= S,
+    TORCH_CHECK(earlier_t.dim() == 4 && earlier_t.size(1) == H && earlier_t.size(2) == k - 1 &&
+                    earlier_t.size(3) <= S,
                 "earlier rows must be (B, H, k-1, <=S)");
+    if (order.has_value() && order->defined()) {
+      order_t = *order;
+      TORCH_CHECK(order_t.scalar_type() == at::kLong && order_t.dim() == 1 &&
+                      order_t.is_contiguous() && order_t.size(0) == B,
+                  "order must be a contiguous int64 vector with one entry per hypothesis");
+      const int64_t* od = order_t.data_ptr<int64_t>();
+      for (int64_t n = 0; n < B; ++n) {
+        TORCH_CHECK(od[n] >= 0 && od[n] < earlier_t.size(0), "order[", n, "] = ", od[n],
+                    " does not index the ", earlier_t.size(0), " cached hypotheses");
+      }
+    } else {
+      TORCH_CHECK(earlier_t.size(0) == B, "earlier rows must be (B, H, k-1, <=S)");
+    }
   }
   if (masked.has_value() && masked->defined()) {
     masked_t = *masked;
@@ -461,8 +479,8 @@ std::vector<at::Tensor> evolving_attention_step(
   auto rows_out = at::empty({B, H, k - 1, S}, logits.options());
   auto flat = logits.view({B, H, S});
   AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "evolving_attention_step", [&] {
-    step_kernel<scalar_t>(flat, prev_t, earlier_t, masked_t, weight, bias_t, rows_out, values_t,
-                          context, alpha, beta, left);
+    step_kernel<scalar_t>(flat, prev_t, earlier_t, order_t, masked_t, weight, bias_t, rows_out,
+                          values_t, context, alpha, beta, left);
   });
   return {logits, rows_out, context};
 }
@@ -474,7 +492,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(weights times values)",
         py::arg("logits"), py::arg("previous"), py::arg("earlier"), py::arg("masked"),
         py::arg("weight"), py::arg("bias"), py::arg("alpha"), py::arg("beta"), py::arg("left"),
-        py::arg("values") = py::none());
+        py::arg("values") = py::none(), py::arg("order") = py::none());
   m.def("evolving_attention_input_forward", &evolving_attention_input_forward,
         "EA Eq. (4) line 1 before the convolution: neutral-filled lerp(logits, previous, alpha), "
         "channels-last");

@@ -116,6 +116,7 @@ class EATransformerDecoder(AttentionMapsMixin, TransformerDecoderBase):
         super().__init__(cfg, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn,
                          output_projection=output_projection)
         self.setup_attention_maps(cfg, cfg.decoder.attention_heads)
+        self._state_holders = None  # see reorder_incremental_state_scripting
 
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
         layer = EATransformerDecoderLayer(cfg, no_encoder_attn, self.next_layer_index())
@@ -124,11 +125,30 @@ class EATransformerDecoder(AttentionMapsMixin, TransformerDecoderBase):
     def extract_features(self, prev_output_tokens, encoder_out=None, incremental_state=None,
                          full_context_alignment: bool = False, alignment_layer=None,
                          alignment_heads=None):
+        if incremental_state is not None and not incremental_state:
+            self._state_holders = None  # a new decoding run: list the modules afresh
         with self.attention_scope(prev_output_tokens.size(1)):
             return super().extract_features(
                 prev_output_tokens, encoder_out, incremental_state,
                 full_context_alignment, alignment_layer, alignment_heads,
             )
+
+    def reorder_incremental_state_scripting(self, incremental_state, new_order):
+        """Reorder every module's incremental state for the new beam order.
+
+        fairseq's version walks all modules of the decoder (about 130) and tests each for
+        ``reorder_incremental_state`` at every beam-search step: 0.3-0.5 ms a step on
+        CPU, a tenth of a small model's step. The same modules, in the same order, are
+        listed here once per decoding run (afresh when a run starts with an empty state).
+        """
+        holders = self._state_holders
+        if holders is None:
+            holders = tuple(m for m in self.modules() if hasattr(m, "reorder_incremental_state"))
+            self._state_holders = holders
+        for module in holders:
+            result = module.reorder_incremental_state(incremental_state, new_order)
+            if result is not None:
+                incremental_state = result
 
 
 @register_model("ea_transformer")

@@ -276,12 +276,15 @@ class LogitMapAttention(MultiheadAttention):
         """
         incremental_state = super().reorder_incremental_state(incremental_state, new_order)
         state = self.get_incremental_state(incremental_state, "mechanism_state")
-        if state is not None:
-            for k, v in state.items():
-                if v is not None:
-                    state[k] = v.index_select(0, new_order)
-            self.set_mechanism_state(incremental_state, state)
+        if state is not None:  # the dict stored in the incremental state, changed in place
+            self.reorder_mechanism_state(state, new_order)
         return incremental_state
+
+    def reorder_mechanism_state(self, state: Dict[str, Optional[Tensor]], new_order: Tensor) -> None:
+        """Put the mechanism's cache in the new order of hypotheses (in place)."""
+        for k, v in state.items():
+            if v is not None:
+                state[k] = v.index_select(0, new_order)
 
 
 def fairseq_weights(probs: Tensor, need_weights: bool, need_head_weights: bool) -> Optional[Tensor]:

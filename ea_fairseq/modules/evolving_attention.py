@@ -134,12 +134,22 @@ class EvolvingAttention(LogitMapAttention):
         earlier = state.get("conv_rows")
         out, rows, context = fused.evolving_attention_step(
             logits, previous, earlier, keys, conv.masked_weight(), conv.bias, self.alpha,
-            self.beta, conv.col_padding[0], values,
+            self.beta, conv.col_padding[0], values, state.pop("conv_rows_order", None),
         )
         state["conv_rows"] = rows
         if earlier is None:  # the first step stores the dict; later steps update it in place
             self.set_mechanism_state(incremental_state, state)
         return out if values is None else (context, out)
+
+    def reorder_mechanism_state(self, state, new_order):
+        """Beam search's reorder of the cached conv rows, applied lazily: the order is kept
+        (composed with one not yet applied) and the next step's kernel reads hypothesis
+        n's rows at ``order[n]``, so no step copies the rows of every attention for it;
+        the PyTorch path selects them before use."""
+        if state.get("conv_rows") is None:
+            return
+        pending = state.get("conv_rows_order")
+        state["conv_rows_order"] = new_order if pending is None else pending.index_select(0, new_order)
 
     def _convolve(self, a_input: Tensor, incremental_state) -> Tensor:
         if incremental_state is None:
@@ -152,6 +162,9 @@ class EvolvingAttention(LogitMapAttention):
             return self.conv(a_input, pad_rows=False)
         state = self.get_mechanism_state(incremental_state)
         earlier = state.get("conv_rows")
+        order = state.pop("conv_rows_order", None)
+        if earlier is not None and order is not None:
+            earlier = earlier.index_select(0, order)
         bsz, heads, _, src_len = a_input.shape
         if earlier is None:
             earlier = a_input.new_zeros(bsz, heads, needed, src_len)

@@ -117,7 +117,8 @@ def key_mask(masked: Optional[Tensor], bsz: int, src_len: int) -> Optional[Tenso
 
 def evolving_attention_step(logits: Tensor, previous: Optional[Tensor], earlier: Optional[Tensor],
                             masked: Optional[Tensor], weight: Tensor, bias: Optional[Tensor],
-                            alpha: float, beta: float, left: int, values: Optional[Tensor] = None):
+                            alpha: float, beta: float, left: int, values: Optional[Tensor] = None,
+                            order: Optional[Tensor] = None):
     """EA Eq. (4) for one query row per hypothesis, written into ``logits`` (B, H, 1, S).
 
     ``previous`` is the previous layer's ``A_logit`` row (or None), ``earlier`` the cached
@@ -127,12 +128,14 @@ def evolving_attention_step(logits: Tensor, previous: Optional[Tensor], earlier:
     ``(A_logit, rows to cache, None)``. With ``values`` (B_kv * H, S, head_dim; beam search
     shares a sentence's values across its hypotheses) it returns ``(weights, rows to cache,
     context)``: the softmax of ``A_logit`` over the keys in its place, and the value
-    product as (1, B, H * head_dim).
+    product as (1, B, H * head_dim). ``order`` (B, int64), when given, is beam search's
+    reorder since the rows were cached: hypothesis n reads ``earlier[order[n]]``.
     """
     return extension().evolving_attention_step(
         logits.contiguous(), None if previous is None else previous.contiguous(),
         None if earlier is None else earlier.contiguous(), masked, weight, bias, alpha, beta, left,
-        None if values is None else values.contiguous())
+        None if values is None else values.contiguous(),
+        None if order is None else order.contiguous())
 
 
 class EvolvingAttentionInput(torch.autograd.Function):
