@@ -80,7 +80,7 @@ def _build():
             os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path])
         except ImportError:
             pass
-        logger.info("building EA's fused CPU kernels (once per machine)")
+        logger.info("loading EA's fused CPU kernels (compiled on first use, then cached)")
         return load(name="ea_fairseq_evolving_attention", sources=[SOURCE],
                     extra_cflags=["-O3", "-fno-trapping-math", "-fopenmp"],
                     extra_ldflags=["-fopenmp"], verbose=False)
