@@ -126,11 +126,17 @@ def test_fused_step_runs_only_where_it_applies(kernel):
     assert fused.key_mask(keys, 2, 5).shape == (2, 5)
 
 
-def test_large_steps_take_torch_softmax_and_matmul(kernel):
-    attn = ea_attention("rows", 3, 0.0, torch.float32, hand_on=False)
-    for bsz, fused_values in ((fused.STEP_VALUES_MAX_BATCH, True), (fused.STEP_VALUES_MAX_BATCH + 1, False)):
+@pytest.mark.parametrize("layout,beams,fused_above_limit", [
+    ("rows", 1, False),   # encoder values per hypothesis (beam 1): torch's matmul above the limit
+    ("rows", 5, True),    # encoder values shared by a sentence's beams
+    ("causal", 1, True),  # decoder self-attention
+])
+def test_which_large_steps_take_torch_softmax_and_matmul(kernel, layout, beams, fused_above_limit):
+    attn = ea_attention(layout, 3, 0.0, torch.float32, hand_on=False)
+    limit = fused.STEP_VALUES_MAX_BATCH // beams * beams
+    for bsz, fused_values in ((limit, True), (limit + beams, fused_above_limit)):
         logits = torch.randn(bsz, HEADS, 1, 6)
-        v = torch.randn(bsz * HEADS, 6, attn.head_dim)
+        v = torch.randn(bsz // beams * HEADS, 6, attn.head_dim)
         with torch.no_grad():
             assert (attn.attend_step(logits, None, v, {}) is not None) == fused_values
 

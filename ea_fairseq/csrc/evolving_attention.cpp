@@ -35,6 +35,31 @@
 
 namespace {
 
+// What one decoding step reads and writes, as raw pointers (see step_kernel below): the
+// per-block work (step_block in evolving_attention_loops.h) reads it from either build.
+template <typename scalar_t>
+struct StepData {
+  int64_t B, H, S, k, S_prev, D, beams, left;
+  scalar_t* logits;            // (B, H, S): the new rows; overwritten with A_logit / weights
+  const scalar_t* previous;    // (B, H, S) or null
+  const scalar_t* earlier;     // (B_prev, H, k-1, S_prev) or null
+  const int64_t* order;        // (B) or null
+  const bool* masked;          // (B, S) or null
+  const scalar_t* weight;      // (H, H, k, k)
+  const scalar_t* bias;        // (H) or null
+  scalar_t* rows_out;          // (B, H, k-1, S)
+  const scalar_t* values;      // (B / beams * H, S, D) or null
+  scalar_t* context;           // (B, H * D) when values
+  scalar_t alpha, beta;
+};
+
+// torch.lerp's formula (exact at both ends), so both paths round alike
+template <typename scalar_t>
+inline scalar_t torch_lerp(scalar_t start, scalar_t end, scalar_t weight) {
+  const scalar_t diff = end - start;
+  return weight < scalar_t(0.5) ? start + weight * diff : end - diff * (scalar_t(1) - weight);
+}
+
 // The step's inner loops (evolving_attention_loops.h), compiled for AVX2 + FMA and for
 // any CPU; the AVX2 build runs where the CPU has it. (Feature tests, not GCC's
 // target_clones("arch=haswell"): that one asks for the CPU model, which a virtual machine
@@ -59,27 +84,12 @@ const bool kUseAvx2 = false;
 #endif
 
 template <typename scalar_t>
-inline void convolve(const scalar_t* w, const scalar_t* window, scalar_t* acc, int64_t H,
-                     int64_t k, int64_t stride, int64_t span, scalar_t bias) {
+inline void step_block(const StepData<scalar_t>& d, int64_t n0, int64_t nb, int64_t block,
+                       scalar_t* window, scalar_t* acc) {
 #ifdef EA_HAVE_AVX2_BUILD
-  if (kUseAvx2) return avx2::convolve(w, window, acc, H, k, stride, span, bias);
+  if (kUseAvx2) return avx2::step_block(d, n0, nb, block, window, acc);
 #endif
-  portable::convolve(w, window, acc, H, k, stride, span, bias);
-}
-
-template <typename scalar_t>
-inline void attend(scalar_t* x, int64_t n, const scalar_t* values, scalar_t* context, int64_t D) {
-#ifdef EA_HAVE_AVX2_BUILD
-  if (kUseAvx2) return avx2::attend(x, n, values, context, D);
-#endif
-  portable::attend(x, n, values, context, D);
-}
-
-// torch.lerp's formula (exact at both ends), so both paths round alike
-template <typename scalar_t>
-inline scalar_t torch_lerp(scalar_t start, scalar_t end, scalar_t weight) {
-  const scalar_t diff = end - start;
-  return weight < scalar_t(0.5) ? start + weight * diff : end - diff * (scalar_t(1) - weight);
+  portable::step_block(d, n0, nb, block, window, acc);
 }
 
 template <typename scalar_t>
@@ -96,30 +106,31 @@ void step_kernel(
     const at::Tensor& values,    // (B_kv * H, S, d) contiguous, or undefined
     at::Tensor& context,         // (B, H * d): P V, written when `values` is defined
     double alpha, double beta, int64_t left) {
-  const int64_t B = logits.size(0), H = logits.size(1), S = logits.size(2);
-  const int64_t k = weight.size(2), R = k - 1;
-  const int64_t S_prev = earlier.defined() ? earlier.size(3) : 0;
-  scalar_t* lg = logits.data_ptr<scalar_t>();
-  const scalar_t* pv = previous.defined() ? previous.data_ptr<scalar_t>() : nullptr;
-  const scalar_t* ea = earlier.defined() ? earlier.data_ptr<scalar_t>() : nullptr;
-  const int64_t* od = order.defined() ? order.data_ptr<int64_t>() : nullptr;
-  const bool* mk = masked.defined() ? masked.data_ptr<bool>() : nullptr;
-  const scalar_t* w = weight.data_ptr<scalar_t>();
-  const scalar_t* bs = bias.defined() ? bias.data_ptr<scalar_t>() : nullptr;
-  scalar_t* ro = rows_out.data_ptr<scalar_t>();
-  const scalar_t* vs = values.defined() ? values.data_ptr<scalar_t>() : nullptr;
-  scalar_t* cx = values.defined() ? context.data_ptr<scalar_t>() : nullptr;
-  const int64_t D = values.defined() ? values.size(2) : 0;
+  StepData<scalar_t> d;
+  d.B = logits.size(0), d.H = logits.size(1), d.S = logits.size(2), d.k = weight.size(2);
+  d.S_prev = earlier.defined() ? earlier.size(3) : 0;
+  d.D = values.defined() ? values.size(2) : 0;
   // beam search shares the encoder's values across a sentence's hypotheses (kept
   // sentence-major: hypothesis n reads the values of sentence n / beams)
-  const int64_t beams = values.defined() ? B / (values.size(0) / H) : 1;
-  const scalar_t a = static_cast<scalar_t>(alpha), b = static_cast<scalar_t>(beta);
-  const scalar_t neg_inf = -std::numeric_limits<scalar_t>::infinity();
+  d.beams = values.defined() ? d.B / (values.size(0) / d.H) : 1;
+  d.left = left;
+  d.logits = logits.data_ptr<scalar_t>();
+  d.previous = previous.defined() ? previous.data_ptr<scalar_t>() : nullptr;
+  d.earlier = earlier.defined() ? earlier.data_ptr<scalar_t>() : nullptr;
+  d.order = order.defined() ? order.data_ptr<int64_t>() : nullptr;
+  d.masked = masked.defined() ? masked.data_ptr<bool>() : nullptr;
+  d.weight = weight.data_ptr<scalar_t>();
+  d.bias = bias.defined() ? bias.data_ptr<scalar_t>() : nullptr;
+  d.rows_out = rows_out.data_ptr<scalar_t>();
+  d.values = values.defined() ? values.data_ptr<scalar_t>() : nullptr;
+  d.context = values.defined() ? context.data_ptr<scalar_t>() : nullptr;
+  d.alpha = static_cast<scalar_t>(alpha), d.beta = static_cast<scalar_t>(beta);
+  const int64_t B = d.B, H = d.H, k = d.k;
 
   // The convolution runs over blocks of hypotheses: for each tap, one long loop over the
   // block's rows laid end to end (each zero-bordered to W = S + k - 1 columns), so the
   // compiler vectorises it; the border columns between hypotheses are computed and dropped.
-  const int64_t W = S + k - 1;
+  const int64_t W = d.S + k - 1;
   // The block's window (H * k rows of W per hypothesis) stays within 24 KiB, in L1 with the
   // output rows: measured at 160 hypotheses of 12 keys, 0.5 us a hypothesis with the 192
   // KiB window of 64 hypotheses against 0.3 with 20. No larger than the batch either: the
@@ -132,54 +143,9 @@ void step_kernel(
     // window[i][r][n][W]: the k rows input head i contributes for hypothesis n
     std::vector<scalar_t> window(H * k * block * W + portable::kTile + k);
     std::vector<scalar_t> acc(block * W + portable::kTile);
-    // locals, not captures: stores through the map rows could alias captured scalars
-    const scalar_t skip = a, residual = b, fill = neg_inf;
     for (int64_t blk = first; blk < last; ++blk) {
-      const int64_t n0 = blk * block, nb = std::min(block, B - n0);
-      std::fill(window.begin(), window.end(), scalar_t(0));
-      for (int64_t h = 0; h < H; ++h) {
-        for (int64_t q = 0; q < nb; ++q) {
-          const int64_t n = n0 + q;
-          const bool* m = mk ? mk + n * S : nullptr;
-          const int64_t from = od ? od[n] : n;
-          for (int64_t r = 0; r < R && ea; ++r) {
-            const scalar_t* src = ea + ((from * H + h) * R + r) * S_prev;
-            std::copy(src, src + S_prev, window.data() + ((h * k + r) * block + q) * W + left);
-          }
-          // the new row of A_input: skip connection, neutral zeros where masked
-          const scalar_t* x = lg + (n * H + h) * S;
-          const scalar_t* p = pv ? pv + (n * H + h) * S : nullptr;
-          scalar_t* cur = window.data() + ((h * k + R) * block + q) * W + left;
-          for (int64_t s = 0; s < S; ++s) {
-            const scalar_t v = p ? torch_lerp(x[s], p[s], skip) : x[s];
-            cur[s] = (m && m[s]) ? scalar_t(0) : v;
-          }
-          // the next step's cache: the last k-1 rows, the new one included
-          for (int64_t r = 0; r < R; ++r) {
-            const scalar_t* src = window.data() + ((h * k + r + 1) * block + q) * W + left;
-            std::copy(src, src + S, ro + ((n * H + h) * R + r) * S);
-          }
-        }
-      }
-      const int64_t span = (nb - 1) * W + S;  // the last valid output + 1
-      for (int64_t o = 0; o < H; ++o) {
-        convolve(w + o * H * k * k, window.data(), acc.data(), H, k, block * W, span,
-                 bs ? bs[o] : scalar_t(0));
-        for (int64_t q = 0; q < nb; ++q) {
-          const int64_t n = n0 + q;
-          const bool* m = mk ? mk + n * S : nullptr;
-          const scalar_t* cur = window.data() + ((o * k + R) * block + q) * W + left;
-          const scalar_t* conv_row = acc.data() + q * W;
-          scalar_t* out = lg + (n * H + o) * S;
-          for (int64_t s = 0; s < S; ++s) {
-            const scalar_t conv = conv_row[s] > scalar_t(0) ? conv_row[s] : scalar_t(0);
-            out[s] = (m && m[s]) ? fill : torch_lerp(cur[s], conv, residual);
-          }
-          if (vs) {  // the weights, and the context row
-            attend(out, S, vs + ((n / beams) * H + o) * S * D, cx + (n * H + o) * D, D);
-          }
-        }
-      }
+      const int64_t n0 = blk * block;
+      step_block(d, n0, std::min(block, B - n0), block, window.data(), acc.data());
     }
   });
 }

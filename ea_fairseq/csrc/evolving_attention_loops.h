@@ -1,16 +1,18 @@
-// The inner loops of the fused decoding step (evolving_attention.cpp), compiled twice
+// The per-block work of the fused decoding step (evolving_attention.cpp), compiled twice
 // there: for AVX2 + FMA, and for any CPU of the target; which one runs is decided at load
 // time from the CPU's features. Included inside a namespace, after the standard headers it
-// uses (<algorithm>, <cmath>, <cstdint>, <cstring>, <limits>); it includes nothing itself.
+// uses (<algorithm>, <cmath>, <cstdint>, <cstring>, <limits>) and the definition of
+// StepData; it includes nothing itself.
 
 // Output tile: this many outputs stay in registers while all H * k * k taps pass over
 // them (measured: 32 vectorises well with GCC; 16 did not).
 constexpr int64_t kTile = 32;
 
 // acc[j] = bias + sum over taps of w * window, for j < span (rounded up to whole tiles:
-// the buffers carry kTile + k slack), for one output head.
+// the buffers carry kTile + k slack), for one output head. Not inlined: inlined into
+// step_block, GCC kept the tile on the stack (a store and a load per tap), 3x slower.
 template <typename scalar_t>
-inline __attribute__((always_inline)) void convolve_block(
+__attribute__((noinline)) void convolve_block(
     const scalar_t* w, const scalar_t* window, scalar_t* acc, int64_t H, int64_t k,
     int64_t stride, int64_t span, scalar_t bias) {
   for (int64_t j0 = 0; j0 < span; j0 += kTile) {
@@ -72,7 +74,8 @@ inline __attribute__((always_inline)) void attend_row(scalar_t* x, int64_t n, co
   for (int64_t s = 0; s < n; ++s) sum += x[s];
   const scalar_t scale = scalar_t(1) / sum;
   for (int64_t s = 0; s < n; ++s) x[s] *= scale;
-  // kTile context entries stay in registers while the keys pass over them
+  // kTile context entries stay in registers while the keys pass over them; then tiles of
+  // 8 (head sizes such as 40 = 32 + 8), then what is left
   int64_t d0 = 0;
   for (; d0 + kTile <= D; d0 += kTile) {
     scalar_t t[kTile] = {};
@@ -83,6 +86,15 @@ inline __attribute__((always_inline)) void attend_row(scalar_t* x, int64_t n, co
     }
     std::copy(t, t + kTile, context + d0);
   }
+  for (; d0 + 8 <= D; d0 += 8) {
+    scalar_t t[8] = {};
+    for (int64_t s = 0; s < n; ++s) {
+      const scalar_t p = x[s];
+      const scalar_t* v = values + s * D + d0;
+      for (int64_t jj = 0; jj < 8; ++jj) t[jj] += p * v[jj];
+    }
+    std::copy(t, t + 8, context + d0);
+  }
   if (d0 < D) {
     std::fill(context + d0, context + D, scalar_t(0));
     for (int64_t s = 0; s < n; ++s) {
@@ -92,18 +104,78 @@ inline __attribute__((always_inline)) void attend_row(scalar_t* x, int64_t n, co
     }
   }
 }
-// The entry points: not inlined into the caller, whose code is compiled for any CPU.
-void convolve(const float* w, const float* window, float* acc, int64_t H, int64_t k,
-              int64_t stride, int64_t span, float bias) {
-  convolve_block<float>(w, window, acc, H, k, stride, span, bias);
+// out[s] = lerp(start[s], end[s], weight) with torch.lerp's formula (torch_lerp), the
+// branch on the weight taken once per row so that the loop vectorises
+template <typename scalar_t>
+inline __attribute__((always_inline)) void lerp_row(const scalar_t* start, const scalar_t* end,
+                                                    scalar_t weight, scalar_t* out, int64_t n) {
+  if (weight < scalar_t(0.5)) {
+    for (int64_t s = 0; s < n; ++s) out[s] = start[s] + weight * (end[s] - start[s]);
+  } else {
+    const scalar_t rest = scalar_t(1) - weight;
+    for (int64_t s = 0; s < n; ++s) out[s] = end[s] - (end[s] - start[s]) * rest;
+  }
 }
-void convolve(const double* w, const double* window, double* acc, int64_t H, int64_t k,
-              int64_t stride, int64_t span, double bias) {
-  convolve_block<double>(w, window, acc, H, k, stride, span, bias);
+
+// row[s] = fill where masked[s]
+template <typename scalar_t>
+inline __attribute__((always_inline)) void fill_row(scalar_t* row, const bool* masked, scalar_t fill,
+                                                    int64_t n) {
+  for (int64_t s = 0; s < n; ++s) row[s] = masked[s] ? fill : row[s];
 }
-void attend(float* x, int64_t n, const float* values, float* context, int64_t D) {
-  attend_row<float>(x, n, values, context, D);
-}
-void attend(double* x, int64_t n, const double* values, double* context, int64_t D) {
-  attend_row<double>(x, n, values, context, D);
+
+// Hypotheses n0 .. n0 + nb - 1 of a decoding step (StepData, evolving_attention.cpp):
+// their window of A_input rows (cached rows, then the new one), the next step's cache,
+// the convolution, A_logit, and with values the weights and the context rows. `window`
+// holds H * k * block * W (+ slack) entries, `acc` block * W (+ slack).
+template <typename scalar_t>
+void step_block(const StepData<scalar_t>& d, int64_t n0, int64_t nb, int64_t block,
+                scalar_t* window, scalar_t* acc) {
+  const int64_t H = d.H, S = d.S, k = d.k, R = k - 1, W = S + k - 1, S_prev = d.S_prev;
+  const int64_t left = d.left;
+  // locals: stores through the map rows could otherwise alias the scalars they are read from
+  const scalar_t skip = d.alpha, residual = d.beta;
+  const scalar_t fill = -std::numeric_limits<scalar_t>::infinity();
+  std::fill(window, window + H * k * block * W, scalar_t(0));
+  for (int64_t h = 0; h < H; ++h) {
+    for (int64_t q = 0; q < nb; ++q) {
+      const int64_t n = n0 + q;
+      const int64_t from = d.order ? d.order[n] : n;
+      for (int64_t r = 0; r < R && d.earlier; ++r) {
+        const scalar_t* src = d.earlier + ((from * H + h) * R + r) * S_prev;
+        std::copy(src, src + S_prev, window + ((h * k + r) * block + q) * W + left);
+      }
+      // the new row of A_input: skip connection, neutral zeros where masked
+      const scalar_t* x = d.logits + (n * H + h) * S;
+      scalar_t* cur = window + ((h * k + R) * block + q) * W + left;
+      if (d.previous) {
+        lerp_row(x, d.previous + (n * H + h) * S, skip, cur, S);
+      } else {
+        std::copy(x, x + S, cur);
+      }
+      if (d.masked) fill_row(cur, d.masked + n * S, scalar_t(0), S);
+      // the next step's cache: the last k-1 rows, the new one included
+      for (int64_t r = 0; r < R; ++r) {
+        const scalar_t* src = window + ((h * k + r + 1) * block + q) * W + left;
+        std::copy(src, src + S, d.rows_out + ((n * H + h) * R + r) * S);
+      }
+    }
+  }
+  const int64_t span = (nb - 1) * W + S;  // the last valid output + 1
+  for (int64_t o = 0; o < H; ++o) {
+    convolve_block(d.weight + o * H * k * k, window, acc, H, k, block * W, span,
+                   d.bias ? d.bias[o] : scalar_t(0));
+    for (int64_t q = 0; q < nb; ++q) {
+      const int64_t n = n0 + q;
+      scalar_t* conv = acc + q * W;
+      for (int64_t s = 0; s < S; ++s) conv[s] = conv[s] > scalar_t(0) ? conv[s] : scalar_t(0);
+      scalar_t* out = d.logits + (n * H + o) * S;
+      lerp_row(window + ((o * k + R) * block + q) * W + left, conv, residual, out, S);
+      if (d.masked) fill_row(out, d.masked + n * S, fill, S);
+      if (d.values) {  // the weights, and the context row
+        attend_row(out, S, d.values + ((n / d.beams) * H + o) * S * d.D,
+                   d.context + (n * H + o) * d.D, d.D);
+      }
+    }
+  }
 }

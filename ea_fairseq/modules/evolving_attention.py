@@ -111,10 +111,14 @@ class EvolvingAttention(LogitMapAttention):
 
     def attend_step(self, logits, masked, v, incremental_state):
         """A decoding step's Eq. (4), softmax and value product in one fused kernel call,
-        when no later layer reads this layer's A_logit and the step is small (else None:
-        :meth:`transform_logits`, whose Eq. 4 is fused too)."""
-        if (self.hand_on_maps or self.attention_maps.recording
-                or logits.size(0) > fused.STEP_VALUES_MAX_BATCH):
+        when no later layer reads this layer's A_logit (else None: :meth:`transform_logits`,
+        whose Eq. 4 is fused too), except for large steps of encoder-decoder attention
+        whose values are not shared by beams (see ``STEP_VALUES_MAX_BATCH``)."""
+        if self.hand_on_maps or self.attention_maps.recording:
+            return None
+        bsz = logits.size(0)
+        if (self.encoder_decoder_attention and bsz > fused.STEP_VALUES_MAX_BATCH
+                and v.size(0) == bsz * self.num_heads):
             return None
         return self._fused_decoding_step(logits, masked, incremental_state, values=v)
 

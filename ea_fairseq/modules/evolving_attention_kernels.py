@@ -40,11 +40,14 @@ SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 ENV_SWITCH = "EA_FAIRSEQ_FUSED_KERNELS"
 DTYPES = (torch.float32, torch.float64)
 
-# Up to this many hypotheses a decoding step's softmax and value product run inside the
-# step kernel (its call replaces half a dozen small tensor operations, whose fixed costs
-# dominate small steps); above it torch's softmax and batched matmul, which the kernel's
-# loops do not match on large steps (measured here: 11 vs 32 us per attention call at 5
-# hypotheses, 714 vs 539 us at 640).
+# A decoding step's softmax and value product run inside the step kernel (one call instead
+# of half a dozen small tensor operations, whose fixed costs dominate small steps: 11 vs 32
+# us per attention call at 5 hypotheses), except where torch's softmax and batched matmul
+# were measured faster: encoder-decoder attention whose values are not shared by beams
+# (beam 1), above this many hypotheses. One EA-Lite attention call, kernel vs torch, 25
+# encoder keys: 834 vs 724 us at 128 hypotheses, 1512 vs 1148 at 320, against 436 vs 455 at
+# 64; beam-shared encoder values 741 vs 764 at 160; decoder self-attention 877 vs 1059 at
+# 128 and 1278 vs 1732 at 320 (6 keys), 2024 vs 2043 at 320 (20 keys).
 STEP_VALUES_MAX_BATCH = 64
 
 _lock = threading.Lock()
