@@ -389,7 +389,9 @@ std::vector<at::Tensor> evolving_attention_step(
     double alpha, double beta, int64_t left, c10::optional<at::Tensor> values,
     c10::optional<at::Tensor> order) {
   TORCH_CHECK(logits.dim() == 4 && logits.size(2) == 1, "logits must be (B, H, 1, S)");
-  TORCH_CHECK(logits.is_contiguous(), "logits must be contiguous");
+  // inputs are read contiguous (a no-op for the decoder's tensors, and cheaper here than
+  // a Python call per tensor); the result is written into the contiguous logits
+  logits = logits.contiguous();
   TORCH_CHECK(weight.dim() == 4 && weight.size(2) == weight.size(3) && weight.size(2) > 1,
               "weight must be (H, H, k, k) with k > 1");
   const int64_t B = logits.size(0), H = logits.size(1), S = logits.size(3);
@@ -398,25 +400,24 @@ std::vector<at::Tensor> evolving_attention_step(
   TORCH_CHECK(left >= 0 && left < k, "left padding must lie in [0, k)");
   auto check = [&](const at::Tensor& t, const char* name) {
     TORCH_CHECK(t.scalar_type() == logits.scalar_type() && t.is_contiguous(), name,
-                " must be contiguous and of the logits' dtype");
+                " must be of the logits' dtype");
   };
   at::Tensor prev_t, earlier_t, masked_t, bias_t, order_t;
   if (previous.has_value() && previous->defined()) {
-    prev_t = *previous;
+    prev_t = previous->contiguous();
     check(prev_t, "previous");
     TORCH_CHECK(prev_t.numel() == logits.numel(), "previous must match the logits");
   }
   if (earlier.has_value() && earlier->defined()) {
-    earlier_t = *earlier;
+    earlier_t = earlier->contiguous();
     check(earlier_t, "earlier");
     TORCH_CHECK(earlier_t.dim() == 4 && earlier_t.size(1) == H && earlier_t.size(2) == k - 1 &&
                     earlier_t.size(3) <= S,
                 "earlier rows must be (B, H, k-1, <=S)");
     if (order.has_value() && order->defined()) {
-      order_t = *order;
-      TORCH_CHECK(order_t.scalar_type() == at::kLong && order_t.dim() == 1 &&
-                      order_t.is_contiguous() && order_t.size(0) == B,
-                  "order must be a contiguous int64 vector with one entry per hypothesis");
+      order_t = order->contiguous();
+      TORCH_CHECK(order_t.scalar_type() == at::kLong && order_t.dim() == 1 && order_t.size(0) == B,
+                  "order must be an int64 vector with one entry per hypothesis");
       const int64_t* od = order_t.data_ptr<int64_t>();
       for (int64_t n = 0; n < B; ++n) {
         TORCH_CHECK(od[n] >= 0 && od[n] < earlier_t.size(0), "order[", n, "] = ", od[n],
@@ -427,19 +428,19 @@ std::vector<at::Tensor> evolving_attention_step(
     }
   }
   if (masked.has_value() && masked->defined()) {
-    masked_t = *masked;
-    TORCH_CHECK(masked_t.scalar_type() == at::kBool && masked_t.is_contiguous() &&
-                    masked_t.numel() == B * S,
-                "masked must be a contiguous (B, S) bool tensor");
+    masked_t = masked->contiguous();
+    TORCH_CHECK(masked_t.scalar_type() == at::kBool && masked_t.numel() == B * S,
+                "masked must be a (B, S) bool tensor");
   }
   if (bias.has_value() && bias->defined()) {
-    bias_t = *bias;
+    bias_t = bias->contiguous();
     check(bias_t, "bias");
   }
+  weight = weight.contiguous();
   check(weight, "weight");
   at::Tensor values_t, context;
   if (values.has_value() && values->defined()) {
-    values_t = *values;
+    values_t = values->contiguous();
     check(values_t, "values");
     TORCH_CHECK(values_t.dim() == 3 && values_t.size(1) == S && values_t.size(0) % H == 0 &&
                     values_t.size(0) > 0 && B % (values_t.size(0) / H) == 0,

@@ -110,12 +110,14 @@ def applies(logits: Tensor) -> bool:
 
 
 def key_mask(masked: Optional[Tensor], bsz: int, src_len: int) -> Optional[Tensor]:
-    """``masked`` as the kernel's contiguous (B, S) mask; False if it differs across heads."""
+    """``masked`` as the kernel's (B, S) mask; False if it differs across heads."""
     if masked is None:
         return None
     if masked.size(1) != 1:
         return False
-    return masked.expand(bsz, 1, 1, src_len).reshape(bsz, src_len).contiguous()
+    if masked.size(0) != bsz:
+        masked = masked.expand(bsz, 1, 1, src_len)
+    return masked.reshape(bsz, src_len)  # (the kernel makes it contiguous where it is not)
 
 
 def evolving_attention_step(logits: Tensor, previous: Optional[Tensor], earlier: Optional[Tensor],
@@ -134,11 +136,8 @@ def evolving_attention_step(logits: Tensor, previous: Optional[Tensor], earlier:
     product as (1, B, H * head_dim). ``order`` (B, int64), when given, is beam search's
     reorder since the rows were cached: hypothesis n reads ``earlier[order[n]]``.
     """
-    return extension().evolving_attention_step(
-        logits.contiguous(), None if previous is None else previous.contiguous(),
-        None if earlier is None else earlier.contiguous(), masked, weight, bias, alpha, beta, left,
-        None if values is None else values.contiguous(),
-        None if order is None else order.contiguous())
+    return extension().evolving_attention_step(logits, previous, earlier, masked, weight, bias,
+                                               alpha, beta, left, values, order)
 
 
 class EvolvingAttentionInput(torch.autograd.Function):
