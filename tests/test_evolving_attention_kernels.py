@@ -1,5 +1,8 @@
 """The fused decoding step of EA (Eq. 4): same values as the PyTorch path, clear failures."""
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -139,6 +142,36 @@ def test_which_large_steps_take_torch_softmax_and_matmul(kernel, layout, beams, 
         v = torch.randn(bsz // beams * HEADS, 6, attn.head_dim)
         with torch.no_grad():
             assert (attn.attend_step(logits, None, v, {}) is not None) == fused_values
+
+
+def cpu_flags() -> set:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def test_the_step_loops_build_follows_the_cpu_and_the_switch(kernel):
+    if os.environ.get("EA_FAIRSEQ_PORTABLE_KERNELS") == "1":
+        assert kernel.step_loops_build() == "portable"
+    elif {"avx2", "fma"} <= cpu_flags():
+        assert kernel.step_loops_build() == "avx2"
+
+
+def test_portable_step_loops_equal_the_pytorch_path(kernel):
+    """CPUs without AVX2 + FMA run the portable build of the step's loops: forced here in a
+    fresh process (the build is chosen when the kernel loads), the comparison with the
+    PyTorch path must hold there too."""
+    if os.environ.get("EA_FAIRSEQ_PORTABLE_KERNELS") == "1":
+        pytest.skip("this process runs the portable build already")
+    env = dict(os.environ, EA_FAIRSEQ_PORTABLE_KERNELS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+         "step_loops_build or (fused_step_equals and b7 and not no-padding)"],
+        env=env, capture_output=True, text=True, cwd=os.path.dirname(__file__), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "failed" not in proc.stdout
 
 
 def test_bad_input_is_refused_with_a_message(kernel):

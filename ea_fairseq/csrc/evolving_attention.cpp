@@ -29,8 +29,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 namespace {
@@ -77,8 +79,15 @@ namespace portable {
 #include "evolving_attention_loops.h"
 }  // namespace portable
 
+// EA_FAIRSEQ_PORTABLE_KERNELS=1 runs the portable build on any CPU (to test it, or to
+// compare the two)
+bool portable_requested() {
+  const char* v = std::getenv("EA_FAIRSEQ_PORTABLE_KERNELS");
+  return v != nullptr && std::strcmp(v, "1") == 0;
+}
 #ifdef EA_HAVE_AVX2_BUILD
-const bool kUseAvx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+const bool kUseAvx2 =
+    !portable_requested() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #else
 const bool kUseAvx2 = false;
 #endif
@@ -457,6 +466,8 @@ std::vector<at::Tensor> evolving_attention_step(
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("step_loops_build", [] { return std::string(kUseAvx2 ? "avx2" : "portable"); },
+        "Which build of the decoding step's loops runs here: avx2 or portable");
   m.def("evolving_attention_step", &evolving_attention_step,
         "One incremental decoding step of Evolving Attention, EA Eq. (4), fused (CPU); with "
         "values it returns the attention weights instead of A_logit, and the context "
