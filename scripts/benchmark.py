@@ -62,6 +62,17 @@ PAIRS = {  # arch -> (twin, family)
 VOCAB = {"lite": 10000, "base": 32000}
 
 
+def use_fairseq_reorder() -> None:
+    """Make the plugin's decoders reorder their caches as fairseq's do (a walk over every
+    module at every beam-search step) instead of over the list they keep: ratios then hold
+    the mechanisms' own cost only."""
+    from fairseq.models import FairseqIncrementalDecoder
+    from ea_fairseq.models.ea_transformer import EATransformerDecoder
+
+    EATransformerDecoder.reorder_incremental_state_scripting = (
+        FairseqIncrementalDecoder.reorder_incremental_state_scripting)
+
+
 # -- building ---------------------------------------------------------------------------
 def dictionary(size: int) -> Dictionary:
     d = Dictionary()
@@ -329,7 +340,9 @@ def markdown(report) -> str:
             f"with {m['torch_threads']} threads; load average {m['loadavg_start'][0]:.2f} at start, "
             f"{run['loadavg_end'][0]:.2f} at end; other busy processes: {', '.join(run['busy']) or 'none'}; "
             + ("freed memory kept for reuse (no page-fault churn; `--system-allocator` to compare)."
-               if m.get("freed_memory_kept") else "glibc's default allocator."),
+               if m.get("freed_memory_kept") else "glibc's default allocator.")
+            + (" The plugin's decoders reordered their caches with fairseq's walk over every "
+               "module (`--fairseq-reorder`)." if m.get("fairseq_reorder") else ""),
             "",
         ]
     lines += ["Each cell: median (min–max) over interleaved repeats, alternating which side runs first "
@@ -385,10 +398,15 @@ def main():
     ap.add_argument("--beams", nargs="+", type=int, help="beam sizes (default: 5 1)")
     ap.add_argument("--batch-sizes", nargs="+", type=int, help="generation batch sizes (default: 1 32 128)")
     ap.add_argument("--small-vocab", action="store_true", help="also generate with a 1k vocabulary")
+    ap.add_argument("--generation-repeats", type=int, default=5,
+                    help="interleaved repeats per generation cell (batch 1: twice this, plus one)")
     ap.add_argument("--out", default=os.path.join(REPO, "benchmarks"), help="output directory")
     ap.add_argument("--append", action="store_true",
                     help="merge into the report already in --out (e.g. base-sized archs run separately)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--fairseq-reorder", action="store_true",
+                    help="the plugin's decoders reorder their caches with fairseq's walk over all "
+                         "modules, as the twins do (isolates the mechanisms' own decoding cost)")
     ap.add_argument("--system-allocator", action="store_true",
                     help="leave glibc's allocator as it is (default: keep freed memory for reuse, "
                          "which removes page-fault noise from the timings; memory probes always leave it)")
@@ -402,10 +420,14 @@ def main():
         print(json.dumps(memory_probe(args.memory_probe, args.vocab, args.tokens, updates=2)))
         return
     kept = keep_freed_memory() if not args.system_allocator else False
+    if args.fairseq_reorder:
+        use_fairseq_reorder()
 
     quick = args.quick
     archs = args.only or (["ea_transformer_lite", "ran_all_lite"] if quick else list(PAIRS))
-    report = {"machine": {**machine(), "freed_memory_kept": kept}, "busy": busy_processes(),
+    report = {"machine": {**machine(), "freed_memory_kept": kept,
+                          "fairseq_reorder": args.fairseq_reorder},
+              "busy": busy_processes(),
               "training": {}, "memory": {},
               "generation": {}, "scaling": {}}
     for arch in archs:
@@ -424,7 +446,8 @@ def main():
             for v in vocabs:
                 rows += bench_generation(arch, twin, v, beams=args.beams or ([5] if quick else [5, 1]),
                                          batch_sizes=args.batch_sizes or ([1, 4] if quick else [1, 32, 128]),
-                                         length=6 if quick else 25, repeats=1 if quick else 5)
+                                         length=6 if quick else 25,
+                                         repeats=1 if quick else args.generation_repeats)
             report["generation"][arch] = rows
     if "scaling" not in args.skip:
         scaled = [a for a in archs if a.startswith(("ea_transformer_lite", "ran_all_lite", "ran_d_lite"))]

@@ -19,10 +19,12 @@ def bench(out, *args):
 
 def test_benchmark_runs_and_appends(tmp_path):
     bench(tmp_path, "--only", "ran_all_lite")
-    bench(tmp_path, "--only", "ea_transformer_lite", "--skip", "training", "memory", "--append")
+    bench(tmp_path, "--only", "ea_transformer_lite", "--skip", "training", "memory", "--append",
+          "--fairseq-reorder")
     report = json.loads((tmp_path / "benchmark.json").read_text())
     assert [run["archs"] for run in report["runs"]] == [["ran_all_lite"], ["ea_transformer_lite"]]
     assert report["runs"][0]["machine"]["freed_memory_kept"] in (True, False)
+    assert [run["machine"]["fairseq_reorder"] for run in report["runs"]] == [False, True]
 
     training = report["training"]["ran_all_lite"]
     assert training["ratio"]["median"] > 0 and len(training["batches"]) == 3
@@ -42,6 +44,7 @@ def test_benchmark_runs_and_appends(tmp_path):
     assert "| ran_all_lite | transformer_lite |" in md
     assert "| ea_transformer_lite | 1000 | 1 | 2 |" in md
     assert md.count("Run of ") == 2
+    assert md.count("(`--fairseq-reorder`)") == 1
 
 
 def benchmark_module():
