@@ -398,6 +398,8 @@ def main():
     ap.add_argument("--beams", nargs="+", type=int, help="beam sizes (default: 5 1)")
     ap.add_argument("--batch-sizes", nargs="+", type=int, help="generation batch sizes (default: 1 32 128)")
     ap.add_argument("--small-vocab", action="store_true", help="also generate with a 1k vocabulary")
+    ap.add_argument("--training-repeats", type=int, default=9,
+                    help="interleaved repeats of the training measurement")
     ap.add_argument("--generation-repeats", type=int, default=5,
                     help="interleaved repeats per generation cell (batch 1: twice this, plus one)")
     ap.add_argument("--out", default=os.path.join(REPO, "benchmarks"), help="output directory")
@@ -437,7 +439,7 @@ def main():
         print(f"[bench] {arch} vs {twin} (vocab {vocab})", file=sys.stderr, flush=True)
         if "training" not in args.skip:
             report["training"][arch] = bench_training(arch, twin, vocab, tokens, updates=1,
-                                                      repeats=2 if quick else 9)
+                                                      repeats=2 if quick else args.training_repeats)
         if "memory" not in args.skip:
             report["memory"][arch] = bench_memory(arch, twin, vocab, tokens)
         if "generation" not in args.skip:
