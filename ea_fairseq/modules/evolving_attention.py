@@ -149,7 +149,8 @@ class EvolvingAttention(LogitMapAttention):
         """Beam search's reorder of the cached conv rows, applied lazily: the order is kept
         (composed with one not yet applied) and the next step's kernel reads hypothesis
         n's rows at ``order[n]``, so no step copies the rows of every attention for it;
-        the PyTorch path selects them before use."""
+        the PyTorch path selects them before use. (``new_order`` is kept, not copied:
+        fairseq's generator hands a new tensor to every step's reorder.)"""
         if state.get("conv_rows") is None:
             return
         pending = state.get("conv_rows_order")
