@@ -407,9 +407,8 @@ std::vector<at::Tensor> evolving_attention_step(
   const int64_t k = weight.size(2);
   TORCH_CHECK(weight.size(0) == H && weight.size(1) == H, "weight must map the map's heads");
   TORCH_CHECK(left >= 0 && left < k, "left padding must lie in [0, k)");
-  auto check = [&](const at::Tensor& t, const char* name) {
-    TORCH_CHECK(t.scalar_type() == logits.scalar_type() && t.is_contiguous(), name,
-                " must be of the logits' dtype");
+  auto check = [&](const at::Tensor& t, const char* name) {  // (each is made contiguous first)
+    TORCH_CHECK(t.scalar_type() == logits.scalar_type(), name, " must be of the logits' dtype");
   };
   at::Tensor prev_t, earlier_t, masked_t, bias_t, order_t;
   if (previous.has_value() && previous->defined()) {
