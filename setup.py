@@ -15,7 +15,7 @@ setup(
     description="Evolving / predictive / recurrent attention and DropAttention for fairseq",
     long_description=__doc__,
     packages=find_packages(include=["ea_fairseq", "ea_fairseq.*"]),
-    package_data={"ea_fairseq": ["csrc/*.cpp", "csrc/*.h"]},  # built on first use (modules/evolving_attention_kernels.py)
+    package_data={"ea_fairseq": ["accelerators/cpu/csrc/*.cpp", "accelerators/cpu/csrc/*.h"]},  # built on first use (accelerators/cpu/build.py)
     python_requires=">=3.9",
     install_requires=[],
     extras_require={

@@ -1,4 +1,4 @@
-"""Attention analysis (issue 6): metrics against hand-computed values, map capture on every
+"""Attention analysis: metrics against hand-computed values, map capture on every
 architecture, the FLOPs report against EA Table 5, PNG plots, and the command-line tool
 end to end on a checkpoint trained here."""
 import json

@@ -1,4 +1,6 @@
 """EA-Transformer: exact reduction, causality, incremental == full, batch invariance."""
+import contextlib
+
 import pytest
 import torch
 from fairseq.models.transformer import TransformerModel
@@ -7,7 +9,9 @@ from fairseq.modules import MultiheadAttention
 from conftest import (batch_invariance_gap, beam_reorder_gap, build_model, decoder_out,
                       incremental_logprobs, random_batch)
 from ea_fairseq.modules import AttentionMapConv, EvolvingAttention
-from ea_fairseq.modules import evolving_attention_kernels as fused
+from ea_fairseq import accelerators
+
+(cpu_accelerator,) = accelerators.registered("evolving_attention")
 
 SMALL = ("--encoder-layers", "3", "--decoder-layers", "3", "--dropout", "0.0")
 ALL_OFF = ("--ea-alpha", "0", "--ea-beta", "0", "--ea-decoder-alpha", "0",
@@ -16,25 +20,31 @@ ALL_OFF = ("--ea-alpha", "0", "--ea-beta", "0", "--ea-decoder-alpha", "0",
 STRONG = ("--ea-alpha", "0.5", "--ea-beta", "0.5", "--ea-decoder-alpha", "0.3")
 
 
-@pytest.fixture(params=["fused-step", "pytorch-step"])
-def decoding_step(request, monkeypatch):
-    """Decode with the fused step kernel (checked to run) or with the PyTorch path; yields
-    the list of the kernel's calls (whether each returned the weights), or None."""
-    if request.param == "pytorch-step":
-        monkeypatch.setattr(fused, "extension", lambda: None)
-        yield None
+@pytest.fixture(params=["accelerated-step", "reference-step"])
+def decoding_step(request):
+    """Decode with the CPU accelerator's step (checked to run) or with the reference; yields
+    the list of the accelerator's steps (whether each returned the weights), or None."""
+    if request.param == "reference-step":
+        with accelerators.reference_only():
+            yield None
         return
-    assert fused.extension() is not None, "the fused EA kernels did not build"
+    if not cpu_accelerator.available():
+        pytest.skip("the CPU accelerators are not available here (switched off or not built)")
     calls = []
-    step = fused.evolving_attention_step
+    step = cpu_accelerator.step
 
-    def counted(*args):
-        calls.append(len(args) > 9 and args[9] is not None)  # the values: weights and context
-        return step(*args)
+    def counted(*args, **kwargs):
+        out = step(*args, **kwargs)
+        if out is not None:
+            calls.append(out[2] is not None)  # the context: it computed weights and values
+        return out
 
-    monkeypatch.setattr(fused, "evolving_attention_step", counted)
-    yield calls
-    assert calls, "decoding never reached the fused step kernel"
+    cpu_accelerator.step = counted
+    try:
+        yield calls
+    finally:
+        del cpu_accelerator.step
+    assert calls, "decoding never reached the accelerator's step"
 
 
 def ea_modules(model):
@@ -129,12 +139,12 @@ def test_causality_check_catches_a_leaking_conv(dictionary, which):
 
 
 # decoder α > 0: each layer hands its A_logit on; α = 0 (the papers' decoder): no layer
-# reads it, and the fused step returns the attention weights, softmax included
+# reads it, and the accelerated step returns the attention weights, softmax included
 DECODER_ALPHA = pytest.mark.parametrize("decoder_alpha", ["0.3", "0"], ids=["hand-on", "weights"])
 
 
 def check_step_kind(calls, decoder_alpha):
-    if calls is not None:  # the fused step ran: as A_logit, or as the weights
+    if calls is not None:  # the accelerated step ran: as A_logit, or as the weights
         assert set(calls) == {decoder_alpha == "0"}
 
 
@@ -181,39 +191,44 @@ def test_first_layer_reads_no_previous_map_and_carrier_is_emptied(dictionary):
     assert not any("attention_maps" in k for k in model.state_dict())
 
 
-def test_masked_entries_never_reach_the_conv_as_inf(dictionary):
-    """Padding and future positions enter the convolutions as zeros (no -inf / NaN)."""
+@pytest.mark.parametrize("path", ["accelerated", "reference"])
+def test_masked_entries_never_reach_the_conv_as_inf(dictionary, monkeypatch, path):
+    """Padding and future positions enter the convolutions as zeros (no -inf / NaN), and
+    the maps handed on to the next layer are finite."""
     model, _ = build_model("ea_transformer_lite", *SMALL, *STRONG)
-    seen = []
-    for m in model.modules():
-        if isinstance(m, AttentionMapConv):
-            m.register_forward_pre_hook(lambda mod, inp: seen.append(inp[0]))
+    seen, handed_on = [], []
+    convolve = AttentionMapConv.convolve_uncropped
+    monkeypatch.setattr(AttentionMapConv, "convolve_uncropped",
+                        lambda self, maps, *a: seen.append(maps) or convolve(self, maps, *a))
+    for stack in (model.encoder, model.decoder):
+        hand_on = stack.attention_maps.hand_on
+        monkeypatch.setattr(stack.attention_maps, "hand_on",
+                            lambda slot, m, hand_on=hand_on: handed_on.append(m) or hand_on(slot, m))
     src, lengths, prev = random_batch(dictionary, [3, 9], 6)
-    out = decoder_out(model, src, lengths, prev)
-    assert len(seen) == 9
-    assert all(torch.isfinite(x).all() for x in seen)
+    with accelerators.reference_only() if path == "reference" else contextlib.nullcontext():
+        out = decoder_out(model, src, lengths, prev)
+    assert len(seen) == 9 and len(handed_on) == 9
+    assert all(torch.isfinite(x).all() for x in seen + handed_on)
     assert torch.isfinite(out).all()
 
 
 @pytest.mark.parametrize("layout", ["causal", "rows"])  # the decoder's layouts
-@pytest.mark.parametrize("batch", [3, 200], ids=["direct-kernel", "onednn"])
-def test_one_step_convolution_equals_the_full_map_row(layout, batch):
-    """A decoding step convolves only its cached rows, with a small-batch kernel below
-    DIRECT_CONV_MAX_BATCH hypotheses and oneDNN above; both give the full pass's row."""
-    from ea_fairseq.modules import attention_map_conv
-
-    assert attention_map_conv.DIRECT_CONV_MAX_BATCH in range(3, 200)
+def test_one_step_convolution_equals_the_full_map_row(layout):
+    """A decoding step convolves only its cached rows; it gives the full pass's row, also
+    after the weights change in place, through autograd-invisible ``.data`` writes too."""
     torch.manual_seed(0)
     conv = AttentionMapConv(4, 3, layout)
-    maps = torch.randn(batch, 4, 6, 7)
+    maps = torch.randn(3, 4, 6, 7)
     with torch.no_grad():
         full = conv(maps)
         for t in range(6):
             rows = torch.nn.functional.pad(maps[:, :, : t + 1], (0, 0, 2, 0))[:, :, -3:]
             step = conv(rows, pad_rows=False)
-            assert step.shape == (batch, 4, 1, 7)
+            assert step.shape == (3, 4, 1, 7)
             assert (step[:, :, 0] - full[:, :, t]).abs().max() <= 1e-5
-        # the masked kernel kept for decoding follows in-place weight updates
-        conv.weight.mul_(-2.0)
-        assert (conv(maps) - full).abs().max() > 1e-3
-        assert (conv(rows, pad_rows=False)[:, :, 0] - conv(maps)[:, :, 5]).abs().max() <= 1e-5
+    for change in (lambda w: w.mul_(-2.0), lambda w: w.data.add_(0.5)):
+        with torch.no_grad():
+            change(conv.weight)
+            assert (conv(maps) - full).abs().max() > 1e-3
+            assert (conv(rows, pad_rows=False)[:, :, 0] - conv(maps)[:, :, 5]).abs().max() <= 1e-5
+            full = conv(maps)

@@ -1,4 +1,4 @@
-"""Attention analysis: maps, layer-wise metrics, plots, params/FLOPs (GitHub issue 6).
+"""Attention analysis: maps, layer-wise metrics, plots, params/FLOPs.
 
 ``python -m ea_fairseq.analysis {dump,metrics,plot,flops} --help``; see docs/analysis.md.
 The Python API lives in the submodules: :mod:`.maps` (capture and dump attention maps),

@@ -7,13 +7,15 @@
   need_head_weights=True`` (and through fairseq's own attention path rather than the
   fused PyTorch one, which only returns head averages), giving
   ``heads x batch x tgt x src`` per layer;
-* whatever the stacks' carriers record (``model.encoder.attention_maps.record()``):
-  EA logs ``dot_product``, ``convolution`` and ``logits`` per layer (EA Fig. 11), PA its
-  ``prediction``, RAN its input-independent ``recurrent`` logits. The capture is generic
-  over these keys; each entry is attributed to the layer whose attention logged it.
+* the intermediate maps each mechanism reports to a map hook
+  (:meth:`~ea_fairseq.modules.attention_maps.LogitMapAttention.register_map_hook`, which
+  also says the layer): EA its ``dot_product``, ``convolution`` and ``logits`` per layer
+  (EA Fig. 11), PA its ``prediction``, RAN its input-independent ``recurrent`` logits. The
+  capture is generic over these keys. The pass runs the mechanisms' reference
+  implementations (:func:`ea_fairseq.accelerators.reference_only`), where those maps exist.
 
 Names: an *attention* is ``encoder.self``, ``decoder.self`` or ``decoder.cross``; a
-*kind* is ``weights`` or a carrier key. Arrays are ``(layers, heads, queries, keys)``;
+*kind* is ``weights`` or a reported map's key. Arrays are ``(layers, heads, queries, keys)``;
 a layer where the mechanism does not apply is NaN in its kinds (RAN with a standard
 first layer), and entries the attention masks (zero weight) are zero in every kind.
 Decoder rows are the positions that predict ``target[t]``; their input token is
@@ -30,6 +32,9 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 from torch import Tensor
+
+from .. import accelerators
+from ..modules.attention_maps import LogitMapAttention
 
 logger = logging.getLogger(__name__)
 
@@ -103,31 +108,26 @@ class AttentionCapture:
     """Context manager collecting the attention maps of the forward passes run inside it.
 
     ``result()`` gives ``{attention: {kind: [per-layer tensor (batch, heads, tgt, src)]}}``;
-    a carrier kind has ``None`` for layers that did not log it. Use one capture per
+    a reported kind has ``None`` for layers that did not report it. Use one capture per
     forward pass.
     """
 
     def __init__(self, model, carriers: bool = True):
         self.model = model
-        self.carriers = carriers  # also collect what the stacks' carriers record
+        self.carriers = carriers  # also collect the mechanisms' intermediate maps
         self._stack = ExitStack()
         self._handles = []
-        self._records: Dict[str, Dict[str, list]] = {}
-        self._attributed: Dict[Tuple[str, str], Dict[int, int]] = {}  # (stack, slot) -> {entry: layer}
-        self._before: Dict[int, Dict[str, int]] = {}
+        self._maps: Dict[str, Dict[str, Dict[int, Tensor]]] = {}  # attention -> kind -> layer
         self._weights: Dict[str, Dict[int, Tensor]] = {}
         self._skip_flags = []
 
     def __enter__(self):
         from fairseq.modules import MultiheadAttention
 
+        if self.carriers:
+            self._stack.enter_context(accelerators.reference_only())
         for stack_name in ("encoder", "decoder"):
             stack = getattr(self.model, stack_name, None)
-            if stack is None:
-                continue
-            carrier = getattr(stack, "attention_maps", None)
-            if self.carriers and carrier is not None and hasattr(carrier, "record"):
-                self._records[stack_name] = self._stack.enter_context(carrier.record())
             for layer_index, layer in enumerate(getattr(stack, "layers", ())):
                 for module in layer.modules():
                     if isinstance(module, MultiheadAttention):
@@ -145,7 +145,6 @@ class AttentionCapture:
     def _watch(self, module, stack_name: str, layer_index: int) -> None:
         slot = "cross" if module.encoder_decoder_attention else "self"
         name = f"{stack_name}.{slot}"
-        records = self._records.get(stack_name)
         # fairseq's fused path (F.multi_head_attention_forward) returns head averages only;
         # skipping the embed-dim check routes the call through fairseq's own path
         self._skip_flags.append((module, module.skip_embed_dim_check))
@@ -158,45 +157,32 @@ class AttentionCapture:
             else:
                 kwargs["need_weights"] = True
             kwargs["need_head_weights"] = True
-            if records is not None:
-                self._before[id(mod)] = {s: len(v) for s, v in records.items()}
             return tuple(args), kwargs
 
         def post(mod, args, kwargs, output):
             weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
             if weights is not None and weights.dim() == 4:
                 self._weights.setdefault(name, {})[layer_index] = weights.detach().transpose(0, 1).float()
-            if records is not None:
-                before = self._before.pop(id(mod), {})
-                for s, entries in records.items():
-                    seen = self._attributed.setdefault((stack_name, s), {})
-                    for k in range(before.get(s, 0), len(entries)):
-                        seen[k] = layer_index
+
+        def reported(mod, maps):
+            kinds = self._maps.setdefault(name, {})
+            for kind, tensor in maps.items():
+                kinds.setdefault(kind, {})[mod.layer_index] = tensor.float()
 
         self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         self._handles.append(module.register_forward_hook(post, with_kwargs=True))
+        if self.carriers and isinstance(module, LogitMapAttention):
+            self._handles.append(module.register_map_hook(reported))
 
     def result(self) -> Dict[str, Dict[str, List[Tensor]]]:
         out: Dict[str, Dict[str, List[Tensor]]] = {}
         for name, layers in self._weights.items():
             out.setdefault(name, {})["weights"] = [layers[i] for i in sorted(layers)]
-        for stack_name, records in self._records.items():
-            for slot, entries in records.items():
-                name = f"{stack_name}.{slot}"
-                seen = self._attributed.get((stack_name, slot), {})
-                by_kind: Dict[str, Dict[int, Tensor]] = {}
-                free = 0
-                for k, entry in enumerate(entries):
-                    if k in seen:
-                        layer = seen[k]
-                    else:  # logged outside any attention module: keep the order
-                        layer, free = free, free + 1
-                    for kind, tensor in entry.items():
-                        by_kind.setdefault(kind, {})[layer] = tensor.detach().float()
-                n = len(out.get(name, {}).get("weights", ()))
-                for kind, layers in by_kind.items():
-                    # None where the mechanism did not log (e.g. a standard first RAN layer)
-                    out.setdefault(name, {})[kind] = [layers.get(i) for i in range(max(n, max(layers) + 1))]
+        for name, kinds in self._maps.items():
+            n = len(out.get(name, {}).get("weights", ()))
+            for kind, layers in kinds.items():
+                # None where the mechanism did not report (e.g. a standard first RAN layer)
+                out.setdefault(name, {})[kind] = [layers.get(i) for i in range(max(n, max(layers) + 1))]
         return {k: out[k] for k in sorted(out, key=_order)}
 
 

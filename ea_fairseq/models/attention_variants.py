@@ -61,6 +61,8 @@ def build_attention(role: str, attn: MultiheadAttention, cfg, layer_index: int =
             cfg.drop_attention, cfg.drop_attention_p, cfg.drop_attention_window,
             cfg.drop_attention_rescale,
         ))
+    if isinstance(attn, LogitMapAttention):
+        attn.layer_index = layer_index
     return attn
 
 

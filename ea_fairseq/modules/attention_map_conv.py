@@ -18,25 +18,14 @@ Inputs are expected to hold neutral zeros wherever the attention is masked (padd
 future positions): with fairseq's left-padded sources a padded column then looks exactly
 like the convolution's own zero border, so a sentence's map does not depend on what it
 was batched with. Incremental decoding passes the cached previous rows itself
-(``pad_rows=False``).
+(``pad_rows=False``). One ``F.conv2d`` call per map (cuDNN on CUDA, oneDNN on CPU).
 """
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from .attention_maps import values_key
-
 LAYOUTS = ("full", "causal", "rows")
-
-# One decoding step convolves a few rows per hypothesis. Up to this many hypotheses,
-# ATen's direct (im2col + GEMM) convolution beats oneDNN's; measured on a 2-core Xeon for
-# 4 heads, 3x3 kernels, 26-100 keys: 13 vs 75 us at 5 hypotheses, 100 vs 101 us at 160,
-# 354 vs 218 us at 640.
-DIRECT_CONV_MAX_BATCH = 160
-_direct_conv2d = getattr(torch._C._nn, "thnn_conv2d", None)
-if _direct_conv2d is None:  # not in this torch build: oneDNN's for every size
-    DIRECT_CONV_MAX_BATCH = -1
 
 
 class AttentionMapConv(nn.Conv2d):
@@ -60,68 +49,36 @@ class AttentionMapConv(nn.Conv2d):
         else:
             self.kernel_mask = None
         half, full = k // 2, k - 1
-        # (left, right, top, bottom) zero padding: the shift of Fig. 3 is asymmetric padding
-        cols = (full, 0) if layout == "causal" else (half, half)
-        self._masked = None  # (weight version, masked kernel), see masked_weight()
+        # (top, bottom) and (left, right) zero padding: the shift of Fig. 3 is asymmetric padding
         self.row_padding = (full, 0) if layout in ("causal", "rows") else (half, half)
-        self.col_padding = cols
+        self.col_padding = (full, 0) if layout == "causal" else (half, half)
 
     @property
     def rows_needed(self) -> int:
         """How many earlier target rows one output row reads (the incremental cache size)."""
         return self.kernel_size[0] - 1
 
-    def forward(self, maps: Tensor, pad_rows: bool = True, keep_layout: bool = False,
-                crop: bool = True) -> Tensor:
-        """``maps`` is (batch, heads, tgt, src); returns the convolved map of the same width.
+    def forward(self, maps: Tensor, pad_rows: bool = True) -> Tensor:
+        """``maps`` is (batch, heads, tgt, src); returns the convolved map of the same size.
 
         With ``pad_rows=False`` the caller supplies the ``rows_needed`` earlier rows on top
         of the rows to compute (incremental decoding) and gets ``tgt - rows_needed`` rows.
-        With ``keep_layout=True`` the result may be a strided (channels-last, cropped) view:
-        cheaper when the next operation reads it once anyway. With ``crop=False`` (whole
-        maps) it is the uncropped channels-last output, whose ``[:, :, :tgt, :src]`` is the
-        result: for a consumer that crops as it reads (and writes the gradient in place).
         """
-        weight = self.masked_weight()
+        rows = maps.size(2) - (0 if pad_rows else self.rows_needed)
+        return self.convolve_uncropped(maps, pad_rows)[:, :, :rows, : maps.size(3)]
+
+    def convolve_uncropped(self, maps: Tensor, pad_rows: bool = True) -> Tensor:
+        """The convolution with symmetric zero padding, whose ``[:, :, :rows, :src]`` is
+        :meth:`forward`'s result: a one-sided (shifted) padding is symmetric padding with
+        the surplus rows and columns cropped, which saves a padded copy of the map."""
         top, bottom = self.row_padding if pad_rows else (0, 0)
         left, right = self.col_padding
-        rows = maps.size(2) - (0 if pad_rows else self.rows_needed)
-        padding = (max(top, bottom), max(left, right))
-        # A one-sided (shifted) padding is done as symmetric padding with the surplus
-        # rows/columns cropped, which saves a padded copy.
-        if pad_rows:
-            # Whole maps (training, encoder): heads are few (4-8 channels), and the
-            # channels-last layout is several times faster for such convolutions on CPU.
-            out = F.conv2d(maps.contiguous(memory_format=torch.channels_last), weight, self.bias,
-                           padding=padding)
-        elif maps.size(0) <= DIRECT_CONV_MAX_BATCH:
-            # One decoding step: a few rows per sentence. oneDNN's fixed cost per call
-            # (about 70 us) is several times the work here; the direct im2col kernel is not.
-            out = _direct_conv2d(maps.contiguous(), weight, self.kernel_size, self.bias,
-                                 (1, 1), padding)
-        else:
-            out = F.conv2d(maps.contiguous(), weight, self.bias, padding=padding)
-        if pad_rows and not crop:
-            return out
-        out = out[:, :, :rows, : maps.size(3)] if (top, left) != (bottom, right) else out
-        # one decoding step's row is small and read once: the cropped view will do
-        return out.contiguous() if pad_rows and not keep_layout else out
+        return F.conv2d(maps, self.masked_weight(), self.bias,
+                        padding=(max(top, bottom), max(left, right)))
 
     def masked_weight(self) -> Tensor:
-        """The kernel with the causal layout's masked taps zeroed (the kernel itself otherwise).
-
-        Without autograd (decoding) the product is kept until the weight changes.
-        """
-        if self.kernel_mask is None:
-            return self.weight
-        if torch.is_grad_enabled():
-            self._masked = None
-            return self.weight * self.kernel_mask
-        # the mask is a constant buffer: a device/dtype move changes the weight's key too
-        key = values_key((self.weight,))
-        if self._masked is None or self._masked[0] != key:
-            self._masked = (key, self.weight * self.kernel_mask)
-        return self._masked[1]
+        """The kernel with the causal layout's masked taps zeroed (the kernel itself otherwise)."""
+        return self.weight if self.kernel_mask is None else self.weight * self.kernel_mask
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", layout={self.layout}"

@@ -10,7 +10,9 @@ output. :class:`LogitMapAttention` is the one place where that map is exposed:
   encoder keys, the causal mask, and in decoding steps the key padding (all ``-inf``);
 * :meth:`LogitMapAttention.transform_logits` is the hook a mechanism overrides; it
   masks (padded keys are masked there, once, in place, wherever the padding mask covers
-  every key: full passes, and the encoder's keys in a decoding step);
+  every key: full passes, and the encoder's keys in a decoding step); a mechanism reports
+  its intermediate maps to whoever registered a hook for them
+  (:meth:`LogitMapAttention.register_map_hook`: the analysis tool), at no cost otherwise;
 * softmax, :meth:`drop_weights` (attention dropout), the value product and the output
   projection follow, as in fairseq. In a decoding step a mechanism may compute the
   weights and the value product in one go instead (:meth:`LogitMapAttention.attend_step`).
@@ -19,13 +21,15 @@ A fairseq-built ``MultiheadAttention`` becomes a mechanism in place with
 :meth:`LogitMapAttention.promote`: parameters, their names in the state dict and their
 initialisation stay exactly those of the vanilla module; the mechanism adds its own.
 """
+from collections import OrderedDict
 from contextlib import contextmanager
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from fairseq.modules import MultiheadAttention
 from torch import Tensor
+from torch.utils.hooks import RemovableHandle
 
 
 class AttentionMapCarrier:
@@ -35,13 +39,11 @@ class AttentionMapCarrier:
     modules (``slot`` names the attention kind: ``"self"`` or ``"cross"``). It is a plain
     object, not a module: it never enters the state dict, and :meth:`scope` empties it
     before and after every forward pass of its stack, so no tensor (or autograd graph)
-    outlives the pass that made it. Optionally it records every layer's maps for
-    analysis (:meth:`record`).
+    outlives the pass that made it.
     """
 
     def __init__(self):
         self._last: Dict[str, Tensor] = {}
-        self._recording: Optional[Dict[str, list]] = None
 
     @contextmanager
     def scope(self):
@@ -57,26 +59,6 @@ class AttentionMapCarrier:
 
     def hand_on(self, slot: str, logits: Tensor) -> None:
         self._last[slot] = logits
-
-    # -- analysis ---------------------------------------------------------------------
-    @contextmanager
-    def record(self):
-        """Collect ``{slot: [per-layer dict of maps]}`` while the context is open."""
-        self._recording = {}
-        try:
-            yield self._recording
-        finally:
-            self._recording = None
-
-    @property
-    def recording(self) -> bool:
-        return self._recording is not None
-
-    def log(self, slot: str, **maps: Tensor) -> None:
-        if self._recording is not None:
-            self._recording.setdefault(slot, []).append(
-                {k: v.detach() for k, v in maps.items()}
-            )
 
 
 class LogitMapAttention(MultiheadAttention):
@@ -105,6 +87,8 @@ class LogitMapAttention(MultiheadAttention):
         # instance attributes (a class attribute would shadow the registered submodule):
         attn.attention_maps = None  # AttentionMapCarrier, set by attach()
         attn.weight_dropout = None  # DropAttention, or None for fairseq's attention dropout
+        attn.layer_index = 0  # position in its stack, set by the model's builder
+        attn._map_hooks = OrderedDict()
         # fairseq's fused training path (F.multi_head_attention_forward) ignores
         # before_softmax; skipping the embed-dim check is what routes every call through
         # the path that returns the logits.
@@ -123,6 +107,25 @@ class LogitMapAttention(MultiheadAttention):
     def set_weight_dropout(self, module: Optional[torch.nn.Module]) -> None:
         self.weight_dropout = module
 
+    # -- intermediate maps, for analysis ---------------------------------------------------
+    def register_map_hook(self, hook: Callable[["LogitMapAttention", Dict[str, Tensor]], None]):
+        """Call ``hook(module, maps)`` with the mechanism's intermediate maps (B, H, T, S)
+        of every forward pass that computes them (``module.layer_index`` says which layer).
+        Masked entries hold zeros. The maps exist in the mechanisms' reference
+        implementations, so run the hooked passes inside
+        :func:`ea_fairseq.accelerators.reference_only`. Returns a handle with ``remove()``."""
+        handle = RemovableHandle(self._map_hooks)
+        self._map_hooks[handle.id] = hook
+        return handle
+
+    def report_maps(self, maps: Callable[[], Dict[str, Tensor]], masked: Optional[Tensor]) -> None:
+        """Hand ``maps()`` -- computed only if a hook listens -- to the map hooks."""
+        if self._map_hooks:
+            reported = {k: (fill_masked(v.detach(), masked, 0.0) if v.dim() == 4 else v.detach()).clone()
+                        for k, v in maps().items()}
+            for hook in list(self._map_hooks.values()):
+                hook(self, reported)
+
     # -- hooks ---------------------------------------------------------------------------
     def transform_logits(
         self,
@@ -134,10 +137,11 @@ class LogitMapAttention(MultiheadAttention):
         """Rewrite the logits ``(batch, heads, tgt, src)`` before the softmax.
 
         ``masked`` marks the masked entries (padding keys, future positions), broadcastable
-        to ``logits``, or is None when nothing is masked (e.g. one step of incremental
-        decoding). In ``logits`` they hold ``-inf`` where fairseq masked them (future
-        positions; padded keys in decoding steps) and the raw scores otherwise (padded keys
-        in a full pass, see :meth:`forward`); in the result they must hold ``-inf``.
+        to ``logits``, or is None when nothing is masked. In ``logits`` they hold ``-inf``
+        where fairseq masked them (future positions; padded keys in decoding steps) and the
+        raw scores otherwise (padded keys in a full pass, see :meth:`forward`); in the
+        result they must hold ``-inf``, written right before the softmax (a mechanism does
+        no arithmetic on ``-inf``).
         ``logits`` is fairseq's fresh score tensor, which autograd does not keep: it may be
         changed in place. ``query_padding_mask`` (batch, tgt) marks padded query rows
         (self-attention in a full forward pass only). Here: just the masking.
@@ -232,12 +236,13 @@ class LogitMapAttention(MultiheadAttention):
         ``logits`` is (B, H, T, S) with -inf where masked; ``v`` is (B_kv * H, S, head_dim).
         Returns fairseq's ``(attn, weights)`` pair.
         """
-        # softmax in at least float32 (fp16/bf16 upcast, as fairseq), double stays double
+        # softmax in at least float32 (fp16/bf16 upcast, as fairseq), double stays double;
+        # the weights meet the values in the values' dtype
         if logits.dtype in (torch.float32, torch.float64):
-            probs = probs_float = logits.softmax(-1)  # (one decoding step: no casts to pay for)
+            probs_float = logits.softmax(-1)  # (one decoding step: no casts to pay for)
         else:
             probs_float = logits.softmax(-1, dtype=torch.float32)
-            probs = probs_float.type_as(logits)
+        probs = probs_float if probs_float.dtype == v.dtype else probs_float.to(v.dtype)
         attn = self._attend(self.drop_weights(probs), v, bsz, tgt_len)
         return attn, fairseq_weights(probs_float, need_weights, need_head_weights)
 
@@ -303,9 +308,9 @@ def masked_entries(logits: Tensor, key_padding_mask: Optional[Tensor],
     fairseq writes both masks as ``-inf``: padded keys (``key_padding_mask``, B x S) and
     future positions (``attn_mask``, T x S, additive). Built from the small masks when they
     describe the whole map, from the logits themselves otherwise (e.g. the key padding of
-    one incremental step, which fairseq extends with its cached keys). None when nothing is
-    masked, so that callers skip the masking passes altogether (a decoding step's one-row
-    map keeps a padding mask even when it is all False: testing it costs what it saves).
+    one incremental step, which fairseq extends with its cached keys). None when there is no
+    mask at all, so that callers skip the masking passes. Decided from shapes only: no
+    look at the masks' values, which on a GPU would wait for the device.
     """
     bsz, _, tgt_len, src_len = logits.shape
     masked = None
@@ -314,11 +319,7 @@ def masked_entries(logits: Tensor, key_padding_mask: Optional[Tensor],
             return torch.isneginf(logits)
         if key_padding_mask.dtype != torch.bool:
             key_padding_mask = key_padding_mask.to(torch.bool)
-        # fairseq hands on a padding mask even when nothing is padded; one cheap test
-        # here saves every masking pass of the (much larger) map -- but not of a decoding
-        # step's single row, which the test would cost about as much as it saves
-        if tgt_len == 1 or key_padding_mask.any():
-            masked = key_padding_mask[:, None, None, :]
+        masked = key_padding_mask[:, None, None, :]
     if attn_mask is not None:
         if attn_mask.shape != (tgt_len, src_len):
             return torch.isneginf(logits)

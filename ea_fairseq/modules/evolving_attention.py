@@ -1,9 +1,9 @@
 """Evolving Attention (EA-Transformer), EA paper Eq. (4), §3.3 and §3.5.
 
-For layer i of a stack::
+For layer i of a stack, :func:`evolving_attention` computes::
 
-    A_input^i = alpha * A_logit^(i-1) + (1 - alpha) * Attention(X)_logit^i     (α: skip connection)
-    A_logit^i = beta * ReLU(Conv(A_input^i)) + (1 - beta) * A_input^i          (β: convolution)
+    A_input^i = α · A_logit^(i-1) + (1 − α) · Attention(X)_logit^i     (α: skip connection)
+    A_logit^i = β · ReLU(Conv(A_input^i)) + (1 − β) · A_input^i        (β: convolution)
     A^i       = softmax(A_logit^i)
 
 ``Attention(X)_logit = QK^T / sqrt(d)`` is fairseq's own logit map (with its masks);
@@ -16,29 +16,47 @@ shift) for decoder self-attention, ``rows`` (shift along the target axis) for
 encoder-decoder attention. Without a convolution, ``A_logit = A_input``.
 
 Masked entries (padding keys, future positions, padded query rows) enter the skip
-connection and the convolution as neutral zeros -- never ``-inf`` or a dtype's minimum --
-and are masked again (``-inf``) after it; the map handed on to the next layer is that
-masked one (the next layer's zero fill, after its skip connection, replaces the ``-inf``).
-Every fill works in place on tensors autograd does not keep. In incremental decoding the
-module caches the last ``k - 1`` rows of ``A_input`` (exactly what the convolution reads
-of earlier steps) and reorders them with the beams.
+connection and the convolution as neutral zeros -- never ``-inf`` or a dtype's minimum;
+the map handed on to the next layer is finite (its masked entries hold whatever the
+convolution put there, which the next layer's zero fill replaces), and ``-inf`` is written
+only into the softmax's input. In incremental decoding the module caches the last
+``k - 1`` rows of ``A_input`` (exactly what the convolution reads of earlier steps) and
+reorders them with the beams.
 
-On CPU, for float32/float64 maps, the arithmetic around the convolution runs in the
-fused kernels of :mod:`~ea_fairseq.modules.evolving_attention_kernels` (one pass
-before it and one after it in full passes, forward and backward; one call per
-attention in a decoding step); the PyTorch operations below are the reference path,
-used for other devices and dtypes, for recording maps, and where the kernels cannot
-be built. Tests hold both to the same values and gradients.
+:func:`evolving_attention` is the one reference implementation, plain PyTorch for every
+device and dtype (autocast included). Where an accelerator is registered for the map's
+device and dtype (:mod:`ea_fairseq.accelerators`; on CPU in float32/float64, fused C++
+passes) it computes the same values and gradients instead.
 """
-from typing import Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import evolving_attention_kernels as fused
+from .. import accelerators
 from .attention_map_conv import AttentionMapConv
 from .attention_maps import LogitMapAttention, fill_masked, fill_masked_, neutral_entries, pad_rows_to
+
+
+def evolving_attention(logits: Tensor, previous: Optional[Tensor], neutral: Optional[Tensor],
+                       alpha: float, beta: float,
+                       convolve: Optional[Callable[[Tensor], Tensor]]) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """EA Eq. (4): ``(A_logit, A_input, ReLU(Conv(A_input)))`` (the last None without a
+    convolution).
+
+    ``logits`` is this layer's ``Attention(X)_logit`` (B, H, T, S), which autograd does not
+    keep (it is changed in place); ``previous`` the previous layer's finite ``A_logit``, or
+    None; ``neutral`` the entries that enter both lines as zeros (broadcastable bool), or
+    None. ``A_logit`` is finite: the caller writes ``-inf`` where the softmax must not look.
+    """
+    a_input = fill_masked_(logits, neutral, 0.0)
+    if previous is not None:  # line 1, the α skip connection (previous's masked entries re-zeroed)
+        a_input = fill_masked_(torch.lerp(a_input, previous, alpha), neutral, 0.0)
+    if convolve is None:
+        return a_input, a_input, None
+    conv = F.relu(convolve(a_input))
+    return torch.lerp(a_input, conv, beta), a_input, conv  # line 2, β·ReLU(Conv) + (1-β)·A_input
 
 
 class EvolvingAttention(LogitMapAttention):
@@ -67,79 +85,59 @@ class EvolvingAttention(LogitMapAttention):
         )
 
     def transform_logits(self, logits, masked, query_padding_mask, incremental_state):
-        carrier = self.attention_maps
-        if incremental_state is not None and not carrier.recording:
-            a_logit = self._fused_decoding_step(logits, masked, incremental_state)
-            if a_logit is not None:
-                if self.hand_on_maps:
-                    carrier.hand_on(self.slot, a_logit)
-                return a_logit
-        recorded = fill_masked(logits, masked, 0.0) if carrier.recording else None
-        # entries that enter the skip connection and the convolution as zeros
-        neutral = neutral_entries(masked, query_padding_mask)
-        previous = carrier.previous(self.slot) if self.alpha > 0.0 else None
-        conv_term = None
-        if (self.conv is not None and incremental_state is None and not carrier.recording
-                and fused.full_map_applies(logits)):
-            # Eq. (4), both lines, fused around the convolution (masked entries -> -inf)
-            a_input = fused.evolving_attention_input(logits, previous, neutral, self.alpha)
-            a_logit = fused.convolution_residual(a_input, self.conv(a_input, crop=False), masked,
-                                                 self.beta)
-        else:
-            if previous is not None:
-                # Eq. (4), line 1: the α skip connection, α·A_logit(i-1) + (1-α)·Attention(X)_logit
-                # (the previous map holds -inf where masked: the fill below replaces it)
-                a_input = fill_masked_(torch.lerp(logits, previous, self.alpha), neutral, 0.0)
-            else:
-                a_input = fill_masked_(logits, neutral, 0.0)
-            a_logit = a_input
-            if self.conv is not None:
-                # Eq. (4), line 2: β·ReLU(Conv(A_input)) + (1-β)·A_input
-                conv_term = F.relu(self._convolve(a_input, incremental_state), inplace=True)
-                a_logit = torch.lerp(a_input, conv_term, self.beta)
-            a_logit = fill_masked_(a_logit, masked, float("-inf"))
+        previous = self.attention_maps.previous(self.slot) if self.alpha > 0.0 else None
+        accelerator = self._accelerator(logits)
+        a_logit = None
+        if accelerator is not None and incremental_state is None:
+            a_logit = accelerator.full_pass(
+                logits, previous, neutral_entries(masked, query_padding_mask),
+                None if self.hand_on_maps else masked, self.conv, self.alpha, self.beta)
+            if not self.hand_on_maps:
+                return a_logit  # its masked entries are -inf already
+        elif accelerator is not None:
+            a_logit = self._accelerated_step(accelerator, logits, previous, masked, incremental_state)
+        if a_logit is None:
+            neutral = neutral_entries(masked, query_padding_mask)
+            convolve = None if self.conv is None else lambda x: self._convolve(x, incremental_state)
+            a_logit, _, conv = evolving_attention(logits, previous, neutral, self.alpha, self.beta, convolve)
+            self.report_maps(lambda: {
+                "dot_product": logits,  # Attention(X)_logit, zero where neutral
+                "convolution": self.beta * conv if conv is not None else torch.zeros_like(logits),
+                "logits": a_logit,
+            }, masked)
         if self.hand_on_maps:  # the next layer's A_logit(i-1)
-            carrier.hand_on(self.slot, a_logit)
-        if carrier.recording:
-            carrier.log(
-                self.slot,
-                dot_product=recorded,
-                convolution=self.beta * conv_term if conv_term is not None else torch.zeros_like(a_input),
-                logits=fill_masked(a_logit, masked, 0.0),
-            )
-        return a_logit
+            self.attention_maps.hand_on(self.slot, a_logit)
+            return fill_masked(a_logit, masked, float("-inf"))
+        return fill_masked_(a_logit, masked, float("-inf"))
 
     def attend_step(self, logits, masked, v, incremental_state):
-        """A decoding step's Eq. (4), softmax and value product in one fused kernel call,
-        when no later layer reads this layer's A_logit (else None: :meth:`transform_logits`,
-        whose Eq. 4 is fused too), except for large steps of encoder-decoder attention
-        whose values are not shared by beams (see ``STEP_VALUES_MAX_BATCH``)."""
-        if self.hand_on_maps or self.attention_maps.recording:
-            return None
-        bsz = logits.size(0)
-        if (self.encoder_decoder_attention and bsz > fused.STEP_VALUES_MAX_BATCH
-                and v.size(0) == bsz * self.num_heads):
-            return None
-        return self._fused_decoding_step(logits, masked, incremental_state, values=v)
-
-    def _fused_decoding_step(self, logits, masked, incremental_state, values=None):
-        """Eq. (4) for one decoding step in one fused kernel (see
-        :mod:`~ea_fairseq.modules.evolving_attention_kernels`): ``A_logit``, or with
-        ``values`` the pair (context, weights); None where the kernel does not apply."""
-        conv = self.conv
-        if conv is None or conv.rows_needed == 0 or not fused.applies(logits):
-            return None
-        bsz, _, _, src_len = logits.shape
-        keys = fused.key_mask(masked, bsz, src_len)
-        if keys is False:
+        """A decoding step's Eq. (4), softmax and value product in one accelerated call,
+        when no later layer reads this layer's ``A_logit`` and an accelerator takes it
+        (else None: :meth:`transform_logits` and the softmax)."""
+        accelerator = None if self.hand_on_maps else self._accelerator(logits)
+        if accelerator is None:
             return None
         previous = self.attention_maps.previous(self.slot) if self.alpha > 0.0 else None
+        return self._accelerated_step(accelerator, logits, previous, masked, incremental_state, values=v)
+
+    def _accelerator(self, logits: Tensor):
+        if self.conv is None:
+            return None
+        return accelerators.lookup("evolving_attention", logits)
+
+    def _accelerated_step(self, accelerator, logits, previous, masked, incremental_state, values=None):
+        """One decoding step through the accelerator, reading and storing the cached conv
+        rows: ``A_logit`` (or with ``values`` the pair (context, weights)), or None where
+        the accelerator does not take the step."""
         state = self.get_mechanism_state(incremental_state)
         earlier = state.get("conv_rows")
-        out, rows, context = fused.evolving_attention_step(
-            logits, previous, earlier, keys, conv.masked_weight(), conv.bias, self.alpha,
-            self.beta, conv.col_padding[0], values, state.pop("conv_rows_order", None),
-        )
+        step = accelerator.step(logits, previous, masked, earlier, state.get("conv_rows_order"),
+                                self.conv, self.alpha, self.beta, values,
+                                cross_attention=self.encoder_decoder_attention)
+        if step is None:
+            return None
+        out, rows, context = step
+        state.pop("conv_rows_order", None)
         state["conv_rows"] = rows
         if earlier is None:  # the first step stores the dict; later steps update it in place
             self.set_mechanism_state(incremental_state, state)
@@ -147,10 +145,11 @@ class EvolvingAttention(LogitMapAttention):
 
     def reorder_mechanism_state(self, state, new_order):
         """Beam search's reorder of the cached conv rows, applied lazily: the order is kept
-        (composed with one not yet applied) and the next step's kernel reads hypothesis
-        n's rows at ``order[n]``, so no step copies the rows of every attention for it;
-        the PyTorch path selects them before use. (``new_order`` is kept, not copied:
-        fairseq's generator hands a new tensor to every step's reorder.)"""
+        (composed with one not yet applied) and the next step reads hypothesis n's rows at
+        ``order[n]`` (an accelerator inside its step; the reference by one
+        ``index_select``), so no step copies the rows of every attention twice.
+        (``new_order`` is kept, not copied: fairseq's generator hands a new tensor to
+        every step's reorder.)"""
         if state.get("conv_rows") is None:
             return
         pending = state.get("conv_rows_order")
@@ -158,7 +157,7 @@ class EvolvingAttention(LogitMapAttention):
 
     def _convolve(self, a_input: Tensor, incremental_state) -> Tensor:
         if incremental_state is None:
-            return self.conv(a_input, keep_layout=True)
+            return self.conv(a_input)
         # Incremental decoding: the convolution reads the k-1 rows of A_input before the
         # current one; they are cached here (zeros before the first target position,
         # exactly the zero border of the full pass).

@@ -49,11 +49,12 @@ class PredictiveAttention(LogitMapAttention):
             for conv in self.predictor:  # CNN: conv + ReLU per layer
                 prediction = fill_masked(F.relu(conv(prediction)), neutral, 0.0)
             current = self.alpha * prediction + (1.0 - self.alpha) * current  # Eq. (4)
-        # ``current`` is already zero where masked (both of its terms are), as the next
+        # ``current`` is finite, zero where masked (both of its terms are), as the next
         # block's A_pre_logits must be
         carrier.hand_on("self", current)
-        if carrier.recording:
-            carrier.log("self", dot_product=fill_masked(logits, masked, 0.0),
-                        prediction=prediction if prediction is not None else current.new_zeros(()),
-                        logits=current)
+        self.report_maps(lambda: {
+            "dot_product": logits,
+            "prediction": prediction if prediction is not None else current.new_zeros(()),
+            "logits": current,
+        }, masked)
         return fill_masked(current, masked, float("-inf"))

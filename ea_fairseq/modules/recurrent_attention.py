@@ -141,8 +141,7 @@ class RecurrentAttention(LogitMapAttention):
             self.set_mechanism_state(incremental_state, state)
             src_len = v.size(2)
             if (self.causal and key_padding_mask is None and not torch.is_grad_enabled()
-                    and not self.training and not (need_weights or need_head_weights or before_softmax)
-                    and not self.attention_maps.recording):
+                    and not self.training and not (need_weights or need_head_weights or before_softmax)):
                 # a decoding step: the weights of these positions are fixed rows of the
                 # stack's matrices; no logits, masks or softmax per step and sentence
                 weights = self.causal_weights(matrix)[:, start : start + tgt_len, :src_len]
@@ -168,8 +167,7 @@ class RecurrentAttention(LogitMapAttention):
                 logits = logits + attn_mask.to(logits.dtype)
         if key_padding_mask is not None:
             logits = logits.masked_fill(key_padding_mask.to(torch.bool)[:, None, None, :], float("-inf"))
-        if self.attention_maps.recording:
-            self.attention_maps.log("self", recurrent=logits.masked_fill(torch.isneginf(logits), 0.0))
+        self.report_maps(lambda: {"recurrent": logits.masked_fill(torch.isneginf(logits), 0.0)}, None)
         if before_softmax:
             return logits.reshape(bsz * heads, tgt_len, src_len), v.reshape(bsz * heads, src_len, head_dim)
 

@@ -1,4 +1,6 @@
-"""The fused decoding step of EA (Eq. 4): same values as the PyTorch path, clear failures."""
+"""The CPU accelerator of EA Eq. (4) (fused C++ passes and decoding step): the reference's
+values and gradients on every shape below, clear failures, a private build, a fallback."""
+import contextlib
 import logging
 import os
 import subprocess
@@ -8,16 +10,21 @@ import pytest
 import torch
 from fairseq.modules import MultiheadAttention
 
+from ea_fairseq import accelerators
+from ea_fairseq.accelerators.cpu import build
+from ea_fairseq.accelerators.cpu import evolving_attention as cpu_ea
 from ea_fairseq.modules import AttentionMapCarrier, EvolvingAttention
-from ea_fairseq.modules import evolving_attention_kernels as fused
 
 HEADS = 4
+(ACCELERATOR,) = accelerators.registered("evolving_attention")
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    ext = fused.extension()
-    assert ext is not None, "the fused EA kernels did not build (C++ compiler, ninja)"
+    if not accelerators.enabled_by_environment():
+        pytest.skip(f"{accelerators.ENV_SWITCH}=0: the reference runs everywhere")
+    ext = build.extension()
+    assert ext is not None, "the CPU accelerators did not build (C++ compiler, ninja)"
     return ext
 
 
@@ -54,14 +61,14 @@ def decode(attn, steps, bsz, src_len, padded, dtype, reorder_at=None, weights=Fa
                 masked = keys[:, None, None, :]
                 logits.masked_fill_(masked, float("-inf"))
             previous = torch.randn(bsz, HEADS, 1, width, generator=g, dtype=dtype)
-            attn.attention_maps.hand_on("self", fused_mask(previous, masked))
+            attn.attention_maps.hand_on("self", previous)
             if not weights:
                 outs.append(attn.transform_logits(logits, masked, None, state).clone())
                 continue
             beams = 5 if layout_shares_values(attn) and bsz % 5 == 0 else 1
             v = torch.randn(bsz // beams * HEADS, width, attn.head_dim, generator=g, dtype=dtype)
             step = attn.attend_step(logits, masked, v, state)
-            if fused.extension() is not None:
+            if accelerators.lookup("evolving_attention", logits) is not None:
                 assert step is not None, "the fused step did not compute the attention"
                 context, probs = step
             else:
@@ -77,10 +84,6 @@ def layout_shares_values(attn):
     return attn.conv.layout == "rows"
 
 
-def fused_mask(values, masked):
-    return values if masked is None else values.masked_fill(masked, float("-inf"))
-
-
 @pytest.mark.parametrize("layout", ["causal", "rows"])
 @pytest.mark.parametrize("kernel_size", [3, 5])
 @pytest.mark.parametrize("alpha", [0.0, 0.3])
@@ -88,16 +91,16 @@ def fused_mask(values, masked):
 @pytest.mark.parametrize("bsz", [1, 7, 300], ids=["b1", "b7", "b300-threads"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float", "double"])
 @pytest.mark.parametrize("weights", [False, True], ids=["A_logit", "softmax"])
-def test_fused_step_equals_the_pytorch_path(kernel, monkeypatch, layout, kernel_size, alpha,
-                                            padded, bsz, dtype, weights):
+def test_accelerated_step_equals_the_reference(kernel, monkeypatch, layout, kernel_size, alpha,
+                                              padded, bsz, dtype, weights):
     """A_logit (handed on to the next layer) or, when no layer reads it, the weights and
     the value product (at every batch size here, above the size where decoding uses it too)."""
-    monkeypatch.setattr(fused, "STEP_VALUES_MAX_BATCH", 10**6)
+    monkeypatch.setattr(cpu_ea, "STEP_VALUES_MAX_BATCH", 10**6)
     attn = ea_attention(layout, kernel_size, alpha, dtype, hand_on=not weights)
     steps, src_len = 6, 9
     got = decode(attn, steps, bsz, src_len, padded, dtype, reorder_at=3, weights=weights)
-    monkeypatch.setattr(fused, "extension", lambda: None)
-    want = decode(attn, steps, bsz, src_len, padded, dtype, reorder_at=3, weights=weights)
+    with accelerators.reference_only():
+        want = decode(attn, steps, bsz, src_len, padded, dtype, reorder_at=3, weights=weights)
     tol = 1e-4 if dtype == torch.float32 else 1e-10
     for g, w in zip(got, want):
         if weights:  # masked keys weigh exactly 0, rows sum to 1; then the value products
@@ -115,18 +118,23 @@ def test_fused_step_equals_the_pytorch_path(kernel, monkeypatch, layout, kernel_
         assert (last[-1] == 0).any() if weights else torch.isneginf(last[-1]).any()
 
 
-def test_fused_step_runs_only_where_it_applies(kernel):
+def test_the_accelerator_runs_only_where_it_applies(kernel):
     logits = torch.zeros(2, HEADS, 1, 5)
-    with torch.no_grad():
-        assert fused.applies(logits)
-        assert not fused.applies(torch.zeros(2, HEADS, 3, 5))  # several rows: the PyTorch path
-        assert not fused.applies(logits.half())
+    assert accelerators.lookup("evolving_attention", logits) is ACCELERATOR
+    assert accelerators.lookup("evolving_attention", logits.double()) is ACCELERATOR
+    for other in (logits.half(), logits.bfloat16()):  # other dtypes: the reference
+        assert accelerators.lookup("evolving_attention", other) is None
+    with accelerators.reference_only():
+        assert accelerators.lookup("evolving_attention", logits) is None
+    assert accelerators.lookup("evolving_attention", logits) is ACCELERATOR
+    attn = ea_attention("causal", 3, 0.0, torch.float32)
+    with torch.no_grad():  # several rows, or a mask per head: the reference
+        assert ACCELERATOR.step(torch.zeros(2, HEADS, 3, 5), None, None, None, None, attn.conv, 0.0, 0.1) is None
+        per_head = torch.zeros(2, HEADS, 1, 5, dtype=torch.bool)
+        assert ACCELERATOR.step(logits, None, per_head, None, None, attn.conv, 0.0, 0.1) is None
+        assert ACCELERATOR.step(logits.clone(), None, None, None, None, attn.conv, 0.0, 0.1) is not None
     # with autograd on (training, gradient-based analysis) the ops must be autograd's
-    assert not fused.applies(logits)
-    per_head = torch.zeros(2, HEADS, 1, 5, dtype=torch.bool)
-    assert fused.key_mask(per_head, 2, 5) is False
-    keys = torch.tensor([[True, False, False, False, False]])[:, None, None, :]
-    assert fused.key_mask(keys, 2, 5).shape == (2, 5)
+    assert ACCELERATOR.step(logits, None, None, None, None, attn.conv, 0.0, 0.1) is None
 
 
 @pytest.mark.parametrize("layout,beams,fused_above_limit", [
@@ -136,7 +144,7 @@ def test_fused_step_runs_only_where_it_applies(kernel):
 ])
 def test_which_large_steps_take_torch_softmax_and_matmul(kernel, layout, beams, fused_above_limit):
     attn = ea_attention(layout, 3, 0.0, torch.float32, hand_on=False)
-    limit = fused.STEP_VALUES_MAX_BATCH // beams * beams
+    limit = cpu_ea.STEP_VALUES_MAX_BATCH // beams * beams
     for bsz, fused_values in ((limit, True), (limit + beams, fused_above_limit)):
         logits = torch.randn(bsz, HEADS, 1, 6)
         v = torch.randn(bsz // beams * HEADS, 6, attn.head_dim)
@@ -168,7 +176,7 @@ def test_portable_step_loops_equal_the_pytorch_path(kernel):
     env = dict(os.environ, EA_FAIRSEQ_PORTABLE_KERNELS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-         "step_loops_build or (fused_step_equals and b7 and not no-padding)"],
+         "step_loops_build or (accelerated_step_equals and b7 and not no-padding)"],
         env=env, capture_output=True, text=True, cwd=os.path.dirname(__file__), timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and "failed" not in proc.stdout
@@ -204,35 +212,47 @@ def test_an_unbuildable_kernel_falls_back_with_a_warning(monkeypatch, caplog):
         raise RuntimeError("Ninja is required to load C++ extensions")
 
     monkeypatch.setattr(cpp, "load", no_ninja)
-    monkeypatch.setattr(fused, "_state", {"module": None, "tried": False})
-    with caplog.at_level(logging.WARNING, logger=fused.__name__):
-        assert fused.extension() is None
-        assert fused.extension() is None  # tried once per process, warned once
+    monkeypatch.setattr(build, "_state", {"module": None, "tried": False})
+    with caplog.at_level(logging.WARNING, logger=build.__name__):
+        assert build.extension() is None
+        assert build.extension() is None  # tried once per process, warned once
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "pip install ninja" in warnings[0].getMessage()
     assert "Ninja is required" in warnings[0].getMessage()
-    with torch.no_grad():
-        assert not fused.applies(torch.zeros(1, HEADS, 1, 3))
+    assert accelerators.lookup("evolving_attention", torch.zeros(1, HEADS, 1, 3)) is None
 
 
-def test_the_switch_turns_the_kernel_off(monkeypatch):
-    monkeypatch.setattr(fused, "_state", {"module": None, "tried": False})
-    monkeypatch.setenv(fused.ENV_SWITCH, "0")
-    assert fused.extension() is None
+def test_the_switch_runs_the_reference_everywhere():
+    code = ("import torch, ea_fairseq; from ea_fairseq import accelerators; "
+            "print(accelerators.lookup('evolving_attention', torch.zeros(1, 4, 1, 3)))")
+    for value, want in (("0", "None"), ("1", "EvolvingAttentionCPU")):
+        env = dict(os.environ, **{accelerators.ENV_SWITCH: value})
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.dirname(__file__)), timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert want in proc.stdout.strip().splitlines()[-1]
+
+
+def test_the_build_is_private_to_this_copy_and_named_after_its_sources(kernel, tmp_path, monkeypatch):
+    name = build.extension_name()
+    assert name.startswith("ea_fairseq_cpu_") and name == build.extension_name()
+    assert build.build_directory(name).startswith(os.path.join(build.HERE, "_build"))
+    source = tmp_path / "evolving_attention.cpp"
+    source.write_text(open(build.SOURCES[0]).read() + "\n// changed\n")
+    monkeypatch.setattr(build, "SOURCES", [str(source)])
+    assert build.extension_name() != name  # a changed source is a new build
 
 
 # -- full passes (training): the fused functions around the convolution ------------------
-def full_pass(attn, logits, previous, masked, query_padding, use_kernel, monkeypatch):
+def full_pass(attn, logits, previous, masked, query_padding, use_kernel):
     """A_logit and the gradients of a weighted sum of it w.r.t. logits, previous map,
-    kernel and bias, through the fused functions or the PyTorch path."""
-    monkeypatch.setattr(fused, "extension", (lambda ext=fused.extension(): ext) if use_kernel
-                        else (lambda: None))
+    kernel and bias, through the accelerator or the reference."""
     logits = logits.clone().requires_grad_()
     previous = previous.clone().requires_grad_()
     attn.conv.zero_grad()
     carrier = attn.attention_maps
-    with carrier.scope():
-        carrier.hand_on("self", previous.masked_fill(masked, float("-inf")))
+    with carrier.scope(), contextlib.nullcontext() if use_kernel else accelerators.reference_only():
+        carrier.hand_on("self", previous)
         out = attn.transform_logits(logits.clone(), masked, query_padding, None)
     finite = torch.isfinite(out)
     weights = torch.linspace(-1, 2, out.numel(), dtype=out.dtype).view_as(out)
@@ -244,8 +264,7 @@ def full_pass(attn, logits, previous, masked, query_padding, use_kernel, monkeyp
 @pytest.mark.parametrize("alpha", [0.0, 0.3, 0.7])
 @pytest.mark.parametrize("beta", [0.1, 0.6])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float", "double"])
-def test_fused_full_pass_equals_the_pytorch_path_with_gradients(kernel, monkeypatch, layout, alpha,
-                                                                  beta, dtype):
+def test_accelerated_full_pass_equals_the_reference_with_gradients(kernel, layout, alpha, beta, dtype):
     attn = ea_attention(layout, 3, alpha, dtype)
     attn.beta = beta
     g = torch.Generator().manual_seed(2)
@@ -261,8 +280,8 @@ def test_fused_full_pass_equals_the_pytorch_path_with_gradients(kernel, monkeypa
     if layout != "rows":  # self-attention: padded query rows are neutral too
         query_padding = keys[:, :tgt]
     logits = logits.masked_fill(masked, float("-inf"))
-    got = full_pass(attn, logits, previous, masked, query_padding, True, monkeypatch)
-    want = full_pass(attn, logits, previous, masked, query_padding, False, monkeypatch)
+    got = full_pass(attn, logits, previous, masked, query_padding, True)
+    want = full_pass(attn, logits, previous, masked, query_padding, False)
     assert torch.equal(torch.isneginf(got[0]), torch.isneginf(want[0]))
     tol = 1e-5 if dtype == torch.float32 else 1e-12
     for name, x, y in zip(("A_logit", "dlogits", "dprevious", "dweight", "dbias"), got, want):
@@ -281,10 +300,12 @@ def test_fused_functions_pass_gradcheck(kernel):
     neutral = torch.zeros(2, 1, 1, 5, dtype=torch.bool)
     neutral[1, ..., :2] = True
     assert torch.autograd.gradcheck(
-        lambda x, p: fused.evolving_attention_input(x, p, neutral, 0.3), (logits, previous))
+        lambda x, p: cpu_ea.EvolvingAttentionInput.apply(x, p, neutral.expand(x.shape), 0.3),
+        (logits, previous))
     conv = torch.randn(2, 3, 6, 7, generator=g, dtype=torch.float64).to(
         memory_format=torch.channels_last).requires_grad_()
     a_input = torch.randn(2, 3, 4, 5, generator=g, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(
-        lambda a, c: fused.convolution_residual(a, c, neutral, 0.4).masked_fill(neutral, 0),
-        (a_input, conv))
+    for masked in (neutral.expand(a_input.shape), None):
+        assert torch.autograd.gradcheck(
+            lambda a, c: cpu_ea.ConvolutionResidual.apply(a, c, masked, 0.4).masked_fill(neutral, 0),
+            (a_input, conv))

@@ -9,9 +9,8 @@
 //
 //   A_input = alpha * A_logit(i-1) + (1 - alpha) * logits      (skipped when no previous)
 //   A_input = 0 where masked                                   (neutral entries)
-//   A_logit = beta * ReLU(Conv(A_input)) + (1 - beta) * A_input
-//   A_logit = -inf where masked
-//   (optionally) P = softmax(A_logit) over the keys, the attention weights, and the
+//   A_logit = beta * ReLU(Conv(A_input)) + (1 - beta) * A_input   (finite everywhere)
+//   (optionally) P = softmax(A_logit) over the unmasked keys, the attention weights, and the
 //   context P V (the value product, before the output projection): when no later layer
 //   reads A_logit and no dropout acts on the weights, the step's whole attention after
 //   QK^T is this one call
@@ -19,7 +18,7 @@
 // Conv reads, for output column j, rows (cached k-1 rows, then the new row) and columns
 // j - left .. j - left + k - 1 (zero outside the map; cached rows narrower than the map,
 // as in decoder self-attention, read zeros in the new columns). This is the PyTorch path
-// of ea_fairseq/modules/evolving_attention.py in one pass: it removes the half dozen
+// of ea_fairseq/modules/evolving_attention.py (the reference) in one pass: it removes the half dozen
 // small tensor operations per attention and decoding step whose fixed costs dominate a
 // step on CPU.
 #include <torch/extension.h>

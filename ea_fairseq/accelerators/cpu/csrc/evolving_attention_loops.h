@@ -171,8 +171,8 @@ void step_block(const StepData<scalar_t>& d, int64_t n0, int64_t nb, int64_t blo
       for (int64_t s = 0; s < S; ++s) conv[s] = conv[s] > scalar_t(0) ? conv[s] : scalar_t(0);
       scalar_t* out = d.logits + (n * H + o) * S;
       lerp_row(window + ((o * k + R) * block + q) * W + left, conv, residual, out, S);
-      if (d.masked) fill_row(out, d.masked + n * S, fill, S);
-      if (d.values) {  // the weights, and the context row
+      if (d.values) {  // the weights (masked keys -inf, weighing 0), and the context row
+        if (d.masked) fill_row(out, d.masked + n * S, fill, S);
         attend_row(out, S, d.values + ((n / d.beams) * H + o) * S * d.D,
                    d.context + (n * H + o) * d.D, d.D);
       }
