@@ -4,6 +4,7 @@
     python scripts/benchmark.py                    # full run (about 15 min on 2 cores)
     python scripts/benchmark.py --quick            # small smoke run
     python scripts/benchmark.py --only ea_transformer_lite ran_all_lite
+    python scripts/benchmark.py --device cuda --dtype fp16 --only ea_transformer_lite
 
 Every figure that matters is a *ratio* to the vanilla twin of the same dimensions
 (``transformer_lite`` for the Lite family, fairseq's ``transformer`` for base-sized),
@@ -23,9 +24,27 @@ Measured:
   for Lite, 32k for base) and a small one;
 * scaling: time of one incremental decoding step as the prefix grows (t = 8 ... 256).
 
-Writes ``<out>/benchmark.json`` and ``<out>/benchmark.md``.
+Device and precision (``--device``, ``--dtype``; default CPU, float32):
+* models and batches live on the device; on CUDA every timed callable ends with
+  ``torch.cuda.synchronize()``, so a timer is read only once the GPU's work is done;
+* fp16/bf16 train as fairseq's ``--fp16``/``--bf16`` do: the model cast with
+  ``model.half()``/``.bfloat16()``, the loss in float32 (log-softmax of ``.float()`` logits),
+  and fairseq's own ``FP16Optimizer`` keeping float32 master weights (the same torch Adam as
+  the float32 path runs on them), with fairseq's dynamic loss scaling for fp16 (initial scale
+  128; an overflowing update is skipped, as fairseq skips it, and counted) and none for bf16;
+  the master copy is flat for fp16 on CUDA, per parameter otherwise (fairseq's flattening
+  needs a CUDA device; ``--bf16`` never flattens). Arch and twin are trained identically;
+* generation runs the cast model, as ``fairseq-generate --fp16/--bf16`` does;
+* memory on CUDA: the peak of ``torch.cuda.max_memory_allocated()`` over one training step
+  of the longest batch, in this process (its growth over what is allocated before the step,
+  whose arch/twin ratio is reported, and in all), instead of the resident-set probe.
+
+Writes ``<out>/benchmark.json`` and ``<out>/benchmark.md`` for the default CPU float32
+run, ``<out>/benchmark-<device>-<dtype>.{json,md}`` for any other, so that ``--append``
+never mixes rows measured on different devices or in different precisions.
 """
 import argparse
+import gc
 import json
 import os
 import platform
@@ -60,6 +79,9 @@ PAIRS = {  # arch -> (twin, family)
     "ran_d": (BASE_TWIN, "base"),
 }
 VOCAB = {"lite": 10000, "base": 32000}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+ADAM = {"lr": 1e-4, "betas": (0.9, 0.98)}
+CPU = torch.device("cpu")
 
 
 def use_fairseq_reorder() -> None:
@@ -88,6 +110,81 @@ def build(arch: str, vocab: int, seed: int = 1):
     torch.manual_seed(seed)
     model = ARCH_MODEL_REGISTRY[arch].build_model(args, SimpleNamespace(source_dictionary=d, target_dictionary=d))
     return model, d
+
+
+def place(model, device=CPU, dtype="fp32"):
+    """The model cast as fairseq's trainer and fairseq-generate cast it for ``--fp16`` /
+    ``--bf16`` (``model.half()`` / ``model.bfloat16()``), then moved to ``device``."""
+    if dtype == "fp16":
+        model = model.half()
+    elif dtype == "bf16":
+        model = model.bfloat16()
+    return model.to(device)
+
+
+def on(device, tensors):
+    """The tensors of a batch (token ids and lengths: never cast) on ``device``."""
+    return tuple(t.to(device) for t in tensors)
+
+
+def synchronizer(device):
+    """What a timed callable runs last so that the timer read after it covers the work it
+    queued: ``torch.cuda.synchronize`` on CUDA; nothing on CPU, whose work is done on return."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def synced(fn, device):
+    """``fn`` followed by the device's synchronisation (``fn`` itself on CPU)."""
+    if device.type != "cuda":
+        return fn
+    sync = synchronizer(device)
+
+    def run():
+        fn()
+        sync()
+
+    return run
+
+
+def mixed_precision_optimizer(params, dtype, device):
+    """fairseq's ``FP16Optimizer`` over the fp16/bf16 ``params``, as ``--fp16``/``--bf16``
+    build it (configuration: fairseq's defaults, one worker, no update frequency), with
+    torch's Adam on the float32 master weights (the optimizer of the float32 path).
+
+    fairseq keeps one flat master tensor for ``--fp16``, but flattening asks for the current
+    CUDA device, so on CPU the copy is per parameter (``--fp16-no-flatten-grads``), as it is
+    for ``--bf16`` everywhere. fp16 gets fairseq's dynamic loss scaler; bf16 none."""
+    from fairseq.dataclass.configs import CommonConfig, DistributedTrainingConfig, OptimizationConfig
+    from fairseq.optim import FairseqOptimizer
+    from fairseq.optim.fp16_optimizer import FP16Optimizer
+
+    class TorchAdam(FairseqOptimizer):
+        supports_flat_params = True  # one flat tensor is a parameter like any other
+
+        def __init__(self, fp32_params):
+            super().__init__(SimpleNamespace())
+            self._optimizer = torch.optim.Adam(fp32_params, **ADAM)
+
+    params = [p for p in params if p.requires_grad]
+    flatten = dtype == "fp16" and device.type == "cuda"
+    fp32_params = FP16Optimizer.build_fp32_params(SimpleNamespace(), params, flatten=flatten)
+    inner = TorchAdam(list(fp32_params.values()) if flatten else fp32_params)
+    cfg = SimpleNamespace(optimizer=SimpleNamespace(),
+                          common=CommonConfig(fp16=dtype == "fp16", bf16=dtype == "bf16"),
+                          optimization=OptimizationConfig(),
+                          distributed_training=DistributedTrainingConfig(distributed_world_size=1))
+    opt = FP16Optimizer(cfg, params, inner, fp32_params)
+    opt.skipped_updates = 0
+    return opt
+
+
+def optimizer(model, device=CPU, dtype="fp32"):
+    """Adam for a float32 model; fairseq's mixed-precision optimizer around it otherwise."""
+    if dtype == "fp32":
+        return torch.optim.Adam(model.parameters(), **ADAM)
+    return mixed_precision_optimizer(model.parameters(), dtype, device)
 
 
 def batch(d: Dictionary, tokens: int = 0, seed: int = 0, lo: int = 10, hi: int = 40, sentences: int = 0):
@@ -133,8 +230,16 @@ def keep_freed_memory() -> bool:
 
 # -- measurements -----------------------------------------------------------------------
 def train_step(model, opt, data, pad):
+    """One update. With fairseq's mixed-precision optimizer, the update fairseq's trainer
+    makes: the loss scaled in backward, the gradient norm taken (which copies the gradients
+    to the float32 master weights and checks them for overflow), then the step; an update
+    whose gradients overflow is skipped (and counted), the loss scale lowered."""
     src, lengths, prev, tgt = data
-    opt.zero_grad(set_to_none=True)
+    mixed = hasattr(opt, "fp32_optimizer")
+    if mixed:
+        opt.zero_grad()
+    else:
+        opt.zero_grad(set_to_none=True)
     logits = model(src, lengths, prev)[0]
     lprobs = F.log_softmax(logits.float(), dim=-1).view(-1, logits.size(-1))
     target = tgt.view(-1)
@@ -142,7 +247,17 @@ def train_step(model, opt, data, pad):
     nll = -lprobs.gather(1, target.unsqueeze(1)).squeeze(1)
     smooth = -lprobs.mean(dim=-1)
     loss = (0.9 * nll + 0.1 * smooth)[keep].sum()
-    loss.backward()
+    if not mixed:
+        loss.backward()
+        opt.step()
+        return
+    opt.backward(loss)
+    try:
+        opt.clip_grad_norm(0.0)  # max_norm 0: no clipping, as fairseq's default --clip-norm
+    except OverflowError:
+        opt.zero_grad()
+        opt.skipped_updates += 1
+        return
     opt.step()
 
 
@@ -180,39 +295,44 @@ def ratio_to_twin(times, arch, twin):
 LENGTH_BUCKETS = ((10, 13), (22, 25), (34, 37))
 
 
-def bench_training(arch, twin, vocab, tokens, updates, repeats, buckets=LENGTH_BUCKETS):
+def bench_training(arch, twin, vocab, tokens, updates, repeats, buckets=LENGTH_BUCKETS,
+                   device=CPU, dtype="fp32"):
     data = None
-    fns = {}
+    fns, opts = {}, {}
     for name in (arch, twin):
         model, d = build(name, vocab)
+        model = place(model, device, dtype)
         model.train()
-        opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98))
+        opts[name] = opt = optimizer(model, device, dtype)
         if data is None:  # the same batches for both models
             data = [batch(d, tokens, seed=i, lo=lo, hi=hi) for i, (lo, hi) in enumerate(buckets)]
             tok = sum(int(b[3].ne(d.pad()).sum()) for b in data)
+            data = [on(device, b) for b in data]
 
         def run(model=model, opt=opt, pad=d.pad()):
             for _ in range(updates):
                 for b in data:
                     train_step(model, opt, b, pad)
 
-        fns[name] = run
+        fns[name] = synced(run, device)
     times = interleaved(fns, repeats)
     per = {k: summary([tok * updates / t for t in v]) for k, v in times.items()}
-    return {"tokens_per_update": tok // len(data), "batches": [list(b) for b in buckets],
-            "tokens_per_s": per, "ratio": ratio_to_twin(times, arch, twin)}
+    out = {"tokens_per_update": tok // len(data), "batches": [list(b) for b in buckets],
+           "tokens_per_s": per, "ratio": ratio_to_twin(times, arch, twin)}
+    if dtype != "fp32":  # updates skipped for an fp16 overflow (warm-up included)
+        out["skipped_updates"] = {k: opt.skipped_updates for k, opt in opts.items()}
+    return out
 
 
-def memory_probe(arch, vocab, tokens, updates):
-    """Peak resident-set growth of training ``arch`` in this (fresh) process, in MiB."""
+def memory_probe(arch, vocab, tokens, updates, dtype="fp32"):
+    """Peak resident-set growth of training ``arch`` (on CPU) in this (fresh) process, in MiB."""
     model, d = build(arch, vocab)
+    model = place(model, CPU, dtype)
     model.train()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    opt = optimizer(model, CPU, dtype)
     lo, hi = LENGTH_BUCKETS[-1]  # the longest batches set the peak
     data = batch(d, tokens, lo=lo, hi=hi)
     train_step(model, opt, data, d.pad())  # allocate optimizer state before the baseline
-    import gc
-
     gc.collect()
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with open("/proc/self/statm") as f:
@@ -223,28 +343,66 @@ def memory_probe(arch, vocab, tokens, updates):
     return {"peak_mib": peak / 1024, "step_peak_mib": (peak - min(base, rss_now)) / 1024}
 
 
-def bench_memory(arch, twin, vocab, tokens):
+def cuda_memory_probe(arch, vocab, tokens, device, dtype="fp32"):
+    """Peak CUDA memory of one training step of ``arch`` on the longest batch, in MiB:
+    ``peak_mib`` all that is allocated at the step's peak (weights, optimizer state,
+    activations), ``step_peak_mib`` its growth over what is allocated just before the step.
+    Only this model is alive on the device meanwhile (nothing else of this process's is)."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    model, d = build(arch, vocab)
+    model = place(model, device, dtype)
+    model.train()
+    opt = optimizer(model, device, dtype)
+    lo, hi = LENGTH_BUCKETS[-1]  # the longest batches set the peak
+    data = on(device, batch(d, tokens, lo=lo, hi=hi))
+    # allocate optimizer state before the baseline: until an update is made (an fp16
+    # overflow skips one, and with it the allocation)
+    for _ in range(8):
+        skipped = getattr(opt, "skipped_updates", 0)
+        train_step(model, opt, data, d.pad())
+        if getattr(opt, "skipped_updates", 0) == skipped:
+            break
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    train_step(model, opt, data, d.pad())
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    del model, opt, data
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"peak_mib": peak / 2**20, "step_peak_mib": (peak - base) / 2**20}
+
+
+def bench_memory(arch, twin, vocab, tokens, device=CPU, dtype="fp32"):
     out = {}
     for name in (arch, twin):
+        if device.type == "cuda":
+            out[name] = cuda_memory_probe(name, vocab, tokens, device, dtype)
+            continue
         proc = subprocess.run(
             [sys.executable, os.path.abspath(__file__), "--memory-probe", name, "--vocab", str(vocab),
-             "--tokens", str(tokens)],
+             "--tokens", str(tokens), "--dtype", dtype],
             capture_output=True, text=True, check=True,
         )
         out[name] = json.loads(proc.stdout.strip().splitlines()[-1])
     return {**out, "ratio": out[arch]["step_peak_mib"] / max(out[twin]["step_peak_mib"], 1e-9)}
 
 
-def bench_generation(arch, twin, vocab, beams, batch_sizes, length, repeats):
+def bench_generation(arch, twin, vocab, beams, batch_sizes, length, repeats, device=CPU, dtype="fp32"):
     results = []
-    models = {name: build(name, vocab) for name in (arch, twin)}
+    models = {}
+    for name in (arch, twin):
+        model, d = build(name, vocab)
+        models[name] = place(model, device, dtype), d
     for beam in beams:
         for bsz in batch_sizes:
             n_sent = max(bsz, 8)
             fns = {}
             for name, (model, d) in models.items():
                 model.eval()
-                src, lengths, _, _ = batch(d, seed=1, lo=length, hi=length, sentences=n_sent)
+                src, lengths = on(device, batch(d, seed=1, lo=length, hi=length, sentences=n_sent)[:2])
                 gen = SequenceGenerator([model], d, beam_size=beam, max_len_a=0, max_len_b=length,
                                         min_len=length)
 
@@ -254,7 +412,7 @@ def bench_generation(arch, twin, vocab, beams, batch_sizes, length, repeats):
                             gen.forward({"net_input": {"src_tokens": src[i : i + bsz],
                                                        "src_lengths": lengths[i : i + bsz]}})
 
-                fns[name] = run
+                fns[name] = synced(run, device)
             # one sentence at a time: short runs, the noisiest; twice the repeats and one more
             times = interleaved(fns, repeats if bsz > 1 else 2 * repeats + 1)
             results.append({
@@ -265,23 +423,27 @@ def bench_generation(arch, twin, vocab, beams, batch_sizes, length, repeats):
     return results
 
 
-def bench_scaling(archs, vocab, steps_at, bsz, repeats):
+def bench_scaling(archs, vocab, steps_at, bsz, repeats, device=CPU, dtype="fp32"):
     """Milliseconds of one incremental decoding step at prefix length t."""
     out = {}
     max_t = max(steps_at)
+    sync = synchronizer(device)
     for name in archs:
         model, d = build(name, vocab)
+        model = place(model, device, dtype)
         model.eval()
-        src, lengths, _, _ = batch(d, seed=2, lo=20, hi=20, sentences=bsz)
+        src, lengths = on(device, batch(d, seed=2, lo=20, hi=20, sentences=bsz)[:2])
         per_t = {t: [] for t in steps_at}
         with torch.no_grad():
             enc = model.encoder(src, src_lengths=lengths)
             for _ in range(repeats):
                 state = {}
-                prev = torch.full((bsz, 1), d.eos(), dtype=torch.long)
+                prev = torch.full((bsz, 1), d.eos(), dtype=torch.long, device=device)
                 for t in range(max_t + 1):
+                    sync()  # the previous step's argmax and concatenation are not timed
                     t0 = time.perf_counter()
                     logits, _ = model.decoder(prev, encoder_out=enc, incremental_state=state)
+                    sync()
                     dt = time.perf_counter() - t0
                     if t in per_t:
                         per_t[t].append(dt * 1000)
@@ -292,18 +454,35 @@ def bench_scaling(archs, vocab, steps_at, bsz, repeats):
 
 
 # -- reporting --------------------------------------------------------------------------
-def machine():
+def machine(device=CPU, dtype="fp32"):
     cpu = "unknown"
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return {
+    out = {
         "cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__, "python": platform.python_version(),
         "loadavg_start": os.getloadavg(),
+        "device": device.type, "dtype": dtype, "cuda": torch.version.cuda,
     }
+    if device.type == "cuda":
+        out["device_name"] = torch.cuda.get_device_name(device)
+        out["cudnn"] = torch.backends.cudnn.version()
+        out["tf32_matmul"] = torch.backends.cuda.matmul.allow_tf32
+    return out
+
+
+def setting(run) -> tuple:
+    """(device, dtype) of a run; runs recorded before either was an option ran on CPU in float32."""
+    m = run["machine"]
+    return m.get("device", "cpu"), m.get("dtype", "fp32")
+
+
+def report_name(device: str, dtype: str) -> str:
+    """File name (without extension) of the report of runs on ``device`` in ``dtype``."""
+    return "benchmark" if (device, dtype) == ("cpu", "fp32") else f"benchmark-{device}-{dtype}"
 
 
 def busy_processes():
@@ -332,12 +511,18 @@ def merge_generation_rows(earlier: list, later: list) -> list:
 
 
 def markdown(report) -> str:
-    lines = ["## Benchmark: ratios to the vanilla twin (higher is faster)", ""]
+    device, dtype = setting(report["runs"][-1])
+    cuda, mixed = device == "cuda", dtype != "fp32"
+    lines = ["## Benchmark: ratios to the vanilla twin (higher is faster)"
+             + ("" if (device, dtype) == ("cpu", "fp32") else f", {device} {dtype}"), ""]
     for run in report["runs"]:
         m = run["machine"]
+        on_gpu = (f"{m['device_name']} (CUDA {m['cuda']}, cuDNN {m['cudnn']}), {m['dtype']}; host "
+                  if m.get("device") == "cuda" else "")
+        in_dtype = f", {m['dtype']}" if setting(run)[0] == "cpu" and setting(run)[1] != "fp32" else ""
         lines += [
-            f"Run of {', '.join(run['archs'])}: {m['cpu']}, {m['cores']} cores, torch {m['torch']} "
-            f"with {m['torch_threads']} threads; load average {m['loadavg_start'][0]:.2f} at start, "
+            f"Run of {', '.join(run['archs'])}: {on_gpu}{m['cpu']}, {m['cores']} cores, torch {m['torch']} "
+            f"with {m['torch_threads']} threads{in_dtype}; load average {m['loadavg_start'][0]:.2f} at start, "
             f"{run['loadavg_end'][0]:.2f} at end; other busy processes: {', '.join(run['busy']) or 'none'}; "
             + ("freed memory kept for reuse (no page-fault churn; `--system-allocator` to compare)."
                if m.get("freed_memory_kept") else "glibc's default allocator.")
@@ -350,22 +535,36 @@ def markdown(report) -> str:
               "shortest and noisiest, takes twice as many and one more).", ""]
     if report.get("training"):
         buckets = next(iter(report["training"].values())).get("batches", [])
-        lines += ["### Training (full updates: forward, loss, backward, Adam)", "",
+        lines += ["### Training (full updates: forward, loss, backward, Adam"
+                  + (f"; {dtype} model, float32 loss and master weights: fairseq's FP16Optimizer)"
+                     if mixed else ")"), "",
                   "One batch per sentence-length range "
                   + ", ".join(f"{lo}–{hi}" for lo, hi in buckets)
                   + " (similar lengths per batch, as fairseq batches them); "
-                  "memory: resident-set growth of a training step on the longest batch.", "",
+                  + ("memory: peak CUDA memory allocated in a training step on the longest batch, "
+                     "its growth over what is allocated before the step (ratio; MiB) and in all (peak)."
+                     if cuda else "memory: resident-set growth of a training step on the longest batch."), "",
                   "| arch | twin | tokens/update | arch tokens/s | twin tokens/s | speed ratio | memory ratio |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]
+        skipped = []
         for arch, r in report["training"].items():
             twin = PAIRS[arch][0]
             mem = report.get("memory", {}).get(arch)
+            memory = "–"
+            if mem:
+                memory = (f"{mem['ratio']:.2f} ({mem[arch]['step_peak_mib']:.0f} vs "
+                          f"{mem[twin]['step_peak_mib']:.0f} MiB")
+                if cuda:
+                    memory += f"; peak {mem[arch]['peak_mib']:.0f} vs {mem[twin]['peak_mib']:.0f} MiB"
+                memory += ")"
             lines.append(
                 f"| {arch} | {twin} | {r['tokens_per_update']} | {r['tokens_per_s'][arch]['median']:.0f} | "
-                f"{r['tokens_per_s'][twin]['median']:.0f} | {fmt(r['ratio'])} | "
-                + (f"{mem['ratio']:.2f} ({mem[arch]['step_peak_mib']:.0f} vs {mem[twin]['step_peak_mib']:.0f} MiB) |"
-                   if mem else "– |"))
+                f"{r['tokens_per_s'][twin]['median']:.0f} | {fmt(r['ratio'])} | {memory} |")
+            skipped += [f"{name} {n}" for name, n in r.get("skipped_updates", {}).items() if n]
         lines.append("")
+        if skipped:
+            lines += ["Updates skipped for an fp16 gradient overflow (warm-up included): "
+                      + ", ".join(skipped) + ".", ""]
     if report.get("generation"):
         lines += ["### Generation (fairseq SequenceGenerator, incremental, fixed output length)", "",
                   "| arch | vocab | beam | batch | arch sent/s | twin sent/s | speed ratio |",
@@ -402,9 +601,19 @@ def main():
                     help="interleaved repeats of the training measurement")
     ap.add_argument("--generation-repeats", type=int, default=5,
                     help="interleaved repeats per generation cell (batch 1: twice this, plus one)")
-    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks"), help="output directory")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="where models and batches live (default: cpu); on cuda, timers are read "
+                         "after torch.cuda.synchronize() and memory is torch's peak CUDA allocation")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
+                    help="precision (default: fp32); fp16/bf16 train as fairseq's --fp16/--bf16 do "
+                         "(cast model, float32 loss, FP16Optimizer with float32 master weights) and "
+                         "generate with the cast model; both also run on CPU")
+    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks"),
+                    help="output directory: benchmark.{json,md} for cpu fp32, "
+                         "benchmark-<device>-<dtype>.{json,md} otherwise")
     ap.add_argument("--append", action="store_true",
-                    help="merge into the report already in --out (e.g. base-sized archs run separately)")
+                    help="merge into the report of the same device and dtype already in --out "
+                         "(e.g. base-sized archs run separately)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--fairseq-reorder", action="store_true",
                     help="the plugin's decoders reorder their caches with fairseq's walk over all "
@@ -416,10 +625,16 @@ def main():
     ap.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--tokens", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device cuda: torch.cuda.is_available() is False here (torch {torch.__version__}, "
+                 f"built for CUDA {torch.version.cuda}); run on a machine with an NVIDIA GPU and a "
+                 "CUDA build of torch, or leave out --device for the CPU benchmark")
+    device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.memory_probe:
-        print(json.dumps(memory_probe(args.memory_probe, args.vocab, args.tokens, updates=2)))
+        probe = memory_probe(args.memory_probe, args.vocab, args.tokens, updates=2, dtype=args.dtype)
+        print(json.dumps(probe))
         return
     kept = keep_freed_memory() if not args.system_allocator else False
     if args.fairseq_reorder:
@@ -427,7 +642,7 @@ def main():
 
     quick = args.quick
     archs = args.only or (["ea_transformer_lite", "ran_all_lite"] if quick else list(PAIRS))
-    report = {"machine": {**machine(), "freed_memory_kept": kept,
+    report = {"machine": {**machine(device, args.dtype), "freed_memory_kept": kept,
                           "fairseq_reorder": args.fairseq_reorder},
               "busy": busy_processes(),
               "training": {}, "memory": {},
@@ -436,12 +651,14 @@ def main():
         twin, family = PAIRS[arch]
         vocab = 1000 if quick else VOCAB[family]
         tokens = 300 if quick else (4096 if family == "lite" else 2048)
-        print(f"[bench] {arch} vs {twin} (vocab {vocab})", file=sys.stderr, flush=True)
+        print(f"[bench] {arch} vs {twin} (vocab {vocab}, {args.device} {args.dtype})",
+              file=sys.stderr, flush=True)
+        on_device = {"device": device, "dtype": args.dtype}
         if "training" not in args.skip:
             report["training"][arch] = bench_training(arch, twin, vocab, tokens, updates=1,
-                                                      repeats=2 if quick else args.training_repeats)
+                                                      repeats=2 if quick else args.training_repeats, **on_device)
         if "memory" not in args.skip:
-            report["memory"][arch] = bench_memory(arch, twin, vocab, tokens)
+            report["memory"][arch] = bench_memory(arch, twin, vocab, tokens, **on_device)
         if "generation" not in args.skip:
             rows = []
             vocabs = [vocab] if quick or not args.small_vocab else [vocab, 1000]
@@ -449,23 +666,29 @@ def main():
                 rows += bench_generation(arch, twin, v, beams=args.beams or ([5] if quick else [5, 1]),
                                          batch_sizes=args.batch_sizes or ([1, 4] if quick else [1, 32, 128]),
                                          length=6 if quick else 25,
-                                         repeats=1 if quick else args.generation_repeats)
+                                         repeats=1 if quick else args.generation_repeats, **on_device)
             report["generation"][arch] = rows
     if "scaling" not in args.skip:
         scaled = [a for a in archs if a.startswith(("ea_transformer_lite", "ran_all_lite", "ran_d_lite"))]
         if scaled:
             steps = [8, 16] if quick else [8, 16, 32, 64, 128, 255]
             report["scaling"] = bench_scaling(scaled + [LITE_TWIN], 1000 if quick else VOCAB["lite"],
-                                              steps, bsz=8 if quick else 40, repeats=1 if quick else 3)
+                                              steps, bsz=8 if quick else 40, repeats=1 if quick else 3,
+                                              device=device, dtype=args.dtype)
     report["loadavg_end"] = os.getloadavg()
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "benchmark.json")
+    name = report_name(args.device, args.dtype)
+    path = os.path.join(args.out, name + ".json")
     run = {"machine": report.pop("machine"), "busy": report.pop("busy"),
            "loadavg_end": report.pop("loadavg_end"), "archs": archs}
     report["runs"] = [run]
     if args.append and os.path.exists(path):
         with open(path) as f:
             earlier = json.load(f)
+        mixed = sorted({setting(r) for r in earlier.get("runs", [])} - {(args.device, args.dtype)})
+        if mixed:
+            sys.exit(f"--append: {path} holds runs on {mixed}, not {args.device} {args.dtype}; "
+                     "give another --out, or run without --append")
         for section in ("training", "memory", "scaling"):
             report[section] = {**earlier.get(section, {}), **report[section]}
         generation = dict(earlier.get("generation", {}))
@@ -476,7 +699,7 @@ def main():
     with open(path, "w") as f:
         json.dump(report, f, indent=1, default=str)
     md = markdown(report)
-    with open(os.path.join(args.out, "benchmark.md"), "w") as f:
+    with open(os.path.join(args.out, name + ".md"), "w") as f:
         f.write(md + "\n")
     print(md)
 

@@ -5,9 +5,13 @@ checked is that every requested measurement is made, side by side with its twin,
 reported as a ratio.
 """
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -15,6 +19,37 @@ REPO = Path(__file__).resolve().parents[1]
 def bench(out, *args):
     subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark.py"), "--quick", "--out", str(out),
                     "--beams", "1", "--batch-sizes", "2", *args], check=True, capture_output=True, text=True)
+
+
+def numbers(tree):
+    """Every number in a JSON tree."""
+    if isinstance(tree, dict):
+        return [x for v in tree.values() for x in numbers(v)]
+    if isinstance(tree, list):
+        return [x for v in tree for x in numbers(v)]
+    return [tree] if isinstance(tree, (int, float)) and not isinstance(tree, bool) else []
+
+
+def check_mixed_precision_report(out, device, dtype):
+    """A quick run of ea_transformer_lite in ``dtype`` on ``device`` wrote its own report,
+    with every measurement finite and the setting recorded."""
+    assert not (out / "benchmark.json").exists()  # the CPU float32 report is left alone
+    report = json.loads((out / f"benchmark-{device}-{dtype}.json").read_text())
+    (run,) = report["runs"]
+    assert (run["machine"]["device"], run["machine"]["dtype"]) == (device, dtype)
+    assert run["machine"]["torch"] == torch.__version__
+    for section in ("training", "memory", "generation"):
+        values = numbers(report[section]["ea_transformer_lite"])
+        assert values and all(math.isfinite(v) for v in values), section
+    training = report["training"]["ea_transformer_lite"]
+    assert training["ratio"]["median"] > 0
+    assert set(training["skipped_updates"]) == {"ea_transformer_lite", "transformer_lite"}
+    assert report["memory"]["ea_transformer_lite"]["transformer_lite"]["step_peak_mib"] > 0
+    md = (out / f"benchmark-{device}-{dtype}.md").read_text()
+    assert f"higher is faster), {device} {dtype}" in md and "FP16Optimizer" in md
+    assert "| ea_transformer_lite | transformer_lite |" in md
+    assert "| ea_transformer_lite | 1000 | 1 | 2 |" in md
+    return report
 
 
 def test_benchmark_runs_and_appends(tmp_path):
@@ -74,3 +109,78 @@ def test_an_appended_run_replaces_only_the_generation_rows_it_measured():
     merged = benchmark_module().merge_generation_rows(earlier, later)
     assert [(r["beam"], r["batch"], r["ratio"]["median"]) for r in merged] == [
         (5, 1, 1.0), (5, 32, 1.15), (5, 128, 1.2), (1, 1, 0.9)]
+
+
+def test_bf16_on_cpu_trains_and_generates_in_its_own_report(tmp_path):
+    bench(tmp_path, "--only", "ea_transformer_lite", "--skip", "scaling", "--dtype", "bf16")
+    report = check_mixed_precision_report(tmp_path, "cpu", "bf16")
+    # bf16 has no loss scaler: no update is ever skipped
+    assert set(report["training"]["ea_transformer_lite"]["skipped_updates"].values()) == {0}
+
+
+def test_cuda_is_refused_with_what_to_do_where_there_is_none(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: nothing to refuse")
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark.py"), "--device", "cuda",
+                           "--out", str(tmp_path)], capture_output=True, text=True)
+    assert proc.returncode == 2  # argparse's usage error, before anything is measured
+    assert "--device cuda: torch.cuda.is_available() is False" in proc.stderr
+    assert "leave out --device" in proc.stderr
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a CUDA device (torch.cuda.is_available() is False)")
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_cuda_quick_run(tmp_path, dtype):
+    bench(tmp_path, "--only", "ea_transformer_lite", "--skip", "scaling", "--device", "cuda", "--dtype", dtype)
+    report = check_mixed_precision_report(tmp_path, "cuda", dtype)
+    machine = report["runs"][0]["machine"]
+    assert machine["device_name"] == torch.cuda.get_device_name() and machine["cuda"] == torch.version.cuda
+    memory = report["memory"]["ea_transformer_lite"]
+    for name in ("ea_transformer_lite", "transformer_lite"):
+        assert memory[name]["peak_mib"] >= memory[name]["step_peak_mib"] > 0
+    assert "; peak " in (tmp_path / f"benchmark-cuda-{dtype}.md").read_text()
+
+
+def test_reports_are_named_by_device_and_dtype():
+    benchmark = benchmark_module()
+    assert benchmark.report_name("cpu", "fp32") == "benchmark"  # the report as it always was
+    assert benchmark.report_name("cuda", "fp16") == "benchmark-cuda-fp16"
+    # runs recorded before --device and --dtype existed ran on CPU in float32
+    assert benchmark.setting({"machine": {"cpu": "x"}}) == ("cpu", "fp32")
+
+
+class TinyTranslator(torch.nn.Module):
+    """Stands for a fairseq model in ``train_step``: ``model(src, lengths, prev)[0]`` is logits."""
+
+    def __init__(self, vocab=12, dim=8):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.out = torch.nn.Linear(dim, vocab)
+
+    def forward(self, src, lengths, prev):
+        return (self.out(self.embed(prev) + self.embed(src).mean(1, keepdim=True)),)
+
+
+def test_mixed_precision_updates_keep_float32_master_weights_and_skip_overflows():
+    benchmark = benchmark_module()
+    torch.manual_seed(0)
+    model = benchmark.place(TinyTranslator(), dtype="fp16")
+    opt = benchmark.optimizer(model, dtype="fp16")
+    data = (torch.randint(4, 12, (3, 5)), torch.full((3,), 5), torch.randint(4, 12, (3, 6)),
+            torch.randint(4, 12, (3, 6)))
+    before = model.out.weight.detach().clone()
+    benchmark.train_step(model, opt, data, pad=1)
+    assert opt.skipped_updates == 0 and not torch.equal(model.out.weight, before)
+    assert model.out.weight.dtype == torch.float16
+    assert all(p.dtype == torch.float32 for p in opt.fp32_params)
+    # the model's weights are the float32 master weights, rounded
+    assert torch.equal(model.out.weight, opt.fp32_params[-2].detach().half())
+
+    opt.scaler.loss_scale = 1e38  # the scaled loss overflows: fairseq skips the update
+    before = model.out.weight.detach().clone()
+    benchmark.train_step(model, opt, data, pad=1)
+    assert opt.skipped_updates == 1 and torch.equal(model.out.weight, before)
+    assert opt.scaler.loss_scale == 5e37  # and halves the loss scale
