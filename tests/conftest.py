@@ -45,8 +45,9 @@ def args_model_class(args):
     return ARCH_MODEL_REGISTRY[args.arch]
 
 
-def random_batch(dictionary, src_lengths, tgt_len, seed=0, left_pad=True):
-    """A left-padded source batch and right-aligned target prefixes, as fairseq builds them."""
+def random_batch(dictionary, src_lengths, tgt_len, seed=0, left_pad=True, device="cpu"):
+    """A left-padded source batch and right-aligned target prefixes, as fairseq builds them
+    (drawn on the CPU, so every ``device`` gets the same tokens)."""
     g = torch.Generator().manual_seed(seed)
     pad, eos, nspecial = dictionary.pad(), dictionary.eos(), dictionary.nspecial
     bsz, max_len = len(src_lengths), max(src_lengths)
@@ -60,7 +61,7 @@ def random_batch(dictionary, src_lengths, tgt_len, seed=0, left_pad=True):
             src[i, :n] = row
     prev = torch.randint(nspecial, len(dictionary), (bsz, tgt_len), generator=g)
     prev[:, 0] = eos
-    return src, torch.tensor(src_lengths), prev
+    return src.to(device), torch.tensor(src_lengths).to(device), prev.to(device)
 
 
 @pytest.fixture
@@ -134,15 +135,15 @@ def incremental_logprobs(model, src, lengths, prev, reorder_at=None, new_order=N
     return torch.stack(steps, dim=1), prev
 
 
-def beam_reorder_gap(model, dictionary, new_order) -> float:
+def beam_reorder_gap(model, dictionary, new_order, device="cpu") -> float:
     """Two sentences x two beams; reorder mid-sentence like SequenceGenerator (within a
     sentence, or dropping a finished sentence; a list of orders: several reorders before
     one step) and return the largest difference between the incremental steps and a full
     pass over the reordered prefixes."""
-    src, lengths, _ = random_batch(dictionary, [5, 9], 8)
+    src, lengths, _ = random_batch(dictionary, [5, 9], 8, device=device)
     src, lengths = src.repeat_interleave(2, 0), lengths.repeat_interleave(2, 0)
-    _, _, prev = random_batch(dictionary, [5, 9, 5, 9], 8, seed=7)
-    orders = [torch.tensor(o) for o in (new_order if isinstance(new_order[0], list) else [new_order])]
+    _, _, prev = random_batch(dictionary, [5, 9, 5, 9], 8, seed=7, device=device)
+    orders = [torch.tensor(o, device=device) for o in (new_order if isinstance(new_order[0], list) else [new_order])]
     model.decoder.set_beam_size(2)
     steps, prev_reordered = incremental_logprobs(model, src, lengths, prev, 4, orders)
     model.decoder.set_beam_size(1)
@@ -152,9 +153,9 @@ def beam_reorder_gap(model, dictionary, new_order) -> float:
     return (steps - full).abs().max().item()
 
 
-def causality_gap(model, dictionary, t: int):
-    """(largest change before t, smallest change at t) when target tokens >= t change."""
-    src, lengths, prev = random_batch(dictionary, [6, 8], 10)
+def causality_gap(model, dictionary, t: int, device="cpu"):
+    """(largest change before t, largest change at t) when target tokens >= t change."""
+    src, lengths, prev = random_batch(dictionary, [6, 8], 10, device=device)
     base = decoder_out(model, src, lengths, prev)
     changed = prev.clone()
     changed[:, t:] = (changed[:, t:] + 1 - 4) % (len(dictionary) - 4) + 4
@@ -162,9 +163,9 @@ def causality_gap(model, dictionary, t: int):
     return (out[:, :t] - base[:, :t]).abs().max().item(), (out[:, t] - base[:, t]).abs().max().item()
 
 
-def batch_invariance_gap(model, dictionary) -> float:
+def batch_invariance_gap(model, dictionary, device="cpu") -> float:
     """Largest difference between sentences decoded alone and inside a left-padded batch."""
-    src, lengths, prev = random_batch(dictionary, [4, 11, 8], 7)
+    src, lengths, prev = random_batch(dictionary, [4, 11, 8], 7, device=device)
     batch = decoder_out(model, src, lengths, prev)
     gaps = []
     for i, n in enumerate(lengths.tolist()):
