@@ -87,11 +87,12 @@ class AttentionMapsMixin:
         return self._layers_built - 1
 
     @contextmanager
-    def attention_scope(self, length: int):
-        """A fresh carrier for one forward pass, holding the RAN matrices it needs."""
+    def attention_scope(self, length: int, incremental_state=None):
+        """A fresh carrier for one forward pass, holding the RAN matrices it needs (a
+        decoding run keeps them in its incremental state for its later steps)."""
         with self.attention_maps.scope():
             if self.recurrent_matrices is not None:
-                self.attention_maps.hand_on("recurrent", self.recurrent_matrices(length))
+                self.attention_maps.hand_on("recurrent", self.recurrent_matrices(length, incremental_state))
             yield
 
 
@@ -127,7 +128,7 @@ class EATransformerDecoder(AttentionMapsMixin, TransformerDecoderBase):
                          alignment_heads=None):
         if incremental_state is not None and not incremental_state:
             self._state_holders = None  # a new decoding run: list the modules afresh
-        with self.attention_scope(prev_output_tokens.size(1)):
+        with self.attention_scope(prev_output_tokens.size(1), incremental_state):
             return super().extract_features(
                 prev_output_tokens, encoder_out, incremental_state,
                 full_context_alignment, alignment_layer, alignment_heads,

@@ -15,23 +15,30 @@ embeddings count them (padding skipped), so left-padded sources index the matric
 their first real token.
 
 The matrices do not depend on the input. Row ``t`` of ``A_l`` depends only on row ``t``
-of ``A_(l-1)``, so a training pass computes just the rows its longest sentence needs,
-with the graph to ``A_0`` and the transition intact. Without autograd (evaluation,
-generation) the full matrices are computed once per set of weights and reused; the
-cache is keyed on the parameters' storage and version counters, so an optimizer step, a
-``load_state_dict`` or a device/dtype move invalidates it.
+of ``A_(l-1)``, so a full pass computes just the rows its longest sentence needs (with
+autograd: the graph to ``A_0`` and the transition intact). Nothing derived from the
+weights is kept between passes, so no change of the weights (an optimizer step, a
+``load_state_dict``, or ``p.data`` surgery, which no version counter sees) can leave a
+stale copy behind. A decoding run keeps the rows it computed, and each layer its causal
+softmax of them, in fairseq's incremental state: computed at its first step (16 rows,
+doubled whenever a step goes past them), reused by its later steps, gone with the run.
 """
 from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
+from fairseq.incremental_decoding_utils import with_incremental_state
 from torch import Tensor
 
-from .attention_maps import LogitMapAttention, values_key
+from .attention_maps import LogitMapAttention
 
 
+@with_incremental_state
 class RecurrentAttentionMatrices(nn.Module):
     """``A_0`` and the recurrent transition of one stack; yields ``A_1 .. A_n`` (Eqs. 3-4)."""
+
+    #: rows a decoding run computes at its first step; doubled whenever a step needs more
+    first_decoding_rows = 16
 
     def __init__(self, heads: int, max_positions: int, num_layers: int, fixed_init: bool = False,
                  layer_norm: bool = True, residual: bool = True):
@@ -45,7 +52,6 @@ class RecurrentAttentionMatrices(nn.Module):
         nn.init.xavier_uniform_(self.initial)
         self.transition = nn.Linear(max_positions, max_positions)  # W, b of Eq. 3
         self.layer_norm = nn.LayerNorm(max_positions) if layer_norm else None
-        self._cache: Optional[Tuple[tuple, Tuple[Tensor, ...]]] = None
 
     def step(self, previous: Tensor) -> Tensor:
         """One application of the Recurrent Transition Module, Eqs. 3-4."""
@@ -54,16 +60,23 @@ class RecurrentAttentionMatrices(nn.Module):
             update = self.layer_norm(update)
         return update + previous if self.residual else update
 
-    def compute(self, rows: Optional[int] = None) -> Tuple[Tensor, ...]:
-        a = self.initial if rows is None else self.initial[:, :rows]
+    def compute(self, rows: Optional[int] = None, first: int = 0) -> Tuple[Tensor, ...]:
+        """Rows ``first:rows`` (default: all) of every ``A_l``."""
+        initial = self.initial if torch.is_grad_enabled() else self.initial.detach()
+        a = initial[:, first:rows]  # (without autograd: no view that claims to need a grad)
         out = []
         for _ in range(self.num_layers):
             a = self.step(a)
             out.append(a)
         return tuple(out)
 
-    def forward(self, rows: int) -> Tuple[Tensor, ...]:
-        """The matrices of every RAN layer, at least their first ``rows`` query rows."""
+    def forward(self, rows: int, incremental_state=None) -> Tuple[Tensor, ...]:
+        """The matrices of every RAN layer, at least their first ``rows`` query rows.
+
+        A full pass (no ``incremental_state``) computes exactly those rows. A decoding run
+        keeps what it computed in its incremental state (not batch-first, so no beam
+        reorder touches it) and computes further rows only when a step goes past them.
+        """
         if rows > self.max_positions:
             raise ValueError(
                 f"RAN attention got a sequence of {rows} positions but its attention matrices "
@@ -71,13 +84,19 @@ class RecurrentAttentionMatrices(nn.Module):
                 "with sentences of at most 256 tokens) or filter longer sentences with "
                 "--max-source-positions / --max-target-positions."
             )
-        if torch.is_grad_enabled():
-            self._cache = None
-            return self.compute(rows)  # training: exact graph back to A_0 and the transition
-        key = values_key(self.parameters())
-        if self._cache is None or self._cache[0] != key:
-            self._cache = (key, self.compute())
-        return self._cache[1]
+        if incremental_state is None:
+            return self.compute(rows)
+        kept = self.get_incremental_state(incremental_state, "matrices")
+        have = 0 if kept is None else kept["0"].size(1)
+        if have >= rows:
+            return tuple(kept[str(i)] for i in range(self.num_layers))
+        stop = min(self.max_positions, max(rows, 2 * have, self.first_decoding_rows))
+        matrices = self.compute(stop, first=have)
+        if kept is not None:
+            matrices = tuple(torch.cat([kept[str(i)], m], dim=1) for i, m in enumerate(matrices))
+        self.set_incremental_state(incremental_state, "matrices",
+                                   {str(i): m for i, m in enumerate(matrices)})
+        return matrices
 
 
 def sentence_positions(padding_mask: Optional[Tensor], length: int, device) -> Tensor:
@@ -106,22 +125,26 @@ class RecurrentAttention(LogitMapAttention):
         del self.k_proj
         self.causal = causal
         self.ran_index = 0  # which A_l of the stack (set when the stack attaches its carrier)
-        self._causal_weights = None  # (A_l it was computed from, softmax of its lower triangle)
 
-    def causal_weights(self, matrix: Tensor) -> Tensor:
-        """``softmax`` of every row of ``A_l`` over the keys up to its own position (H, L, L).
+    def causal_weights(self, matrix: Tensor, rows: int, incremental_state, dtype: torch.dtype) -> Tensor:
+        """``softmax`` of rows of ``A_l`` over the keys up to their own position, at least
+        the first ``rows`` (H, R, L), in ``dtype`` (the values').
 
         Decoding without autograd reads a step's attention weights from here: they depend
-        on the position only, so they are computed once per set of matrices (the stack's
-        cache hands out the same tensor until the weights change).
+        on the position only, so a decoding run keeps them in its incremental state and
+        computes them again only for rows the stack's matrices gained since.
         """
-        cached = self._causal_weights
-        if cached is None or cached[0] is not matrix:
-            future = torch.ones(matrix.shape[-2:], dtype=torch.bool, device=matrix.device).triu(1)
-            weights = torch.softmax(matrix.masked_fill(future, float("-inf")), dim=-1,
-                                    dtype=torch.promote_types(matrix.dtype, torch.float32))
-            self._causal_weights = cached = (matrix, weights.to(matrix.dtype))
-        return cached[1]
+        kept = self.get_incremental_state(incremental_state, "causal_weights")
+        weights = None if kept is None else kept["weights"]
+        have = 0 if weights is None else weights.size(1)
+        if have < rows:
+            positions = torch.arange(matrix.size(-1), device=matrix.device)
+            future = positions[None, :] > positions[have : matrix.size(1), None]
+            more = torch.softmax(matrix[:, have:].masked_fill(future, float("-inf")), dim=-1,
+                                 dtype=torch.promote_types(matrix.dtype, torch.float32)).to(dtype)
+            weights = more if weights is None else torch.cat([weights, more], dim=1)
+            self.set_incremental_state(incremental_state, "causal_weights", {"weights": weights})
+        return weights
 
     def forward(self, query, key, value, key_padding_mask=None, incremental_state=None,
                 need_weights: bool = True, static_kv: bool = False, attn_mask=None,
@@ -145,12 +168,12 @@ class RecurrentAttention(LogitMapAttention):
                     and not self.attention_maps.recording):
                 # a decoding step: the weights of these positions are fixed rows of the
                 # stack's matrices; no logits, masks or softmax per step and sentence
-                weights = self.causal_weights(matrix)[:, start : start + tgt_len, :src_len]
-                out = torch.matmul(weights, v)  # (H, T, S) x (B, H, S, D), shared by the batch
+                weights = self.causal_weights(matrix, start + tgt_len, incremental_state, v.dtype)
+                out = torch.matmul(weights[:, start : start + tgt_len, :src_len], v)  # shared by the batch
                 return self.out_proj(out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, self.embed_dim)), None
-            q_pos = torch.arange(start, start + tgt_len, device=query.device)
-            logits = matrix[:, q_pos, :src_len].unsqueeze(0).expand(bsz, -1, -1, -1)
+            logits = matrix[:, start : start + tgt_len, :src_len].unsqueeze(0).expand(bsz, -1, -1, -1)
             if self.causal and tgt_len > 1:
+                q_pos = torch.arange(start, start + tgt_len, device=query.device)
                 future = torch.arange(src_len, device=query.device)[None, :] > q_pos[:, None]
                 logits = logits.masked_fill(future, float("-inf"))
         else:
