@@ -6,7 +6,8 @@ import torch.nn.functional as F
 from conftest import (batch_invariance_gap, beam_reorder_gap, build_model, causality_gap,
                       decoder_out, incremental_logprobs, make_dictionary, random_batch)
 from ea_fairseq.modules.evolving_attention import EvolvingAttention
-from ea_fairseq.modules.recurrent_attention import RecurrentAttention, RecurrentAttentionMatrices
+from ea_fairseq.modules.recurrent_attention import (RecurrentAttention, RecurrentAttentionMatrices,
+                                                    sentence_logits, sentence_positions)
 
 SMALL = ("--encoder-layers", "3", "--decoder-layers", "3", "--dropout", "0.0",
          "--attention-dropout", "0.0", "--ran-max-positions", "32")
@@ -76,6 +77,45 @@ def test_decoding_step_weights_equal_the_general_path(dictionary, monkeypatch):
     general_after, _ = incremental_logprobs(model, src, lengths, prev, grad=True)
     assert (fast_after - general_after.detach()).abs().max() <= 1e-5
     assert (fast_after - plain).abs().max() > 1e-3
+
+
+def test_sentence_logits_gather_each_sentence_exactly():
+    """P A P^T with one-hot P equals indexing A at each sentence's positions, bit for bit
+    (real slots; padded slots get zeros), and its gradient equals the gather's."""
+    torch.manual_seed(0)
+    square = torch.randn(3, 6, 6, requires_grad=True)
+    mask = torch.tensor([[True, True, False, False, False, False],   # left-padded
+                         [False, False, False, False, False, False],
+                         [False, False, False, False, True, True]])  # right-padded
+    got = sentence_logits(square, mask)
+    pos = sentence_positions(mask, 6, "cpu")
+    gathered = square[:, pos[:, :, None], pos[:, None, :]].transpose(0, 1)
+    real = ~mask[:, None, :, None] & ~mask[:, None, None, :]
+    assert torch.equal(got[real.expand_as(got)], gathered[real.expand_as(got)])
+    assert torch.equal(got[~real.expand_as(got)], torch.zeros_like(got[~real.expand_as(got)]))
+    grad = torch.randn(got.shape) * real
+    (g1,) = torch.autograd.grad(got, square, grad)
+    (g2,) = torch.autograd.grad(gathered, square, grad)
+    assert torch.allclose(g1, g2, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["ran_e_lite", "ran_d_lite"])
+def test_training_pass_decides_from_shapes_only(arch):
+    """A RAN layer's training forward and backward run on meta tensors, which have shapes
+    but no values: no ``.any()``/``.item()`` in a Python branch (a host-device sync on a
+    GPU) can hide in them."""
+    model, _ = build_model(arch, *SMALL)
+    model.train().to("meta")
+    stack = model.encoder if arch == "ran_e_lite" else model.decoder
+    attn = stack.layers[0].self_attn
+    x = torch.empty(7, 2, attn.embed_dim, device="meta", requires_grad=True)
+    padding = torch.empty(2, 7, dtype=torch.bool, device="meta")
+    future = torch.empty(7, 7, device="meta") if arch == "ran_d_lite" else None
+    for mask in (None, padding):
+        with stack.attention_scope(7):
+            out, _ = attn(x, x, x, key_padding_mask=mask, attn_mask=future, need_weights=False)
+        out.sum().backward()
+        assert out.shape == x.shape and stack.recurrent_matrices.initial.grad is not None
 
 
 @pytest.mark.parametrize("new_order", [[1, 1, 3, 2], [3, 2]], ids=["reorder", "sentence-finished"])

@@ -111,6 +111,26 @@ def sentence_positions(padding_mask: Optional[Tensor], length: int, device) -> T
     return (real.cumsum(dim=1) - 1).clamp(min=0)
 
 
+def sentence_logits(square: Tensor, padding_mask: Tensor) -> Tensor:
+    """``A[pos_i, pos_j]`` at ``(i, j)`` of each sentence (B, H, T, T) from ``square`` = the
+    first T rows and columns of ``A`` (H, T, T), with positions counted per sentence
+    (:func:`sentence_positions`); zero at padded slots' rows and columns.
+
+    With ``P`` (B, T, T) mapping each real slot to its position (one-hot rows, zero rows
+    for padding) this is ``P A P^T``: exact (``P`` is 0/1, ``A`` finite, float32 matmuls
+    without TF32, PyTorch's default), and its backward is two matrix products per
+    sentence -- no scatter into ``A``, and no host-device sync to decide whether it is
+    needed.
+    """
+    length = square.size(-1)
+    slots_to_positions = (
+        sentence_positions(padding_mask, length, square.device)[:, :, None]
+        == torch.arange(length, device=square.device)
+    ) & ~padding_mask.to(torch.bool)[:, :, None]
+    p = slots_to_positions.to(square.dtype).unsqueeze(1)  # (B, 1, T, T)
+    return torch.matmul(torch.matmul(p, square), p.transpose(-1, -2))
+
+
 class RecurrentAttention(LogitMapAttention):
     """Self-attention with input-independent weights ``softmax(A_l)`` (RAN Eqs. 2-4).
 
@@ -178,15 +198,13 @@ class RecurrentAttention(LogitMapAttention):
                 logits = logits.masked_fill(future, float("-inf"))
         else:
             src_len = tgt_len
-            if key_padding_mask is None or not key_padding_mask[:, 0].any():
-                # no sentence starts with padding (right-padded targets, or sources of
-                # one length): every real token's position is its index, a plain slice
-                # (whose backward is a sum, not a scatter into A_l)
-                logits = matrix[:, :tgt_len, :tgt_len].unsqueeze(0)
+            square = matrix[:, :tgt_len, :tgt_len]
+            if key_padding_mask is None:
+                # nothing padded: every token's position is its index, a plain slice (whose
+                # backward is a sum over the batch)
+                logits = square.unsqueeze(0).expand(bsz, -1, -1, -1)
             else:
-                pos = sentence_positions(key_padding_mask, tgt_len, query.device)
-                logits = matrix[:, pos[:, :, None], pos[:, None, :]].transpose(0, 1)  # (B, H, T, S)
-            logits = logits.expand(bsz, -1, -1, -1)
+                logits = sentence_logits(square, key_padding_mask)  # (B, H, T, S)
             if attn_mask is not None:  # fairseq's future mask for the decoder (-inf above)
                 logits = logits + attn_mask.to(logits.dtype)
         if key_padding_mask is not None:
