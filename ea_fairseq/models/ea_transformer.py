@@ -21,7 +21,8 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, Trans
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 
 from ..modules.attention_maps import AttentionMapCarrier, LogitMapAttention
-from ..modules.recurrent_attention import RecurrentAttention, RecurrentAttentionMatrices
+from ..modules.recurrent_attention import (RecurrentAttention, RecurrentAttentionMatrices,
+                                            mixed_precision_caveats)
 from . import attention_variants as variants
 from .transformer_lite import transformer_lite
 
@@ -196,6 +197,9 @@ def check_options(args) -> None:
             name = f"max_{side}_positions"
             setattr(args, name, min(getattr(args, name, None) or args.ran_max_positions,
                                     args.ran_max_positions))
+    if "ran" in (variants.variant_of(args, "encoder"), variants.variant_of(args, "decoder")):
+        for note in mixed_precision_caveats(args):
+            logger.warning("RAN keeps its attention matrices' parameters in float32: %s", note)
     if getattr(args, "cross_self_attention", False) and variants.variant_of(args, "decoder") != "vanilla":
         raise ValueError(
             "--cross-self-attention mixes source and target keys in one map, which the "

@@ -238,7 +238,7 @@ class LogitMapAttention(MultiheadAttention):
         else:
             probs_float = logits.softmax(-1, dtype=torch.float32)
             probs = probs_float.type_as(logits)
-        attn = self._attend(self.drop_weights(probs), v, bsz, tgt_len)
+        attn = self._attend(self.drop_weights(probs.to(v.dtype)), v, bsz, tgt_len)  # RAN: fp32 logits
         return attn, fairseq_weights(probs_float, need_weights, need_head_weights)
 
     def _attend(self, probs: Tensor, v: Tensor, bsz: int, tgt_len: int) -> Tensor:

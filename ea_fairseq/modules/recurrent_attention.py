@@ -22,8 +22,21 @@ weights is kept between passes, so no change of the weights (an optimizer step, 
 stale copy behind. A decoding run keeps the rows it computed, and each layer its causal
 softmax of them, in fairseq's incremental state: computed at its first step (16 rows,
 doubled whenever a step goes past them), reused by its later steps, gone with the run.
+
+Precision. ``A_0``, ``W``, ``b`` and the layer norm get the largest gradients of the
+model: each entry sums over every sentence of the batch, and the transition's also over
+heads, rows and layers (ran_all_lite, a 1.5k-token batch: up to 1080 against at most 283
+elsewhere; x128, fairseq's initial loss scale, far past fp16's 65504). So they stay in float32
+whatever the model's dtype (``.half()``, ``.bfloat16()`` and ``.to(dtype)`` move them
+but keep float32), ``A_l`` is computed in float32 with autocast off, the per-sentence
+logits and their softmax are float32 -- the batch sum of their gradient is done in
+float32 -- and the weights are cast to the values' dtype only for the value product.
+fairseq's FP16Optimizer (float32 master copies) and MemoryEfficientFP16Optimizer (which
+steps each parameter in float32 and writes it back in its own dtype) both take such a
+model; :func:`mixed_precision_caveats` names the fairseq paths that do not.
 """
-from typing import Optional, Tuple
+import contextlib
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -31,6 +44,13 @@ from fairseq.incremental_decoding_utils import with_incremental_state
 from torch import Tensor
 
 from .attention_maps import LogitMapAttention
+
+
+def full_precision(device: torch.device):
+    """A region where autocast is off: the ops inside compute in their inputs' dtype."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 @with_incremental_state
@@ -53,6 +73,18 @@ class RecurrentAttentionMatrices(nn.Module):
         self.transition = nn.Linear(max_positions, max_positions)  # W, b of Eq. 3
         self.layer_norm = nn.LayerNorm(max_positions) if layer_norm else None
 
+    def _apply(self, fn, recurse=True):
+        """Every conversion of the model applies, except to a dtype below float32 (see the
+        module docstring): ``.half()`` moves these tensors to the target's device and keeps
+        them in float32 (from the original values, not a rounded copy)."""
+        def at_least_float32(t: Tensor) -> Tensor:
+            converted = fn(t)
+            if converted.is_floating_point() and converted.dtype.itemsize < 4:
+                return t.to(device=converted.device, dtype=torch.promote_types(t.dtype, torch.float32))
+            return converted
+
+        return super()._apply(at_least_float32, recurse)
+
     def step(self, previous: Tensor) -> Tensor:
         """One application of the Recurrent Transition Module, Eqs. 3-4."""
         update = torch.tanh(self.transition(previous))
@@ -61,13 +93,15 @@ class RecurrentAttentionMatrices(nn.Module):
         return update + previous if self.residual else update
 
     def compute(self, rows: Optional[int] = None, first: int = 0) -> Tuple[Tensor, ...]:
-        """Rows ``first:rows`` (default: all) of every ``A_l``."""
+        """Rows ``first:rows`` (default: all) of every ``A_l``, in the parameters' dtype
+        whatever autocast region encloses the call."""
         initial = self.initial if torch.is_grad_enabled() else self.initial.detach()
-        a = initial[:, first:rows]  # (without autograd: no view that claims to need a grad)
-        out = []
-        for _ in range(self.num_layers):
-            a = self.step(a)
-            out.append(a)
+        with full_precision(initial.device):
+            a = initial[:, first:rows]  # (without autograd: no view that claims to need a grad)
+            out = []
+            for _ in range(self.num_layers):
+                a = self.step(a)
+                out.append(a)
         return tuple(out)
 
     def forward(self, rows: int, incremental_state=None) -> Tuple[Tensor, ...]:
@@ -99,6 +133,28 @@ class RecurrentAttentionMatrices(nn.Module):
         return matrices
 
 
+def mixed_precision_caveats(args) -> List[str]:
+    """Where fairseq's mixed-precision training assumes one dtype for all parameters, which
+    a model with RAN's float32 matrices in an fp16/bf16 model breaks (for a warning)."""
+    flags = ("fp16", "bf16", "memory_efficient_fp16", "memory_efficient_bf16")
+    if not any(getattr(args, f, False) for f in flags):
+        return []
+    notes = []
+    if getattr(args, "ddp_backend", None) == "legacy_ddp" and getattr(args, "distributed_world_size", 1) > 1:
+        notes.append("--ddp-backend legacy_ddp all-reduces every gradient through one buffer of the "
+                     "first parameter's dtype (fp16/bf16), where RAN's float32 gradients can overflow "
+                     "again; use the default --ddp-backend pytorch_ddp.")
+    if getattr(args, "memory_efficient_fp16", False) or getattr(args, "memory_efficient_bf16", False):
+        from fairseq import utils
+
+        if utils.multi_tensor_l2norm_available:
+            notes.append("with apex installed, fairseq's gradient norm uses apex's multi_tensor_l2norm, "
+                         "which reads every gradient in the first one's dtype and would misread RAN's "
+                         "float32 gradients; use --fp16/--bf16 (float32 master copies) instead of "
+                         "--memory-efficient-fp16/bf16.")
+    return notes
+
+
 def sentence_positions(padding_mask: Optional[Tensor], length: int, device) -> Tensor:
     """0-based position of each token within its own sentence, (batch or 1, length).
 
@@ -118,9 +174,8 @@ def sentence_logits(square: Tensor, padding_mask: Tensor) -> Tensor:
 
     With ``P`` (B, T, T) mapping each real slot to its position (one-hot rows, zero rows
     for padding) this is ``P A P^T``: exact (``P`` is 0/1, ``A`` finite, float32 matmuls
-    without TF32, PyTorch's default), and its backward is two matrix products per
-    sentence -- no scatter into ``A``, and no host-device sync to decide whether it is
-    needed.
+    without TF32, PyTorch's default), computed without autocast, and its backward is two
+    matrix products per sentence -- the sum over the batch in ``A``'s dtype, no scatter.
     """
     length = square.size(-1)
     slots_to_positions = (
@@ -128,7 +183,8 @@ def sentence_logits(square: Tensor, padding_mask: Tensor) -> Tensor:
         == torch.arange(length, device=square.device)
     ) & ~padding_mask.to(torch.bool)[:, :, None]
     p = slots_to_positions.to(square.dtype).unsqueeze(1)  # (B, 1, T, T)
-    return torch.matmul(torch.matmul(p, square), p.transpose(-1, -2))
+    with full_precision(square.device):
+        return torch.matmul(torch.matmul(p, square), p.transpose(-1, -2))
 
 
 class RecurrentAttention(LogitMapAttention):
@@ -172,7 +228,7 @@ class RecurrentAttention(LogitMapAttention):
         tgt_len, bsz, _ = query.size()
         heads, head_dim = self.num_heads, self.head_dim
         v = self.v_proj(query).view(tgt_len, bsz, heads, head_dim).permute(1, 2, 0, 3)
-        matrix = self.attention_maps.previous("recurrent")[self.ran_index]  # (H, rows, L)
+        matrix = self.attention_maps.previous("recurrent")[self.ran_index]  # (H, rows, L), >= fp32
 
         if incremental_state is not None:
             state = self.get_mechanism_state(incremental_state)
@@ -214,5 +270,6 @@ class RecurrentAttention(LogitMapAttention):
         if before_softmax:
             return logits.reshape(bsz * heads, tgt_len, src_len), v.reshape(bsz * heads, src_len, head_dim)
 
+        # float32 logits and softmax; the weights meet the values in the values' dtype
         return self.attend_with(logits, v.reshape(bsz * heads, src_len, head_dim), bsz, tgt_len,
                                 need_weights, need_head_weights)
