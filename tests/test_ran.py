@@ -6,7 +6,8 @@ import torch.nn.functional as F
 from conftest import (batch_invariance_gap, beam_reorder_gap, build_model, causality_gap,
                       decoder_out, incremental_logprobs, make_dictionary, random_batch)
 from ea_fairseq.modules.evolving_attention import EvolvingAttention
-from ea_fairseq.modules.recurrent_attention import RecurrentAttention, RecurrentAttentionMatrices
+from ea_fairseq.modules.recurrent_attention import (RecurrentAttention, RecurrentAttentionMatrices,
+                                                    sentence_logits, sentence_positions)
 
 SMALL = ("--encoder-layers", "3", "--decoder-layers", "3", "--dropout", "0.0",
          "--attention-dropout", "0.0", "--ran-max-positions", "32")
@@ -60,7 +61,7 @@ def test_decoding_step_weights_equal_the_general_path(dictionary, monkeypatch):
     calls = []
     original = RecurrentAttention.causal_weights
     monkeypatch.setattr(RecurrentAttention, "causal_weights",
-                        lambda self, m: calls.append(1) or original(self, m))
+                        lambda self, *args: calls.append(1) or original(self, *args))
     order = torch.tensor([1, 1, 3, 2])
     fast, _ = incremental_logprobs(model, src, lengths, prev, reorder_at=4, new_order=order)
     assert len(calls) == 3 * prev.size(1)  # every decoder RAN layer, every step
@@ -76,6 +77,45 @@ def test_decoding_step_weights_equal_the_general_path(dictionary, monkeypatch):
     general_after, _ = incremental_logprobs(model, src, lengths, prev, grad=True)
     assert (fast_after - general_after.detach()).abs().max() <= 1e-5
     assert (fast_after - plain).abs().max() > 1e-3
+
+
+def test_sentence_logits_gather_each_sentence_exactly():
+    """P A P^T with one-hot P equals indexing A at each sentence's positions, bit for bit
+    (real slots; padded slots get zeros), and its gradient equals the gather's."""
+    torch.manual_seed(0)
+    square = torch.randn(3, 6, 6, requires_grad=True)
+    mask = torch.tensor([[True, True, False, False, False, False],   # left-padded
+                         [False, False, False, False, False, False],
+                         [False, False, False, False, True, True]])  # right-padded
+    got = sentence_logits(square, mask)
+    pos = sentence_positions(mask, 6, "cpu")
+    gathered = square[:, pos[:, :, None], pos[:, None, :]].transpose(0, 1)
+    real = ~mask[:, None, :, None] & ~mask[:, None, None, :]
+    assert torch.equal(got[real.expand_as(got)], gathered[real.expand_as(got)])
+    assert torch.equal(got[~real.expand_as(got)], torch.zeros_like(got[~real.expand_as(got)]))
+    grad = torch.randn(got.shape) * real
+    (g1,) = torch.autograd.grad(got, square, grad)
+    (g2,) = torch.autograd.grad(gathered, square, grad)
+    assert torch.allclose(g1, g2, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["ran_e_lite", "ran_d_lite"])
+def test_training_pass_decides_from_shapes_only(arch):
+    """A RAN layer's training forward and backward run on meta tensors, which have shapes
+    but no values: no ``.any()``/``.item()`` in a Python branch (a host-device sync on a
+    GPU) can hide in them."""
+    model, _ = build_model(arch, *SMALL)
+    model.train().to("meta")
+    stack = model.encoder if arch == "ran_e_lite" else model.decoder
+    attn = stack.layers[0].self_attn
+    x = torch.empty(7, 2, attn.embed_dim, device="meta", requires_grad=True)
+    padding = torch.empty(2, 7, dtype=torch.bool, device="meta")
+    future = torch.empty(7, 7, device="meta") if arch == "ran_d_lite" else None
+    for mask in (None, padding):
+        with stack.attention_scope(7):
+            out, _ = attn(x, x, x, key_padding_mask=mask, attn_mask=future, need_weights=False)
+        out.sum().backward()
+        assert out.shape == x.shape and stack.recurrent_matrices.initial.grad is not None
 
 
 @pytest.mark.parametrize("new_order", [[1, 1, 3, 2], [3, 2]], ids=["reorder", "sentence-finished"])
@@ -128,7 +168,7 @@ def test_ablation_options(flag):
     assert m.residual == (flag != "--ran-no-residual")
 
 
-def test_a0_and_transition_are_trained_saved_and_cached_for_inference(dictionary):
+def test_a0_and_transition_are_trained_saved_and_follow_the_weights(dictionary):
     model, _ = build_model("ran_all_lite", *SMALL)
     mats = model.encoder.recurrent_matrices
     # training: gradients reach A0 and the transition of both stacks
@@ -140,21 +180,40 @@ def test_a0_and_transition_are_trained_saved_and_cached_for_inference(dictionary
         for name, p in stack.recurrent_matrices.named_parameters():
             assert p.grad is not None and p.grad.abs().sum() > 0, name
     assert "encoder.recurrent_matrices.initial" in model.state_dict()
-    # inference: computed once, reused, equal to a fresh computation
+    # inference: a full pass computes the rows it needs, from the current weights
     model.eval()
     with torch.no_grad():
         first = mats(8)
-        assert mats(12) is first
-        assert all(torch.equal(a, b) for a, b in zip(first, mats.compute()))
-        # an optimizer step changes the weights in place -> recomputed
+        assert [a.shape for a in first] == [(4, 8, 32)] * 3
+        assert all(torch.equal(a, b[:, :8]) for a, b in zip(first, mats.compute()))
         torch.optim.SGD(model.parameters(), lr=0.1).step()
         second = mats(8)
-        assert second is not first and all(torch.equal(a, b) for a, b in zip(second, mats.compute()))
-        # loading other weights -> recomputed
+        assert not torch.equal(second[0], first[0])
+        assert all(torch.equal(a, b[:, :8]) for a, b in zip(second, mats.compute()))
         other, _ = build_model("ran_all_lite", *SMALL, seed=5)
         model.load_state_dict(other.state_dict())
-        third = mats(8)
-        assert third is not second and torch.equal(third[0], other.encoder.recurrent_matrices.compute()[0])
+        assert torch.equal(mats(8)[0], other.encoder.recurrent_matrices(8)[0])
+
+
+def test_a_decoding_run_computes_the_matrices_once_per_doubling(dictionary, monkeypatch):
+    """A decoding run keeps RAN's matrices in its incremental state: 16 rows at its first
+    step, doubled when a step goes past them; a new run starts afresh."""
+    model, _ = build_model("ran_d_lite", *SMALL)
+    src, lengths, prev = random_batch(dictionary, [5, 9, 3, 7], 20)
+    rows = []
+    original = RecurrentAttentionMatrices.compute
+
+    def compute(self, stop=None, first=0):
+        rows.append((first, stop))
+        return original(self, stop, first)
+
+    monkeypatch.setattr(RecurrentAttentionMatrices, "compute", compute)
+    steps, _ = incremental_logprobs(model, src, lengths, prev)
+    assert rows == [(0, 16), (16, 32)]
+    rows.clear()
+    incremental_logprobs(model, src, lengths, prev[:, :3])
+    assert rows == [(0, 16)]
+    assert (steps - decoder_out(model, src, lengths, prev)).abs().max().item() <= 1e-5
 
 
 def test_too_long_input_is_a_clear_error(dictionary):
@@ -182,3 +241,27 @@ def test_ran_d_with_an_ea_encoder(dictionary):
 def test_checkpoint_activations_refused_with_ran():
     with pytest.raises(ValueError, match="checkpoint-activations"):
         build_model("ran_e_lite", "--checkpoint-activations")
+
+
+@pytest.mark.parametrize("arch", ["ran_e_lite", "ran_d_lite", "ran_all_lite"])
+def test_weights_changed_through_data_are_used(dictionary, arch):
+    """``p.data.add_`` does not bump the version counter of ``p``: a result derived from
+    the weights and kept between passes would go stale. After a forward pass and a
+    decoding run in eval mode, RAN's weights are changed that way; both must then equal
+    a freshly built model with the same state dict."""
+    model, _ = build_model(arch, *SMALL)
+    src, lengths, prev = random_batch(dictionary, [5, 9, 3, 7], 8)
+    decoder_out(model, src, lengths, prev)
+    incremental_logprobs(model, src, lengths, prev)
+    with torch.no_grad():
+        for stack in (model.encoder, model.decoder):
+            if stack.recurrent_matrices is not None:
+                for p in stack.recurrent_matrices.parameters():
+                    p.data.add_(0.5)
+    fresh, _ = build_model(arch, *SMALL, seed=7)
+    fresh.load_state_dict(model.state_dict())
+    expected = decoder_out(fresh, src, lengths, prev)
+    assert (decoder_out(model, src, lengths, prev) - expected).abs().max().item() <= 1e-6
+    steps, _ = incremental_logprobs(model, src, lengths, prev)
+    assert (steps - incremental_logprobs(fresh, src, lengths, prev)[0]).abs().max().item() <= 1e-6
+    assert (steps - expected).abs().max().item() <= 1e-5

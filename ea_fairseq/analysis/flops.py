@@ -41,7 +41,7 @@ CATEGORIES: Dict[str, str] = {
                     "decoder layer at inference)",
     "output_projection": "multiply-accumulates of the projection onto the vocabulary",
     "input_independent": "work that does not depend on the input (RAN's attention matrices "
-                         "for the sentence's rows; computed once and cached at inference)",
+                         "for the sentence's rows; a decoding run computes them once)",
 }
 
 #: parameter names that are not counted in "non-embedding" parameters (EA Table 5)
@@ -218,8 +218,8 @@ def count_recurrent_attention(module: RecurrentAttention, ctx: Context, walker: 
 
 @register_counter(RecurrentAttentionMatrices)
 def count_recurrent_matrices(module: RecurrentAttentionMatrices, ctx: Context, walker: Walker) -> Counts:
-    """RAN Eqs. 3-4 for the rows one sentence needs (as a training pass computes them;
-    inference computes the matrices once per set of weights)."""
+    """RAN Eqs. 3-4 for the rows one sentence needs (as a full pass computes them; a
+    decoding run computes them once, for all its steps)."""
     heads, rows, width = module.initial.size(0), ctx.tokens, module.max_positions
     per_step = heads * rows * width * module.transition.in_features
     if module.layer_norm is not None:
@@ -432,7 +432,7 @@ def markdown_report(results: List[ModelCount], conventions: Iterable[str] = ("ta
     fixed = [f"{n} {human(2 * v)}" for n, v in fixed if v]
     if fixed:
         out.append("- not in the FLOPs: input-independent attention matrices (RAN), computed once "
-                   "and cached at inference; 2 x their multiplications for the sentence's rows: " + ", ".join(fixed))
+                   "per batch; 2 x their multiplications for the sentence's rows: " + ", ".join(fixed))
     uncounted = sorted({u for r in results for u in r.uncounted})
     if uncounted:
         out.append("- not counted (no counter registered): " + ", ".join(uncounted))

@@ -21,7 +21,8 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, Trans
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 
 from ..modules.attention_maps import AttentionMapCarrier, LogitMapAttention
-from ..modules.recurrent_attention import RecurrentAttention, RecurrentAttentionMatrices
+from ..modules.recurrent_attention import (RecurrentAttention, RecurrentAttentionMatrices,
+                                            mixed_precision_caveats)
 from . import attention_variants as variants
 from .transformer_lite import transformer_lite
 
@@ -87,11 +88,12 @@ class AttentionMapsMixin:
         return self._layers_built - 1
 
     @contextmanager
-    def attention_scope(self, length: int):
-        """A fresh carrier for one forward pass, holding the RAN matrices it needs."""
+    def attention_scope(self, length: int, incremental_state=None):
+        """A fresh carrier for one forward pass, holding the RAN matrices it needs (a
+        decoding run keeps them in its incremental state for its later steps)."""
         with self.attention_maps.scope():
             if self.recurrent_matrices is not None:
-                self.attention_maps.hand_on("recurrent", self.recurrent_matrices(length))
+                self.attention_maps.hand_on("recurrent", self.recurrent_matrices(length, incremental_state))
             yield
 
 
@@ -127,7 +129,7 @@ class EATransformerDecoder(AttentionMapsMixin, TransformerDecoderBase):
                          alignment_heads=None):
         if incremental_state is not None and not incremental_state:
             self._state_holders = None  # a new decoding run: list the modules afresh
-        with self.attention_scope(prev_output_tokens.size(1)):
+        with self.attention_scope(prev_output_tokens.size(1), incremental_state):
             return super().extract_features(
                 prev_output_tokens, encoder_out, incremental_state,
                 full_context_alignment, alignment_layer, alignment_heads,
@@ -195,6 +197,9 @@ def check_options(args) -> None:
             name = f"max_{side}_positions"
             setattr(args, name, min(getattr(args, name, None) or args.ran_max_positions,
                                     args.ran_max_positions))
+    if "ran" in (variants.variant_of(args, "encoder"), variants.variant_of(args, "decoder")):
+        for note in mixed_precision_caveats(args):
+            logger.warning("RAN keeps its attention matrices' parameters in float32: %s", note)
     if getattr(args, "cross_self_attention", False) and variants.variant_of(args, "decoder") != "vanilla":
         raise ValueError(
             "--cross-self-attention mixes source and target keys in one map, which the "

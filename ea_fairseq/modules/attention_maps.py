@@ -346,13 +346,6 @@ def fill_masked_(values: Tensor, mask: Optional[Tensor], fill: float) -> Tensor:
     return values if mask is None else values.masked_fill_(mask, fill)
 
 
-def values_key(tensors) -> tuple:
-    """Identifies the current values of ``tensors`` (storage, in-place version counter,
-    dtype, device): a result derived from weights and kept while this key is unchanged is
-    dropped by an optimizer step, a ``load_state_dict`` or a device/dtype move."""
-    return tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors)
-
-
 def pad_rows_to(rows: Tensor, width: int) -> Tensor:
     """Right-pad cached map rows (B, H, R, S') with zeros to ``width`` key columns."""
     missing = width - rows.size(-1)

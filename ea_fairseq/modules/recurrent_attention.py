@@ -15,23 +15,50 @@ embeddings count them (padding skipped), so left-padded sources index the matric
 their first real token.
 
 The matrices do not depend on the input. Row ``t`` of ``A_l`` depends only on row ``t``
-of ``A_(l-1)``, so a training pass computes just the rows its longest sentence needs,
-with the graph to ``A_0`` and the transition intact. Without autograd (evaluation,
-generation) the full matrices are computed once per set of weights and reused; the
-cache is keyed on the parameters' storage and version counters, so an optimizer step, a
-``load_state_dict`` or a device/dtype move invalidates it.
+of ``A_(l-1)``, so a full pass computes just the rows its longest sentence needs (with
+autograd: the graph to ``A_0`` and the transition intact). Nothing derived from the
+weights is kept between passes, so no change of the weights (an optimizer step, a
+``load_state_dict``, or ``p.data`` surgery, which no version counter sees) can leave a
+stale copy behind. A decoding run keeps the rows it computed, and each layer its causal
+softmax of them, in fairseq's incremental state: computed at its first step (16 rows,
+doubled whenever a step goes past them), reused by its later steps, gone with the run.
+
+Precision. ``A_0``, ``W``, ``b`` and the layer norm get the largest gradients of the
+model: each entry sums over every sentence of the batch, and the transition's also over
+heads, rows and layers (ran_all_lite, a 1.5k-token batch: up to 1080 against at most 283
+elsewhere; x128, fairseq's initial loss scale, far past fp16's 65504). So they stay in float32
+whatever the model's dtype (``.half()``, ``.bfloat16()`` and ``.to(dtype)`` move them
+but keep float32), ``A_l`` is computed in float32 with autocast off, the per-sentence
+logits and their softmax are float32 -- the batch sum of their gradient is done in
+float32 -- and the weights are cast to the values' dtype only for the value product.
+fairseq's FP16Optimizer (float32 master copies) and MemoryEfficientFP16Optimizer (which
+steps each parameter in float32 and writes it back in its own dtype) both take such a
+model; :func:`mixed_precision_caveats` names the fairseq paths that do not.
 """
-from typing import Optional, Tuple
+import contextlib
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn as nn
+from fairseq.incremental_decoding_utils import with_incremental_state
 from torch import Tensor
 
-from .attention_maps import LogitMapAttention, values_key
+from .attention_maps import LogitMapAttention
 
 
+def full_precision(device: torch.device):
+    """A region where autocast is off: the ops inside compute in their inputs' dtype."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+@with_incremental_state
 class RecurrentAttentionMatrices(nn.Module):
     """``A_0`` and the recurrent transition of one stack; yields ``A_1 .. A_n`` (Eqs. 3-4)."""
+
+    #: rows a decoding run computes at its first step; doubled whenever a step needs more
+    first_decoding_rows = 16
 
     def __init__(self, heads: int, max_positions: int, num_layers: int, fixed_init: bool = False,
                  layer_norm: bool = True, residual: bool = True):
@@ -45,7 +72,18 @@ class RecurrentAttentionMatrices(nn.Module):
         nn.init.xavier_uniform_(self.initial)
         self.transition = nn.Linear(max_positions, max_positions)  # W, b of Eq. 3
         self.layer_norm = nn.LayerNorm(max_positions) if layer_norm else None
-        self._cache: Optional[Tuple[tuple, Tuple[Tensor, ...]]] = None
+
+    def _apply(self, fn, recurse=True):
+        """Every conversion of the model applies, except to a dtype below float32 (see the
+        module docstring): ``.half()`` moves these tensors to the target's device and keeps
+        them in float32 (from the original values, not a rounded copy)."""
+        def at_least_float32(t: Tensor) -> Tensor:
+            converted = fn(t)
+            if converted.is_floating_point() and converted.dtype.itemsize < 4:
+                return t.to(device=converted.device, dtype=torch.promote_types(t.dtype, torch.float32))
+            return converted
+
+        return super()._apply(at_least_float32, recurse)
 
     def step(self, previous: Tensor) -> Tensor:
         """One application of the Recurrent Transition Module, Eqs. 3-4."""
@@ -54,16 +92,25 @@ class RecurrentAttentionMatrices(nn.Module):
             update = self.layer_norm(update)
         return update + previous if self.residual else update
 
-    def compute(self, rows: Optional[int] = None) -> Tuple[Tensor, ...]:
-        a = self.initial if rows is None else self.initial[:, :rows]
-        out = []
-        for _ in range(self.num_layers):
-            a = self.step(a)
-            out.append(a)
+    def compute(self, rows: Optional[int] = None, first: int = 0) -> Tuple[Tensor, ...]:
+        """Rows ``first:rows`` (default: all) of every ``A_l``, in the parameters' dtype
+        whatever autocast region encloses the call."""
+        initial = self.initial if torch.is_grad_enabled() else self.initial.detach()
+        with full_precision(initial.device):
+            a = initial[:, first:rows]  # (without autograd: no view that claims to need a grad)
+            out = []
+            for _ in range(self.num_layers):
+                a = self.step(a)
+                out.append(a)
         return tuple(out)
 
-    def forward(self, rows: int) -> Tuple[Tensor, ...]:
-        """The matrices of every RAN layer, at least their first ``rows`` query rows."""
+    def forward(self, rows: int, incremental_state=None) -> Tuple[Tensor, ...]:
+        """The matrices of every RAN layer, at least their first ``rows`` query rows.
+
+        A full pass (no ``incremental_state``) computes exactly those rows. A decoding run
+        keeps what it computed in its incremental state (not batch-first, so no beam
+        reorder touches it) and computes further rows only when a step goes past them.
+        """
         if rows > self.max_positions:
             raise ValueError(
                 f"RAN attention got a sequence of {rows} positions but its attention matrices "
@@ -71,13 +118,41 @@ class RecurrentAttentionMatrices(nn.Module):
                 "with sentences of at most 256 tokens) or filter longer sentences with "
                 "--max-source-positions / --max-target-positions."
             )
-        if torch.is_grad_enabled():
-            self._cache = None
-            return self.compute(rows)  # training: exact graph back to A_0 and the transition
-        key = values_key(self.parameters())
-        if self._cache is None or self._cache[0] != key:
-            self._cache = (key, self.compute())
-        return self._cache[1]
+        if incremental_state is None:
+            return self.compute(rows)
+        kept = self.get_incremental_state(incremental_state, "matrices")
+        have = 0 if kept is None else kept["0"].size(1)
+        if have >= rows:
+            return tuple(kept[str(i)] for i in range(self.num_layers))
+        stop = min(self.max_positions, max(rows, 2 * have, self.first_decoding_rows))
+        matrices = self.compute(stop, first=have)
+        if kept is not None:
+            matrices = tuple(torch.cat([kept[str(i)], m], dim=1) for i, m in enumerate(matrices))
+        self.set_incremental_state(incremental_state, "matrices",
+                                   {str(i): m for i, m in enumerate(matrices)})
+        return matrices
+
+
+def mixed_precision_caveats(args) -> List[str]:
+    """Where fairseq's mixed-precision training assumes one dtype for all parameters, which
+    a model with RAN's float32 matrices in an fp16/bf16 model breaks (for a warning)."""
+    flags = ("fp16", "bf16", "memory_efficient_fp16", "memory_efficient_bf16")
+    if not any(getattr(args, f, False) for f in flags):
+        return []
+    notes = []
+    if getattr(args, "ddp_backend", None) == "legacy_ddp" and getattr(args, "distributed_world_size", 1) > 1:
+        notes.append("--ddp-backend legacy_ddp all-reduces every gradient through one buffer of the "
+                     "first parameter's dtype (fp16/bf16), where RAN's float32 gradients can overflow "
+                     "again; use the default --ddp-backend pytorch_ddp.")
+    if getattr(args, "memory_efficient_fp16", False) or getattr(args, "memory_efficient_bf16", False):
+        from fairseq import utils
+
+        if utils.multi_tensor_l2norm_available:
+            notes.append("with apex installed, fairseq's gradient norm uses apex's multi_tensor_l2norm, "
+                         "which reads every gradient in the first one's dtype and would misread RAN's "
+                         "float32 gradients; use --fp16/--bf16 (float32 master copies) instead of "
+                         "--memory-efficient-fp16/bf16.")
+    return notes
 
 
 def sentence_positions(padding_mask: Optional[Tensor], length: int, device) -> Tensor:
@@ -90,6 +165,26 @@ def sentence_positions(padding_mask: Optional[Tensor], length: int, device) -> T
         return torch.arange(length, device=device).unsqueeze(0)
     real = (~padding_mask.to(torch.bool)).long()
     return (real.cumsum(dim=1) - 1).clamp(min=0)
+
+
+def sentence_logits(square: Tensor, padding_mask: Tensor) -> Tensor:
+    """``A[pos_i, pos_j]`` at ``(i, j)`` of each sentence (B, H, T, T) from ``square`` = the
+    first T rows and columns of ``A`` (H, T, T), with positions counted per sentence
+    (:func:`sentence_positions`); zero at padded slots' rows and columns.
+
+    With ``P`` (B, T, T) mapping each real slot to its position (one-hot rows, zero rows
+    for padding) this is ``P A P^T``: exact (``P`` is 0/1, ``A`` finite, float32 matmuls
+    without TF32, PyTorch's default), computed without autocast, and its backward is two
+    matrix products per sentence -- the sum over the batch in ``A``'s dtype, no scatter.
+    """
+    length = square.size(-1)
+    slots_to_positions = (
+        sentence_positions(padding_mask, length, square.device)[:, :, None]
+        == torch.arange(length, device=square.device)
+    ) & ~padding_mask.to(torch.bool)[:, :, None]
+    p = slots_to_positions.to(square.dtype).unsqueeze(1)  # (B, 1, T, T)
+    with full_precision(square.device):
+        return torch.matmul(torch.matmul(p, square), p.transpose(-1, -2))
 
 
 class RecurrentAttention(LogitMapAttention):
@@ -106,22 +201,26 @@ class RecurrentAttention(LogitMapAttention):
         del self.k_proj
         self.causal = causal
         self.ran_index = 0  # which A_l of the stack (set when the stack attaches its carrier)
-        self._causal_weights = None  # (A_l it was computed from, softmax of its lower triangle)
 
-    def causal_weights(self, matrix: Tensor) -> Tensor:
-        """``softmax`` of every row of ``A_l`` over the keys up to its own position (H, L, L).
+    def causal_weights(self, matrix: Tensor, rows: int, incremental_state, dtype: torch.dtype) -> Tensor:
+        """``softmax`` of rows of ``A_l`` over the keys up to their own position, at least
+        the first ``rows`` (H, R, L), in ``dtype`` (the values').
 
         Decoding without autograd reads a step's attention weights from here: they depend
-        on the position only, so they are computed once per set of matrices (the stack's
-        cache hands out the same tensor until the weights change).
+        on the position only, so a decoding run keeps them in its incremental state and
+        computes them again only for rows the stack's matrices gained since.
         """
-        cached = self._causal_weights
-        if cached is None or cached[0] is not matrix:
-            future = torch.ones(matrix.shape[-2:], dtype=torch.bool, device=matrix.device).triu(1)
-            weights = torch.softmax(matrix.masked_fill(future, float("-inf")), dim=-1,
-                                    dtype=torch.promote_types(matrix.dtype, torch.float32))
-            self._causal_weights = cached = (matrix, weights.to(matrix.dtype))
-        return cached[1]
+        kept = self.get_incremental_state(incremental_state, "causal_weights")
+        weights = None if kept is None else kept["weights"]
+        have = 0 if weights is None else weights.size(1)
+        if have < rows:
+            positions = torch.arange(matrix.size(-1), device=matrix.device)
+            future = positions[None, :] > positions[have : matrix.size(1), None]
+            more = torch.softmax(matrix[:, have:].masked_fill(future, float("-inf")), dim=-1,
+                                 dtype=torch.promote_types(matrix.dtype, torch.float32)).to(dtype)
+            weights = more if weights is None else torch.cat([weights, more], dim=1)
+            self.set_incremental_state(incremental_state, "causal_weights", {"weights": weights})
+        return weights
 
     def forward(self, query, key, value, key_padding_mask=None, incremental_state=None,
                 need_weights: bool = True, static_kv: bool = False, attn_mask=None,
@@ -129,7 +228,7 @@ class RecurrentAttention(LogitMapAttention):
         tgt_len, bsz, _ = query.size()
         heads, head_dim = self.num_heads, self.head_dim
         v = self.v_proj(query).view(tgt_len, bsz, heads, head_dim).permute(1, 2, 0, 3)
-        matrix = self.attention_maps.previous("recurrent")[self.ran_index]  # (H, rows, L)
+        matrix = self.attention_maps.previous("recurrent")[self.ran_index]  # (H, rows, L), >= fp32
 
         if incremental_state is not None:
             state = self.get_mechanism_state(incremental_state)
@@ -144,25 +243,23 @@ class RecurrentAttention(LogitMapAttention):
                     and not self.training and not (need_weights or need_head_weights or before_softmax)):
                 # a decoding step: the weights of these positions are fixed rows of the
                 # stack's matrices; no logits, masks or softmax per step and sentence
-                weights = self.causal_weights(matrix)[:, start : start + tgt_len, :src_len]
-                out = torch.matmul(weights, v)  # (H, T, S) x (B, H, S, D), shared by the batch
+                weights = self.causal_weights(matrix, start + tgt_len, incremental_state, v.dtype)
+                out = torch.matmul(weights[:, start : start + tgt_len, :src_len], v)  # shared by the batch
                 return self.out_proj(out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, self.embed_dim)), None
-            q_pos = torch.arange(start, start + tgt_len, device=query.device)
-            logits = matrix[:, q_pos, :src_len].unsqueeze(0).expand(bsz, -1, -1, -1)
+            logits = matrix[:, start : start + tgt_len, :src_len].unsqueeze(0).expand(bsz, -1, -1, -1)
             if self.causal and tgt_len > 1:
+                q_pos = torch.arange(start, start + tgt_len, device=query.device)
                 future = torch.arange(src_len, device=query.device)[None, :] > q_pos[:, None]
                 logits = logits.masked_fill(future, float("-inf"))
         else:
             src_len = tgt_len
-            if key_padding_mask is None or not key_padding_mask[:, 0].any():
-                # no sentence starts with padding (right-padded targets, or sources of
-                # one length): every real token's position is its index, a plain slice
-                # (whose backward is a sum, not a scatter into A_l)
-                logits = matrix[:, :tgt_len, :tgt_len].unsqueeze(0)
+            square = matrix[:, :tgt_len, :tgt_len]
+            if key_padding_mask is None:
+                # nothing padded: every token's position is its index, a plain slice (whose
+                # backward is a sum over the batch)
+                logits = square.unsqueeze(0).expand(bsz, -1, -1, -1)
             else:
-                pos = sentence_positions(key_padding_mask, tgt_len, query.device)
-                logits = matrix[:, pos[:, :, None], pos[:, None, :]].transpose(0, 1)  # (B, H, T, S)
-            logits = logits.expand(bsz, -1, -1, -1)
+                logits = sentence_logits(square, key_padding_mask)  # (B, H, T, S)
             if attn_mask is not None:  # fairseq's future mask for the decoder (-inf above)
                 logits = logits + attn_mask.to(logits.dtype)
         if key_padding_mask is not None:
@@ -171,5 +268,6 @@ class RecurrentAttention(LogitMapAttention):
         if before_softmax:
             return logits.reshape(bsz * heads, tgt_len, src_len), v.reshape(bsz * heads, src_len, head_dim)
 
+        # float32 logits and softmax; the weights meet the values in the values' dtype
         return self.attend_with(logits, v.reshape(bsz * heads, src_len, head_dim), bsz, tgt_len,
                                 need_weights, need_head_weights)
