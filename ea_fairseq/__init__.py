@@ -10,6 +10,7 @@ check_fairseq()
 
 from . import checkpoint_safety  # noqa: E402
 from . import models  # noqa: E402,F401  (registers models and architectures)
+from . import tasks  # noqa: E402,F401  (registers translation_lines)
 
 # every checkpoint fairseq reads in this process is validated before fairseq evaluates any
 # of its configuration (see checkpoint_safety)
