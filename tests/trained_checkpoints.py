@@ -1,5 +1,5 @@
 """Tiny checkpoints trained by the real ``fairseq-train``, one per family, shared by the
-test modules of one pytest session (trained once, in parallel, on first use)."""
+test modules of one pytest session (trained once, on first use, in one process)."""
 import json
 import os
 import subprocess
@@ -18,7 +18,7 @@ FAMILIES = {  # family -> (arch, extra options)
     "pa": ("pa_transformer_lite", []),
     "ran": ("ran_all_lite", ["--ran-max-positions", "16"]),  # the toy corpus' sentences fit
 }
-DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "drivers", "train_families.py")
+DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "drivers", "fairseq_train_many.py")
 ENV = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
 _CACHE = {}
 
@@ -40,13 +40,17 @@ def run(cmd, expect_ok=True, **kw):
     return proc.returncode, out
 
 
+def train_many(*commands, timeout=600):
+    """Run several ``train_command`` lines in one process (one import of fairseq); output."""
+    return run([sys.executable, DRIVER, *(json.dumps([str(c) for c in cmd[1:]]) for cmd in commands)],
+               timeout=timeout)[1]
+
+
 def family_checkpoints(tmp_path_factory, data_bin):
     """family -> checkpoint_last.pt of a 3-update ``fairseq-train`` run of each family."""
     if "families" not in _CACHE:
         root = tmp_path_factory.mktemp("families")
-        commands = [train_command(data_bin, arch, root / family, *extra)[1:]
-                    for family, (arch, extra) in FAMILIES.items()]
-        run([sys.executable, DRIVER, *(json.dumps([str(c) for c in cmd]) for cmd in commands)],
-            timeout=600)
+        train_many(*(train_command(data_bin, arch, root / family, *extra)
+                     for family, (arch, extra) in FAMILIES.items()))
         _CACHE["families"] = {family: root / family / "checkpoint_last.pt" for family in FAMILIES}
     return _CACHE["families"]
