@@ -72,7 +72,7 @@ def fairseq_checkpoint_globals() -> List[Any]:
 def checkpoint_globals_allowed() -> Iterator[None]:
     """Allow-list :func:`fairseq_checkpoint_globals` for weights-only loads in this block."""
     scoped = getattr(torch.serialization, "safe_globals", None)
-    if scoped is not None:
+    if scoped is not None:  # adds them to torch's (per-process) list, removes them on exit
         with scoped(fairseq_checkpoint_globals()):
             yield
         return
@@ -384,6 +384,13 @@ def install() -> None:
     is read) and validates it before fairseq converts or evaluates anything; then fairseq
     loads the file with the configuration classes allow-listed for that call only, and
     the result, fairseq's overrides applied, is validated again.
+
+    Not through here: in multi-process training, fairseq's trainer reads a checkpoint on rank
+    0 and sends it to the other ranks with ``distributed_utils.broadcast_object``, which
+    unpickles with ``torch.load``; torch's weights-only default refuses fairseq's own
+    ``_TensorPlaceholder`` there (with or without this plugin), so such a resume stops on
+    the other ranks. ``--load-checkpoint-on-all-dp-ranks`` makes every rank read the file
+    through this loader instead.
     """
     from fairseq import checkpoint_utils
 
@@ -393,7 +400,7 @@ def install() -> None:
 
     @functools.wraps(original)
     def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
-        if isinstance(path, str) and os.path.isfile(path):  # else fairseq fetches it first
+        if isinstance(path, (str, os.PathLike)) and os.path.isfile(path):  # else fairseq fetches it
             raw = _weights_only_load(path, "meta")
             if not isinstance(raw, dict):
                 raise CheckpointError(f"{path}: holds a {type(raw).__name__}, not a fairseq checkpoint")
