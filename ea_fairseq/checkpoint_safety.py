@@ -301,7 +301,7 @@ def check_field(name: str, value: Any) -> Optional[str]:
     form = GUARDED_FIELDS.get(name)
     if form is None or value is None:
         return None
-    if isinstance(value, (argparse.Namespace, dict)) and name in ("task", "optimizer", "criterion",
+    if isinstance(value, (argparse.Namespace, Mapping)) and name in ("task", "optimizer", "criterion",
                                                                   "lr_scheduler", "tokenizer", "bpe",
                                                                   "scoring"):
         return None  # a configuration section of that name (its fields are checked one by one)
@@ -349,6 +349,7 @@ def iter_fields(node, path: str, depth: int = 0) -> Iterator[Tuple[str, str, Any
     for key, value in children:
         if not isinstance(key, str):
             continue
+        value = _plain_config(value)  # e.g. an omegaconf list held by a Namespace
         yield f"{path}.{key}", key, value
         yield from iter_fields(value, f"{path}.{key}", depth + 1)
 

@@ -2,7 +2,6 @@
 import pytest
 import torch
 from fairseq import checkpoint_utils
-from fairseq.models import ARCH_MODEL_REGISTRY
 from fairseq.models.transformer import TransformerModel
 
 from conftest import build_model, decoder_out, random_batch

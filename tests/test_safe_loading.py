@@ -4,11 +4,10 @@ evaluates them, and nothing is executed; normal checkpoints of every family stil
 import argparse
 import importlib.util
 import os
-import sys
 
 import pytest
 import torch
-from fairseq import checkpoint_utils, options, utils
+from fairseq import checkpoint_utils, options
 
 from conftest import REPO, cli
 from ea_fairseq import checkpoint_safety as safety
