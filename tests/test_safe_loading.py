@@ -118,14 +118,12 @@ def test_analysis_refuses(tmp_path, tiny_data_bin, evil):
     assert not marker.exists()
 
 
-# every field fairseq evaluates (or imports, or looks up), in the places it can sit
-EVALUATED = [name for name, form in safety.GUARDED_FIELDS.items() if form.evaluated]
-
-
-@pytest.mark.parametrize("field", EVALUATED)
-def test_every_evaluated_field_is_refused(tmp_path, checkpoints, field):
+@pytest.mark.parametrize("field", sorted(safety.GUARDED_FIELDS))
+def test_every_guarded_field_is_refused(tmp_path, checkpoints, field):
+    """Every field fairseq evaluates, imports or looks up by name (a path string is a valid
+    user_dir: that field is refused for not being a string)."""
     marker = tmp_path / "pwned"
-    path = crafted(checkpoints["vanilla"], tmp_path / "c.pt", field, payload(marker))
+    path = crafted(checkpoints["vanilla"], tmp_path / "c.pt", field, 7 if field == "user_dir" else payload(marker))
     with pytest.raises(safety.UnsafeCheckpointError, match=f"cfg.model.{field} "):
         checkpoint_utils.load_checkpoint_to_cpu(str(path))  # generate, hub, restore, analysis
     with pytest.raises(safety.UnsafeCheckpointError, match=f"cfg.model.{field} "):
