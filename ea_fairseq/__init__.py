@@ -8,7 +8,10 @@ from ._compat import check_fairseq
 
 check_fairseq()
 
-from . import checkpoint_safety  # noqa: E402  (allow-lists fairseq checkpoint classes)
+from . import checkpoint_safety  # noqa: E402
 from . import models  # noqa: E402,F401  (registers models and architectures)
+from . import tasks  # noqa: E402,F401  (registers translation_lines)
 
-checkpoint_safety.allow_fairseq_checkpoints()
+# every checkpoint fairseq reads in this process is validated before fairseq evaluates any
+# of its configuration (see checkpoint_safety)
+checkpoint_safety.install()

@@ -17,7 +17,10 @@ state (its ``cfg``/``args``, ...); with the last-N options the first input is th
 checkpoint. ``fairseq-generate --path`` loads the output like any checkpoint.
 
 Checkpoints are read with torch's weights-only unpickler, the fairseq configuration classes
-allow-listed (``ea_fairseq.checkpoint_safety``); nothing else is unpickled.
+allow-listed (``ea_fairseq.checkpoint_safety``); nothing else is unpickled. Every input's
+configuration is validated as fairseq's loading is with the plugin: a field that fairseq would
+evaluate must hold a literal, so an input that could run code when loaded is refused and no
+output is written.
 """
 import argparse
 import collections
@@ -32,7 +35,7 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 sys.path.insert(0, _REPO)
-from ea_fairseq.checkpoint_safety import load_checkpoint  # noqa: E402  (weights-only, allow-listed)
+from ea_fairseq.checkpoint_safety import CheckpointError, load_checkpoint  # noqa: E402  (weights-only, validated)
 
 
 class AverageError(ValueError):
@@ -156,7 +159,7 @@ def main(argv=None) -> int:
                     raise AverageError(f"{path}: no such checkpoint file")
         print(f"averaging {len(paths)} checkpoints: {', '.join(paths)}", file=sys.stderr)
         state = average(paths)
-    except AverageError as err:
+    except (AverageError, CheckpointError) as err:
         print(f"average_checkpoints: error: {err}", file=sys.stderr)
         return 1
     out_dir = os.path.dirname(os.path.abspath(args.output))

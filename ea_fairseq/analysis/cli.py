@@ -297,4 +297,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s",
                         level=logging.WARNING, stream=sys.stderr)
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    from ..checkpoint_safety import CheckpointError
+
+    try:
+        return args.func(args)
+    except CheckpointError as err:  # a refused checkpoint: its reason, not a traceback
+        raise SystemExit(f"python -m ea_fairseq.analysis {args.command}: error: {err}")

@@ -47,11 +47,11 @@ def load_model(path: str, data: Optional[str] = None, overrides: Optional[dict] 
     """``(model, task, cfg)`` of a fairseq checkpoint, on the CPU, in eval mode.
 
     Uses ``checkpoint_utils.load_model_ensemble_and_task`` after ``import ea_fairseq``,
-    which allow-lists the checkpoint's configuration classes for torch's weights-only
-    loader (which stays on). ``data`` overrides the data directory stored in the
+    whose loader reads it weights-only and refuses a configuration fairseq would evaluate
+    unless it is literal (``ea_fairseq.checkpoint_safety``). ``data`` overrides the data directory stored in the
     checkpoint (the dictionaries are read from there).
     """
-    import ea_fairseq  # noqa: F401  (registers the plugin, allow-lists checkpoint classes)
+    import ea_fairseq  # noqa: F401  (registers the plugin, validates checkpoints)
     from fairseq import checkpoint_utils
 
     arg_overrides = dict(overrides or {})

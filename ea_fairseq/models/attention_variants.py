@@ -8,6 +8,7 @@ architectures only choose defaults, so variants compose freely (e.g. RAN-D with 
 encoder). Each variant registers a builder here that turns the ``MultiheadAttention``
 fairseq built for a role into the mechanism, in place.
 """
+import argparse
 from typing import Callable, Dict, Tuple
 
 from fairseq.modules import MultiheadAttention
@@ -114,18 +115,8 @@ def add_args(parser):
     group.add_argument("--pa-conv-layers", type=int, metavar="M",
                        help="PA: 3x3 conv+ReLU layers of the prediction CNN; 0 = residual "
                             "connection only, the paper's 'Transformer with RC' (default 1)")
-    group.add_argument("--drop-attention", choices=("none",) + DROP_MODES,
-                       help="DropAttention: drop key columns (c) or elements (e) of the "
-                            "attention weights in training, replacing --attention-dropout there")
-    group.add_argument("--drop-attention-p", type=float, metavar="P",
-                       help="DropAttention drop rate p (MT best: 0.2 with window 2, element)")
-    group.add_argument("--drop-attention-window", type=int, metavar="W",
-                       help="DropAttention window w: each drop covers w consecutive keys")
-    group.add_argument("--drop-attention-rescale", choices=DROP_RESCALES,
-                       help="DropAttention rescaling: re-normalise rows (paper default) or 1/(1-p)")
-    group.add_argument("--drop-attention-on", nargs="+", choices=ROLES, metavar="ROLE",
-                       help="attentions DropAttention applies to: encoder decoder cross (default: all)")
-    group.add_argument("--ran-max-positions", type=int, metavar="L",
+    add_drop_attention_args(group)
+    group.add_argument("--ran-max-positions", type=positive_int, metavar="L",
                        help="RAN: size L of the L x L initial attention matrices; longer "
                             "sentences are refused (paper: 256)")
     group.add_argument("--ran-fixed-init", action="store_true",
@@ -137,6 +128,33 @@ def add_args(parser):
     group.add_argument("--ran-first-layer-standard", action="store_true",
                        help="RAN: keep dot-product attention in the first layer of a RAN stack "
                             "(an option of the authors' code)")
+
+
+DROP_ATTENTION_OPTIONS = ("drop_attention_p", "drop_attention_window", "drop_attention_rescale",
+                          "drop_attention_on")
+
+
+def add_drop_attention_args(group):
+    """The DropAttention options (also offered on fairseq's own transformer archs)."""
+    group.add_argument("--drop-attention", choices=("none",) + DROP_MODES,
+                       help="DropAttention: drop key columns (c) or elements (e) of the "
+                            "attention weights in training, replacing --attention-dropout there")
+    group.add_argument("--drop-attention-p", type=float, metavar="P",
+                       help="DropAttention drop rate p (MT best: 0.2 with window 2, element)")
+    group.add_argument("--drop-attention-window", type=int, metavar="W",
+                       help="DropAttention window w: each drop covers w consecutive keys")
+    group.add_argument("--drop-attention-rescale", choices=DROP_RESCALES,
+                       help="DropAttention rescaling: re-normalise rows (paper default) or 1/(1-p)")
+    group.add_argument("--drop-attention-on", nargs="+", choices=ROLES, metavar="ROLE",
+                       help="attentions DropAttention applies to: encoder decoder cross (default: all)")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def ea_alpha(cfg, role: str) -> float:

@@ -191,12 +191,19 @@ def check_options(args) -> None:
             "--checkpoint-activations/--offload-activations, or use --ea-alpha 0 / "
             "--ea-decoder-alpha 0 for EA."
         )
+    ran = [r for r in ("encoder", "decoder") if variants.variant_of(args, r) == "ran"]
+    if ran and args.ran_max_positions < 1:  # argparse refuses it; this is a checkpoint's value
+        raise ValueError(f"--ran-max-positions must be at least 1, got {args.ran_max_positions}")
     for role, side in (("encoder", "source"), ("decoder", "target")):
-        if variants.variant_of(args, role) == "ran":
+        if role in ran:
             # fairseq then filters (training) or refuses (generation) longer sentences itself
-            name = f"max_{side}_positions"
-            setattr(args, name, min(getattr(args, name, None) or args.ran_max_positions,
-                                    args.ran_max_positions))
+            name, limit = f"max_{side}_positions", args.ran_max_positions
+            given = getattr(args, name, None)
+            if given is not None and given > limit:
+                logger.info(f"--max-{side}-positions {given} lowered to {limit}: the RAN {role} "
+                            f"attends over at most --ran-max-positions {limit} tokens; longer "
+                            f"{side} sentences are filtered in training and refused in generation")
+            setattr(args, name, min(given or limit, limit))
     if "ran" in (variants.variant_of(args, "encoder"), variants.variant_of(args, "decoder")):
         for note in mixed_precision_caveats(args):
             logger.warning("RAN keeps its attention matrices' parameters in float32: %s", note)

@@ -19,8 +19,8 @@
 #   8 x 16 / 2 = 64; when NGPUS exceeds the paper's GPUs, MAX_TOKENS is divided instead]
 #   CPU=1: train on CPU processes (--cpu); LAUNCHER: a command that starts the processes,
 #   e.g. LAUNCHER="torchrun --nnodes 2 --nproc_per_node 8 ..." (README.md, multi-node)
-#   DROP_ATTENTION=column|element DROP_ATTENTION_P DROP_ATTENTION_WINDOW (DropAttention,
-#   for the ea_*/pa_*/ran_* families; paper's best for WMT En-De: element, p 0.2, window 2)
+#   DROP_ATTENTION=column|element DROP_ATTENTION_P DROP_ATTENTION_WINDOW (DropAttention, on
+#   any family, transformer_* included; paper's best for WMT En-De: element, p 0.2, window 2)
 #   USER_DIR (this repository's ea_fairseq)  FAIRSEQ_TRAIN (fairseq-train)
 #   DRY_RUN=1 prints the command instead of running it.
 #
@@ -152,9 +152,6 @@ if [ -n "$MAX_UPDATE" ]; then cmd+=(--max-update "$MAX_UPDATE"); fi
 if [ -n "$MAX_EPOCH" ]; then cmd+=(--max-epoch "$MAX_EPOCH"); fi
 if [ -n "$keep_updates" ]; then cmd+=(--save-interval-updates 5000 --keep-interval-updates "$keep_updates"); fi
 if [ -n "${DROP_ATTENTION:-}" ]; then
-  case "$arch" in transformer|transformer_lite)
-    die "DropAttention is an option of the plugin's model: use ea_base/ea_lite with --encoder-attention vanilla --decoder-attention vanilla --cross-attention vanilla" ;;
-  esac
   cmd+=(--drop-attention "$DROP_ATTENTION" --drop-attention-p "${DROP_ATTENTION_P:-0.2}"
         --drop-attention-window "${DROP_ATTENTION_WINDOW:-2}")
 fi

@@ -1,0 +1,2 @@
+"""Tasks: importing this package registers them with fairseq."""
+from . import translation_lines  # noqa: F401  (registers translation_lines)
