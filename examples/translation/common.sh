@@ -1,6 +1,7 @@
 # Shared steps of the prepare-*.sh recipes: fetch/unpack, tokenize, clean, BPE, binarize.
-# Sourced, not run. The text work is done by scripts/nmt_text.py (sacremoses) and
-# subword-nmt's Python modules; binarization by fairseq-preprocess.
+# Sourced, not run. The text work is done by scripts/nmt_text.py (the Moses Perl scripts,
+# ported to Python and tested against their outputs) and subword-nmt's Python modules;
+# binarization by fairseq-preprocess.
 #
 # Options every prepare script accepts (each also as an environment variable):
 #   --raw-dir DIR     (EA_RAW_DIR)     already-downloaded archives; nothing is downloaded then
@@ -9,7 +10,7 @@
 #   --dest-dir DIR    (EA_DEST_DIR)    fairseq-preprocess output    [data-bin/NAME]
 #   --workers N       (WORKERS)        processes for tokenization/BPE/binarization [nproc]
 #   --bpe-tokens N    (BPE_TOKENS)     BPE merge operations          [recipe's value]
-# Tools: PYTHON (python3 from PATH), which must have fairseq, sacremoses and subword-nmt.
+# Tools: PYTHON (python3 from PATH), which must have fairseq, sacremoses, regex and subword-nmt.
 
 set -euo pipefail
 

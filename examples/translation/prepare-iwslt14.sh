@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # IWSLT'14 German-English, the fairseq recipe (as used by the EA and PA papers):
-# Moses tokenization (sacremoses), clean (1-175 tokens, ratio 1.5), lowercase, joint BPE
-# with 10k merges (subword-nmt); valid = every 23rd training pair; test =
+# Moses tokenization (as tokenizer.perl), clean (1-175 tokens, ratio 1.5), lowercase,
+# joint BPE with 10k merges (subword-nmt); valid = every 23rd training pair; test =
 # IWSLT14.TED.dev2010 + TEDX.dev2012 + TED.tst2010-2012 concatenated (fairseq's order).
 #
 #   bash examples/translation/prepare-iwslt14.sh [--raw-dir DIR] [--no-download]
