@@ -27,6 +27,8 @@ TINY = ["--arch", "transformer", "--encoder-layers", "1", "--decoder-layers", "1
         "--encoder-attention-heads", "2", "--decoder-attention-heads", "2"]
 TINY_RUN = ["--required-batch-size-multiple", "1", "--no-progress-bar", "--num-workers", "0",
             "--log-format", "simple", "--seed", "1", "--cpu"]
+# the same through train.sh, which sets the seed (SEED), the device (CPU=1) and the log format
+TRAIN_SH_RUN = ["--required-batch-size-multiple", "1", "--no-progress-bar", "--num-workers", "0"]
 
 
 def tool(name: str) -> str:
@@ -42,8 +44,9 @@ def env():
     e.update(PATH=f"{BIN}{os.pathsep}{e.get('PATH', '')}", PYTHON=sys.executable,
              FAIRSEQ_GENERATE=tool("fairseq-generate"),
              FAIRSEQ_TRAIN=tool("fairseq-train"), WORKERS="1", EA_NO_DOWNLOAD="1",
-             OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", NGPUS="0")
-    for var in ("EA_RAW_DIR", "EA_WORK_DIR", "EA_DEST_DIR", "BPE_TOKENS", "CUDA_VISIBLE_DEVICES"):
+             OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    for var in ("EA_RAW_DIR", "EA_WORK_DIR", "EA_DEST_DIR", "BPE_TOKENS", "CUDA_VISIBLE_DEVICES", "NGPUS",
+                "CPU", "FP16", "BF16", "SEED", "SEEDS", "SAVE_DIR", "DATA", "ALLOW_CHANGED_SETTINGS"):
         e.pop(var, None)
     e["CUDA_VISIBLE_DEVICES"] = ""
     return e
@@ -88,14 +91,22 @@ def lines(path: Path):
 
 
 def _iwslt14(root, env):
-    """prepare-iwslt14.sh, then 2 epochs through train.sh (transformer_lite, tiny dims)."""
+    """prepare-iwslt14.sh (separate dictionaries, as fairseq's recipe), then 2 epochs through
+    train.sh on CPU (transformer_lite, tiny dims): fairseq-train accepts the data with
+    --share-decoder-input-output-embed, which train.sh picks for separate dictionaries."""
     info = fx.iwslt14(root / "raw", n_train=200)
     data = prepare("prepare-iwslt14.sh", root / "raw", root, env)
     save = root / "checkpoints"
-    train_env = dict(env, DATA=str(data), SAVE_DIR=str(save), MAX_EPOCH="2", MAX_TOKENS="1000")
-    proc = run(["bash", RECIPES / "train.sh", "transformer_lite", "iwslt14_de_en",
-                *TINY[2:], *TINY_RUN], train_env, cwd=root)
-    return dict(root=root, data=data, save=save, info=info, train_log=proc.stdout + proc.stderr)
+    train_env = dict(env, DATA=str(data), SAVE_DIR=str(save), MAX_EPOCH="2", MAX_TOKENS="1000", CPU="1")
+    args = ["transformer_lite", "iwslt14_de_en", *TINY[2:], *TRAIN_SH_RUN]
+    proc = run(["bash", RECIPES / "train.sh", *args], train_env, cwd=root)
+    return dict(root=root, data=data, save=save, info=info, train_log=proc.stdout + proc.stderr,
+                train_env=train_env, train_args=args)
+
+
+def _iwslt14_joined(root, env):
+    fx.iwslt14(root / "raw", n_train=40)
+    return dict(root=root, data=prepare("prepare-iwslt14.sh", root / "raw", root, env, "--joined-dictionary"))
 
 
 def _wmt14_en_de(root, env):
@@ -128,7 +139,8 @@ def _wmt17(lang):
     return job
 
 
-JOBS = {"iwslt14": _iwslt14, "wmt14_en_de": _wmt14_en_de, "wmt14_en_fr": _wmt14_en_fr,
+JOBS = {"iwslt14": _iwslt14, "wmt14_en_de": _wmt14_en_de, "iwslt14_joined": _iwslt14_joined,
+        "wmt14_en_fr": _wmt14_en_fr,
         "wmt17_lv": _wmt17_lv, "wmt17_fi": _wmt17("fi"), "wmt17_tr": _wmt17("tr")}
 
 
@@ -219,7 +231,8 @@ def test_prepare_iwslt14(iwslt):
     for split in ("train", "valid", "test"):
         for lang in ("de", "en"):
             assert (data / f"{split}.de-en.{lang}.bin").is_file()
-    assert (data / "code").is_file() and (data / "dict.de.txt").read_text() == (data / "dict.en.txt").read_text()
+    # fairseq's recipe: one dictionary per language (the PA paper's 8,848 / 6,632 types)
+    assert (data / "code").is_file() and (data / "dict.de.txt").read_text() != (data / "dict.en.txt").read_text()
     # fairseq's splits: valid = every 23rd of the cleaned training pairs; test = the 5 sets
     n_train, n_valid = len(lines(prep / "train.de")), len(lines(prep / "valid.de"))
     assert n_valid == (n_train + n_valid) // 23 and 150 < n_train + n_valid <= 202
@@ -229,8 +242,16 @@ def test_prepare_iwslt14(iwslt):
     assert "&quot;" in text and "<url>" not in text and "<title>" not in text
     assert "\u2019" not in (prep / "test.en").read_text()
     assert len(lines(data / "code")) > 10  # joint BPE merges learnt on de+en
-    assert "arch='transformer_lite'" in iwslt["train_log"] and "num_updates" in iwslt["train_log"]
+    log = iwslt["train_log"]
+    assert "arch='transformer_lite'" in log and "num_updates" in log
+    assert "share_decoder_input_output_embed=True" in log and "share_all_embeddings=False" in log
     assert (iwslt["save"] / "checkpoint2.pt").is_file()
+
+
+def test_prepare_iwslt14_joined_dictionary(recipes):
+    data = recipes("iwslt14_joined")["data"]
+    assert (data / "dict.de.txt").read_text() == (data / "dict.en.txt").read_text()
+    assert (data / "train.de-en.en.idx").is_file()
 
 
 def test_prepare_wmt14en2de(wmt14_en_de):
@@ -300,20 +321,30 @@ def test_prepare_without_data_lists_the_files(tmp_path, env):
 # ------------------------------------------------------------------ training / evaluation
 
 
+def _dry(env, cwd, family, pair, check=True, **extra):
+    """train.sh DRY_RUN=1: (command, stderr). Without CUDA here it shows the GPU command;
+    PYTHON=true skips its torch probe (a second each), as on a machine without torch."""
+    proc = run(["bash", RECIPES / "train.sh", family, pair], dict(env, DRY_RUN="1", PYTHON="true", **extra),
+               cwd, check=check)
+    return proc.stdout, proc.stderr
+
+
 def test_train_sh_defaults_follow_the_papers(env, tmp_path):
     def dry(family, pair, **extra):
-        proc = run(["bash", RECIPES / "train.sh", family, pair], dict(env, DRY_RUN="1", **extra), tmp_path)
-        return proc.stdout
+        return _dry(env, tmp_path, family, pair, **extra)[0]
 
-    cmd = dry("ea_lite", "wmt14_en_de", NGPUS="0")
+    cmd = dry("ea_lite", "wmt14_en_de", CPU="1")
     assert "--lr 1e-3" in cmd and "--dropout 0.3" in cmd and "--update-freq 128" in cmd
     assert "--ea-alpha 0.1 --ea-beta 0.1" in cmd and "--patience 5" in cmd and "--cpu" in cmd
     assert "--warmup-updates 4000" in cmd and "--label-smoothing 0.1" in cmd
+    assert "--share-all-embeddings" in cmd and "--weight-decay 0.0" in cmd and "--fp16" not in cmd
     cmd = dry("ea_base", "wmt14_en_fr", NGPUS="2")
     assert "--update-freq 64" in cmd and "--dropout 0.1" in cmd and "--ea-alpha 0.5" in cmd
-    assert "--distributed-world-size 2" in cmd
-    cmd = dry("pa_lite", "iwslt14_de_en", NGPUS="0")
+    assert "--distributed-world-size 2" in cmd and "--fp16" in cmd and "--cpu" not in cmd
+    cmd = dry("pa_lite", "iwslt14_de_en", CPU="1")
     assert "--arch pa_transformer_lite" in cmd and "--lr 5e-4" in cmd and "--dropout 0.2" in cmd
+    # IWSLT'14 as fairseq binarizes it: separate dictionaries, decoder embeddings shared
+    assert "--share-decoder-input-output-embed" in cmd and "--share-all-embeddings" not in cmd
     cmd = dry("ran_d", "wmt17_tr_en", NGPUS="1")
     assert "--source-lang tr --target-lang en" in cmd and "data-bin/wmt17_en_tr" in cmd
     assert "--attention-dropout 0.2" in cmd and "--max-update 150000" in cmd
@@ -321,9 +352,70 @@ def test_train_sh_defaults_follow_the_papers(env, tmp_path):
     cmd = dry("ran_all", "wmt14_en_fr", NGPUS="8", LR="5e-4", DROP_ATTENTION="element")
     assert "--max-update 250000" in cmd and "--lr 5e-4" in cmd and "--update-freq 1" in cmd
     assert "--drop-attention element --drop-attention-p 0.2 --drop-attention-window 2" in cmd
-    proc = run(["bash", RECIPES / "train.sh", "pa_lite", "wmt14_en_de"], dict(env, DRY_RUN="1"),
+    cmd = dry("ea_lite", "iwslt14_de_en", WEIGHT_DECAY="0.0001", SEED="7")
+    assert "--weight-decay 0.0001" in cmd and "--seed 7" in cmd
+    proc = run(["bash", RECIPES / "train.sh", "pa_lite", "wmt14_en_de"], dict(env, DRY_RUN="1", PYTHON="true"),
                tmp_path, check=False)
     assert proc.returncode != 0 and "IWSLT" in proc.stderr
+
+
+def test_train_sh_baselines_take_their_papers_settings(env, tmp_path):
+    """One command per baseline row: RAN's and PA's Transformers, DropAttention's."""
+    cmd, err = _dry(env, tmp_path, "transformer_ran", "wmt17_tr_en")
+    assert "--arch transformer " in cmd and "--dropout 0.1" in cmd and "--attention-dropout 0.0" in cmd
+    assert "--max-update 150000" in cmd and "--lr 7e-4" in cmd and "--patience" not in cmd
+    assert "--update-freq 1" in cmd and "--distributed-world-size 2" in cmd  # RAN: 2 GPUs for En-Tr
+    assert "-s tr -t en --best --ran-wmt" in err  # best checkpoint, beam 4, length penalty 0.6
+    cmd, _ = _dry(env, tmp_path, "transformer_ran", "wmt14_en_de")
+    assert "--max-update 250000" in cmd and "--distributed-world-size 8" in cmd
+    cmd, _ = _dry(env, tmp_path, "transformer_lite_pa", "iwslt14_de_en")
+    assert "--arch transformer_lite " in cmd and "--lr 5e-4" in cmd and "--dropout 0.2" in cmd
+    assert "--pa-alpha" not in cmd
+    cmd, err = _dry(env, tmp_path, "dropattn", "wmt14_en_de")
+    assert "data-bin/wmt14_en_de_bpe32k" in cmd and "--arch ea_transformer_base --encoder-attention vanilla" in cmd
+    assert "--drop-attention element --drop-attention-p 0.2 --drop-attention-window 2" in cmd
+    assert "--max-update 100000" in cmd and "--num-avg 5 --avg-by update --beam 4 --lenpen 0.6" in err
+    cmd, _ = _dry(env, tmp_path, "transformer_dropattn", "wmt14_en_de")
+    assert "--arch transformer " in cmd and "--drop-attention" not in cmd and "--dropout 0.1" in cmd
+    _, err = _dry(env, tmp_path, "transformer_base", "wmt17_en_fi", check=False)
+    assert "transformer_ran" in err  # the EA paper has no WMT'17 setting; RAN's baseline does
+
+
+def test_train_sh_devices_precision_and_batch(env, tmp_path):
+    def dry(family, pair, check=True, **extra):
+        return _dry(env, tmp_path, family, pair, check=check, **extra)
+
+    # the paper's single-GPU IWSLT batch: 1 GPU by default; spread over 8 it stays 4096 tokens
+    cmd, err = dry("ea_lite", "iwslt14_de_en")
+    assert "--distributed-world-size" not in cmd and "--max-tokens 4096 --update-freq 1" in cmd
+    assert "precision: fp16" in err and "= 4096 tokens per update (paper: 1 GPU(s)" in err
+    cmd, err = dry("ea_lite", "iwslt14_de_en", NGPUS="8")
+    assert "--max-tokens 512 --update-freq 1" in cmd and "--distributed-world-size 8" in cmd
+    assert "effective batch: 512 tokens x 8 device(s) x update-freq 1 = 4096 tokens per update" in err
+    cmd, err = dry("ea_lite", "wmt14_en_de", NGPUS="4")
+    assert "--update-freq 32" in cmd and "= 524288 tokens per update" in err
+    cmd, err = dry("ea_lite", "iwslt14_de_en", UPDATE_FREQ="2")
+    assert "note: the effective batch is not the paper's" in err
+    assert "--bf16" in dry("ea_lite", "iwslt14_de_en", BF16="1")[0]
+    cmd = dry("ea_lite", "iwslt14_de_en", FP16="0")[0]
+    assert "--fp16" not in cmd and "--bf16" not in cmd
+    _, err = dry("ea_lite", "iwslt14_de_en", check=False, CPU="1", FP16="1")
+    assert "FP16=1 needs CUDA" in err
+    _, err = dry("ea_lite", "iwslt14_de_en", check=False, CPU="1", NGPUS="1", SEED="x")
+    assert "SEED must be an integer" in err
+    for bad in (["--cpu"], ["--fp16"], ["--save-dir", "x"], ["--seed", "3"]):
+        proc = run(["bash", RECIPES / "train.sh", "ea_lite", "iwslt14_de_en", *bad],
+                   dict(env, DRY_RUN="1", PYTHON="true"), tmp_path, check=False)
+        assert proc.returncode != 0 and "train.sh: error:" in proc.stderr, bad
+
+
+def test_train_sh_refuses_cpu_without_cpu_1(env, tmp_path):
+    """No CUDA device and no CPU=1: a clear refusal, before anything is written or trained."""
+    proc = run(["bash", RECIPES / "train.sh", "ea_lite", "iwslt14_de_en"],
+               dict(env, SAVE_DIR=str(tmp_path / "ck")), tmp_path, check=False)
+    assert proc.returncode != 0
+    assert "no CUDA device visible" in proc.stderr and "CPU=1" in proc.stderr, proc.stderr
+    assert not (tmp_path / "ck").exists()
 
 
 def _evaluate(run_info, mode, env, *args):
@@ -390,3 +482,23 @@ def test_evaluate_other_wmt_mode_and_errors(wmt14_en_de, env, capsys):
     proc = run(["bash", REPO / "scripts" / "evaluate.sh", info["save"], info["data"], "bogus"],
                env, info["root"], check=False)
     assert proc.returncode != 0 and "MODE must be" in proc.stderr
+
+
+def test_run_hygiene_log_record_and_refusal_to_resume_changed_settings(iwslt, env):
+    save, root = iwslt["save"], iwslt["root"]
+    assert "num_updates" in (save / "train.log").read_text()  # fairseq's log, in the run directory
+    command = (save / "train.command").read_text()
+    assert "train.sh transformer_lite iwslt14_de_en" in command and "fairseq-train" in command
+    assert "CPU=1" in command and "MAX_EPOCH=2" in command
+    settings = (save / "train.settings").read_text()
+    assert "family=transformer_lite" in settings and "\n--lr\n1e-3\n" in settings
+    assert "# evaluate with: bash scripts/evaluate.sh" in settings
+    train_sh = ["bash", RECIPES / "train.sh", *iwslt["train_args"]]
+    proc = run(train_sh, dict(iwslt["train_env"], LR="5e-4"), root, check=False)
+    assert proc.returncode != 0 and "not resuming" in proc.stderr, proc.stderr
+    assert "was: 1e-3" in proc.stderr and "now: 5e-4" in proc.stderr and "ALLOW_CHANGED_SETTINGS=1" in proc.stderr
+    assert (save / "train.settings").read_text() == settings
+    # the same settings resume (fairseq finds epoch 2 done and stops)
+    proc = run(train_sh, iwslt["train_env"], root)
+    assert "resuming" in proc.stderr
+    assert len(re.findall(r"^# \d{4}-\d\d-\d\d ", (save / "train.command").read_text(), re.M)) == 2  # two starts

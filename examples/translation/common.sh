@@ -99,17 +99,19 @@ ea_bpe() {
 }
 
 # ea_binarize SRC TGT TEXT_DIR DEST [REVERSE_TEXT_DIR]: fairseq-preprocess of
-# TEXT_DIR/{train,valid,test}.{SRC,TGT} with a joined dictionary into DEST; with
+# TEXT_DIR/{train,valid,test}.{SRC,TGT} into DEST, with a joined dictionary, or with one
+# dictionary per language when EA_SEPARATE_DICTS=1 (fairseq's IWSLT'14 recipe); with
 # REVERSE_TEXT_DIR also its valid/test sets as the TGT->SRC direction, same dictionary
 # (DEST/{valid,test}.TGT-SRC.*). Both runs share one process (scripts/binarize.py).
 ea_binarize() {
-  local src="$1" tgt="$2" dir="$3" dest="$4" rev="${5:-}"
-  ea_log "binarizing $dir -> $dest"
+  local src="$1" tgt="$2" dir="$3" dest="$4" rev="${5:-}" dict=(--joined-dictionary)
+  if [ -n "${EA_SEPARATE_DICTS:-}" ]; then dict=(); fi
+  ea_log "binarizing $dir -> $dest (${dict[*]:-separate dictionaries})"
   mkdir -p "$dest"
   rm -f "$dest/dict.$src.txt" "$dest/dict.$tgt.txt"
   local runs=(--source-lang "$src" --target-lang "$tgt"
               --trainpref "$dir/train" --validpref "$dir/valid" --testpref "$dir/test"
-              --destdir "$dest" --joined-dictionary --workers "$WORKERS")
+              --destdir "$dest" ${dict[@]+"${dict[@]}"} --workers "$WORKERS")
   local scratch="$TMP/binarize-$tgt-$src"
   rm -rf "$scratch"
   if [ -n "$rev" ]; then
