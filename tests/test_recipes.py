@@ -449,25 +449,27 @@ def test_evaluate_iwslt_end_to_end(iwslt, env):
 def test_evaluate_wmt14_en_de_end_to_end(wmt14_en_de, env):
     out = _evaluate(wmt14_en_de, "wmt14-en-de", env, "--ran-wmt").stdout
     assert "beam 4, lenpen 0.6" in out
-    assert re.search(r"^compound-split tokenized BLEU .*: [0-9.]+ .*tok:none", out, re.M), out
+    for convention in ("fairseq convention", "tensor2tensor convention"):  # both, labelled
+        assert re.search(rf"^compound-split BLEU, {convention} .*: [0-9.]+ .*tok:none", out, re.M), out
     assert re.search(r"^detokenized sacreBLEU .*: [0-9.]+ .*signature: nrefs:1\|case:mixed\|eff:no\|"
                      r"tok:13a\|smooth:exp\|version:", out, re.M), out
     ev = wmt14_en_de["save"] / "eval"
-    assert "##AT##-##AT##" in (ev / "test.en-de.ref.tok").read_text()
-    assert len(lines(ev / "test.en-de.hyp.detok")) == len(wmt14_en_de["tests"]["test_de"])
+    assert " @ ##AT##-##AT## @ " in (ev / "test.en-de.ref.split-fairseq").read_text()
+    assert " @ " not in (ev / "test.en-de.ref.split-t2t").read_text()
+    assert "##AT##" not in (ev / "test.en-de.ref.tok").read_text()
+    assert len(lines(ev / "test.en-de.hyp.sacrebleu")) == len(wmt14_en_de["tests"]["test_de"])
 
 
 def test_evaluate_other_wmt_mode_and_errors(wmt14_en_de, env, capsys):
     info = wmt14_en_de
     ev = info["save"] / "eval"
     bleu = load_bleu()
-    assert bleu.compound_split("a @-@ b c-d e - f") == "a ##AT##-##AT## b c ##AT##-##AT## d e - f"
     # --mode wmt (En-Fr, WMT'17): tokenized BLEU without the compound split, and sacreBLEU
     assert bleu.main([str(ev / "generate-test.en-de.txt"), "--mode", "wmt", "--target-lang", "de",
                       "--raw-ref", str(info["data"] / "test.raw.en-de.de"),
                       "--expect-idx", str(info["data"] / "test.en-de.en.idx")]) == 0
     out = capsys.readouterr().out
-    assert "tokenized BLEU (Moses-tokenized" in out and "compound-split" not in out
+    assert "tokenized BLEU (generate's tokenized H/T lines" in out and "compound-split" not in out
     assert "detokenized sacreBLEU" in out
     # a reference file that does not match the test set is refused
     short = info["root"] / "short.de"
@@ -482,6 +484,98 @@ def test_evaluate_other_wmt_mode_and_errors(wmt14_en_de, env, capsys):
     proc = run(["bash", REPO / "scripts" / "evaluate.sh", info["save"], info["data"], "bogus"],
                env, info["root"], check=False)
     assert proc.returncode != 0 and "MODE must be" in proc.stderr
+
+
+def test_compound_split_conventions_on_a_known_example(tmp_path):
+    """WMT'14 En-De: fairseq's compound_split_bleu.sh splits generate's lines as they are, the
+    tensor2tensor convention joins the aggressive-hyphen "@-@" first; both are reported."""
+    bleu = load_bleu()
+    line = "das Bundes @-@ Land , E-Mail x-y-z e - f"
+    assert bleu.compound_split_fairseq(line) == \
+        "das Bundes @ ##AT##-##AT## @ Land , E ##AT##-##AT## Mail x ##AT##-##AT## y-z e - f"
+    assert bleu.compound_split(line) == \
+        "das Bundes ##AT##-##AT## Land , E ##AT##-##AT## Mail x ##AT##-##AT## y-z e - f"
+    hyp = ["das Bundes @-@ Land ist groß", "eine E-Mail kam heute"]
+    ref = ["das Bundes @-@ Land ist klein", "eine E-Mail kam gestern"]
+    gen = tmp_path / "generate.txt"
+    gen.write_text("".join(f"S-{i}\tx\nT-{i}\t{r}\nH-{i}\t-0.1\t{h}\nD-{i}\t-0.1\t{h}\n"
+                           for i, (h, r) in enumerate(zip(hyp, ref))), encoding="utf-8")
+    raw = tmp_path / "raw.de"
+    raw.write_text("das Bundes-Land ist klein\neine E-Mail kam gestern\n", encoding="utf-8")
+    out = subprocess.run([sys.executable, REPO / "scripts" / "bleu.py", gen, "--mode", "wmt14-en-de",
+                          "--target-lang", "de", "--raw-ref", raw, "--out-prefix", tmp_path / "t"],
+                         capture_output=True, text=True, check=True).stdout
+    scores = {m.group(1): float(m.group(2)) for m in
+              re.finditer(r"^compound-split BLEU, (\S+) convention .*?: ([0-9.]+) ", out, re.M)}
+    # the fairseq convention counts the "@" around each "@-@" as two more matching tokens
+    assert scores == {"fairseq": 80.91, "tensor2tensor": 75.98}
+    # each equals what fairseq-score (compound_split_bleu.sh's scorer) prints on its files:
+    # fairseq_cli/score.py's default branch, in this process
+    from fairseq.data import Dictionary
+    from fairseq.scoring import bleu as fairseq_bleu
+
+    for name, convention in (("split-fairseq", "fairseq"), ("split-t2t", "tensor2tensor")):
+        d = Dictionary()
+        scorer = fairseq_bleu.Scorer(fairseq_bleu.BleuConfig(pad=d.pad(), eos=d.eos(), unk=d.unk()))
+        with open(tmp_path / f"t.hyp.{name}") as fsys, open(tmp_path / f"t.ref.{name}") as fref:
+            for sys_tok, ref_tok in zip(fsys.readlines(), fref.readlines()):
+                scorer.add(d.encode_line(ref_tok), d.encode_line(sys_tok))
+        assert scorer.result_string(4).startswith(f"BLEU4 = {scores[convention]:.2f},")
+
+
+def _fake_run(directory: Path, refs, hyps):
+    """An evaluate.sh output (generate file scored by bleu.py) for given hypotheses."""
+    ev = directory / "eval"
+    ev.mkdir(parents=True)
+    gen = ev / "generate-test.de-en.txt"
+    gen.write_text("".join(f"S-{i}\tx\nT-{i}\t{r}\nH-{i}\t-0.1\t{h}\nD-{i}\t-0.1\t{h}\n"
+                           for i, (r, h) in enumerate(zip(refs, hyps))), encoding="utf-8")
+    assert load_bleu().main([str(gen), "--mode", "iwslt", "--out-prefix", str(ev / "test.de-en")]) == 0
+
+
+def _table(out: str):
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines() if line.startswith("| ")]
+    return {row[0]: row for row in rows[1:]}
+
+
+def test_significance_on_known_different_and_identical_systems(tmp_path, capsys):
+    import random
+    from sacrebleu.metrics import BLEU
+    from sacrebleu.significance import PairedTest
+
+    rng = random.Random(0)
+    vocab = "the a cat dog sat ran on under mat house green big small today".split()
+    refs = [" ".join(rng.choice(vocab) for _ in range(rng.randint(5, 12))) for _ in range(150)]
+
+    def noisy(p, seed):
+        g = random.Random(seed)
+        return [" ".join(w if g.random() > p else g.choice(vocab) for w in r.split()) for r in refs]
+
+    good, bad = noisy(0.1, 1), noisy(0.4, 2)
+    _fake_run(tmp_path / "base", refs, good)
+    _fake_run(tmp_path / "same", refs, good)
+    _fake_run(tmp_path / "worse", refs, bad)
+    for seed in (1, 2, 3):
+        _fake_run(tmp_path / "seeds" / f"seed{seed}", refs, noisy(0.1, 10 + seed))
+    capsys.readouterr()
+    spec = importlib.util.spec_from_file_location("ea_compare", REPO / "scripts" / "compare_systems.py")
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    assert compare.main([str(tmp_path / d) for d in ("base", "same", "worse", "seeds")]) == 0
+    out = capsys.readouterr().out
+    table = _table(out)
+    assert table["same"][4:] == ["+0.00", "[+0.00, +0.00]", "1.0000"]  # identical: nothing to see
+    assert float(table["worse"][4]) < -10 and float(table["worse"][6]) < 0.01  # clearly different
+    assert table["seeds"][1] == "3" and len(table["seeds"][2].split()) == 3 and "±" in table["seeds"][3]
+    assert "tokenized BLEU" in out.splitlines()[0] and "150 sentences" in out.splitlines()[0]
+    # one run per system: the p-value is sacreBLEU's paired bootstrap (same resamples, seed 12345)
+    test = PairedTest([("base", good), ("worse", bad)], {"BLEU": BLEU(tokenize="none", smooth_method="none")},
+                      [refs], test_type="bs", n_samples=1000)
+    assert f"{test()[1]['BLEU'][1].p_value:.4f}" == table["worse"][6]
+    # systems scored on other references are not compared
+    _fake_run(tmp_path / "other", [r + " x" for r in refs], good)
+    with pytest.raises(SystemExit, match="other references"):
+        compare.main([str(tmp_path / "base"), str(tmp_path / "other")])
 
 
 def test_run_hygiene_log_record_and_refusal_to_resume_changed_settings(iwslt, env):
@@ -502,3 +596,62 @@ def test_run_hygiene_log_record_and_refusal_to_resume_changed_settings(iwslt, en
     proc = run(train_sh, iwslt["train_env"], root)
     assert "resuming" in proc.stderr
     assert len(re.findall(r"^# \d{4}-\d\d-\d\d ", (save / "train.command").read_text(), re.M)) == 2  # two starts
+
+
+def test_seeds_train_one_run_each_and_evaluate_to_one_table(iwslt, env, tmp_path):
+    """SEEDS="1 2": one run per seed in SAVE_DIR/seedN; evaluate.sh scores each and prints
+    their mean and deviation; compare_systems.py puts two systems in one table."""
+    base = tmp_path / "seeds"
+    proc = run(["bash", RECIPES / "train.sh", *iwslt["train_args"]],
+               dict(iwslt["train_env"], SAVE_DIR=str(base), MAX_EPOCH="1", SEEDS="1 2"), tmp_path)
+    assert "2 runs" in proc.stderr
+    for seed in (1, 2):
+        run_dir = base / f"seed{seed}"
+        assert (run_dir / "checkpoint1.pt").is_file() and (run_dir / "train.log").is_file()
+        assert f"--seed {seed} " in (run_dir / "train.command").read_text()
+    assert not list(base.glob("*.pt"))
+    out = run(["bash", REPO / "scripts" / "evaluate.sh", base, iwslt["data"], "iwslt", "--num-avg", "1",
+               "--cpu", "--", "--max-len-a", "0", "--max-len-b", "6"], env, tmp_path).stdout
+    row = _table(out)["seeds"]
+    assert row[1] == "2" and len(row[2].split()) == 2 and "±" in row[3]
+    for seed in (1, 2):
+        assert (base / f"seed{seed}" / "eval" / "test.de-en.scores.json").is_file()
+    if not (iwslt["save"] / "eval" / "test.de-en.scores.json").is_file():
+        _evaluate(iwslt, "iwslt", env)
+    out = run([sys.executable, REPO / "scripts" / "compare_systems.py", f"two_epochs={iwslt['save']}",
+               f"one_epoch={base}"], env, tmp_path).stdout
+    table = _table(out)
+    assert table["two_epochs"][1] == "1" and table["one_epoch"][1] == "2"
+    assert re.fullmatch(r"[+-][0-9.]+", table["one_epoch"][4]) and re.fullmatch(r"0\.\d{4}|1\.0000", table["one_epoch"][6])
+
+
+def test_ran_with_over_long_test_sentences(iwslt, env, tmp_path):
+    """A RAN model accepts sentences up to --ran-max-positions: evaluate.sh stops with the
+    count, or with --skip-long translates the rest and labels every BLEU with its coverage."""
+    save = tmp_path / "ran"
+    run(["bash", RECIPES / "train.sh", "ran_e_lite", "iwslt14_de_en", *TINY[2:], "--ran-max-positions", "12",
+         "--skip-invalid-size-inputs-valid-test", *TRAIN_SH_RUN],
+        dict(iwslt["train_env"], SAVE_DIR=str(save), MAX_EPOCH="1"), tmp_path)
+    sizes = load_bleu().idx_sizes(str(iwslt["data"] / "test.de-en.de.idx"))
+    n_long, n_all = int((sizes > 12).sum()), len(sizes)
+    assert 0 < n_long < n_all
+    evaluate = ["bash", REPO / "scripts" / "evaluate.sh", save, iwslt["data"], "iwslt", "--best", "--cpu"]
+    proc = run(evaluate, env, tmp_path, check=False)
+    assert proc.returncode != 0
+    assert f"{n_long} of the {n_all} test sentences are longer than this model accepts" in proc.stderr
+    assert "--skip-long" in proc.stderr and "--ran-max-positions" in proc.stderr
+    out = run([*evaluate, "--skip-long", "--", "--max-len-a", "0", "--max-len-b", "6"], env, tmp_path).stdout
+    assert f"[on {n_all - n_long} of {n_all} sentences: {n_long} not translated" in out
+
+
+def test_documented_generate_commands_translate_every_sentence():
+    """fairseq drops a last batch smaller than --required-batch-size-multiple (default 8):
+    every fairseq-generate command in the documentation sets it to 1."""
+    found = 0
+    for doc in [REPO / "README.md", RECIPES / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for block in re.findall(r"```[a-z]*\n(.*?)```", doc.read_text(encoding="utf-8"), re.S):
+            for command in block.replace("\\\n", " ").splitlines():
+                if re.match(r"\s*fairseq-generate\b", command):
+                    found += 1
+                    assert "--required-batch-size-multiple 1" in command, f"{doc.name}: {command}"
+    assert found
