@@ -604,7 +604,7 @@ def test_seeds_train_one_run_each_and_evaluate_to_one_table(iwslt, env, tmp_path
     base = tmp_path / "seeds"
     proc = run(["bash", RECIPES / "train.sh", *iwslt["train_args"]],
                dict(iwslt["train_env"], SAVE_DIR=str(base), MAX_EPOCH="1", SEEDS="1 2"), tmp_path)
-    assert "2 runs" in proc.stderr
+    assert "2 runs" in proc.stderr and f"evaluate every seed (mean ± std) with: bash scripts/evaluate.sh {base} " in proc.stderr
     for seed in (1, 2):
         run_dir = base / f"seed{seed}"
         assert (run_dir / "checkpoint1.pt").is_file() and (run_dir / "train.log").is_file()

@@ -95,6 +95,11 @@ if [ -n "${SEEDS:-}" ]; then
       || die "the run with seed $s failed (the runs before it are in $base)"
   done
   echo "[train] ${#seeds[@]} runs: $base/seed{$(echo "${seeds[*]}" | tr ' ' ',')}" >&2
+  last="$base/seed${seeds[-1]}"
+  if [ -f "$last/train.settings" ]; then  # the runs' evaluation, on the directory of all seeds
+    hint=$(sed -n 's/^# evaluate with: //p' "$last/train.settings")
+    echo "[train] evaluate every seed (mean ± std) with: ${hint/$last/$base}" >&2
+  fi
   exit 0
 fi
 
