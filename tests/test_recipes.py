@@ -585,12 +585,13 @@ def test_run_hygiene_log_record_and_refusal_to_resume_changed_settings(iwslt, en
     assert "train.sh transformer_lite iwslt14_de_en" in command and "fairseq-train" in command
     assert "CPU=1" in command and "MAX_EPOCH=2" in command
     settings = (save / "train.settings").read_text()
-    assert "family=transformer_lite" in settings and "\n--lr\n1e-3\n" in settings
+    assert "family=transformer_lite" in settings and "\n--lr 1e-3\n" in settings
     assert "# evaluate with: bash scripts/evaluate.sh" in settings
     train_sh = ["bash", RECIPES / "train.sh", *iwslt["train_args"]]
     proc = run(train_sh, dict(iwslt["train_env"], LR="5e-4"), root, check=False)
     assert proc.returncode != 0 and "not resuming" in proc.stderr, proc.stderr
-    assert "was: 1e-3" in proc.stderr and "now: 5e-4" in proc.stderr and "ALLOW_CHANGED_SETTINGS=1" in proc.stderr
+    assert "was: --lr 1e-3" in proc.stderr and "now: --lr 5e-4" in proc.stderr
+    assert "ALLOW_CHANGED_SETTINGS=1" in proc.stderr
     assert (save / "train.settings").read_text() == settings
     # the same settings resume (fairseq finds epoch 2 done and stops)
     proc = run(train_sh, iwslt["train_env"], root)

@@ -351,13 +351,24 @@ done
 eval_hint="bash scripts/evaluate.sh $SAVE_DIR $DATA $mode"
 case "$size" in wmt17) eval_hint+=" -s $src -t $tgt" ;; esac
 if [ ${#eval_opts[@]} -gt 0 ]; then eval_hint+=" ${eval_opts[*]}"; fi
+# the data as an absolute path and the plugin's location left out, so that a resume from
+# another working directory or checkout compares equal
+data_abs=$(cd "$DATA" 2>/dev/null && pwd || echo "$DATA")
+options_by_line() {  # one option a line, with its value
+  local a line=""
+  for a in "$@"; do
+    if [[ "$a" == --* ]]; then [ -z "$line" ] || echo "$line"; line="$a"; else line+=" $a"; fi
+  done
+  [ -z "$line" ] || echo "$line"
+}
 settings=$(
   echo "family=$family"
   echo "pair=$pair"
+  echo "data=$data_abs"
   echo "effective_batch_tokens=$effective"
   echo "precision=$precision"
-  echo "fairseq-train arguments (one a line; batch layout and logging left out):"
-  printf '%s\n' "${run[@]}" ${settings_extra[@]+"${settings_extra[@]}"}
+  echo "fairseq-train options (data, plugin directory, batch layout and logging left out):"
+  options_by_line "${run[@]:3}" ${settings_extra[@]+"${settings_extra[@]}"}
 )
 
 echo "[train] $family on $pair, seed $SEED -> $SAVE_DIR" >&2
