@@ -264,7 +264,7 @@ gen_args=(--source-lang $src --target-lang $tgt --gen-subset test --beam 5 --rem
           --num-workers 0)
 if [ "$device" = cpu ]; then gen_args+=(--cpu); fi
 # --required-batch-size-multiple 1: with the default (8) fairseq 0.12 silently drops the last
-# batch when it is not full (facebookresearch/fairseq#5036), i.e. a few test sentences.
+# batch when it is not full, i.e. a few test sentences.
 
 eval_one() {  # arch -> train/$arch/eval/{averaged.pt,generate.out}
   local arch=$1 run="train/$1" t0=$SECONDS
