@@ -2,36 +2,73 @@
 """Score a fairseq-generate output file; every number printed says which BLEU it is.
 
   python scripts/bleu.py GENERATE_OUTPUT --mode {iwslt,wmt14-en-de,wmt} \\
-      [--target-lang de] [--raw-ref test.raw.en-de.de] [--out-prefix PREFIX]
+      [--target-lang de] [--raw-ref test.raw.en-de.de] [--expect-idx test.en-de.en.idx]
+      [--allow-missing] [--out-prefix PREFIX]
 
 BLEU variants (they are not comparable with each other):
 
 * fairseq tokenized BLEU: the ``BLEU4 = ...`` line fairseq-generate prints itself,
   computed on the tokenized, BPE-removed hypotheses and references (whitespace tokens,
   case-sensitive). For IWSLT'14 De-En (lowercased data) this is the number the EA and PA
-  papers report.
-* compound-split tokenized BLEU (``--mode wmt14-en-de``): hypotheses (H lines) and
-  references (T lines) of generate, both Moses-tokenized, with every hyphen between two
-  non-space characters split as ``##AT##-##AT##`` (the usual WMT'14 En-De convention; the
-  recipes' aggressive-hyphen tokens ``@-@`` are joined first, so "a @-@ b" and "a-b" both
-  become "a ##AT##-##AT## b"), then
-  corpus BLEU with sacrebleu's ``tokenize='none'``, no smoothing: what multi-bleu.perl
-  gives on those files.
-* tokenized BLEU (``--mode wmt``): the same without the compound split.
+  papers report. ``tokenized BLEU`` is the same computed here from the H and T lines
+  (multi-bleu.perl), which the significance tests (compare_systems.py) resample.
+* compound-split tokenized BLEU (``--mode wmt14-en-de``), both conventions, labelled:
+  - fairseq's ``compound_split_bleu.sh`` (what most fairseq papers report): every hyphen
+    between two non-space characters of generate's tokenized H and T lines split as
+    ``##AT##-##AT##``, the lines otherwise as they are, so the aggressive-hyphen token
+    "a @-@ b" becomes "a @ ##AT##-##AT## @ b";
+  - tensor2tensor's ``get_ende_bleu.sh``, which re-tokenizes detokenized text without
+    ``-a``: here "@-@" is joined first, so "a @-@ b" and "a-b" both become
+    "a ##AT##-##AT## b";
+  then corpus BLEU with sacrebleu's ``tokenize='none'``, no smoothing (= multi-bleu.perl
+  and ``fairseq-score`` on those files).
+* tokenized BLEU (``--mode wmt``): multi-bleu.perl on generate's tokenized H and T lines.
 * detokenized sacreBLEU (``--mode wmt14-en-de`` and ``wmt``): hypotheses detokenized with
   sacremoses' MosesDetokenizer, scored against the untokenized references (``--raw-ref``)
   with sacrebleu's default settings; its signature is printed.
 
+With ``--out-prefix`` the hypotheses and references each BLEU was computed on are written
+as ``PREFIX.hyp.NAME`` / ``PREFIX.ref.NAME`` and the scores as ``PREFIX.scores.json``,
+which ``scripts/compare_systems.py`` reads (mean and deviation over seeds, paired
+bootstrap between systems).
+
+Every test sentence must have been translated (``--expect-idx``); ``--allow-missing``
+accepts an output without some (fairseq-generate --skip-invalid-size-inputs-valid-test),
+and every score then says on how many sentences it was computed.
+
 ``fairseq-score --sacrebleu`` is not used: it is broken with sacrebleu 2.x.
 """
 import argparse
+import json
+import os
 import re
 import struct
 import sys
 from typing import Dict, List, Optional
 
+import numpy as np
+
 _COMPOUND = re.compile(r"(\S)-(\S)")
 _FAIRSEQ_BLEU = re.compile(r"^Generate .*?: (BLEU4? = .*)$")
+
+# metric name -> (label, how it is computed: sacrebleu BLEU keyword arguments)
+TOKENIZED = dict(tokenize="none", smooth_method="none", force=True)
+DETOKENIZED: dict = {}
+METRICS = {
+    "tok": ("tokenized BLEU (generate's tokenized H/T lines, sacrebleu tokenize=none, no smoothing"
+            " = multi-bleu.perl)", TOKENIZED),
+    "split-fairseq": ("compound-split BLEU, fairseq convention (compound_split_bleu.sh: ##AT##-##AT## "
+                      "on generate's tokenized H/T lines as they are, 'a @-@ b' -> 'a @ ##AT##-##AT## @ b'; "
+                      "multi-bleu.perl)", TOKENIZED),
+    "split-t2t": ("compound-split BLEU, tensor2tensor convention (get_ende_bleu.sh: '@-@' joined "
+                  "first, 'a @-@ b' -> 'a ##AT##-##AT## b'; multi-bleu.perl)", TOKENIZED),
+    "sacrebleu": ("detokenized sacreBLEU (sacremoses detok of hyps vs raw references)", DETOKENIZED),
+}
+MODE_METRICS = {  # the first is the one compare_systems.py tests by default
+    "iwslt": ["tok"],
+    "wmt14-en-de": ["split-fairseq", "split-t2t", "sacrebleu"],
+    "wmt": ["tok", "sacrebleu"],
+}
 
 
 def parse_generate(path: str) -> Dict[str, Dict[int, str]]:
@@ -63,8 +100,8 @@ def fairseq_bleu_line(path: str) -> Optional[str]:
     return found
 
 
-def idx_num_sentences(path: str) -> int:
-    """Number of sentences of a fairseq mmap-binarized split, from its .idx header."""
+def _idx_header(path: str):
+    """(magic 9 bytes, version 8, dtype 1, count 8, then the int32 sizes)"""
     with open(path, "rb") as f:
         header = f.read(26)
     if header[:9] != b"MMIDIDX\x00\x00":
@@ -72,17 +109,39 @@ def idx_num_sentences(path: str) -> int:
     return struct.unpack("<Q", header[18:26])[0]
 
 
+def idx_num_sentences(path: str) -> int:
+    """Number of sentences of a fairseq mmap-binarized split, from its .idx header."""
+    return _idx_header(path)
+
+
+def idx_sizes(path: str) -> np.ndarray:
+    """Tokens per sentence (with </s>) of a fairseq mmap-binarized split: the sizes fairseq
+    compares with a model's max_positions."""
+    n = _idx_header(path)
+    return np.fromfile(path, dtype=np.int32, count=n, offset=26)
+
+
 def compound_split(line: str) -> str:
-    """perl -ple 's{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g', after joining the recipes' aggressive
-    hyphen splits ("a @-@ b" -> "a-b"), so that both give the usual "a ##AT##-##AT## b"."""
-    return _COMPOUND.sub(r"\1 ##AT##-##AT## \2", line.replace(" @-@ ", "-"))
+    """tensor2tensor's convention: the recipes' aggressive hyphen splits joined first
+    ("a @-@ b" -> "a-b"), then perl -ple 's{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g'."""
+    return compound_split_fairseq(line.replace(" @-@ ", "-"))
+
+
+def compound_split_fairseq(line: str) -> str:
+    """fairseq's compound_split_bleu.sh: perl -ple 's{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g' on the
+    line as it is ("a @-@ b" -> "a @ ##AT##-##AT## @ b")."""
+    return _COMPOUND.sub(r"\1 ##AT##-##AT## \2", line)
+
+
+def bleu_metric(name: str):
+    from sacrebleu.metrics import BLEU
+
+    return BLEU(**METRICS[name][1])
 
 
 def tokenized_bleu(hyps: List[str], refs: List[str]):
     """multi-bleu.perl-style corpus BLEU on already tokenized text."""
-    from sacrebleu.metrics import BLEU
-
-    metric = BLEU(tokenize="none", smooth_method="none", force=True)
+    metric = bleu_metric("tok")
     return metric.corpus_score(hyps, [refs]), metric.get_signature()
 
 
@@ -94,9 +153,7 @@ def detokenize(lines: List[str], lang: str) -> List[str]:
 
 
 def sacrebleu_detok(hyps: List[str], refs: List[str]):
-    from sacrebleu.metrics import BLEU
-
-    metric = BLEU()
+    metric = bleu_metric("sacrebleu")
     return metric.corpus_score(hyps, [refs]), metric.get_signature()
 
 
@@ -108,12 +165,15 @@ def _write(path: str, lines: List[str]) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("generate_output")
-    p.add_argument("--mode", choices=["iwslt", "wmt14-en-de", "wmt"], required=True)
+    p.add_argument("--mode", choices=sorted(MODE_METRICS), required=True)
     p.add_argument("--target-lang", help="language of the hypotheses (detokenizer rules)")
     p.add_argument("--raw-ref", help="untokenized references, one per line in test-set order")
     p.add_argument("--expect-idx", metavar="IDX",
                    help="the binarized split's .idx: check every sentence was translated")
-    p.add_argument("--out-prefix", help="also write PREFIX.{hyp,ref}[.split|.detok] files")
+    p.add_argument("--allow-missing", action="store_true",
+                   help="score an output that lacks some sentences (e.g. skipped as too long), "
+                        "saying so in every label")
+    p.add_argument("--out-prefix", help="also write PREFIX.{hyp,ref}.METRIC and PREFIX.scores.json")
     args = p.parse_args(argv)
 
     gen = parse_generate(args.generate_output)
@@ -126,52 +186,69 @@ def main(argv=None) -> int:
     if any(r is None for r in refs):
         print("bleu.py: generate output has hypotheses without references (T- lines)", file=sys.stderr)
         return 1
+    expected = None
     if args.expect_idx:
         expected = idx_num_sentences(args.expect_idx)
-        if len(ids) != expected:
+        if len(ids) != expected and not args.allow_missing:
             lost = sorted(set(range(expected)) - set(ids))[:10]
             print(f"bleu.py: {args.generate_output} has {len(ids)} hypotheses but the test set has "
                   f"{expected} sentences (missing ids {lost}...). fairseq drops a last batch "
                   "smaller than --required-batch-size-multiple: generate with "
                   "--required-batch-size-multiple 1", file=sys.stderr)
             return 1
-    results = []
-    line = fairseq_bleu_line(args.generate_output)
-    label = "fairseq tokenized BLEU (fairseq-generate's scorer, tokenized BPE-removed text)"
-    results.append(f"{label}: {line}" if line else f"{label}: not in the output")
-
-    if args.mode in ("wmt14-en-de", "wmt"):
-        if args.mode == "wmt14-en-de":
-            h_tok, r_tok = [compound_split(h) for h in hyps], [compound_split(r) for r in refs]
-            label = ("compound-split tokenized BLEU (##AT##-##AT## on Moses-tokenized hyp/ref, "
-                     "sacrebleu tokenize=none, no smoothing = multi-bleu.perl)")
-        else:
-            h_tok, r_tok = hyps, refs
-            label = "tokenized BLEU (Moses-tokenized hyp/ref, sacrebleu tokenize=none, no smoothing = multi-bleu.perl)"
-        score, sig = tokenized_bleu(h_tok, r_tok)
-        results.append(f"{label}: {score.score:.2f}  [{score}]  signature: {sig}")
-
+    raw = None
+    if args.mode != "iwslt":
         if not args.raw_ref or not args.target_lang:
             print("bleu.py: --mode wmt* needs --raw-ref and --target-lang for sacreBLEU", file=sys.stderr)
             return 1
         with open(args.raw_ref, encoding="utf-8") as f:
             raw = [r.rstrip("\n") for r in f]
-        if ids[-1] >= len(raw) or len(ids) != len(raw):
+        expected = len(raw) if expected is None else expected
+        if ids[-1] >= len(raw) or len(raw) != expected or (len(ids) != len(raw) and not args.allow_missing):
             print(f"bleu.py: {len(ids)} hypotheses (ids up to {ids[-1]}) but {args.raw_ref} has "
                   f"{len(raw)} lines: generate must translate the whole test set, in the "
                   "order the references are in", file=sys.stderr)
             return 1
-        h_detok = detokenize(hyps, args.target_lang)
-        score, sig = sacrebleu_detok(h_detok, [raw[i] for i in ids])
-        results.append(f"detokenized sacreBLEU (sacremoses detok of hyps vs raw references): "
-                       f"{score.score:.2f}  [{score}]  signature: {sig}")
+    coverage = ""
+    if expected is not None and len(ids) != expected:
+        lost = sorted(set(range(expected)) - set(ids))
+        coverage = (f" [on {len(ids)} of {expected} sentences: {len(lost)} not translated, ids "
+                    f"{lost[:10]}{'...' if len(lost) > 10 else ''}]")
+
+    results = []
+    line = fairseq_bleu_line(args.generate_output)
+    label = "fairseq tokenized BLEU (fairseq-generate's scorer, tokenized BPE-removed text)"
+    results.append(f"{label}{coverage}: {line}" if line else f"{label}: not in the output")
+
+    texts = {  # metric -> (hypotheses, references), one line per translated sentence
+        "tok": (hyps, refs),
+        "split-fairseq": ([compound_split_fairseq(h) for h in hyps], [compound_split_fairseq(r) for r in refs]),
+        "split-t2t": ([compound_split(h) for h in hyps], [compound_split(r) for r in refs]),
+    }
+    if raw is not None:
+        texts["sacrebleu"] = (detokenize(hyps, args.target_lang), [raw[i] for i in ids])
+    names = MODE_METRICS[args.mode] + ([] if "tok" in MODE_METRICS[args.mode] else ["tok"])
+    report = {"generate_output": os.path.abspath(args.generate_output), "mode": args.mode,
+              "sentences": expected if expected is not None else len(ids), "translated": len(ids),
+              "missing_ids": sorted(set(range(expected)) - set(ids)) if expected is not None else [],
+              "primary": MODE_METRICS[args.mode][0], "metrics": {}}
+    for name in names:
+        h, r = texts[name]
+        metric = bleu_metric(name)
+        score = metric.corpus_score(h, [r])
+        sig = metric.get_signature()
+        if name in MODE_METRICS[args.mode]:  # (the unsplit BLEU of En-De is only written)
+            results.append(f"{METRICS[name][0]}{coverage}: {score.score:.2f}  [{score}]  signature: {sig}")
+        entry = {"label": METRICS[name][0], "score": score.score, "signature": str(sig)}
         if args.out_prefix:
-            _write(args.out_prefix + ".hyp.tok", h_tok)
-            _write(args.out_prefix + ".ref.tok", r_tok)
-            _write(args.out_prefix + ".hyp.detok", h_detok)
-    elif args.out_prefix:
-        _write(args.out_prefix + ".hyp.tok", hyps)
-        _write(args.out_prefix + ".ref.tok", refs)
+            _write(f"{args.out_prefix}.hyp.{name}", h)
+            _write(f"{args.out_prefix}.ref.{name}", r)
+            entry.update(hyp=os.path.basename(f"{args.out_prefix}.hyp.{name}"),
+                         ref=os.path.basename(f"{args.out_prefix}.ref.{name}"))
+        report["metrics"][name] = entry
+    if args.out_prefix:
+        with open(f"{args.out_prefix}.scores.json", "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1)
     print("\n".join(results))
     return 0
 

@@ -16,20 +16,35 @@
 # both architectures for the same number of updates with the same seed and settings;
 # (4) average each run's last checkpoints; (5) translate the test set (beam 5) and score
 # it: detokenized sacreBLEU and fairseq's tokenized BLEU, next to a copy-the-source
-# baseline; (6) a summary table and a few sample translations.
+# baseline; (6) plot every model's attention maps across layers for one test sentence
+# (python -m ea_fairseq.analysis dump + plot: PNGs in DEMO_DIR/plots/ARCH/, for EA also its
+# dot-product / convolution / logit maps); (7) a summary table and a few sample translations.
 #
-# Environment variables (defaults in brackets):
+# Device: CPU unless torch sees a CUDA GPU (DEMO_DEVICE=cpu|cuda forces one). On CPU the
+# budget is a fixed number of updates (about one epoch: a pipeline check, not a trained
+# model). On CUDA the models train in fp16 until the validation loss has not improved for
+# DEMO_PATIENCE validations (every DEMO_VALIDATE_EVERY updates; DEMO_UPDATES caps it), as
+# the papers' early stopping, and the last DEMO_AVG checkpoints are averaged; the output
+# says which budget ran and whether each model stopped early or hit the cap.
+#
+# Environment variables (defaults in brackets: CPU / CUDA):
 #   DEMO_DIR          work directory [runs/demo in the repository]
-#   DEMO_UPDATES      training updates per model [600]
-#   DEMO_MAX_TOKENS   tokens per batch [2048]
-#   DEMO_LR           peak learning rate [0.0015]      DEMO_WARMUP  warmup updates [200]
-#   DEMO_DROPOUT      dropout [0.0]                   DEMO_SEED    seed [1]
+#   DEMO_DEVICE       auto, cpu or cuda [auto]
+#   DEMO_UPDATES      training updates per model [600 / at most 30000]
+#   DEMO_MAX_TOKENS   tokens per batch [2048 / 4096]
+#   DEMO_LR           peak learning rate [0.0015 / 0.001]   DEMO_WARMUP  warmup updates [200 / 1000]
+#   DEMO_DROPOUT      dropout [0.0 / 0.2]                   DEMO_SEED    seed [1]
+#   DEMO_PATIENCE, DEMO_VALIDATE_EVERY   CUDA: early stopping [5 validations, 500 updates apart]
 #   DEMO_BPE_MERGES   joint BPE merge operations [6000]
-#   DEMO_AVG          checkpoints averaged [5], saved every DEMO_SAVE_EVERY [DEMO_UPDATES/20] updates
+#   DEMO_AVG          checkpoints averaged [5 / 10], saved every DEMO_SAVE_EVERY
+#                     [DEMO_UPDATES/20 / DEMO_VALIDATE_EVERY] updates
 #   DEMO_ARCHS        architectures ["transformer_lite ea_transformer_lite"]
+#   DEMO_PLOT_SENTENCE  test sentence whose attention maps are plotted [the first of 8-14
+#                     source and target tokens after BPE]
 #   DEMO_MAX_MINUTES  optional wall-clock cap per training (fairseq --stop-time-hours); a run
 #                     stopped by it has fewer updates (the table shows how many)
-#   DEMO_PARALLEL     models trained (and evaluated) at the same time [all of them]
+#   DEMO_PARALLEL     models trained (and evaluated) at the same time [all of them / one
+#                     per GPU]
 #   DEMO_THREADS      torch CPU threads per model [cores / DEMO_PARALLEL]
 #   DEMO_FRESH=1      redo every stage (by default finished stages of an identical
 #                     configuration in DEMO_DIR are reused)
@@ -38,15 +53,17 @@ set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 work="${DEMO_DIR:-$repo/runs/demo}"
-updates="${DEMO_UPDATES:-600}"
-max_tokens="${DEMO_MAX_TOKENS:-2048}"
-lr="${DEMO_LR:-0.0015}"
-warmup="${DEMO_WARMUP:-200}"
-dropout="${DEMO_DROPOUT:-0.0}"
+updates="${DEMO_UPDATES:-}"
+max_tokens="${DEMO_MAX_TOKENS:-}"
+lr="${DEMO_LR:-}"
+warmup="${DEMO_WARMUP:-}"
+dropout="${DEMO_DROPOUT:-}"
 seed="${DEMO_SEED:-1}"
 merges="${DEMO_BPE_MERGES:-6000}"
-n_avg="${DEMO_AVG:-5}"
-save_every="${DEMO_SAVE_EVERY:-$(( updates / 20 > 0 ? updates / 20 : 1 ))}"
+n_avg="${DEMO_AVG:-}"
+save_every="${DEMO_SAVE_EVERY:-}"
+patience="${DEMO_PATIENCE:-5}"
+validate_every="${DEMO_VALIDATE_EVERY:-500}"
 archs="${DEMO_ARCHS:-transformer_lite ea_transformer_lite}"
 max_minutes="${DEMO_MAX_MINUTES:-}"
 corpus="$repo/examples/translation/bible-es-en"
@@ -59,9 +76,6 @@ info() { printf '[demo] %s\n' "$*" >&2; }
 die() { printf '[demo] ERROR: %s\n' "$*" >&2; exit 1; }
 trap 'rc=$?; [ $rc -eq 0 ] || printf "[demo] FAILED (exit %d) in the stage above; logs are in %s\n" $rc "$work" >&2' EXIT
 
-for v in "$updates" "$max_tokens" "$warmup" "$seed" "$merges" "$n_avg" "$save_every"; do
-  [[ "$v" =~ ^[0-9]+$ ]] && [ "$v" -gt 0 ] || die "DEMO_UPDATES, DEMO_MAX_TOKENS, DEMO_WARMUP, DEMO_SEED, DEMO_BPE_MERGES, DEMO_AVG and DEMO_SAVE_EVERY must be positive integers (got '$v')"
-done
 if [ -n "$max_minutes" ]; then [[ "$max_minutes" =~ ^[0-9]+([.][0-9]+)?$ ]] || die "DEMO_MAX_MINUTES must be a number of minutes"; fi
 for split in train valid test; do
   for l in $src $tgt; do
@@ -71,7 +85,7 @@ done
 command -v xz >/dev/null || die "xz is not installed (apt-get install xz-utils)"
 
 # ----------------------------------------------------------------------------- 1. environment
-stage "1/6 environment: bash scripts/setup_env.sh"
+stage "1/7 environment: bash scripts/setup_env.sh"
 bash "$repo/scripts/setup_env.sh" || die "scripts/setup_env.sh failed (see above)"
 venv="${EA_FAIRSEQ_VENV:-$repo/.venv}"
 py="$venv/bin/python"
@@ -80,6 +94,34 @@ for tool in python fairseq-preprocess fairseq-train fairseq-generate subword-nmt
 done
 "$py" -c "import sacrebleu, sacremoses, subword_nmt" 2>/dev/null || die "sacrebleu/sacremoses/subword-nmt missing in $venv"
 export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}"  # torchaudio's missing C extension etc.
+
+device="${DEMO_DEVICE:-auto}"
+gpu_info=$("$py" -c 'import torch
+n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+print(n, ";".join(torch.cuda.get_device_name(i) for i in range(n)))' 2>/dev/null || echo 0)
+read -r n_gpu gpu_names <<< "$gpu_info"
+case "$device" in
+  auto) if [ "${n_gpu:-0}" -gt 0 ]; then device=cuda; else device=cpu; fi ;;
+  cpu) ;;
+  cuda) [ "${n_gpu:-0}" -gt 0 ] || die "DEMO_DEVICE=cuda but torch sees no CUDA GPU (a CPU build of torch? examples/translation/README.md, 'GPUs')" ;;
+  *) die "DEMO_DEVICE must be auto, cpu or cuda (got '$device')" ;;
+esac
+if [ "$device" = cuda ]; then
+  updates="${updates:-30000}"; max_tokens="${max_tokens:-4096}"; lr="${lr:-0.001}"; warmup="${warmup:-1000}"
+  dropout="${dropout:-0.2}"; n_avg="${n_avg:-10}"; save_every="${save_every:-$validate_every}"
+else
+  updates="${updates:-600}"; max_tokens="${max_tokens:-2048}"; lr="${lr:-0.0015}"; warmup="${warmup:-200}"
+  dropout="${dropout:-0.0}"; n_avg="${n_avg:-5}"; save_every="${save_every:-$(( updates / 20 > 0 ? updates / 20 : 1 ))}"
+fi
+for v in "$updates" "$max_tokens" "$warmup" "$seed" "$merges" "$n_avg" "$save_every" "$patience" "$validate_every"; do
+  [[ "$v" =~ ^[0-9]+$ ]] && [ "$v" -gt 0 ] || die "DEMO_UPDATES, DEMO_MAX_TOKENS, DEMO_WARMUP, DEMO_SEED, DEMO_BPE_MERGES, DEMO_AVG, DEMO_SAVE_EVERY, DEMO_PATIENCE and DEMO_VALIDATE_EVERY must be positive integers (got '$v')"
+done
+if [ "$device" = cuda ]; then
+  budget="CUDA (${gpu_names//;/, }), fp16: up to $updates updates, stopped when the validation loss has not improved for $patience validations ($validate_every updates apart), i.e. trained to convergence; the last $n_avg checkpoints averaged"
+else
+  budget="CPU: $updates updates of $max_tokens tokens (about one epoch): checks the pipeline on real data, not trained to convergence; the last $n_avg checkpoints averaged"
+fi
+info "device and budget: $budget"
 [ -z "${DEMO_FRESH:-}" ] || { info "DEMO_FRESH set: removing $work"; rm -rf "$work"; }
 mkdir -p "$work"
 cd "$work"
@@ -90,9 +132,9 @@ done_with() { [ -f "$1/.done" ] && [ "$(cat "$1/.done")" = "$2" ]; }
 # ----------------------------------------------------------------------------- 2. data
 data_cfg="corpus=$(cat "$corpus"/*.xz | sha256sum | cut -c1-16) merges=$merges"
 if done_with data "$data_cfg"; then
-  stage "2/6 data: reusing $work/data ($data_cfg)"
+  stage "2/7 data: reusing $work/data ($data_cfg)"
 else
-  stage "2/6 data: decompress, tokenize (sacremoses), joint BPE ($merges merges), binarize"
+  stage "2/7 data: decompress, tokenize (sacremoses), joint BPE ($merges merges), binarize"
   rm -rf data && mkdir -p data/raw data/tok data/bpe
   for split in train valid test; do
     for l in $src $tgt; do xz -dc "$corpus/$split.$l.xz" > "data/raw/$split.$l"; done
@@ -143,7 +185,9 @@ fi
 read -r -a arch_list <<< "$archs"
 n_arch=${#arch_list[@]}
 [ "$n_arch" -gt 0 ] || die "DEMO_ARCHS is empty"
-if [ -n "${DEMO_PARALLEL:-}" ]; then n_par="$DEMO_PARALLEL"; else n_par=$n_arch; fi
+if [ -n "${DEMO_PARALLEL:-}" ]; then n_par="$DEMO_PARALLEL"
+elif [ "$device" = cuda ]; then n_par=$(( n_arch < n_gpu ? n_arch : n_gpu ))  # one model per GPU
+else n_par=$n_arch; fi
 [[ "$n_par" =~ ^[1-9][0-9]*$ ]] || die "DEMO_PARALLEL must be a positive integer"
 n_cpu=$(nproc 2>/dev/null || echo 2)
 threads="${DEMO_THREADS:-$(( n_cpu / n_par > 0 ? n_cpu / n_par : 1 ))}"
@@ -157,17 +201,30 @@ train_args=(
   --criterion label_smoothed_cross_entropy --label-smoothing 0.1 --dropout "$dropout"
   --max-tokens "$max_tokens" --max-update "$updates" --seed "$seed"
   --save-interval-updates "$save_every" --keep-interval-updates "$n_avg" --no-epoch-checkpoints
-  --disable-validation --cpu --num-workers 0 --log-format simple --log-interval 25 --no-progress-bar
+  --num-workers 0 --log-format simple --log-interval 25 --no-progress-bar
 )
+if [ "$device" = cuda ]; then  # validate every $validate_every updates (not per epoch), stop early
+  train_args+=(--fp16 --validate-interval-updates "$validate_every" --validate-interval 1000000
+               --patience "$patience")
+else
+  train_args+=(--disable-validation --cpu)
+fi
 [ -z "$max_minutes" ] || train_args+=(--stop-time-hours "$(awk "BEGIN{print $max_minutes/60}")")
 # fairseq's log, minus Python warnings (torchaudio's missing C extension, hydra deprecations)
 quiet() { grep --line-buffered -vE "Warning|warn\(|deprecat|torchaudio|tensorboardX|^\s*$|^  " || true; }
 
+declare -A gpu_of
+k=0
+for arch in "${arch_list[@]}"; do gpu_of[$arch]=$(( n_gpu > 0 ? k % n_gpu : 0 )); k=$((k + 1)); done
+on_device() {  # arch command...: the command on the arch's GPU (CUDA), or as it is (CPU)
+  local arch=$1; shift
+  if [ "$device" = cuda ]; then CUDA_VISIBLE_DEVICES="${gpu_of[$arch]}" "$@"; else "$@"; fi
+}
 train_one() {  # arch -> trains into train/$arch, logs there and (prefixed) to stderr
   local arch=$1 run="train/$1" t0=$SECONDS
   rm -rf "$run" && mkdir -p "$run"
   set +e
-  "$venv/bin/fairseq-train" "${train_args[@]}" --arch "$arch" --save-dir "$run" 2>&1 \
+  on_device "$arch" "$venv/bin/fairseq-train" "${train_args[@]}" --arch "$arch" --save-dir "$run" 2>&1 \
     | quiet | tee "$run/train.log" | sed -u "s/^/[$arch] /" >&2
   local rc=${PIPESTATUS[0]}
   set -e
@@ -189,13 +246,13 @@ cfg_prefix="$data_cfg threads=$threads ${train_args[*]}"
 todo=()
 for arch in "${arch_list[@]}"; do
   if done_with "train/$arch" "$cfg_prefix --arch $arch"; then
-    stage "3/6 training: reusing $work/train/$arch"
+    stage "3/7 training: reusing $work/train/$arch"
   else
     todo+=("$arch")
   fi
 done
 if [ ${#todo[@]} -gt 0 ]; then
-  stage "3/6 training ${todo[*]}: $updates updates each, seed $seed, $max_tokens tokens/batch, $n_par at a time with $threads thread(s) each (logs: $work/train/ARCH/train.log)"
+  stage "3/7 training ${todo[*]}: $budget; seed $seed, $max_tokens tokens/batch, $n_par at a time with $threads CPU thread(s) each (logs: $work/train/ARCH/train.log)"
   in_parallel train_one "training" "${todo[@]}"
 fi
 declare -A train_secs
@@ -204,9 +261,10 @@ for arch in "${arch_list[@]}"; do train_secs[$arch]=$(cat "train/$arch/train_sec
 # ----------------------------------------------------------------------------- 4.+5. averaging, translation
 gen_args=(--source-lang $src --target-lang $tgt --gen-subset test --beam 5 --remove-bpe
           --max-tokens 6000 --required-batch-size-multiple 1 --max-len-a 1.5 --max-len-b 10
-          --cpu --num-workers 0)
+          --num-workers 0)
+if [ "$device" = cpu ]; then gen_args+=(--cpu); fi
 # --required-batch-size-multiple 1: with the default (8) fairseq 0.12 silently drops the last
-# batch when it is not full (facebookresearch/fairseq#5036), i.e. a few test sentences.
+# batch when it is not full, i.e. a few test sentences.
 
 eval_one() {  # arch -> train/$arch/eval/{averaged.pt,generate.out}
   local arch=$1 run="train/$1" t0=$SECONDS
@@ -219,7 +277,7 @@ eval_one() {  # arch -> train/$arch/eval/{averaged.pt,generate.out}
     echo "[$arch] scripts/average_checkpoints.py not found: translating with checkpoint_last.pt" >&2
     cp "$run/checkpoint_last.pt" "$run/eval/averaged.pt"
   fi
-  if ! "$venv/bin/fairseq-generate" data/bin --user-dir "$repo/ea_fairseq" --path "$run/eval/averaged.pt" \
+  if ! on_device "$arch" "$venv/bin/fairseq-generate" data/bin --user-dir "$repo/ea_fairseq" --path "$run/eval/averaged.pt" \
       "${gen_args[@]}" > "$run/eval/generate.out" 2> "$run/eval/generate.log"; then
     tail -20 "$run/eval/generate.log" >&2
     echo "[demo] ERROR: fairseq-generate failed for $arch (log: $work/$run/eval/generate.log)" >&2
@@ -232,26 +290,72 @@ eval_one() {  # arch -> train/$arch/eval/{averaged.pt,generate.out}
 todo=()
 for arch in "${arch_list[@]}"; do
   if done_with "train/$arch/eval" "$(cat "train/$arch/.done") avg=$n_avg ${gen_args[*]}"; then
-    stage "4-5/6 reusing the averaged checkpoint and translations of $arch"
+    stage "4-5/7 reusing the averaged checkpoint and translations of $arch"
   else
     todo+=("$arch")
   fi
 done
 if [ ${#todo[@]} -gt 0 ]; then
-  stage "4-5/6 averaging the last $n_avg checkpoints and translating the test set (beam 5): ${todo[*]}"
+  stage "4-5/7 averaging the last $n_avg checkpoints and translating the test set (beam 5): ${todo[*]}"
   in_parallel eval_one "averaging/translation" "${todo[@]}"
 fi
 
-# ----------------------------------------------------------------------------- 6. report
-stage "6/6 scoring and report"
+# ----------------------------------------------------------------------------- 6. attention maps
+# One test sentence, every layer and head of the three attentions of each model, with the
+# analysis tool (docs/analysis.md): teacher-forced on the reference, from the averaged
+# checkpoint. For EA also one head's dot-product, convolution and logit maps beside its
+# weights (EA Fig. 11): what the convolutions add, layer by layer.
+plot_sid="${DEMO_PLOT_SENTENCE:-$("$py" - "data/bpe/test.$src" "data/bpe/test.$tgt" <<'PY'
+import sys
+src, tgt = (open(p, encoding="utf-8").read().splitlines() for p in sys.argv[1:])
+print(next((i for i, (s, t) in enumerate(zip(src, tgt)) if 8 <= len(s.split()) <= 14 and 8 <= len(t.split()) <= 14), 0))
+PY
+)}"
+[[ "$plot_sid" =~ ^[0-9]+$ ]] || die "DEMO_PLOT_SENTENCE must be a test sentence id"
+plot_one() {  # arch -> plots/$arch/*.png (the analysis CLI's dump and plots, one process)
+  local arch=$1 out="plots/$1"
+  rm -rf "$out" && mkdir -p "$out"
+  if ! "$py" - "train/$arch/eval/averaged.pt" "$out" "$plot_sid" "$threads" > "$out/plot.log" 2>&1 <<'PY'
+import json, sys
+from ea_fairseq.analysis.cli import main
+checkpoint, out, sid, threads = sys.argv[1:]
+assert main(["dump", checkpoint, "--data", "data/bin", "--split", "test", "--ids", sid,
+             "--threads", threads, "--out", f"{out}/maps.npz"]) == 0
+assert main(["plot", "maps", f"{out}/maps.npz", "--sentence", sid, "--out-dir", out]) == 0
+kinds = json.load(open(f"{out}/maps.json"))["sentences"][0]["maps"]
+if any("convolution" in k for k in kinds.values()):  # EA: Fig. 11's maps of one head
+    assert main(["plot", "kinds", f"{out}/maps.npz", "--sentence", sid, "--heads", "1", "--out-dir", out]) == 0
+PY
+  then
+    tail -5 "$out/plot.log" >&2
+    echo "[demo] ERROR: attention maps of $arch failed (log: $work/$out/plot.log)" >&2
+    return 1
+  fi
+  echo "$(cat "train/$arch/eval/.done") plot=$plot_sid" > "$out/.done"
+}
+todo=()
+for arch in "${arch_list[@]}"; do
+  if done_with "plots/$arch" "$(cat "train/$arch/eval/.done") plot=$plot_sid"; then
+    stage "6/7 reusing the attention maps of $arch"
+  else
+    todo+=("$arch")
+  fi
+done
+if [ ${#todo[@]} -gt 0 ]; then
+  stage "6/7 attention maps of test sentence $plot_sid, every layer and head: ${todo[*]}"
+  in_parallel plot_one "attention maps" "${todo[@]}"
+fi
+
+# ----------------------------------------------------------------------------- 7. report
+stage "7/7 scoring and report"
 train_secs_str="threads=$threads parallel=$n_par "
 for arch in "${arch_list[@]}"; do train_secs_str+="$arch=${train_secs[$arch]} "; done
-"$py" - "$work" "$src" "$tgt" "$train_secs_str" "${arch_list[@]}" <<'PY'
-import os, re, sys
+"$py" - "$work" "$src" "$tgt" "$train_secs_str" "$budget" "$updates" "$plot_sid" "${arch_list[@]}" <<'PY'
+import glob, os, re, sys
 import sacrebleu
 from sacremoses import MosesDetokenizer
 
-work, src, tgt, secs, *archs = sys.argv[1:]
+work, src, tgt, secs, budget, cap, plot_sid, *archs = sys.argv[1:]
 secs = dict(kv.split("=") for kv in secs.split())
 threads, parallel = secs.pop("threads"), secs.pop("parallel")
 os.chdir(work)
@@ -298,6 +402,13 @@ print(f"\nTest set: {len(raw_ref)} verses of 1 Samuel and Romans (books unseen i
 print(f"sacreBLEU: detokenized, against the raw references; signature: {sig}")
 print("tok. BLEU: fairseq-generate's BLEU4 on Moses-tokenized, BPE-removed text "
       "(copy-source row: the same with sacrebleu tokenize=none)")
+print(f"device and budget: {budget}")
+for arch in archs:
+    log = open(f"train/{arch}/train.log", encoding="utf-8").read()
+    if "early stop since valid performance hasn't improved" in log:
+        print(f"  {arch}: stopped early (converged)")
+    elif "--disable-validation" not in open(f"train/{arch}/.done", encoding="utf-8").read():
+        print(f"  {arch}: did not stop early (the {cap}-update cap or DEMO_MAX_MINUTES came first): not converged")
 print(f"train time: wall clock of fairseq-train, {parallel} model(s) at a time with {threads} CPU thread(s) each\n")
 head = ("system", "params", "updates", "train time", "sacreBLEU", "tok. BLEU")
 w = [max(len(str(r[k])) for r in rows + [head]) for k in range(len(head))]
@@ -318,5 +429,11 @@ for i in picks:
     print(f"       {'reference:':<{pad}} {raw_ref[i]}")
     for arch in archs:
         print(f"       {arch + ':':<{max(10, max(map(len, archs)) + 1)}} {hyps[arch][i]}")
+
+print(f"\nAttention maps of test sentence {plot_sid} ({raw_src[int(plot_sid)]!r}), every layer (rows) and head "
+      "(columns), teacher-forced on the reference (python -m ea_fairseq.analysis, docs/analysis.md):")
+for arch in archs:
+    for png in sorted(glob.glob(f"plots/{arch}/*.png")):
+        print(f"  {os.path.join(work, png)}")
 PY
 stage "done in $(( (SECONDS - t_start) / 60 ))m$(( (SECONDS - t_start) % 60 ))s; outputs in $work"

@@ -13,13 +13,17 @@
 #                detokenized sacreBLEU.
 #   fairseq-generate's own BLEU line is reported in every mode, labelled as such.
 #
+# CHECKPOINT_DIR holds one run, or one run per seed (seed*/, as SEEDS="1 2 3" train.sh
+# makes them): each is scored, then its BLEUs are shown with their mean and deviation
+# (scripts/compare_systems.py, which also compares systems: README.md, "Seeds").
+#
 # Options (defaults in brackets; the environment variable of the same role in parentheses)
 #   --num-avg N            average the last N checkpoints [10] (NUM_AVG); 1: no averaging,
 #                          the newest epoch/update checkpoint
 #   --avg-by epoch|update  checkpointE.pt or checkpoint_E_U.pt [epoch]
 #   --checkpoint-upper-bound K   ignore checkpoints after epoch/update K
-#   --checkpoint FILE      translate with FILE (e.g. CHECKPOINT_DIR/checkpoint_best.pt, as RAN
-#                          reports) instead of averaging
+#   --best                 translate with the run's checkpoint_best.pt (RAN reports it)
+#   --checkpoint FILE      translate with FILE instead of averaging (one run only)
 #   --beam N [5]  --lenpen X [1.0]
 #   --ran-wmt              RAN's WMT decoding: beam 4, length penalty 0.6
 #   -s SRC -t TGT          direction (default: the only test.SRC-TGT.* in DATA_BIN)
@@ -28,6 +32,9 @@
 #   --out-dir DIR          generate output and scores [CHECKPOINT_DIR/eval]
 #   --user-dir DIR         plugin [this repository's ea_fairseq]
 #   --max-tokens N [4096]  --cpu
+#   --skip-long            translate the sentences a model accepts and skip longer ones
+#                          (RAN's --ran-max-positions), every BLEU saying how many it
+#                          covers; without it such a test set stops with the count
 # Tools come from PATH: fairseq-generate, python3 (override with FAIRSEQ_GENERATE, PYTHON).
 set -euo pipefail
 
@@ -43,9 +50,10 @@ if [ $# -lt 3 ]; then
   usage >&2; exit 1
 fi
 ckpt_dir="$1"; data="$2"; mode="$3"; shift 3
+all_args=("$@")
 case "$mode" in iwslt|wmt14-en-de|wmt) ;; *) die "MODE must be iwslt, wmt14-en-de or wmt (got '$mode')" ;; esac
 
-num_avg="${NUM_AVG:-10}"; avg_by=epoch; upper=""; checkpoint=""
+num_avg="${NUM_AVG:-10}"; avg_by=epoch; upper=""; checkpoint=""; best=""; skip_long=""
 beam=5; lenpen=1.0; src=""; tgt=""; subset=test; raw_ref=""; out_dir=""
 user_dir="$repo/ea_fairseq"; max_tokens=4096; cpu=(); extra=()
 while [ $# -gt 0 ]; do
@@ -54,6 +62,8 @@ while [ $# -gt 0 ]; do
     --avg-by) avg_by="$2"; shift 2 ;;
     --checkpoint-upper-bound) upper="$2"; shift 2 ;;
     --checkpoint) checkpoint="$2"; shift 2 ;;
+    --best) best=1; shift ;;
+    --skip-long) skip_long=1; shift ;;
     --beam) beam="$2"; shift 2 ;;
     --lenpen) lenpen="$2"; shift 2 ;;
     --ran-wmt) beam=4; lenpen=0.6; shift ;;
@@ -73,6 +83,23 @@ done
 case "$avg_by" in epoch|update) ;; *) die "--avg-by must be epoch or update" ;; esac
 [ -d "$data" ] || die "data-bin directory $data not found"
 [ -d "$user_dir" ] || die "plugin directory $user_dir not found (--user-dir)"
+[ -z "$best" ] || [ -z "$checkpoint" ] || die "--best and --checkpoint: choose one"
+
+# one run per seed: score each, then their mean and deviation
+if ! ls "$ckpt_dir"/checkpoint*.pt >/dev/null 2>&1 && ls -d "$ckpt_dir"/seed*/ >/dev/null 2>&1; then
+  [ -z "$checkpoint" ] && [ -z "$out_dir" ] \
+    || die "$ckpt_dir holds one run per seed: --checkpoint and --out-dir apply to one run"
+  seed_dirs=$(ls -d "$ckpt_dir"/seed*/ | sed 's:/*$::' | sort -V)
+  for d in $seed_dirs; do
+    echo "[evaluate] $d" >&2
+    bash "$0" "$d" "$data" "$mode" ${all_args[@]+"${all_args[@]}"} || die "scoring $d failed"
+  done
+  compare=("$ckpt_dir")
+  if [ -n "$src" ] && [ -n "$tgt" ]; then compare+=(-s "$src" -t "$tgt"); fi
+  echo
+  "$PYTHON" "$repo/scripts/compare_systems.py" --subset "$subset" "${compare[@]}"
+  exit 0
+fi
 
 if [ -z "$src" ] || [ -z "$tgt" ]; then
   pairs=$(ls "$data" | sed -n "s/^$subset\.\([^.]*\)-\([^.]*\)\.\1\.idx$/\1 \2/p" | sort -u)
@@ -83,6 +110,7 @@ fi
 out_dir="${out_dir:-$ckpt_dir/eval}"
 mkdir -p "$out_dir"
 
+if [ -n "$best" ]; then checkpoint="$ckpt_dir/checkpoint_best.pt"; fi
 if [ -n "$checkpoint" ]; then
   model="$checkpoint"
   [ -f "$model" ] || die "checkpoint $model not found"
@@ -96,17 +124,41 @@ else
 fi
 
 gen="$out_dir/generate-$subset.$src-$tgt.txt"
+gen_log="$out_dir/generate-$subset.$src-$tgt.log"
+skip=()
+if [ -n "$skip_long" ]; then skip=(--skip-invalid-size-inputs-valid-test); fi
 echo "[evaluate] translating $subset ($src->$tgt) with beam $beam, lenpen $lenpen: $what" >&2
-"$FAIRSEQ_GENERATE" "$data" --user-dir "$user_dir" --path "$model" \
-  --source-lang "$src" --target-lang "$tgt" --gen-subset "$subset" \
-  --beam "$beam" --lenpen "$lenpen" --remove-bpe --max-tokens "$max_tokens" \
-  --required-batch-size-multiple 1 \
-  ${cpu[@]+"${cpu[@]}"} ${extra[@]+"${extra[@]}"} > "$gen"
+# --required-batch-size-multiple 1: fairseq (upstream main) drops a last batch smaller than
+# it (default 8), i.e. up to 7 test sentences; bleu.py checks none is missing.
+if ! "$FAIRSEQ_GENERATE" "$data" --user-dir "$user_dir" --path "$model" \
+    --source-lang "$src" --target-lang "$tgt" --gen-subset "$subset" \
+    --beam "$beam" --lenpen "$lenpen" --remove-bpe --max-tokens "$max_tokens" \
+    --required-batch-size-multiple 1 ${skip[@]+"${skip[@]}"} \
+    ${cpu[@]+"${cpu[@]}"} ${extra[@]+"${extra[@]}"} > "$gen" 2> "$gen_log"; then
+  limits=$(sed -n 's/.*since max_positions=(\([0-9]*\), \([0-9]*\)).*/\1 \2/p' "$gen_log" | tail -1)
+  if [ -n "$limits" ]; then
+    read -r max_src max_tgt <<< "$limits"
+    counts=$("$PYTHON" -c 'import sys; sys.path.insert(0, sys.argv[1]); import bleu
+s, t = bleu.idx_sizes(sys.argv[2]), bleu.idx_sizes(sys.argv[3])
+long = (s > int(sys.argv[4])) | (t > int(sys.argv[5]))
+print(int(long.sum()), len(s), " ".join(map(str, long.nonzero()[0][:10])))' \
+      "$repo/scripts" "$data/$subset.$src-$tgt.$src.idx" "$data/$subset.$src-$tgt.$tgt.idx" "$max_src" "$max_tgt")
+    read -r n_long n_all first_long <<< "$counts"
+    die "$n_long of the $n_all $subset sentences are longer than this model accepts
+  (max_positions=($max_src, $max_tgt) tokens with </s>, source and target; for RAN, its
+  --ran-max-positions): ids $first_long ... Retrain with a larger --ran-max-positions, or
+  evaluate with --skip-long to translate the other $((n_all - n_long)) (every BLEU then says so)."
+  fi
+  if grep -q "ZeroDivisionError" "$gen_log"; then
+    die "fairseq-generate translated no sentence of $subset (all skipped as too long?); log: $gen_log"
+  fi
+  tail -20 "$gen_log" >&2
+  die "fairseq-generate failed (log: $gen_log)"
+fi
 
-# fairseq (upstream main) drops a last batch smaller than --required-batch-size-multiple
-# (default 8), i.e. up to 7 test sentences, hence the option above and this check.
 score_opts=(--mode "$mode" --target-lang "$tgt" --out-prefix "$out_dir/$subset.$src-$tgt"
             --expect-idx "$data/$subset.$src-$tgt.$src.idx")
+if [ -n "$skip_long" ]; then score_opts+=(--allow-missing); fi
 if [ "$mode" != iwslt ]; then
   raw_ref="${raw_ref:-$data/$subset.raw.$src-$tgt.$tgt}"
   [ -f "$raw_ref" ] || die "raw references $raw_ref not found (--raw-ref): detokenized sacreBLEU needs them"

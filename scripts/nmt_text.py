@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
 """Text tools shared by the translation recipes in examples/translation/.
 
-Python ports of the steps the Moses-based fairseq recipes run, built on the Python
-packages (sacremoses, subword-nmt) instead of cloned Perl repositories:
+Python ports of the steps the Moses-based fairseq recipes run, without cloning Moses:
+the Moses scripts (normalize-punctuation, remove-non-printing-char, tokenizer, lowercase)
+are ported here byte for byte (tests/fixtures/moses holds the Perl scripts' outputs they
+are tested against; sacremoses supplies the nonbreaking-prefix lists); BPE is subword-nmt.
 
   fetch   place the raw archives in ORIG (from --raw-dir, or downloaded) and unpack them
   find    locate a corpus file inside the unpacked archives (glob, any depth)
   text    extract (plain / .gz / SGML / XML / IWSLT train.tags / "|||" bitext), then
           optionally normalize punctuation, drop non-printing characters, Moses-tokenize
-          and lowercase; streams line by line, several workers if asked
+          and lowercase, each as the Perl script does; streams line by line, several
+          workers if asked
   clean   clean-corpus-n.perl: drop pairs that are empty, longer than MAX tokens, or
           whose length ratio exceeds RATIO
   split   every N-th line to one file, the rest to another (fairseq's valid split)
@@ -179,38 +182,216 @@ def read_lines(paths, fmt: str, side: int):
                     raise ValueError(f"unknown input format {fmt}")
 
 
+# --------------------------------------------------------------------------- Moses, as Perl runs it
+# Ports of mosesdecoder's scripts/tokenizer/*.perl that give the Perl scripts' bytes, checked
+# against their outputs in tests/fixtures/moses/ (make_fixtures.sh there). sacremoses 0.2.0
+# differs from them: its normalizer maps ’ to ' (Perl: "), and « » with no-break spaces
+# without the space Perl keeps, unless perl_parity=True; it applies the "period before a
+# closing quote" rule to the line without its newline, which Perl's [^<] matches (so Perl
+# turns `„Wir kommen.“` into `"Wir kommen".`); its tokenizer has no fi/sv colon rule (Perl:
+# "EU:ssa" stays one token), never splits the period of a sentence's last word when that
+# word is an abbreviation or contains a period ("U.S.A." -> "U.S.A ." in Perl), strips the
+# space Perl leaves after a final ".'", and its character classes come from an old Unicode
+# table without CJK and other scripts (Perl's \p{IsAlnum} is \p{Alphabetic} + \p{Nd}).
+
+_PERL_SPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"  # Perl's \s
+
+
+def _normalize_punct_rules(lang: str, penn: bool):
+    r"""normalize-punctuation.perl's substitutions, in its order, as byte regexes: the script
+    reads bytes (no utf8 layer), so \d is [0-9], /i folds ASCII only, and every rule sees the
+    line with its newline."""
+    nbsp = "\u00a0"
+    rules = [
+        (r"\r", ""), (r"\(", " ("), (r"\)", ") "), (r" +", " "), (r"\) ([\.\!\:\?\;\,])", r")\1"),
+        (r"\( ", "("), (r" \)", ")"), (r"(\d) \%", r"\1%"), (r" :", ":"), (r" ;", ";"),
+    ]
+    if not penn:
+        rules += [(r"\`", "'"), (r"\'\'", ' " ')]
+    rules += [
+        ("„", '"'), ("“", '"'), ("”", '"'), ("–", "-"), ("—", " - "), (r" +", " "), ("´", "'"),
+        ("(?i)([a-z])‘([a-z])", r"\1'\2"), ("(?i)([a-z])’([a-z])", r"\1'\2"), ("‘", "'"),
+        ("‚", "'"), ("’", '"'), ("''", '"'), ("´´", '"'), ("…", "..."),
+        # French quotes
+        (f"{nbsp}«{nbsp}", ' "'), (f"«{nbsp}", '"'), ("«", '"'), (f"{nbsp}»{nbsp}", '" '),
+        (f"{nbsp}»", '"'), ("»", '"'),
+        # pseudo-spaces
+        (f"{nbsp}\\%", "%"), (f"nº{nbsp}", "nº "), (f"{nbsp}:", ":"), (f"{nbsp}ºC", " ºC"),
+        (f"{nbsp}cm", " cm"), (f"{nbsp}\\?", "?"), (f"{nbsp}\\!", "!"), (f"{nbsp};", ";"),
+        (f",{nbsp}", ", "), (r" +", " "),
+    ]
+    if lang == "en":
+        rules += [(r'\"([,\.]+)', r'\1"')]
+    elif lang not in ("cs", "cz"):
+        rules += [(r',\"', '",'), (r'(\.+)\"(\s*[^<])', r'"\1\2')]
+    if lang in ("de", "es", "cz", "cs", "fr"):
+        rules += [(f"(\\d){nbsp}(\\d)", r"\1,\2")]
+    else:
+        rules += [(f"(\\d){nbsp}(\\d)", r"\1.\2")]
+    return [(re.compile(pat.encode("utf-8")), sub.encode("utf-8")) for pat, sub in rules]
+
+
+class PunctNormalizer:
+    """normalize-punctuation.perl -l LANG [-penn], one line (without its newline) at a time."""
+
+    def __init__(self, lang: str, penn: bool = False):
+        self.rules = _normalize_punct_rules(lang, penn)
+
+    def normalize(self, line: str) -> str:
+        text = line.encode("utf-8") + b"\n"
+        for pattern, sub in self.rules:
+            text = pattern.sub(sub, text)
+        text = text.decode("utf-8", errors="replace")
+        return text[:-1] if text.endswith("\n") else text
+
+
+def remove_non_printing(line: str) -> str:
+    r"""remove-non-printing-char.perl: s/\p{C}/ /g."""
+    return "".join(" " if unicodedata.category(c)[0] == "C" else c for c in line)
+
+
+def perl_lowercase(line: str) -> str:
+    """lowercase.perl (Perl's lc): full case mapping without Python's final-sigma rule."""
+    return "".join(c.lower() for c in line) if "\u03a3" in line else line.lower()
+
+
+class MosesTokenizer:
+    r"""tokenizer.perl -l LANG [-a] (escaping on, no protected patterns), one line at a time.
+
+    Nonbreaking prefixes are sacremoses' copies of Moses' files (English for a language
+    without one, as the Perl script falls back to); character classes are Unicode
+    properties of the ``regex`` module (Perl's \p{IsAlnum} = Alphabetic + Nd, \p{IsAlpha},
+    \p{IsN}, \p{IsLower}, \p{Ll}). Characters whose properties changed between Unicode
+    versions can tokenize differently with a Perl of another Unicode version.
+    """
+
+    _ALNUM = r"\p{Alphabetic}\p{Nd}"
+
+    def __init__(self, lang: str, aggressive_dash: bool = False, escape: bool = True):
+        import regex
+        from sacremoses.corpus import NonbreakingPrefixes
+
+        self.lang, self.aggressive, self.escape = lang, aggressive_dash, escape
+        rx = regex.compile
+        alnum = self._ALNUM
+        self.space = rx(f"[{_PERL_SPACE}]+")
+        self.blank = rx(f"[{_PERL_SPACE}]*")
+        self.junk = rx(r"[\x00-\x1f]")
+        if lang in ("fi", "sv"):  # the colon inside words: USA:n, 20:een, EU:ssa, S:t
+            self.special = [(rx(rf"([^{alnum}\s\.\:\'\`\,\-])"), r" \1 "),
+                            (rx(r"(:)(?=$|[^\p{Ll}])"), r" \1 ")]
+        elif lang == "tdt":
+            self.special = [(rx(rf"([^{alnum}\s\.\'\`\,\-])"), r" \1 "),
+                            (rx(r"(\')(?=$|[^\p{Ll}])"), r" \1 ")]
+        elif lang == "ca":
+            self.special = [(rx(rf"([^{alnum}\s\.\·\'\`\,\-])"), r" \1 "),
+                            (rx(r"(·)(?=$|[^\p{Ll}])"), r" \1 ")]
+        else:
+            self.special = [(rx(rf"([^{alnum}\s\.\'\`\,\-])"), r" \1 ")]
+        self.hyphen = rx(rf"([{alnum}])\-(?=[{alnum}])")
+        self.commas = [(rx(r"([^\p{N}])[,]"), r"\1 , "), (rx(r"[,]([^\p{N}])"), r" , \1"),
+                       (rx(r"([\p{N}])[,]$"), r"\1 ,")]
+        a, na = r"[\p{Alphabetic}]", r"[^\p{Alphabetic}]"
+        if lang == "en":  # contractions split right
+            self.apostrophe = [(rx(f"({na})[']({na})"), r"\1 ' \2"),
+                               (rx(r"([^\p{Alphabetic}\p{N}])[']([\p{Alphabetic}])"), r"\1 ' \2"),
+                               (rx(f"({a})[']({na})"), r"\1 ' \2"),
+                               (rx(f"({a})[']({a})"), r"\1 '\2"),
+                               (rx(r"([\p{N}])[']([s])"), r"\1 '\2")]
+        elif lang in ("fr", "it", "ga", "ca"):  # contractions split left
+            self.apostrophe = [(rx(f"({na})[']({na})"), r"\1 ' \2"), (rx(f"({na})[']({a})"), r"\1 ' \2"),
+                               (rx(f"({a})[']({na})"), r"\1 ' \2"), (rx(f"({a})[']({a})"), r"\1' \2")]
+        elif lang in ("so", "tdt"):
+            self.apostrophe = [(rx(f"({na})[']({na})"), r"\1 ' \2"), (rx(f"({na})[']({a})"), r"\1 ' \2"),
+                               (rx(f"({a})[']({na})"), r"\1 ' \2")]
+        else:
+            self.apostrophe = [(rx(r"\'"), " ' ")]
+        self.word_period = rx(r"^(\S+)\.$")
+        self.has_period_alpha = (rx(r"\."), rx(r"\p{Alphabetic}"))
+        self.starts_lower = rx(r"^[\p{Lowercase}]")
+        self.starts_digit = rx(r"^[0-9]+")
+        self.prefixes = {}
+        for item in NonbreakingPrefixes().words(lang):
+            m = re.match(r"(.*)\s+#NUMERIC_ONLY#", item)
+            self.prefixes[m.group(1) if m else item] = 2 if m else 1
+
+    def tokenize(self, line: str) -> str:
+        if self.blank.fullmatch(line):  # the script prints whitespace-only lines untouched
+            return line
+        text = self.junk.sub("", self.space.sub(" ", f" {line} "))
+        text = re.sub(r" +", " ", text).strip(" ")
+        for pattern, sub in self.special:
+            text = pattern.sub(sub, text)
+        if self.aggressive:
+            text = self.hyphen.sub(r"\1 @-@ ", text)
+        text = re.sub(r"\.([\.]+)", r" DOTMULTI\1", text)
+        while "DOTMULTI." in text:
+            text = re.sub(r"DOTMULTI\.([^\.])", r"DOTDOTMULTI \1", text)
+            text = text.replace("DOTMULTI.", "DOTDOTMULTI")
+        for pattern, sub in self.commas + self.apostrophe:
+            text = pattern.sub(sub, text)
+        words = text.split(" ")  # Perl's split(/\s/): empty fields kept, trailing ones dropped
+        while words and not words[-1]:
+            words.pop()
+        last = len(words) - 1
+        for i, word in enumerate(words):
+            m = self.word_period.match(word)
+            if not m:
+                continue
+            pre = m.group(1)
+            kind = self.prefixes.get(pre)
+            if i == last:  # a sentence's last word: always split
+                words[i] = pre + " ."
+            elif ((self.has_period_alpha[0].search(pre) and self.has_period_alpha[1].search(pre))
+                  or kind == 1 or self.starts_lower.match(words[i + 1])):
+                pass
+            elif kind == 2 and self.starts_digit.match(words[i + 1]):
+                pass
+            else:
+                words[i] = pre + " ."
+        text = re.sub(r" +", " ", " ".join(words) + " ").strip(" ")
+        text = re.sub(r"\.\' ?$", " . ' ", text, count=1)
+        while "DOTDOTMULTI" in text:
+            text = text.replace("DOTDOTMULTI", "DOTMULTI.")
+        text = text.replace("DOTMULTI", ".")
+        if self.escape:
+            for char, entity in (("&", "&amp;"), ("|", "&#124;"), ("<", "&lt;"), (">", "&gt;"),
+                                 ("'", "&apos;"), ('"', "&quot;"), ("[", "&#91;"), ("]", "&#93;")):
+                text = text.replace(char, entity)
+        return text
+
+
 class Pipeline:
-    """Per-line processing, picklable for multiprocessing."""
+    """Per-line processing, picklable for multiprocessing: the Moses scripts' steps in the
+    order fairseq's recipes pipe them."""
 
     def __init__(self, args):
         self.args = args
         self._tok = self._norm = None
+        self._ready = False
 
     def _setup(self):
-        from sacremoses import MosesPunctNormalizer, MosesTokenizer
-
         if self.args.normalize_punct:
-            self._norm = MosesPunctNormalizer(lang=self.args.lang)
+            self._norm = PunctNormalizer(self.args.lang)
         if self.args.tokenize:
-            self._tok = MosesTokenizer(lang=self.args.lang)
+            self._tok = MosesTokenizer(self.args.lang, aggressive_dash=self.args.aggressive_dash)
+        self._ready = True
 
     def __call__(self, line: str) -> str:
         a = self.args
-        if self._tok is None and self._norm is None and (a.tokenize or a.normalize_punct):
+        if not self._ready:
             self._setup()
         if a.fix_apostrophe:  # sed -e "s/\’/\'/g" of the fairseq recipes (test sets)
             line = line.replace("\u2019", "'")
         if self._norm is not None:
             line = self._norm.normalize(line)
-        if a.remove_non_printing:  # remove-non-printing-char.perl: s/\p{C}/ /g
-            line = "".join(" " if unicodedata.category(c).startswith("C") else c for c in line)
+        if a.remove_non_printing:
+            line = remove_non_printing(line)
         if self._tok is not None:
-            line = self._tok.tokenize(
-                line, return_str=True, escape=True, aggressive_dash_splits=a.aggressive_dash
-            )
+            line = self._tok.tokenize(line)
         if a.lowercase:
-            line = line.lower()
-        return line.strip()
+            line = perl_lowercase(line)
+        return line
 
 
 _WORKER_PIPE = None

@@ -27,6 +27,8 @@ TINY = ["--arch", "transformer", "--encoder-layers", "1", "--decoder-layers", "1
         "--encoder-attention-heads", "2", "--decoder-attention-heads", "2"]
 TINY_RUN = ["--required-batch-size-multiple", "1", "--no-progress-bar", "--num-workers", "0",
             "--log-format", "simple", "--seed", "1", "--cpu"]
+# the same through train.sh, which sets the seed (SEED), the device (CPU=1) and the log format
+TRAIN_SH_RUN = ["--required-batch-size-multiple", "1", "--no-progress-bar", "--num-workers", "0"]
 
 
 def tool(name: str) -> str:
@@ -42,8 +44,9 @@ def env():
     e.update(PATH=f"{BIN}{os.pathsep}{e.get('PATH', '')}", PYTHON=sys.executable,
              FAIRSEQ_GENERATE=tool("fairseq-generate"),
              FAIRSEQ_TRAIN=tool("fairseq-train"), WORKERS="1", EA_NO_DOWNLOAD="1",
-             OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", NGPUS="0")
-    for var in ("EA_RAW_DIR", "EA_WORK_DIR", "EA_DEST_DIR", "BPE_TOKENS", "CUDA_VISIBLE_DEVICES"):
+             OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    for var in ("EA_RAW_DIR", "EA_WORK_DIR", "EA_DEST_DIR", "BPE_TOKENS", "CUDA_VISIBLE_DEVICES", "NGPUS",
+                "CPU", "FP16", "BF16", "SEED", "SEEDS", "SAVE_DIR", "DATA", "ALLOW_CHANGED_SETTINGS"):
         e.pop(var, None)
     e["CUDA_VISIBLE_DEVICES"] = ""
     return e
@@ -88,14 +91,22 @@ def lines(path: Path):
 
 
 def _iwslt14(root, env):
-    """prepare-iwslt14.sh, then 2 epochs through train.sh (transformer_lite, tiny dims)."""
+    """prepare-iwslt14.sh (separate dictionaries, as fairseq's recipe), then 2 epochs through
+    train.sh on CPU (transformer_lite, tiny dims): fairseq-train accepts the data with
+    --share-decoder-input-output-embed, which train.sh picks for separate dictionaries."""
     info = fx.iwslt14(root / "raw", n_train=200)
     data = prepare("prepare-iwslt14.sh", root / "raw", root, env)
     save = root / "checkpoints"
-    train_env = dict(env, DATA=str(data), SAVE_DIR=str(save), MAX_EPOCH="2", MAX_TOKENS="1000")
-    proc = run(["bash", RECIPES / "train.sh", "transformer_lite", "iwslt14_de_en",
-                *TINY[2:], *TINY_RUN], train_env, cwd=root)
-    return dict(root=root, data=data, save=save, info=info, train_log=proc.stdout + proc.stderr)
+    train_env = dict(env, DATA=str(data), SAVE_DIR=str(save), MAX_EPOCH="2", MAX_TOKENS="1000", CPU="1")
+    args = ["transformer_lite", "iwslt14_de_en", *TINY[2:], *TRAIN_SH_RUN]
+    proc = run(["bash", RECIPES / "train.sh", *args], train_env, cwd=root)
+    return dict(root=root, data=data, save=save, info=info, train_log=proc.stdout + proc.stderr,
+                train_env=train_env, train_args=args)
+
+
+def _iwslt14_joined(root, env):
+    fx.iwslt14(root / "raw", n_train=40)
+    return dict(root=root, data=prepare("prepare-iwslt14.sh", root / "raw", root, env, "--joined-dictionary"))
 
 
 def _wmt14_en_de(root, env):
@@ -128,7 +139,8 @@ def _wmt17(lang):
     return job
 
 
-JOBS = {"iwslt14": _iwslt14, "wmt14_en_de": _wmt14_en_de, "wmt14_en_fr": _wmt14_en_fr,
+JOBS = {"iwslt14": _iwslt14, "wmt14_en_de": _wmt14_en_de, "iwslt14_joined": _iwslt14_joined,
+        "wmt14_en_fr": _wmt14_en_fr,
         "wmt17_lv": _wmt17_lv, "wmt17_fi": _wmt17("fi"), "wmt17_tr": _wmt17("tr")}
 
 
@@ -151,6 +163,66 @@ def wmt14_en_de(recipes):
     return recipes("wmt14_en_de")
 
 
+# ------------------------------------------------------------------ Moses parity
+
+MOSES = Path(__file__).parent / "fixtures" / "moses"
+# the steps of each fixture file, as nmt_text.py's text options (make_fixtures.sh: the Perl)
+MOSES_PIPELINES = {
+    "normalize": ["--normalize-punct"],
+    "wmt": ["--normalize-punct", "--remove-non-printing", "--tokenize", "--aggressive-dash"],
+    "wmt-test": ["--fix-apostrophe", "--tokenize", "--aggressive-dash"],
+    "iwslt": ["--tokenize", "--lowercase"],
+}
+
+
+def _read_exact(path: Path):
+    with open(path, encoding="utf-8", newline="\n") as f:  # keep \r and trailing spaces
+        return f.read().split("\n")[:-1]
+
+
+def load_nmt_text():
+    spec = importlib.util.spec_from_file_location("ea_recipes_nmt_text", REPO / "scripts" / "nmt_text.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("step", sorted(MOSES_PIPELINES))
+def test_moses_steps_equal_the_perl_scripts(step, tmp_path):
+    """nmt_text.py gives the Moses Perl scripts' bytes on every fixture line (outputs made once
+    from mosesdecoder's scripts by tests/fixtures/moses/make_fixtures.sh)."""
+    checked = 0
+    for expected in sorted(MOSES.glob(f"{step}.*")):
+        lang = expected.suffix[1:]
+        out = tmp_path / f"{step}.{lang}"
+        assert load_nmt_text().main(["text", "-l", lang, *MOSES_PIPELINES[step], "-o", str(out),
+                                     str(MOSES / f"input.{lang}")]) == 0
+        inputs, want, got = _read_exact(MOSES / f"input.{lang}"), _read_exact(expected), _read_exact(out)
+        assert len(want) == len(inputs)
+        diffs = [(src, w, g) for src, w, g in zip(inputs, want, got, strict=True) if w != g]
+        assert not diffs, f"{step}.{lang}: differs from the Perl on {len(diffs)} lines: {diffs[:3]}"
+        checked += len(want)
+    assert checked >= 10
+
+
+def test_moses_cases_sacremoses_gets_wrong():
+    """The cases that made the recipes' data differ from the papers': Perl's normalizer maps
+    ’ to a double quote and moves a sentence-final period out of a closing quote; its fi/sv
+    rule keeps colons inside words; its last word's period is always split."""
+    m = load_nmt_text()
+    assert m.PunctNormalizer("en").normalize("Rock ’n’ roll is ‘here’") == 'Rock "n" roll is \'here"'
+    assert m.PunctNormalizer("de").normalize("Er sagte: „Wir kommen.“") == 'Er sagte: "Wir kommen".'
+    fi = m.MosesTokenizer("fi", aggressive_dash=True)
+    assert fi.tokenize("EU:ssa on 20:00, S:t USA:n") == "EU:ssa on 20 : 00 , S:t USA:n"
+    assert m.MosesTokenizer("sv").tokenize("I EU:s budget: 20:e maj.") == "I EU:s budget : 20:e maj ."
+    assert m.MosesTokenizer("en").tokenize("EU:ssa") == "EU : ssa"
+    assert m.MosesTokenizer("de").tokenize("Ein Satz endet mit U.S.A.") == "Ein Satz endet mit U.S.A ."
+    # the fixtures hold these cases, so the file comparison above covers them too
+    assert "EU:ssa on 27" in (MOSES / "wmt.fi").read_text(encoding="utf-8")
+    normalized = _read_exact(MOSES / "normalize.en") + _read_exact(MOSES / "normalize.de")
+    assert 'Rock "n" roll is \'here" to stay.' in normalized and 'Er sagte: "Wir kommen".' in normalized
+
+
 # ------------------------------------------------------------------ prepare scripts
 
 
@@ -159,7 +231,8 @@ def test_prepare_iwslt14(iwslt):
     for split in ("train", "valid", "test"):
         for lang in ("de", "en"):
             assert (data / f"{split}.de-en.{lang}.bin").is_file()
-    assert (data / "code").is_file() and (data / "dict.de.txt").read_text() == (data / "dict.en.txt").read_text()
+    # fairseq's recipe: one dictionary per language (the PA paper's 8,848 / 6,632 types)
+    assert (data / "code").is_file() and (data / "dict.de.txt").read_text() != (data / "dict.en.txt").read_text()
     # fairseq's splits: valid = every 23rd of the cleaned training pairs; test = the 5 sets
     n_train, n_valid = len(lines(prep / "train.de")), len(lines(prep / "valid.de"))
     assert n_valid == (n_train + n_valid) // 23 and 150 < n_train + n_valid <= 202
@@ -169,8 +242,16 @@ def test_prepare_iwslt14(iwslt):
     assert "&quot;" in text and "<url>" not in text and "<title>" not in text
     assert "\u2019" not in (prep / "test.en").read_text()
     assert len(lines(data / "code")) > 10  # joint BPE merges learnt on de+en
-    assert "arch='transformer_lite'" in iwslt["train_log"] and "num_updates" in iwslt["train_log"]
+    log = iwslt["train_log"]
+    assert "arch='transformer_lite'" in log and "num_updates" in log
+    assert "share_decoder_input_output_embed=True" in log and "share_all_embeddings=False" in log
     assert (iwslt["save"] / "checkpoint2.pt").is_file()
+
+
+def test_prepare_iwslt14_joined_dictionary(recipes):
+    data = recipes("iwslt14_joined")["data"]
+    assert (data / "dict.de.txt").read_text() == (data / "dict.en.txt").read_text()
+    assert (data / "train.de-en.en.idx").is_file()
 
 
 def test_prepare_wmt14en2de(wmt14_en_de):
@@ -240,20 +321,30 @@ def test_prepare_without_data_lists_the_files(tmp_path, env):
 # ------------------------------------------------------------------ training / evaluation
 
 
+def _dry(env, cwd, family, pair, check=True, **extra):
+    """train.sh DRY_RUN=1: (command, stderr). Without CUDA here it shows the GPU command;
+    PYTHON=true skips its torch probe (a second each), as on a machine without torch."""
+    proc = run(["bash", RECIPES / "train.sh", family, pair], dict(env, DRY_RUN="1", PYTHON="true", **extra),
+               cwd, check=check)
+    return proc.stdout, proc.stderr
+
+
 def test_train_sh_defaults_follow_the_papers(env, tmp_path):
     def dry(family, pair, **extra):
-        proc = run(["bash", RECIPES / "train.sh", family, pair], dict(env, DRY_RUN="1", **extra), tmp_path)
-        return proc.stdout
+        return _dry(env, tmp_path, family, pair, **extra)[0]
 
-    cmd = dry("ea_lite", "wmt14_en_de", NGPUS="0")
+    cmd = dry("ea_lite", "wmt14_en_de", CPU="1")
     assert "--lr 1e-3" in cmd and "--dropout 0.3" in cmd and "--update-freq 128" in cmd
     assert "--ea-alpha 0.1 --ea-beta 0.1" in cmd and "--patience 5" in cmd and "--cpu" in cmd
     assert "--warmup-updates 4000" in cmd and "--label-smoothing 0.1" in cmd
+    assert "--share-all-embeddings" in cmd and "--weight-decay 0.0" in cmd and "--fp16" not in cmd
     cmd = dry("ea_base", "wmt14_en_fr", NGPUS="2")
     assert "--update-freq 64" in cmd and "--dropout 0.1" in cmd and "--ea-alpha 0.5" in cmd
-    assert "--distributed-world-size 2" in cmd
-    cmd = dry("pa_lite", "iwslt14_de_en", NGPUS="0")
+    assert "--distributed-world-size 2" in cmd and "--fp16" in cmd and "--cpu" not in cmd
+    cmd = dry("pa_lite", "iwslt14_de_en", CPU="1")
     assert "--arch pa_transformer_lite" in cmd and "--lr 5e-4" in cmd and "--dropout 0.2" in cmd
+    # IWSLT'14 as fairseq binarizes it: separate dictionaries, decoder embeddings shared
+    assert "--share-decoder-input-output-embed" in cmd and "--share-all-embeddings" not in cmd
     cmd = dry("ran_d", "wmt17_tr_en", NGPUS="1")
     assert "--source-lang tr --target-lang en" in cmd and "data-bin/wmt17_en_tr" in cmd
     assert "--attention-dropout 0.2" in cmd and "--max-update 150000" in cmd
@@ -261,9 +352,70 @@ def test_train_sh_defaults_follow_the_papers(env, tmp_path):
     cmd = dry("ran_all", "wmt14_en_fr", NGPUS="8", LR="5e-4", DROP_ATTENTION="element")
     assert "--max-update 250000" in cmd and "--lr 5e-4" in cmd and "--update-freq 1" in cmd
     assert "--drop-attention element --drop-attention-p 0.2 --drop-attention-window 2" in cmd
-    proc = run(["bash", RECIPES / "train.sh", "pa_lite", "wmt14_en_de"], dict(env, DRY_RUN="1"),
+    cmd = dry("ea_lite", "iwslt14_de_en", WEIGHT_DECAY="0.0001", SEED="7")
+    assert "--weight-decay 0.0001" in cmd and "--seed 7" in cmd
+    proc = run(["bash", RECIPES / "train.sh", "pa_lite", "wmt14_en_de"], dict(env, DRY_RUN="1", PYTHON="true"),
                tmp_path, check=False)
     assert proc.returncode != 0 and "IWSLT" in proc.stderr
+
+
+def test_train_sh_baselines_take_their_papers_settings(env, tmp_path):
+    """One command per baseline row: RAN's and PA's Transformers, DropAttention's."""
+    cmd, err = _dry(env, tmp_path, "transformer_ran", "wmt17_tr_en")
+    assert "--arch transformer " in cmd and "--dropout 0.1" in cmd and "--attention-dropout 0.0" in cmd
+    assert "--max-update 150000" in cmd and "--lr 7e-4" in cmd and "--patience" not in cmd
+    assert "--update-freq 1" in cmd and "--distributed-world-size 2" in cmd  # RAN: 2 GPUs for En-Tr
+    assert "-s tr -t en --best --ran-wmt" in err  # best checkpoint, beam 4, length penalty 0.6
+    cmd, _ = _dry(env, tmp_path, "transformer_ran", "wmt14_en_de")
+    assert "--max-update 250000" in cmd and "--distributed-world-size 8" in cmd
+    cmd, _ = _dry(env, tmp_path, "transformer_lite_pa", "iwslt14_de_en")
+    assert "--arch transformer_lite " in cmd and "--lr 5e-4" in cmd and "--dropout 0.2" in cmd
+    assert "--pa-alpha" not in cmd
+    cmd, err = _dry(env, tmp_path, "dropattn", "wmt14_en_de")
+    assert "data-bin/wmt14_en_de_bpe32k" in cmd and "--arch ea_transformer_base --encoder-attention vanilla" in cmd
+    assert "--drop-attention element --drop-attention-p 0.2 --drop-attention-window 2" in cmd
+    assert "--max-update 100000" in cmd and "--num-avg 5 --avg-by update --beam 4 --lenpen 0.6" in err
+    cmd, _ = _dry(env, tmp_path, "transformer_dropattn", "wmt14_en_de")
+    assert "--arch transformer " in cmd and "--drop-attention" not in cmd and "--dropout 0.1" in cmd
+    _, err = _dry(env, tmp_path, "transformer_base", "wmt17_en_fi", check=False)
+    assert "transformer_ran" in err  # the EA paper has no WMT'17 setting; RAN's baseline does
+
+
+def test_train_sh_devices_precision_and_batch(env, tmp_path):
+    def dry(family, pair, check=True, **extra):
+        return _dry(env, tmp_path, family, pair, check=check, **extra)
+
+    # the paper's single-GPU IWSLT batch: 1 GPU by default; spread over 8 it stays 4096 tokens
+    cmd, err = dry("ea_lite", "iwslt14_de_en")
+    assert "--distributed-world-size" not in cmd and "--max-tokens 4096 --update-freq 1" in cmd
+    assert "precision: fp16" in err and "= 4096 tokens per update (paper: 1 GPU(s)" in err
+    cmd, err = dry("ea_lite", "iwslt14_de_en", NGPUS="8")
+    assert "--max-tokens 512 --update-freq 1" in cmd and "--distributed-world-size 8" in cmd
+    assert "effective batch: 512 tokens x 8 device(s) x update-freq 1 = 4096 tokens per update" in err
+    cmd, err = dry("ea_lite", "wmt14_en_de", NGPUS="4")
+    assert "--update-freq 32" in cmd and "= 524288 tokens per update" in err
+    cmd, err = dry("ea_lite", "iwslt14_de_en", UPDATE_FREQ="2")
+    assert "note: the effective batch is not the paper's" in err
+    assert "--bf16" in dry("ea_lite", "iwslt14_de_en", BF16="1")[0]
+    cmd = dry("ea_lite", "iwslt14_de_en", FP16="0")[0]
+    assert "--fp16" not in cmd and "--bf16" not in cmd
+    _, err = dry("ea_lite", "iwslt14_de_en", check=False, CPU="1", FP16="1")
+    assert "FP16=1 needs CUDA" in err
+    _, err = dry("ea_lite", "iwslt14_de_en", check=False, CPU="1", NGPUS="1", SEED="x")
+    assert "SEED must be an integer" in err
+    for bad in (["--cpu"], ["--fp16"], ["--save-dir", "x"], ["--seed", "3"]):
+        proc = run(["bash", RECIPES / "train.sh", "ea_lite", "iwslt14_de_en", *bad],
+                   dict(env, DRY_RUN="1", PYTHON="true"), tmp_path, check=False)
+        assert proc.returncode != 0 and "train.sh: error:" in proc.stderr, bad
+
+
+def test_train_sh_refuses_cpu_without_cpu_1(env, tmp_path):
+    """No CUDA device and no CPU=1: a clear refusal, before anything is written or trained."""
+    proc = run(["bash", RECIPES / "train.sh", "ea_lite", "iwslt14_de_en"],
+               dict(env, SAVE_DIR=str(tmp_path / "ck")), tmp_path, check=False)
+    assert proc.returncode != 0
+    assert "no CUDA device visible" in proc.stderr and "CPU=1" in proc.stderr, proc.stderr
+    assert not (tmp_path / "ck").exists()
 
 
 def _evaluate(run_info, mode, env, *args):
@@ -297,25 +449,27 @@ def test_evaluate_iwslt_end_to_end(iwslt, env):
 def test_evaluate_wmt14_en_de_end_to_end(wmt14_en_de, env):
     out = _evaluate(wmt14_en_de, "wmt14-en-de", env, "--ran-wmt").stdout
     assert "beam 4, lenpen 0.6" in out
-    assert re.search(r"^compound-split tokenized BLEU .*: [0-9.]+ .*tok:none", out, re.M), out
+    for convention in ("fairseq convention", "tensor2tensor convention"):  # both, labelled
+        assert re.search(rf"^compound-split BLEU, {convention} .*: [0-9.]+ .*tok:none", out, re.M), out
     assert re.search(r"^detokenized sacreBLEU .*: [0-9.]+ .*signature: nrefs:1\|case:mixed\|eff:no\|"
                      r"tok:13a\|smooth:exp\|version:", out, re.M), out
     ev = wmt14_en_de["save"] / "eval"
-    assert "##AT##-##AT##" in (ev / "test.en-de.ref.tok").read_text()
-    assert len(lines(ev / "test.en-de.hyp.detok")) == len(wmt14_en_de["tests"]["test_de"])
+    assert " @ ##AT##-##AT## @ " in (ev / "test.en-de.ref.split-fairseq").read_text()
+    assert " @ " not in (ev / "test.en-de.ref.split-t2t").read_text()
+    assert "##AT##" not in (ev / "test.en-de.ref.tok").read_text()
+    assert len(lines(ev / "test.en-de.hyp.sacrebleu")) == len(wmt14_en_de["tests"]["test_de"])
 
 
 def test_evaluate_other_wmt_mode_and_errors(wmt14_en_de, env, capsys):
     info = wmt14_en_de
     ev = info["save"] / "eval"
     bleu = load_bleu()
-    assert bleu.compound_split("a @-@ b c-d e - f") == "a ##AT##-##AT## b c ##AT##-##AT## d e - f"
     # --mode wmt (En-Fr, WMT'17): tokenized BLEU without the compound split, and sacreBLEU
     assert bleu.main([str(ev / "generate-test.en-de.txt"), "--mode", "wmt", "--target-lang", "de",
                       "--raw-ref", str(info["data"] / "test.raw.en-de.de"),
                       "--expect-idx", str(info["data"] / "test.en-de.en.idx")]) == 0
     out = capsys.readouterr().out
-    assert "tokenized BLEU (Moses-tokenized" in out and "compound-split" not in out
+    assert "tokenized BLEU (generate's tokenized H/T lines" in out and "compound-split" not in out
     assert "detokenized sacreBLEU" in out
     # a reference file that does not match the test set is refused
     short = info["root"] / "short.de"
@@ -330,3 +484,175 @@ def test_evaluate_other_wmt_mode_and_errors(wmt14_en_de, env, capsys):
     proc = run(["bash", REPO / "scripts" / "evaluate.sh", info["save"], info["data"], "bogus"],
                env, info["root"], check=False)
     assert proc.returncode != 0 and "MODE must be" in proc.stderr
+
+
+def test_compound_split_conventions_on_a_known_example(tmp_path):
+    """WMT'14 En-De: fairseq's compound_split_bleu.sh splits generate's lines as they are, the
+    tensor2tensor convention joins the aggressive-hyphen "@-@" first; both are reported."""
+    bleu = load_bleu()
+    line = "das Bundes @-@ Land , E-Mail x-y-z e - f"
+    assert bleu.compound_split_fairseq(line) == \
+        "das Bundes @ ##AT##-##AT## @ Land , E ##AT##-##AT## Mail x ##AT##-##AT## y-z e - f"
+    assert bleu.compound_split(line) == \
+        "das Bundes ##AT##-##AT## Land , E ##AT##-##AT## Mail x ##AT##-##AT## y-z e - f"
+    hyp = ["das Bundes @-@ Land ist groß", "eine E-Mail kam heute"]
+    ref = ["das Bundes @-@ Land ist klein", "eine E-Mail kam gestern"]
+    gen = tmp_path / "generate.txt"
+    gen.write_text("".join(f"S-{i}\tx\nT-{i}\t{r}\nH-{i}\t-0.1\t{h}\nD-{i}\t-0.1\t{h}\n"
+                           for i, (h, r) in enumerate(zip(hyp, ref))), encoding="utf-8")
+    raw = tmp_path / "raw.de"
+    raw.write_text("das Bundes-Land ist klein\neine E-Mail kam gestern\n", encoding="utf-8")
+    out = subprocess.run([sys.executable, REPO / "scripts" / "bleu.py", gen, "--mode", "wmt14-en-de",
+                          "--target-lang", "de", "--raw-ref", raw, "--out-prefix", tmp_path / "t"],
+                         capture_output=True, text=True, check=True).stdout
+    scores = {m.group(1): float(m.group(2)) for m in
+              re.finditer(r"^compound-split BLEU, (\S+) convention .*?: ([0-9.]+) ", out, re.M)}
+    # the fairseq convention counts the "@" around each "@-@" as two more matching tokens
+    assert scores == {"fairseq": 80.91, "tensor2tensor": 75.98}
+    # each equals what fairseq-score (compound_split_bleu.sh's scorer) prints on its files:
+    # fairseq_cli/score.py's default branch, in this process
+    from fairseq.data import Dictionary
+    from fairseq.scoring import bleu as fairseq_bleu
+
+    for name, convention in (("split-fairseq", "fairseq"), ("split-t2t", "tensor2tensor")):
+        d = Dictionary()
+        scorer = fairseq_bleu.Scorer(fairseq_bleu.BleuConfig(pad=d.pad(), eos=d.eos(), unk=d.unk()))
+        with open(tmp_path / f"t.hyp.{name}") as fsys, open(tmp_path / f"t.ref.{name}") as fref:
+            for sys_tok, ref_tok in zip(fsys.readlines(), fref.readlines()):
+                scorer.add(d.encode_line(ref_tok), d.encode_line(sys_tok))
+        assert scorer.result_string(4).startswith(f"BLEU4 = {scores[convention]:.2f},")
+
+
+def _fake_run(directory: Path, refs, hyps):
+    """An evaluate.sh output (generate file scored by bleu.py) for given hypotheses."""
+    ev = directory / "eval"
+    ev.mkdir(parents=True)
+    gen = ev / "generate-test.de-en.txt"
+    gen.write_text("".join(f"S-{i}\tx\nT-{i}\t{r}\nH-{i}\t-0.1\t{h}\nD-{i}\t-0.1\t{h}\n"
+                           for i, (r, h) in enumerate(zip(refs, hyps))), encoding="utf-8")
+    assert load_bleu().main([str(gen), "--mode", "iwslt", "--out-prefix", str(ev / "test.de-en")]) == 0
+
+
+def _table(out: str):
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines() if line.startswith("| ")]
+    return {row[0]: row for row in rows[1:]}
+
+
+def test_significance_on_known_different_and_identical_systems(tmp_path, capsys):
+    import random
+    from sacrebleu.metrics import BLEU
+    from sacrebleu.significance import PairedTest
+
+    rng = random.Random(0)
+    vocab = "the a cat dog sat ran on under mat house green big small today".split()
+    refs = [" ".join(rng.choice(vocab) for _ in range(rng.randint(5, 12))) for _ in range(150)]
+
+    def noisy(p, seed):
+        g = random.Random(seed)
+        return [" ".join(w if g.random() > p else g.choice(vocab) for w in r.split()) for r in refs]
+
+    good, bad = noisy(0.1, 1), noisy(0.4, 2)
+    _fake_run(tmp_path / "base", refs, good)
+    _fake_run(tmp_path / "same", refs, good)
+    _fake_run(tmp_path / "worse", refs, bad)
+    for seed in (1, 2, 3):
+        _fake_run(tmp_path / "seeds" / f"seed{seed}", refs, noisy(0.1, 10 + seed))
+    capsys.readouterr()
+    spec = importlib.util.spec_from_file_location("ea_compare", REPO / "scripts" / "compare_systems.py")
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    assert compare.main([str(tmp_path / d) for d in ("base", "same", "worse", "seeds")]) == 0
+    out = capsys.readouterr().out
+    table = _table(out)
+    assert table["same"][4:] == ["+0.00", "[+0.00, +0.00]", "1.0000"]  # identical: nothing to see
+    assert float(table["worse"][4]) < -10 and float(table["worse"][6]) < 0.01  # clearly different
+    assert table["seeds"][1] == "3" and len(table["seeds"][2].split()) == 3 and "±" in table["seeds"][3]
+    assert "tokenized BLEU" in out.splitlines()[0] and "150 sentences" in out.splitlines()[0]
+    # one run per system: the p-value is sacreBLEU's paired bootstrap (same resamples, seed 12345)
+    test = PairedTest([("base", good), ("worse", bad)], {"BLEU": BLEU(tokenize="none", smooth_method="none")},
+                      [refs], test_type="bs", n_samples=1000)
+    assert f"{test()[1]['BLEU'][1].p_value:.4f}" == table["worse"][6]
+    # systems scored on other references are not compared
+    _fake_run(tmp_path / "other", [r + " x" for r in refs], good)
+    with pytest.raises(SystemExit, match="other references"):
+        compare.main([str(tmp_path / "base"), str(tmp_path / "other")])
+
+
+def test_run_hygiene_log_record_and_refusal_to_resume_changed_settings(iwslt, env):
+    save, root = iwslt["save"], iwslt["root"]
+    assert "num_updates" in (save / "train.log").read_text()  # fairseq's log, in the run directory
+    command = (save / "train.command").read_text()
+    assert "train.sh transformer_lite iwslt14_de_en" in command and "fairseq-train" in command
+    assert "CPU=1" in command and "MAX_EPOCH=2" in command
+    settings = (save / "train.settings").read_text()
+    assert "family=transformer_lite" in settings and "\n--lr 1e-3\n" in settings
+    assert "# evaluate with: bash scripts/evaluate.sh" in settings
+    train_sh = ["bash", RECIPES / "train.sh", *iwslt["train_args"]]
+    proc = run(train_sh, dict(iwslt["train_env"], LR="5e-4"), root, check=False)
+    assert proc.returncode != 0 and "not resuming" in proc.stderr, proc.stderr
+    assert "was: --lr 1e-3" in proc.stderr and "now: --lr 5e-4" in proc.stderr
+    assert "ALLOW_CHANGED_SETTINGS=1" in proc.stderr
+    assert (save / "train.settings").read_text() == settings
+    # the same settings resume (fairseq finds epoch 2 done and stops)
+    proc = run(train_sh, iwslt["train_env"], root)
+    assert "resuming" in proc.stderr
+    assert len(re.findall(r"^# \d{4}-\d\d-\d\d ", (save / "train.command").read_text(), re.M)) == 2  # two starts
+
+
+def test_seeds_train_one_run_each_and_evaluate_to_one_table(iwslt, env, tmp_path):
+    """SEEDS="1 2": one run per seed in SAVE_DIR/seedN; evaluate.sh scores each and prints
+    their mean and deviation; compare_systems.py puts two systems in one table."""
+    base = tmp_path / "seeds"
+    proc = run(["bash", RECIPES / "train.sh", *iwslt["train_args"]],
+               dict(iwslt["train_env"], SAVE_DIR=str(base), MAX_EPOCH="1", SEEDS="1 2"), tmp_path)
+    assert "2 runs" in proc.stderr and f"evaluate every seed (mean ± std) with: bash scripts/evaluate.sh {base} " in proc.stderr
+    for seed in (1, 2):
+        run_dir = base / f"seed{seed}"
+        assert (run_dir / "checkpoint1.pt").is_file() and (run_dir / "train.log").is_file()
+        assert f"--seed {seed} " in (run_dir / "train.command").read_text()
+    assert not list(base.glob("*.pt"))
+    out = run(["bash", REPO / "scripts" / "evaluate.sh", base, iwslt["data"], "iwslt", "--num-avg", "1",
+               "--cpu", "--", "--max-len-a", "0", "--max-len-b", "6"], env, tmp_path).stdout
+    row = _table(out)["seeds"]
+    assert row[1] == "2" and len(row[2].split()) == 2 and "±" in row[3]
+    for seed in (1, 2):
+        assert (base / f"seed{seed}" / "eval" / "test.de-en.scores.json").is_file()
+    if not (iwslt["save"] / "eval" / "test.de-en.scores.json").is_file():
+        _evaluate(iwslt, "iwslt", env)
+    out = run([sys.executable, REPO / "scripts" / "compare_systems.py", f"two_epochs={iwslt['save']}",
+               f"one_epoch={base}"], env, tmp_path).stdout
+    table = _table(out)
+    assert table["two_epochs"][1] == "1" and table["one_epoch"][1] == "2"
+    assert re.fullmatch(r"[+-][0-9.]+", table["one_epoch"][4]) and re.fullmatch(r"0\.\d{4}|1\.0000", table["one_epoch"][6])
+
+
+def test_ran_with_over_long_test_sentences(iwslt, env, tmp_path):
+    """A RAN model accepts sentences up to --ran-max-positions: evaluate.sh stops with the
+    count, or with --skip-long translates the rest and labels every BLEU with its coverage."""
+    save = tmp_path / "ran"
+    run(["bash", RECIPES / "train.sh", "ran_e_lite", "iwslt14_de_en", *TINY[2:], "--ran-max-positions", "12",
+         "--skip-invalid-size-inputs-valid-test", *TRAIN_SH_RUN],
+        dict(iwslt["train_env"], SAVE_DIR=str(save), MAX_EPOCH="1"), tmp_path)
+    sizes = load_bleu().idx_sizes(str(iwslt["data"] / "test.de-en.de.idx"))
+    n_long, n_all = int((sizes > 12).sum()), len(sizes)
+    assert 0 < n_long < n_all
+    evaluate = ["bash", REPO / "scripts" / "evaluate.sh", save, iwslt["data"], "iwslt", "--best", "--cpu"]
+    proc = run(evaluate, env, tmp_path, check=False)
+    assert proc.returncode != 0
+    assert f"{n_long} of the {n_all} test sentences are longer than this model accepts" in proc.stderr
+    assert "--skip-long" in proc.stderr and "--ran-max-positions" in proc.stderr
+    out = run([*evaluate, "--skip-long", "--", "--max-len-a", "0", "--max-len-b", "6"], env, tmp_path).stdout
+    assert f"[on {n_all - n_long} of {n_all} sentences: {n_long} not translated" in out
+
+
+def test_documented_generate_commands_translate_every_sentence():
+    """fairseq drops a last batch smaller than --required-batch-size-multiple (default 8):
+    every fairseq-generate command in the documentation sets it to 1."""
+    found = 0
+    for doc in [REPO / "README.md", RECIPES / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for block in re.findall(r"```[a-z]*\n(.*?)```", doc.read_text(encoding="utf-8"), re.S):
+            for command in block.replace("\\\n", " ").splitlines():
+                if re.match(r"\s*fairseq-generate\b", command):
+                    found += 1
+                    assert "--required-batch-size-multiple 1" in command, f"{doc.name}: {command}"
+    assert found

@@ -1,6 +1,7 @@
 # Shared steps of the prepare-*.sh recipes: fetch/unpack, tokenize, clean, BPE, binarize.
-# Sourced, not run. The text work is done by scripts/nmt_text.py (sacremoses) and
-# subword-nmt's Python modules; binarization by fairseq-preprocess.
+# Sourced, not run. The text work is done by scripts/nmt_text.py (the Moses Perl scripts,
+# ported to Python and tested against their outputs) and subword-nmt's Python modules;
+# binarization by fairseq-preprocess.
 #
 # Options every prepare script accepts (each also as an environment variable):
 #   --raw-dir DIR     (EA_RAW_DIR)     already-downloaded archives; nothing is downloaded then
@@ -9,7 +10,7 @@
 #   --dest-dir DIR    (EA_DEST_DIR)    fairseq-preprocess output    [data-bin/NAME]
 #   --workers N       (WORKERS)        processes for tokenization/BPE/binarization [nproc]
 #   --bpe-tokens N    (BPE_TOKENS)     BPE merge operations          [recipe's value]
-# Tools: PYTHON (python3 from PATH), which must have fairseq, sacremoses and subword-nmt.
+# Tools: PYTHON (python3 from PATH), which must have fairseq, sacremoses, regex and subword-nmt.
 
 set -euo pipefail
 
@@ -98,17 +99,19 @@ ea_bpe() {
 }
 
 # ea_binarize SRC TGT TEXT_DIR DEST [REVERSE_TEXT_DIR]: fairseq-preprocess of
-# TEXT_DIR/{train,valid,test}.{SRC,TGT} with a joined dictionary into DEST; with
+# TEXT_DIR/{train,valid,test}.{SRC,TGT} into DEST, with a joined dictionary, or with one
+# dictionary per language when EA_SEPARATE_DICTS=1 (fairseq's IWSLT'14 recipe); with
 # REVERSE_TEXT_DIR also its valid/test sets as the TGT->SRC direction, same dictionary
 # (DEST/{valid,test}.TGT-SRC.*). Both runs share one process (scripts/binarize.py).
 ea_binarize() {
-  local src="$1" tgt="$2" dir="$3" dest="$4" rev="${5:-}"
-  ea_log "binarizing $dir -> $dest"
+  local src="$1" tgt="$2" dir="$3" dest="$4" rev="${5:-}" dict=(--joined-dictionary)
+  if [ -n "${EA_SEPARATE_DICTS:-}" ]; then dict=(); fi
+  ea_log "binarizing $dir -> $dest (${dict[*]:-separate dictionaries})"
   mkdir -p "$dest"
   rm -f "$dest/dict.$src.txt" "$dest/dict.$tgt.txt"
   local runs=(--source-lang "$src" --target-lang "$tgt"
               --trainpref "$dir/train" --validpref "$dir/valid" --testpref "$dir/test"
-              --destdir "$dest" --joined-dictionary --workers "$WORKERS")
+              --destdir "$dest" ${dict[@]+"${dict[@]}"} --workers "$WORKERS")
   local scratch="$TMP/binarize-$tgt-$src"
   rm -rf "$scratch"
   if [ -n "$rev" ]; then

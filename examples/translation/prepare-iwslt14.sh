@@ -1,20 +1,32 @@
 #!/usr/bin/env bash
 # IWSLT'14 German-English, the fairseq recipe (as used by the EA and PA papers):
-# Moses tokenization (sacremoses), clean (1-175 tokens, ratio 1.5), lowercase, joint BPE
-# with 10k merges (subword-nmt); valid = every 23rd training pair; test =
+# Moses tokenization (as tokenizer.perl), clean (1-175 tokens, ratio 1.5), lowercase,
+# joint BPE with 10k merges (subword-nmt); valid = every 23rd training pair; test =
 # IWSLT14.TED.dev2010 + TEDX.dev2012 + TED.tst2010-2012 concatenated (fairseq's order).
 #
-#   bash examples/translation/prepare-iwslt14.sh [--raw-dir DIR] [--no-download]
-#        [--work-dir DIR] [--dest-dir DIR] [--workers N] [--bpe-tokens N]
+#   bash examples/translation/prepare-iwslt14.sh [--joined-dictionary] [--raw-dir DIR]
+#        [--no-download] [--work-dir DIR] [--dest-dir DIR] [--workers N] [--bpe-tokens N]
 #
+# Dictionaries: one per language, as fairseq's recipe binarizes (8,848 German and 6,632
+# English types on the full data, the PA paper's vocabulary sizes); train with
+# --share-decoder-input-output-embed (train.sh does). --joined-dictionary: one dictionary
+# for both, for --share-all-embeddings, into data-bin/iwslt14.joined-dictionary.de-en.
 # Raw data: de-en.tgz (the WIT3 release; its original host is gone, fairseq keeps a copy
 # at the URL below). With --raw-dir DIR (or EA_RAW_DIR) the file is taken from DIR and
-# nothing is downloaded. Output: data-bin/iwslt14.tokenized.de-en (joined dictionary).
+# nothing is downloaded. Output: data-bin/iwslt14.tokenized.de-en (fairseq's name).
 
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 BPE_TOKENS="${BPE_TOKENS:-10000}"
-ea_parse_args iwslt14.tokenized.de-en "$@"
-ea_no_extra_args
+name=iwslt14.tokenized.de-en
+for arg in "$@"; do if [ "$arg" = --joined-dictionary ]; then name=iwslt14.joined-dictionary.de-en; fi; done
+ea_parse_args $name "$@"
+EA_SEPARATE_DICTS=1
+for arg in ${EA_REST[@]+"${EA_REST[@]}"}; do
+  case "$arg" in
+    --joined-dictionary) EA_SEPARATE_DICTS="" ;;
+    *) ea_die "unknown option: $arg (see --help)" ;;
+  esac
+done
 
 src=de
 tgt=en

@@ -2,7 +2,7 @@
 # WMT'14 English-German (EA Table 5, RAN Table 1, DropAttention): the WMT'14 training data
 # (Europarl v7, CommonCrawl, News Commentary v9; 4.5M pairs), newstest2013 as valid,
 # newstest2014 (full, 3003 sentences) as test. Punctuation normalization, non-printing
-# characters removed, Moses tokenization with aggressive hyphen splitting (sacremoses),
+# characters removed, Moses tokenization with aggressive hyphen splitting (as the Perl scripts),
 # joint BPE with 40k merges (subword-nmt), train/valid cleaned after BPE (1-250 tokens,
 # ratio 1.5) as in fairseq's recipe. The untokenized test sentences are kept as
 # DEST/test.raw.en-de.{en,de} for detokenized sacreBLEU.

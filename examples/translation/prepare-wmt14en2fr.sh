@@ -12,7 +12,7 @@
 # Raw data (file names as expected in --raw-dir): training-parallel-europarl-v7.tgz
 #   training-parallel-commoncrawl.tgz training-parallel-un.tgz training-parallel-nc-v9.tgz
 #   training-giga-fren.tar dev.tgz test-full.tgz
-# Output: data-bin/wmt14_en_fr (joined dictionary). Tokenizing 36M pairs with sacremoses
+# Output: data-bin/wmt14_en_fr (joined dictionary). Tokenizing 36M pairs in Python
 # takes hours: give it --workers.
 
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"

@@ -1,45 +1,72 @@
 #!/usr/bin/env bash
-# Train one cell of the papers' translation tables with the papers' hyper-parameters.
+# Train one cell of the papers' translation tables with that paper's hyper-parameters.
 #
 #   bash examples/translation/train.sh FAMILY PAIR [fairseq-train args ...]
 #
-# FAMILY  transformer_lite ea_lite pa_lite        Transformer-Lite, EA-/PA-Transformer-Lite
-#         transformer_base ea_base                Transformer-Base, EA-Transformer-Base
-#         ran_e ran_d ran_all                     RAN (Transformer-Base dims)
-#         ran_e_lite ran_d_lite ran_all_lite      RAN with Transformer-Lite dims
+# FAMILY  (the paper whose settings it takes; README.md maps every table cell to one)
+#   EA      transformer_lite ea_lite              Transformer-Lite, EA-Transformer-Lite
+#           transformer_base ea_base              Transformer-Base, EA-Transformer-Base
+#   PA      transformer_lite_pa pa_lite           PA's Transformer (Lite dims), PA-Transformer
+#   RAN     transformer_ran                       RAN's Transformer baseline (TransF, Base dims)
+#           ran_e ran_d ran_all                   RAN (Transformer-Base dims)
+#           ran_e_lite ran_d_lite ran_all_lite    RAN with Transformer-Lite dims (EA's settings)
+#   DropAttention  transformer_dropattn dropattn  Transformer-Base without / with DropAttention
 # PAIR    iwslt14_de_en wmt14_en_de wmt14_en_fr
 #         wmt17_en_lv wmt17_lv_en wmt17_en_fi wmt17_fi_en wmt17_en_tr wmt17_tr_en
 #
+# Devices and precision
+#   CUDA GPUs by default; without a CUDA device it stops unless CPU=1 (train on CPU).
+#   NGPUS   GPUs (all nodes) [the paper's GPU count, or the largest divisor of the paper's
+#           batch not above the GPUs visible here]; with CPU=1 the number of CPU processes [1]
+#   FP16=1 (default on CUDA) / FP16=0 (float32) / BF16=1 (bfloat16, Ampere or newer)
+#   The effective batch (tokens per GPU x GPUs x update-freq) is kept at the paper's whatever
+#   NGPUS is: UPDATE_FREQ [paper's GPUs x accumulation / NGPUS]; with more GPUs than the
+#   paper's batch needs, MAX_TOKENS is divided instead. Both are printed before training.
+#   LAUNCHER: a command that starts the processes, e.g. "torchrun --nnodes 2 ..." (README.md)
+#
+# Seeds and run directories
+#   SEED [1]; SEEDS="1 2 3" trains one run per seed, one after another, into SAVE_DIR/seedN
+#   SAVE_DIR [checkpoints/FAMILY.PAIR]: checkpoints, train.log (fairseq's log), train.command
+#   (every command that trained it) and train.settings (the resolved settings). A directory
+#   whose checkpoints were trained with other settings is not resumed: train.sh stops and
+#   shows the difference; ALLOW_CHANGED_SETTINGS=1 resumes anyway.
+#
 # Every value below can be overridden with the environment variable in capitals, and any
 # fairseq-train option given after PAIR is passed through last (so it wins):
-#   DATA SAVE_DIR LR DROPOUT ATTN_DROPOUT EA_ALPHA EA_BETA PA_ALPHA WARMUP LABEL_SMOOTHING
-#   MAX_TOKENS MAX_UPDATE MAX_EPOCH PATIENCE KEEP_LAST_EPOCHS SEED
-#   NGPUS: devices (GPUs, or CPU processes with CPU=1) over all nodes [all visible GPUs;
-#   0 = one CPU process]; UPDATE_FREQ [the paper's GPUs x accumulation / NGPUS, e.g.
-#   8 x 16 / 2 = 64; when NGPUS exceeds the paper's GPUs, MAX_TOKENS is divided instead]
-#   CPU=1: train on CPU processes (--cpu); LAUNCHER: a command that starts the processes,
-#   e.g. LAUNCHER="torchrun --nnodes 2 --nproc_per_node 8 ..." (README.md, multi-node)
+#   DATA LR DROPOUT ATTN_DROPOUT EA_ALPHA EA_BETA PA_ALPHA WARMUP LABEL_SMOOTHING MAX_TOKENS
+#   MAX_UPDATE MAX_EPOCH PATIENCE KEEP_LAST_EPOCHS
+#   WEIGHT_DECAY [0: no paper gives one; fairseq's IWSLT recipe and Lite Transformer: 0.0001]
+#   SHARE_EMBEDDINGS all|decoder|none [all with a joined dictionary (dict.SRC = dict.TGT),
+#     decoder (--share-decoder-input-output-embed) with separate ones]
 #   DROP_ATTENTION=column|element DROP_ATTENTION_P DROP_ATTENTION_WINDOW (DropAttention, on
-#   any family, transformer_* included; paper's best for WMT En-De: element, p 0.2, window 2)
-#   USER_DIR (this repository's ea_fairseq)  FAIRSEQ_TRAIN (fairseq-train)
-#   DRY_RUN=1 prints the command instead of running it.
+#   any family, transformer_* included; the paper's best for WMT En-De: element, p 0.2,
+#   window 2, dropattn's default)
+#   USER_DIR (this repository's ea_fairseq)  FAIRSEQ_TRAIN (fairseq-train)  PYTHON (python3)
+#   DRY_RUN=1 prints the command instead of running it (assuming GPUs where there are none).
 #
-# Where the defaults come from (see README.md for the full table):
-#   all: Adam (0.9, 0.98), inverse_sqrt with 4000 warm-up updates, label smoothing 0.1
+# Where the defaults come from (README.md has the full table):
+#   all: Adam (0.9, 0.98), inverse_sqrt with 4000 warm-up updates, label smoothing 0.1,
+#     4096 tokens per GPU
 #   EA/Transformer Lite+Base: lr 1e-3; dropout 0.2 De-En / 0.3 En-De / 0.1 En-Fr; 1 GPU for
 #     De-En, 8 GPUs x 16 accumulation for En-De and En-Fr; alpha 0.1 (Lite) / 0.5 (Base),
 #     beta 0.1; early stopping with patience 5 (EA Table 10, Appendix A.3)
-#   PA-Lite (IWSLT'14 De-En only): lr 5e-4, dropout 0.2, alpha 0.1, patience 5 (PA §4.1.1,
-#     Appendix B.2.1)
-#   RAN on WMT: residual dropout 0.1, attention dropout 0.2 (not on En-Fr), 250k updates on
-#     WMT'14, 150k on WMT'17, 8 GPUs (2 for En-Tr), best checkpoint on valid (RAN Settings);
-#     lr 7e-4 and 4096 tokens per GPU are not in the paper (fairseq's usual Base values)
+#   PA-Lite and its Transformer (IWSLT'14 De-En only): lr 5e-4, dropout 0.2, alpha 0.1,
+#     patience 5 (PA §4.1.1, Appendix B.2.1)
+#   RAN and its Transformer on WMT: residual dropout 0.1, attention dropout 0.2 for RAN (not
+#     on En-Fr), 250k updates on WMT'14, 150k on WMT'17, 8 GPUs (2 for En-Tr), best
+#     checkpoint on valid, beam 4, length penalty 0.6 (RAN Settings); lr 7e-4 is not in the
+#     paper (fairseq's usual Base value)
+#   DropAttention and its Transformer (WMT En-De, 32K joint BPE): "the configuration of the
+#     original Transformer base", i.e. Vaswani et al.: dropout 0.1, 100k updates, the last
+#     5 checkpoints averaged, beam 4, length penalty 0.6; lr 7e-4 and 8 GPUs x 4096 tokens
+#     are fairseq's Base values
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 die() { echo "train.sh: error: $*" >&2; exit 1; }
+is_on() { case "${1:-}" in ""|0|no|false) return 1 ;; *) return 0 ;; esac; }
 
 if [ $# -lt 2 ]; then
   case "${1:-}" in -h|--help) usage; exit 0 ;; esac
@@ -47,28 +74,63 @@ if [ $# -lt 2 ]; then
 fi
 family="$1"; pair="$2"; shift 2
 
+# the variables the caller set, for train.command (before any default is filled in)
+known_vars=(DATA SAVE_DIR LR DROPOUT ATTN_DROPOUT EA_ALPHA EA_BETA PA_ALPHA WARMUP LABEL_SMOOTHING
+            MAX_TOKENS MAX_UPDATE MAX_EPOCH PATIENCE KEEP_LAST_EPOCHS SEED SEEDS UPDATE_FREQ NGPUS
+            CPU FP16 BF16 WEIGHT_DECAY SHARE_EMBEDDINGS DROP_ATTENTION DROP_ATTENTION_P
+            DROP_ATTENTION_WINDOW LAUNCHER USER_DIR FAIRSEQ_TRAIN ALLOW_CHANGED_SETTINGS)
+caller_env=()
+for v in "${known_vars[@]}"; do
+  if [ -n "${!v+set}" ] && { [ "$v" != SEEDS ] || [ -n "${!v}" ]; }; then caller_env+=("$v=${!v}"); fi
+done
+
+# ---------------------------------------------------------------- one run per seed
+if [ -n "${SEEDS:-}" ]; then
+  base="${SAVE_DIR:-checkpoints/$family.$pair}"
+  read -r -a seeds <<< "$SEEDS"
+  for s in "${seeds[@]}"; do [[ "$s" =~ ^[0-9]+$ ]] || die "SEEDS must be integers (got '$s')"; done
+  for s in "${seeds[@]}"; do
+    echo "[train] seed $s of SEEDS=\"$SEEDS\": $base/seed$s" >&2
+    SEEDS="" SEED="$s" SAVE_DIR="$base/seed$s" bash "$0" "$family" "$pair" "$@" \
+      || die "the run with seed $s failed (the runs before it are in $base)"
+  done
+  echo "[train] ${#seeds[@]} runs: $base/seed{$(echo "${seeds[*]}" | tr ' ' ',')}" >&2
+  last="$base/seed${seeds[-1]}"
+  if [ -f "$last/train.settings" ]; then  # the runs' evaluation, on the directory of all seeds
+    hint=$(sed -n 's/^# evaluate with: //p' "$last/train.settings")
+    echo "[train] evaluate every seed (mean ± std) with: ${hint/$last/$base}" >&2
+  fi
+  exit 0
+fi
+
 # ---------------------------------------------------------------- data set of the pair
 case "$pair" in
-  iwslt14_de_en) data_dir=iwslt14.tokenized.de-en; src=de; tgt=en; size=iwslt ;;
-  wmt14_en_de)   data_dir=wmt14_en_de; src=en; tgt=de; size=wmt14 ;;
-  wmt14_en_fr)   data_dir=wmt14_en_fr; src=en; tgt=fr; size=wmt14 ;;
+  iwslt14_de_en) data_dir=iwslt14.tokenized.de-en; src=de; tgt=en; size=iwslt; mode=iwslt ;;
+  wmt14_en_de)   data_dir=wmt14_en_de; src=en; tgt=de; size=wmt14; mode=wmt14-en-de ;;
+  wmt14_en_fr)   data_dir=wmt14_en_fr; src=en; tgt=fr; size=wmt14; mode=wmt ;;
   wmt17_en_lv|wmt17_lv_en|wmt17_en_fi|wmt17_fi_en|wmt17_en_tr|wmt17_tr_en)
     src="${pair:6:2}"; tgt="${pair:9:2}"
     other="$src"; [ "$src" = en ] && other="$tgt"
-    data_dir="wmt17_en_$other"; size=wmt17 ;;
+    data_dir="wmt17_en_$other"; size=wmt17; mode=wmt ;;
   *) die "unknown PAIR '$pair' (see --help)" ;;
 esac
 
 # ---------------------------------------------------------------- family: arch + settings
 alpha=""; beta=""; pa_alpha=""; attn_dropout=0.0; patience=5; max_update=""; keep_updates=""
+vanilla=(); drop_default=""
+eval_opts=()  # how the paper evaluates (scripts/evaluate.sh options)
 case "$family" in
   transformer_lite) arch=transformer_lite; kind=ea_lite ;;
   ea_lite)          arch=ea_transformer_lite; kind=ea_lite; alpha=0.1; beta=0.1 ;;
   transformer_base) arch=transformer; kind=ea_base ;;
   ea_base)          arch=ea_transformer_base; kind=ea_base; alpha=0.5; beta=0.1 ;;
+  transformer_lite_pa) arch=transformer_lite; kind=pa_lite ;;
   pa_lite)          arch=pa_transformer_lite; kind=pa_lite; pa_alpha=0.1 ;;
+  transformer_ran)  arch=transformer; kind=ran ;;
   ran_e|ran_d|ran_all) arch="$family"; kind=ran ;;
   ran_e_lite|ran_d_lite|ran_all_lite) arch="$family"; kind=ran_lite ;;
+  transformer_dropattn) arch=transformer; kind=vaswani ;;
+  dropattn)         arch=transformer; kind=vaswani; drop_default=element ;;
   *) die "unknown FAMILY '$family' (see --help)" ;;
 esac
 
@@ -78,7 +140,10 @@ ea_table() {
     iwslt14_de_en) lr=1e-3; dropout=0.2; paper_gpus=1; paper_accum=1 ;;
     wmt14_en_de)   lr=1e-3; dropout=0.3; paper_gpus=8; paper_accum=16 ;;
     wmt14_en_fr)   lr=1e-3; dropout=0.1; paper_gpus=8; paper_accum=16 ;;
-    *) [ -n "${LR:-}" ] && [ -n "${DROPOUT:-}" ] \
+    *) if [ "$family" = transformer_base ] || [ "$family" = transformer_lite ]; then
+         die "the EA paper has no $pair setting; RAN's Transformer baseline on WMT'17 is FAMILY transformer_ran"
+       fi
+       [ -n "${LR:-}" ] && [ -n "${DROPOUT:-}" ] \
          || die "no paper gives a $family setting for $pair: set LR, DROPOUT (and UPDATE_FREQ)"
        lr="$LR"; dropout="$DROPOUT"; paper_gpus=1; paper_accum=1 ;;
   esac
@@ -90,13 +155,16 @@ case "$kind" in
     [ "$pair" = iwslt14_de_en ] || die "the PA paper trains translation on IWSLT'14 De-En only"
     lr=5e-4; dropout=0.2; paper_gpus=1; paper_accum=1 ;;
   ran|ran_lite)
-    attn_dropout=0.2
+    [ "$family" != transformer_ran ] || [ "$size" != iwslt ] \
+      || die "the RAN paper has no IWSLT'14 setting; its Transformer baseline runs on WMT pairs"
+    [ "$family" = transformer_ran ] || attn_dropout=0.2
     if [ "$size" = iwslt ]; then
       ea_table  # RAN has no IWSLT setting: the EA table's values, RAN's attention dropout
     else
       if [ "$kind" = ran ]; then
         lr=7e-4; dropout=0.1; paper_gpus=8; paper_accum=1
         case "$pair" in wmt17_en_tr|wmt17_tr_en) paper_gpus=2 ;; esac
+        eval_opts=(--best --ran-wmt)
       else
         ea_table  # RAN-Lite: the Lite values of the EA table
       fi
@@ -105,6 +173,11 @@ case "$kind" in
       patience=-1  # RAN trains for a fixed number of steps and picks the best checkpoint
       keep_updates=10
     fi ;;
+  vaswani)
+    [ "$pair" = wmt14_en_de ] || die "the DropAttention paper trains translation on WMT En-De only"
+    data_dir=wmt14_en_de_bpe32k
+    lr=7e-4; dropout=0.1; paper_gpus=8; paper_accum=1; max_update=100000; patience=-1
+    keep_updates=10; eval_opts=(--num-avg 5 --avg-by update --beam 4 --lenpen 0.6) ;;
 esac
 
 # ---------------------------------------------------------------- overrides
@@ -115,15 +188,80 @@ EA_ALPHA="${EA_ALPHA:-$alpha}"; EA_BETA="${EA_BETA:-$beta}"; PA_ALPHA="${PA_ALPH
 WARMUP="${WARMUP:-4000}"; LABEL_SMOOTHING="${LABEL_SMOOTHING:-0.1}"
 MAX_TOKENS_SET="${MAX_TOKENS:-}"; MAX_TOKENS="${MAX_TOKENS:-$max_tokens}"; MAX_UPDATE="${MAX_UPDATE:-$max_update}"
 MAX_EPOCH="${MAX_EPOCH:-}"; PATIENCE="${PATIENCE:-$patience}"
-KEEP_LAST_EPOCHS="${KEEP_LAST_EPOCHS:-10}"; SEED="${SEED:-1}"
+KEEP_LAST_EPOCHS="${KEEP_LAST_EPOCHS:-10}"; SEED="${SEED:-1}"; WEIGHT_DECAY="${WEIGHT_DECAY:-0.0}"
+DROP_ATTENTION="${DROP_ATTENTION:-$drop_default}"
 USER_DIR="${USER_DIR:-$repo/ea_fairseq}"; FAIRSEQ_TRAIN="${FAIRSEQ_TRAIN:-fairseq-train}"
-if [ -z "${NGPUS:-}" ]; then
-  NGPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
-fi
-if [ "$NGPUS" -eq 0 ]; then CPU=1; fi
-CPU="${CPU:-}"
+PYTHON="${PYTHON:-python3}"
+[[ "$SEED" =~ ^[0-9]+$ ]] || die "SEED must be an integer (got '$SEED')"
+
+# options after PAIR that train.sh must know about (the batch they change is printed; those
+# with a variable of their own must be given that way, so the run's record stays true)
+extra=("$@"); extra_tokens=""; extra_freq=""; rank=0
+for ((i = 0; i < ${#extra[@]}; i++)); do
+  a="${extra[$i]}"; next="${extra[$((i + 1))]:-}"
+  case "$a" in
+    --max-tokens) extra_tokens="$next" ;; --max-tokens=*) extra_tokens="${a#*=}" ;;
+    --update-freq) extra_freq="$next" ;; --update-freq=*) extra_freq="${a#*=}" ;;
+    --distributed-rank) rank="$next" ;; --distributed-rank=*) rank="${a#*=}" ;;
+    --save-dir|--save-dir=*) die "give the checkpoint directory as SAVE_DIR=..., not $a" ;;
+    --seed|--seed=*) die "give the seed as SEED=... (or SEEDS=\"1 2 3\"), not $a" ;;
+    --fp16|--bf16|--amp|--memory-efficient-fp16|--memory-efficient-bf16) die "precision is FP16=1 / FP16=0 / BF16=1, not $a" ;;
+    --cpu) die "training on CPU is CPU=1, not --cpu" ;;
+  esac
+done
+
+# ---------------------------------------------------------------- devices and precision
 total=$((paper_gpus * paper_accum))
-devices=$(( NGPUS > 0 ? NGPUS : 1 ))
+cpu=""; is_on "${CPU:-}" && cpu=1
+probe=""
+if [ -z "$cpu" ]; then
+  probe=$("$PYTHON" - <<'PY' 2>/dev/null || true
+import torch
+n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+names = ";".join(torch.cuda.get_device_name(i) for i in range(n))
+cap = min((torch.cuda.get_device_capability(i)[0] for i in range(n)), default=0)
+print(f"{n}|{torch.__version__}|{torch.version.cuda or 'none'}|{cap}|{names}")
+PY
+)
+fi
+IFS='|' read -r n_cuda torch_version torch_cuda capability gpu_names <<< "${probe:-0|?|?|0|}"
+n_cuda="${n_cuda:-0}"
+if [ -z "$cpu" ] && [ "$n_cuda" -eq 0 ]; then
+  if is_on "${DRY_RUN:-}"; then
+    echo "[train] DRY_RUN: no CUDA device here; the command as it would run on GPUs" >&2
+  else
+    die "no CUDA device visible to $PYTHON (torch $torch_version, built for CUDA: $torch_cuda).
+  The papers' settings take days on a CPU; train.sh does not fall back to it silently.
+  Train on CPU anyway with CPU=1, or install a CUDA build of torch next to the pinned
+  stack (examples/translation/README.md, 'GPUs')."
+  fi
+fi
+if [ -n "$cpu" ]; then
+  NGPUS="${NGPUS:-1}"; [ "$NGPUS" -gt 0 ] || NGPUS=1
+  devices_text="CPU, $NGPUS process(es)"
+else
+  visible=$(( n_cuda > 0 ? n_cuda : paper_gpus ))
+  if [ -z "${NGPUS:-}" ]; then
+    NGPUS=$(( visible < paper_gpus ? visible : paper_gpus ))
+    while [ $((total % NGPUS)) -ne 0 ]; do NGPUS=$((NGPUS - 1)); done
+  fi
+  [ "$NGPUS" -gt 0 ] || die "NGPUS=0 means no GPU: train on CPU with CPU=1"
+  devices_text="$NGPUS GPU(s)"
+  [ "$n_cuda" -eq 0 ] || devices_text+=" of $n_cuda visible: ${gpu_names//;/, } (torch $torch_version, CUDA $torch_cuda)"
+fi
+precision=fp32; precision_flags=()
+if is_on "${BF16:-}"; then
+  ! is_on "${FP16:-}" || die "FP16=1 and BF16=1: choose one"
+  [ -n "$cpu" ] || [ "$n_cuda" -eq 0 ] || [ "$capability" -ge 8 ] \
+    || die "BF16=1 needs a GPU of compute capability 8.0 or newer (found $capability.x): use FP16=1"
+  precision=bf16; precision_flags=(--bf16)
+elif [ -n "$cpu" ]; then
+  ! is_on "${FP16:-}" || die "FP16=1 needs CUDA (fp16 on CPU is not supported): drop it, or BF16=1"
+elif [ "${FP16:-1}" != 0 ]; then
+  precision=fp16; precision_flags=(--fp16)
+fi
+
+devices=$NGPUS
 if [ -z "${UPDATE_FREQ:-}" ]; then
   if [ $((total % devices)) -eq 0 ]; then
     UPDATE_FREQ=$((total / devices))
@@ -134,44 +272,151 @@ if [ -z "${UPDATE_FREQ:-}" ]; then
     die "the paper's $paper_gpus GPU(s) x $paper_accum step(s) do not divide over $devices devices: set UPDATE_FREQ"
   fi
 fi
+eff_tokens="${extra_tokens:-$MAX_TOKENS}"; eff_freq="${extra_freq:-$UPDATE_FREQ}"
+effective=$((eff_tokens * devices * eff_freq)); paper_effective=$((max_tokens * total))
 
-cmd=("$FAIRSEQ_TRAIN" "$DATA" --user-dir "$USER_DIR" --task translation
-     --source-lang "$src" --target-lang "$tgt" --arch "$arch" --share-all-embeddings
-     --optimizer adam --adam-betas "(0.9, 0.98)" --clip-norm 0.0
+# ---------------------------------------------------------------- embeddings
+share="${SHARE_EMBEDDINGS:-}"
+joined=""
+if [ -f "$DATA/dict.$src.txt" ] && [ -f "$DATA/dict.$tgt.txt" ]; then
+  if cmp -s "$DATA/dict.$src.txt" "$DATA/dict.$tgt.txt"; then joined=yes; else joined=no; fi
+fi
+if [ -z "$share" ]; then
+  case "$joined" in
+    yes) share=all ;; no) share=decoder ;;
+    *) if [ "$size" = iwslt ]; then share=decoder; else share=all; fi ;;  # the recipes' default data
+  esac
+fi
+case "$share" in
+  all) [ "$joined" != no ] || die "SHARE_EMBEDDINGS=all needs a joined dictionary; $DATA has separate ones (prepare-iwslt14.sh --joined-dictionary makes one)"
+       share_flags=(--share-all-embeddings) ;;
+  decoder) share_flags=(--share-decoder-input-output-embed) ;;
+  none) share_flags=() ;;
+  *) die "SHARE_EMBEDDINGS must be all, decoder or none (got '$share')" ;;
+esac
+
+# ---------------------------------------------------------------- the command
+# run: what defines the experiment (train.settings); layout: how it is spread over devices
+run=("$DATA" --user-dir "$USER_DIR" --task translation
+     --source-lang "$src" --target-lang "$tgt" --arch "$arch" "${share_flags[@]}"
+     --optimizer adam --adam-betas "(0.9, 0.98)" --clip-norm 0.0 --weight-decay "$WEIGHT_DECAY"
      --lr "$LR" --lr-scheduler inverse_sqrt --warmup-updates "$WARMUP" --warmup-init-lr 1e-07
      --criterion label_smoothed_cross_entropy --label-smoothing "$LABEL_SMOOTHING"
      --dropout "$DROPOUT" --attention-dropout "$ATTN_DROPOUT"
-     --max-tokens "$MAX_TOKENS" --update-freq "$UPDATE_FREQ"
-     --save-dir "$SAVE_DIR" --keep-last-epochs "$KEEP_LAST_EPOCHS" --seed "$SEED"
-     --log-format simple --log-interval 100)
-if [ -n "$EA_ALPHA" ]; then cmd+=(--ea-alpha "$EA_ALPHA"); fi
-if [ -n "$EA_BETA" ]; then cmd+=(--ea-beta "$EA_BETA"); fi
-if [ -n "$PA_ALPHA" ]; then cmd+=(--pa-alpha "$PA_ALPHA"); fi
-if [ "$PATIENCE" != -1 ]; then cmd+=(--patience "$PATIENCE"); fi
-if [ -n "$MAX_UPDATE" ]; then cmd+=(--max-update "$MAX_UPDATE"); fi
-if [ -n "$MAX_EPOCH" ]; then cmd+=(--max-epoch "$MAX_EPOCH"); fi
-if [ -n "$keep_updates" ]; then cmd+=(--save-interval-updates 5000 --keep-interval-updates "$keep_updates"); fi
-if [ -n "${DROP_ATTENTION:-}" ]; then
-  cmd+=(--drop-attention "$DROP_ATTENTION" --drop-attention-p "${DROP_ATTENTION_P:-0.2}"
+     --keep-last-epochs "$KEEP_LAST_EPOCHS" --seed "$SEED")
+if [ -n "$EA_ALPHA" ]; then run+=(--ea-alpha "$EA_ALPHA"); fi
+if [ -n "$EA_BETA" ]; then run+=(--ea-beta "$EA_BETA"); fi
+if [ -n "$PA_ALPHA" ]; then run+=(--pa-alpha "$PA_ALPHA"); fi
+if [ "$PATIENCE" != -1 ]; then run+=(--patience "$PATIENCE"); fi
+if [ -n "$MAX_UPDATE" ]; then run+=(--max-update "$MAX_UPDATE"); fi
+if [ -n "$MAX_EPOCH" ]; then run+=(--max-epoch "$MAX_EPOCH"); fi
+if [ -n "$keep_updates" ]; then run+=(--save-interval-updates 5000 --keep-interval-updates "$keep_updates"); fi
+if [ -n "$DROP_ATTENTION" ]; then
+  run+=(--drop-attention "$DROP_ATTENTION" --drop-attention-p "${DROP_ATTENTION_P:-0.2}"
         --drop-attention-window "${DROP_ATTENTION_WINDOW:-2}")
 fi
-if [ -n "$CPU" ]; then
-  cmd+=(--cpu)
+run+=(${precision_flags[@]+"${precision_flags[@]}"})
+layout=(--max-tokens "$MAX_TOKENS" --update-freq "$UPDATE_FREQ" --save-dir "$SAVE_DIR"
+        --log-format simple --log-interval 100)
+if [ "$rank" = 0 ]; then layout+=(--log-file "$SAVE_DIR/train.log"); fi
+if [ -n "$cpu" ]; then
+  layout+=(--cpu)
 elif [ "$NGPUS" -gt 1 ] && [ -z "${LAUNCHER:-}" ]; then
-  cmd+=(--distributed-world-size "$NGPUS")
+  layout+=(--distributed-world-size "$NGPUS")
 fi
+cmd=("$FAIRSEQ_TRAIN" "${run[@]}" "${layout[@]}")
 if [ -n "${LAUNCHER:-}" ]; then  # e.g. torchrun ... for several nodes: it runs fairseq-train's file
   read -r -a launcher <<< "$LAUNCHER"
   cmd[0]="$(command -v "${cmd[0]}")" || die "${cmd[0]} not found"
   cmd=("${launcher[@]}" "${cmd[@]}")
 fi
-cmd+=("$@")
+cmd+=(${extra[@]+"${extra[@]}"})
 
-echo "[train] $family on $pair: paper $paper_gpus GPU(s) x $paper_accum accumulation x $max_tokens tokens;" \
-     "here $devices device(s) x update-freq $UPDATE_FREQ x $MAX_TOKENS tokens" >&2
-if [ -n "${DRY_RUN:-}" ]; then
+# the options after PAIR, minus those that only say how processes and logs are laid out
+settings_extra=()
+for ((i = 0; i < ${#extra[@]}; i++)); do
+  a="${extra[$i]}"
+  case "$a" in
+    --distributed-*=*|--device-id=*|--num-workers=*|--log-*=*|--ddp-backend=*|--max-tokens=*|--update-freq=*) ;;
+    --distributed-no-spawn|--no-progress-bar) ;;
+    --distributed-*|--device-id|--num-workers|--log-*|--ddp-backend|--max-tokens|--update-freq|--tensorboard-logdir)
+      i=$((i + 1)) ;;
+    *) settings_extra+=("$a") ;;
+  esac
+done
+eval_hint="bash scripts/evaluate.sh $SAVE_DIR $DATA $mode"
+case "$size" in wmt17) eval_hint+=" -s $src -t $tgt" ;; esac
+if [ ${#eval_opts[@]} -gt 0 ]; then eval_hint+=" ${eval_opts[*]}"; fi
+# the data as an absolute path and the plugin's location left out, so that a resume from
+# another working directory or checkout compares equal
+data_abs=$(cd "$DATA" 2>/dev/null && pwd || echo "$DATA")
+options_by_line() {  # one option a line, with its value
+  local a line=""
+  for a in "$@"; do
+    if [[ "$a" == --* ]]; then [ -z "$line" ] || echo "$line"; line="$a"; else line+=" $a"; fi
+  done
+  [ -z "$line" ] || echo "$line"
+}
+settings=$(
+  echo "family=$family"
+  echo "pair=$pair"
+  echo "data=$data_abs"
+  echo "effective_batch_tokens=$effective"
+  echo "precision=$precision"
+  echo "fairseq-train options (data, plugin directory, batch layout and logging left out):"
+  options_by_line "${run[@]:3}" ${settings_extra[@]+"${settings_extra[@]}"}
+)
+
+echo "[train] $family on $pair, seed $SEED -> $SAVE_DIR" >&2
+echo "[train] devices: $devices_text; precision: $precision" >&2
+echo "[train] effective batch: $eff_tokens tokens x $devices device(s) x update-freq $eff_freq = $effective tokens per update" \
+     "(paper: $paper_gpus GPU(s) x $paper_accum accumulation x $max_tokens tokens = $paper_effective)" >&2
+if [ "$effective" != "$paper_effective" ]; then
+  echo "[train] note: the effective batch is not the paper's ($paper_effective tokens)" >&2
+fi
+echo "[train] evaluate with: $eval_hint" >&2
+if is_on "${DRY_RUN:-}"; then
   printf '%q ' "${cmd[@]}"; echo
   exit 0
 fi
-mkdir -p "$SAVE_DIR"
-exec "${cmd[@]}"
+
+# ---------------------------------------------------------------- run hygiene
+if [ "$rank" = 0 ]; then
+  mkdir -p "$SAVE_DIR"
+  record="$SAVE_DIR/train.settings"
+  if [ -f "$SAVE_DIR/checkpoint_last.pt" ]; then
+    if [ ! -f "$record" ]; then
+      problem="its checkpoints have no record of the settings they were trained with ($record)"
+    elif [ "$(grep -v '^#' "$record")" != "$settings" ]; then
+      problem="its checkpoints were trained with other settings:
+$(diff <(grep -v '^#' "$record") <(echo "$settings") | grep '^[<>]' | sed 's/^</  was:/; s/^>/  now:/' || true)"
+    else
+      problem=""
+      echo "[train] resuming $SAVE_DIR/checkpoint_last.pt (same settings)" >&2
+    fi
+    if [ -n "$problem" ]; then
+      is_on "${ALLOW_CHANGED_SETTINGS:-}" \
+        || die "not resuming $SAVE_DIR: $problem
+  Train into another directory (SAVE_DIR=...), or resume with these settings anyway:
+  ALLOW_CHANGED_SETTINGS=1"
+      echo "[train] ALLOW_CHANGED_SETTINGS=1: resuming $SAVE_DIR with changed settings" >&2
+      [ ! -f "$record" ] || mv "$record" "$record.before-$(date +%Y%m%d-%H%M%S)"
+    fi
+  fi
+  {
+    echo "# resolved settings of the run in this directory (train.sh compares them before resuming)"
+    echo "# evaluate with: $eval_hint"
+    echo "$settings"
+  } > "$record"
+  {
+    echo "# $(date '+%Y-%m-%d %H:%M:%S') on $(hostname): $devices_text, $precision"
+    printf 'cd %q && ' "$PWD"
+    if [ ${#caller_env[@]} -gt 0 ]; then printf '%q ' "${caller_env[@]}"; fi
+    printf 'bash %q %q %q' "$0" "$family" "$pair"
+    if [ ${#extra[@]} -gt 0 ]; then printf ' %q' "${extra[@]}"; fi
+    echo
+    printf '%q ' "${cmd[@]}"; echo
+  } >> "$SAVE_DIR/train.command"
+fi
+"${cmd[@]}"
+echo "[train] done: $SAVE_DIR; evaluate with: $eval_hint" >&2
