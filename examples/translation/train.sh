@@ -117,7 +117,7 @@ esac
 
 # ---------------------------------------------------------------- family: arch + settings
 alpha=""; beta=""; pa_alpha=""; attn_dropout=0.0; patience=5; max_update=""; keep_updates=""
-vanilla=(); drop_default=""
+drop_default=""
 eval_opts=()  # how the paper evaluates (scripts/evaluate.sh options)
 case "$family" in
   transformer_lite) arch=transformer_lite; kind=ea_lite ;;
