@@ -372,7 +372,7 @@ def test_train_sh_baselines_take_their_papers_settings(env, tmp_path):
     assert "--arch transformer_lite " in cmd and "--lr 5e-4" in cmd and "--dropout 0.2" in cmd
     assert "--pa-alpha" not in cmd
     cmd, err = _dry(env, tmp_path, "dropattn", "wmt14_en_de")
-    assert "data-bin/wmt14_en_de_bpe32k" in cmd and "--arch ea_transformer_base --encoder-attention vanilla" in cmd
+    assert "data-bin/wmt14_en_de_bpe32k" in cmd and "--arch transformer " in cmd  # DropAttention on the paper's model
     assert "--drop-attention element --drop-attention-p 0.2 --drop-attention-window 2" in cmd
     assert "--max-update 100000" in cmd and "--num-avg 5 --avg-by update --beam 4 --lenpen 0.6" in err
     cmd, _ = _dry(env, tmp_path, "transformer_dropattn", "wmt14_en_de")
