@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from fairseq.sequence_generator import SequenceGenerator
 
-from conftest import (REPO, batch_invariance_gap, beam_reorder_gap, build_model, causality_gap, cli,
+from conftest import (randomize_convs, REPO, batch_invariance_gap, beam_reorder_gap, build_model, causality_gap, cli,
                       decoder_out, incremental_logprobs, random_batch)
 from ea_fairseq.modules import AttentionMapConv
 
@@ -59,16 +59,6 @@ def exact_float32():
     yield
     torch.backends.cuda.matmul.allow_tf32 = matmul
     torch.backends.cudnn.allow_tf32 = cudnn
-
-
-def randomize_convs(model, scale=0.5, seed=3):
-    """Conv weights drawn large so that a leak through any tap is visible."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, AttentionMapConv):
-                m.weight.copy_(torch.randn(m.weight.shape, generator=g) * scale)
-                m.bias.copy_(torch.randn(m.bias.shape, generator=g) * scale)
 
 
 def cuda_model(arch, dtype, *extra):

@@ -6,7 +6,7 @@ import torch
 from fairseq.models.transformer import TransformerModel
 from fairseq.modules import MultiheadAttention
 
-from conftest import (batch_invariance_gap, beam_reorder_gap, build_model, decoder_out,
+from conftest import (randomize_convs, batch_invariance_gap, beam_reorder_gap, build_model, decoder_out,
                       incremental_logprobs, random_batch)
 from ea_fairseq.modules import AttentionMapConv, EvolvingAttention
 from ea_fairseq import accelerators
@@ -49,16 +49,6 @@ def decoding_step(request):
 
 def ea_modules(model):
     return [m for m in model.modules() if isinstance(m, EvolvingAttention)]
-
-
-def randomize_convs(model, scale=0.5, seed=3):
-    """Conv weights drawn large so that a leak through any tap is visible."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, AttentionMapConv):
-                m.weight.copy_(torch.randn(m.weight.shape, generator=g) * scale)
-                m.bias.copy_(torch.randn(m.bias.shape, generator=g) * scale)
 
 
 @pytest.mark.parametrize("extra", [ALL_OFF, ("--ea-alpha", "0", "--ea-beta", "0")],
