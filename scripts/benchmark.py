@@ -62,6 +62,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import ea_fairseq  # noqa: E402,F401  (registers the architectures)
+from ea_fairseq.models import fairseq_speedups  # noqa: E402
 from fairseq import options  # noqa: E402
 from fairseq.data import Dictionary  # noqa: E402
 from fairseq.models import ARCH_MODEL_REGISTRY  # noqa: E402
@@ -82,17 +83,6 @@ VOCAB = {"lite": 10000, "base": 32000}
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 ADAM = {"lr": 1e-4, "betas": (0.9, 0.98)}
 CPU = torch.device("cpu")
-
-
-def use_fairseq_reorder() -> None:
-    """Make the plugin's decoders reorder their caches as fairseq's do (a walk over every
-    module at every beam-search step) instead of over the list they keep: ratios then hold
-    the mechanisms' own cost only."""
-    from fairseq.models import FairseqIncrementalDecoder
-    from ea_fairseq.models.ea_transformer import EATransformerDecoder
-
-    EATransformerDecoder.reorder_incremental_state_scripting = (
-        FairseqIncrementalDecoder.reorder_incremental_state_scripting)
 
 
 # -- building ---------------------------------------------------------------------------
@@ -638,7 +628,8 @@ def main():
         return
     kept = keep_freed_memory() if not args.system_allocator else False
     if args.fairseq_reorder:
-        use_fairseq_reorder()
+        # ratios then hold the mechanisms' own cost only, as the twins walk every module too
+        fairseq_speedups.use_fairseq_reorder()
 
     quick = args.quick
     archs = args.only or (["ea_transformer_lite", "ran_all_lite"] if quick else list(PAIRS))

@@ -5,11 +5,14 @@ self-attention), ``decoder`` (decoder self-attention) and ``cross``
 (encoder-decoder attention). Each role names a variant with
 ``--encoder-attention``, ``--decoder-attention`` and ``--cross-attention``; the
 architectures only choose defaults, so variants compose freely (e.g. RAN-D with an EA
-encoder). Each variant registers a builder here that turns the ``MultiheadAttention``
-fairseq built for a role into the mechanism, in place.
+encoder). Each variant registers here (:func:`register_variant`) its builder, which turns
+the ``MultiheadAttention`` fairseq built for a role into the mechanism, the roles it is
+defined for, and whether it reads state its stack hands between layers; the options'
+choices and the model's checks are derived from that registry.
 """
 import argparse
-from typing import Callable, Dict, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Tuple
 
 from fairseq.modules import MultiheadAttention
 
@@ -23,18 +26,37 @@ ROLES: Tuple[str, ...] = ("encoder", "decoder", "cross")
 SLOT = {"encoder": "self", "decoder": "self", "cross": "cross"}
 CONV_LAYOUT = {"encoder": "full", "decoder": "causal", "cross": "rows"}
 
-# role -> variant -> builder(attn, cfg, role) -> attention module
-_BUILDERS: Dict[str, Callable] = {}
-_ROLE_SUPPORT: Dict[str, Tuple[str, ...]] = {}
+
+@dataclass(frozen=True)
+class Variant:
+    """One attention variant: what builds it, where it applies, what it needs of its stack."""
+
+    name: str
+    build: Callable  # build(attn, cfg, role, layer_index) -> attention module
+    roles: Tuple[str, ...]  # the roles it is defined for
+    # carries_maps(cfg, role): does it read state its stack hands between the layers of
+    # one forward pass (the previous layer's maps, RAN's matrices)?
+    carries_maps: Callable[..., bool]
 
 
-def register_variant(name: str, roles: Tuple[str, ...]):
-    def wrap(fn):
-        _BUILDERS[name] = fn
-        _ROLE_SUPPORT[name] = roles
-        return fn
+#: every variant, in the order the options list them; the one source of the choices of
+#: --encoder/decoder/cross-attention, of the roles a variant accepts and of needs_carrier
+VARIANTS: Dict[str, Variant] = {}
+
+
+def register_variant(name: str, roles: Tuple[str, ...], carries_maps=False):
+    """Register ``build`` for ``--<role>-attention name``; ``carries_maps`` is a bool or a
+    predicate ``(cfg, role) -> bool``."""
+    def wrap(build):
+        predicate = carries_maps if callable(carries_maps) else (lambda cfg, role: carries_maps)
+        VARIANTS[name] = Variant(name, build, tuple(roles), predicate)
+        return build
 
     return wrap
+
+
+def choices_for(role: str) -> List[str]:
+    return [name for name, variant in VARIANTS.items() if role in variant.roles]
 
 
 def variant_of(cfg, role: str) -> str:
@@ -43,18 +65,15 @@ def variant_of(cfg, role: str) -> str:
 
 def needs_carrier(cfg, role: str) -> bool:
     """Does this role's attention read state its stack hands between layers?"""
-    variant = variant_of(cfg, role)
-    if variant == "ea":
-        return ea_alpha(cfg, role) > 0.0
-    return variant in ("ran", "pa")
+    variant = VARIANTS.get(variant_of(cfg, role))
+    return variant is not None and variant.carries_maps(cfg, role)
 
 
 def build_attention(role: str, attn: MultiheadAttention, cfg, layer_index: int = 0):
     variant = variant_of(cfg, role)
     if variant == "ran" and layer_index == 0 and cfg.ran_first_layer_standard:
         variant = "vanilla"  # the authors' code can keep standard attention in layer 1
-    if variant != "vanilla":
-        attn = _build_variant(variant, role, attn, cfg, layer_index)
+    attn = _build_variant(variant, role, attn, cfg, layer_index)
     if role in (getattr(cfg, "drop_attention_on", None) or ()) and cfg.drop_attention != "none":
         if not isinstance(attn, LogitMapAttention):  # vanilla attention with DropAttention
             attn = LogitMapAttention.promote(attn)
@@ -68,22 +87,24 @@ def build_attention(role: str, attn: MultiheadAttention, cfg, layer_index: int =
 
 
 def _build_variant(variant, role, attn, cfg, layer_index):
-    if variant not in _BUILDERS:
+    if variant not in VARIANTS:
         raise ValueError(
             f"--{role}-attention {variant}: unknown attention variant; "
-            f"choose one of {['vanilla'] + sorted(_BUILDERS)}"
+            f"choose one of {list(VARIANTS)}"
         )
-    if role not in _ROLE_SUPPORT[variant]:
+    roles = VARIANTS[variant].roles
+    if role not in roles:
         raise ValueError(
             f"--{role}-attention {variant}: the {variant} variant is defined for "
-            f"{', '.join(_ROLE_SUPPORT[variant])} attention only"
+            f"{', '.join(roles)} attention only"
         )
-    return _BUILDERS[variant](attn, cfg, role, layer_index)
+    return VARIANTS[variant].build(attn, cfg, role, layer_index)
 
 
 def add_args(parser):
     # ``parser`` is fairseq's model-specific argument group (argument_default=SUPPRESS):
-    # options not given on the command line stay unset and the --arch fills them.
+    # options not given on the command line stay unset; the --arch sets its own defaults
+    # and the model's build_model fills the rest (fill_defaults).
     group = ea = parser
     for role, what in (
         ("encoder", "encoder self-attention"),
@@ -92,7 +113,7 @@ def add_args(parser):
     ):
         group.add_argument(
             f"--{role}-attention",
-            choices=["vanilla", "ea"] + (["pa", "ran"] if role == "encoder" else ["ran"] if role == "decoder" else []),
+            choices=choices_for(role),
             help=f"attention variant of the {what} (default: set by --arch)",
         )
     ea.add_argument("--ea-alpha", type=float, metavar="A",
@@ -161,7 +182,12 @@ def ea_alpha(cfg, role: str) -> float:
     return float(cfg.ea_alpha if role == "encoder" else cfg.ea_decoder_alpha)
 
 
-@register_variant("ea", roles=ROLES)
+@register_variant("vanilla", roles=ROLES)
+def build_vanilla_attention(attn, cfg, role, layer_index):
+    return attn  # fairseq's MultiheadAttention as built
+
+
+@register_variant("ea", roles=ROLES, carries_maps=lambda cfg, role: ea_alpha(cfg, role) > 0.0)
 def build_evolving_attention(attn, cfg, role, layer_index):
     conv_off = getattr(cfg, f"ea_no_{role}_conv", False)
     return EvolvingAttention.promote(
@@ -175,16 +201,16 @@ def build_evolving_attention(attn, cfg, role, layer_index):
     )
 
 
-@register_variant("ran", roles=("encoder", "decoder"))
-def build_recurrent_attention(attn, cfg, role, layer_index):
-    return RecurrentAttention.promote(attn, causal=role == "decoder")
-
-
-@register_variant("pa", roles=("encoder",))
+@register_variant("pa", roles=("encoder",), carries_maps=True)
 def build_predictive_attention(attn, cfg, role, layer_index):
     return PredictiveAttention.promote(
         attn, alpha=float(cfg.pa_alpha), conv_layers=int(cfg.pa_conv_layers), predict=layer_index > 0,
     )
+
+
+@register_variant("ran", roles=("encoder", "decoder"), carries_maps=True)
+def build_recurrent_attention(attn, cfg, role, layer_index):
+    return RecurrentAttention.promote(attn, causal=role == "decoder")
 
 
 def set_default(args, name: str, value) -> None:

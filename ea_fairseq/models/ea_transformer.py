@@ -4,7 +4,8 @@ Only the attention builders of fairseq's layers are overridden (``build_self_att
 ``build_encoder_attention``); the encoder and decoder loops are fairseq's. The encoder
 and the decoder each own one :class:`~ea_fairseq.modules.attention_maps.AttentionMapCarrier`
 that hands a layer's attention logits to the next layer; their ``forward`` only opens a
-fresh scope on it and returns ``super()``'s result.
+fresh scope on it and returns ``super()``'s result. The decoder's beam reorder is the
+faster one of :mod:`~ea_fairseq.models.fairseq_speedups`.
 """
 import logging
 from contextlib import contextmanager
@@ -24,6 +25,7 @@ from ..modules.attention_maps import AttentionMapCarrier, LogitMapAttention
 from ..modules.recurrent_attention import (RecurrentAttention, RecurrentAttentionMatrices,
                                             mixed_precision_caveats)
 from . import attention_variants as variants
+from .fairseq_speedups import ListedStateHolders
 from .transformer_lite import transformer_lite
 
 logger = logging.getLogger(__name__)
@@ -112,13 +114,12 @@ class EATransformerEncoder(AttentionMapsMixin, TransformerEncoderBase):
             return super().forward(src_tokens, src_lengths, return_all_hiddens, token_embeddings)
 
 
-class EATransformerDecoder(AttentionMapsMixin, TransformerDecoderBase):
+class EATransformerDecoder(AttentionMapsMixin, ListedStateHolders, TransformerDecoderBase):
     def __init__(self, cfg, dictionary, embed_tokens, no_encoder_attn=False,
                  output_projection=None):
         super().__init__(cfg, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn,
                          output_projection=output_projection)
         self.setup_attention_maps(cfg, cfg.decoder.attention_heads)
-        self._state_holders = None  # see reorder_incremental_state_scripting
 
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
         layer = EATransformerDecoderLayer(cfg, no_encoder_attn, self.next_layer_index())
@@ -127,30 +128,12 @@ class EATransformerDecoder(AttentionMapsMixin, TransformerDecoderBase):
     def extract_features(self, prev_output_tokens, encoder_out=None, incremental_state=None,
                          full_context_alignment: bool = False, alignment_layer=None,
                          alignment_heads=None):
-        if incremental_state is not None and not incremental_state:
-            self._state_holders = None  # a new decoding run: list the modules afresh
+        self.note_decoding_step(incremental_state)
         with self.attention_scope(prev_output_tokens.size(1), incremental_state):
             return super().extract_features(
                 prev_output_tokens, encoder_out, incremental_state,
                 full_context_alignment, alignment_layer, alignment_heads,
             )
-
-    def reorder_incremental_state_scripting(self, incremental_state, new_order):
-        """Reorder every module's incremental state for the new beam order.
-
-        fairseq's version walks all modules of the decoder (about 130) and tests each for
-        ``reorder_incremental_state`` at every beam-search step: 0.3-0.5 ms a step on
-        CPU, a tenth of a small model's step. The same modules, in the same order, are
-        listed here once per decoding run (afresh when a run starts with an empty state).
-        """
-        holders = self._state_holders
-        if holders is None:
-            holders = tuple(m for m in self.modules() if hasattr(m, "reorder_incremental_state"))
-            self._state_holders = holders
-        for module in holders:
-            result = module.reorder_incremental_state(incremental_state, new_order)
-            if result is not None:
-                incremental_state = result
 
 
 @register_model("ea_transformer")
@@ -166,6 +149,8 @@ class EATransformerModel(TransformerModel):
     def build_model(cls, args, task):
         variants.fill_defaults(args)
         check_options(args)
+        lower_max_positions_to_ran(args)
+        warn_about_ran_mixed_precision(args)
         return super().build_model(args, task)
 
     @classmethod
@@ -191,12 +176,25 @@ def check_options(args) -> None:
             "--checkpoint-activations/--offload-activations, or use --ea-alpha 0 / "
             "--ea-decoder-alpha 0 for EA."
         )
-    ran = [r for r in ("encoder", "decoder") if variants.variant_of(args, r) == "ran"]
-    if ran and args.ran_max_positions < 1:  # argparse refuses it; this is a checkpoint's value
+    if ran_roles(args) and args.ran_max_positions < 1:  # argparse refuses it; this is a checkpoint's value
         raise ValueError(f"--ran-max-positions must be at least 1, got {args.ran_max_positions}")
+    if getattr(args, "cross_self_attention", False) and variants.variant_of(args, "decoder") != "vanilla":
+        raise ValueError(
+            "--cross-self-attention mixes source and target keys in one map, which the "
+            f"{variants.variant_of(args, 'decoder')} decoder attention does not define; drop it."
+        )
+
+
+def ran_roles(args):
+    return [r for r in ("encoder", "decoder") if variants.variant_of(args, r) == "ran"]
+
+
+def lower_max_positions_to_ran(args) -> None:
+    """Adjust ``--max-source/target-positions`` down to ``--ran-max-positions`` on the RAN
+    sides, so that fairseq itself filters (training) or refuses (generation) longer
+    sentences."""
     for role, side in (("encoder", "source"), ("decoder", "target")):
-        if role in ran:
-            # fairseq then filters (training) or refuses (generation) longer sentences itself
+        if role in ran_roles(args):
             name, limit = f"max_{side}_positions", args.ran_max_positions
             given = getattr(args, name, None)
             if given is not None and given > limit:
@@ -204,14 +202,12 @@ def check_options(args) -> None:
                             f"attends over at most --ran-max-positions {limit} tokens; longer "
                             f"{side} sentences are filtered in training and refused in generation")
             setattr(args, name, min(given or limit, limit))
-    if "ran" in (variants.variant_of(args, "encoder"), variants.variant_of(args, "decoder")):
+
+
+def warn_about_ran_mixed_precision(args) -> None:
+    if ran_roles(args):
         for note in mixed_precision_caveats(args):
             logger.warning("RAN keeps its attention matrices' parameters in float32: %s", note)
-    if getattr(args, "cross_self_attention", False) and variants.variant_of(args, "decoder") != "vanilla":
-        raise ValueError(
-            "--cross-self-attention mixes source and target keys in one map, which the "
-            f"{variants.variant_of(args, 'decoder')} decoder attention does not define; drop it."
-        )
 
 
 def _ea_defaults(args, alpha: float, dims) -> None:
@@ -222,7 +218,6 @@ def _ea_defaults(args, alpha: float, dims) -> None:
     variants.set_default(args, "ea_beta", 0.1)
     variants.set_default(args, "ea_decoder_alpha", 0.0)
     dims(args)
-    variants.fill_defaults(args)
 
 
 @register_model_architecture("ea_transformer", "ea_transformer_lite")
@@ -245,25 +240,47 @@ def pa_transformer_lite(args):
     variants.set_default(args, "pa_alpha", 0.1)
     variants.set_default(args, "pa_conv_layers", 1)
     transformer_lite(args)
-    variants.fill_defaults(args)
 
 
-def _ran_architecture(encoder: bool, decoder: bool, dims):
-    def arch(args):
-        variants.set_default(args, "encoder_attention", "ran" if encoder else "vanilla")
-        variants.set_default(args, "decoder_attention", "ran" if decoder else "vanilla")
-        variants.set_default(args, "attention_dropout", 0.2)  # RAN paper §Settings
-        dims(args)
-        variants.fill_defaults(args)
-
-    return arch
+def _ran_defaults(args, encoder: bool, decoder: bool, dims) -> None:
+    """RAN (RAN paper §3) in the encoder and/or the decoder; attention dropout 0.2 (§Settings)."""
+    variants.set_default(args, "encoder_attention", "ran" if encoder else "vanilla")
+    variants.set_default(args, "decoder_attention", "ran" if decoder else "vanilla")
+    variants.set_default(args, "attention_dropout", 0.2)
+    dims(args)
 
 
-for _name, _enc, _dec in (("ran_e", True, False), ("ran_d", False, True), ("ran_all", True, True)):
-    _doc = (f"RAN-{_name[4:].upper()} (RAN paper §3): recurrent attention in the "
-            f"{'encoder and decoder' if _enc and _dec else 'encoder' if _enc else 'decoder'}; "
-            "attention dropout 0.2.")
-    for _suffix, _dims in (("", base_architecture), ("_lite", transformer_lite)):
-        _fn = _ran_architecture(_enc, _dec, _dims)
-        _fn.__name__, _fn.__doc__ = _name + _suffix, _doc + (" transformer_lite dims." if _suffix else " Transformer-base dims.")
-        register_model_architecture("ea_transformer", _name + _suffix)(_fn)
+@register_model_architecture("ea_transformer", "ran_e")
+def ran_e(args):
+    """RAN-E: recurrent attention in the encoder, Transformer-base dims."""
+    _ran_defaults(args, encoder=True, decoder=False, dims=base_architecture)
+
+
+@register_model_architecture("ea_transformer", "ran_d")
+def ran_d(args):
+    """RAN-D: recurrent attention in the decoder, Transformer-base dims."""
+    _ran_defaults(args, encoder=False, decoder=True, dims=base_architecture)
+
+
+@register_model_architecture("ea_transformer", "ran_all")
+def ran_all(args):
+    """RAN-ALL: recurrent attention in the encoder and decoder, Transformer-base dims."""
+    _ran_defaults(args, encoder=True, decoder=True, dims=base_architecture)
+
+
+@register_model_architecture("ea_transformer", "ran_e_lite")
+def ran_e_lite(args):
+    """RAN-E on transformer_lite dims."""
+    _ran_defaults(args, encoder=True, decoder=False, dims=transformer_lite)
+
+
+@register_model_architecture("ea_transformer", "ran_d_lite")
+def ran_d_lite(args):
+    """RAN-D on transformer_lite dims."""
+    _ran_defaults(args, encoder=False, decoder=True, dims=transformer_lite)
+
+
+@register_model_architecture("ea_transformer", "ran_all_lite")
+def ran_all_lite(args):
+    """RAN-ALL on transformer_lite dims."""
+    _ran_defaults(args, encoder=True, decoder=True, dims=transformer_lite)
