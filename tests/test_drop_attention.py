@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from conftest import build_model, decoder_out, random_batch
-from ea_fairseq.modules import DropAttention, LogitMapAttention
+from ea_fairseq.modules import AttentionMechanism, DropAttention
 
 
 def softmax_weights(shape, seed=0):
@@ -96,7 +96,7 @@ DROP = ("--drop-attention", "element", "--drop-attention-p", "0.2", "--drop-atte
 def test_every_variant_takes_drop_attention_only_in_training(dictionary, arch, extra):
     model, _ = build_model(arch, "--encoder-layers", "2", "--decoder-layers", "2", "--dropout", "0",
                            *extra, *DROP)
-    attns = [m for m in model.modules() if isinstance(m, LogitMapAttention)]
+    attns = [m for m in model.modules() if isinstance(m, AttentionMechanism)]
     assert len(attns) == 6 and all(isinstance(m.weight_dropout, DropAttention) for m in attns)
     plain, _ = build_model(arch, "--encoder-layers", "2", "--decoder-layers", "2", "--dropout", "0",
                            "--attention-dropout", "0", *extra)

@@ -31,10 +31,12 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
+from fairseq.modules import MultiheadAttention
 from torch import Tensor
 
 from .. import accelerators
-from ..modules.attention_maps import LogitMapAttention
+from ..modules.attention_maps import AttentionMechanism
+from ..modules.recurrent_attention import RecurrentAttention
 
 logger = logging.getLogger(__name__)
 
@@ -122,15 +124,13 @@ class AttentionCapture:
         self._skip_flags = []
 
     def __enter__(self):
-        from fairseq.modules import MultiheadAttention
-
         if self.carriers:
             self._stack.enter_context(accelerators.reference_only())
         for stack_name in ("encoder", "decoder"):
             stack = getattr(self.model, stack_name, None)
             for layer_index, layer in enumerate(getattr(stack, "layers", ())):
                 for module in layer.modules():
-                    if isinstance(module, MultiheadAttention):
+                    if isinstance(module, (MultiheadAttention, RecurrentAttention)):
                         self._watch(module, stack_name, layer_index)
         return self
 
@@ -147,8 +147,9 @@ class AttentionCapture:
         name = f"{stack_name}.{slot}"
         # fairseq's fused path (F.multi_head_attention_forward) returns head averages only;
         # skipping the embed-dim check routes the call through fairseq's own path
-        self._skip_flags.append((module, module.skip_embed_dim_check))
-        module.skip_embed_dim_check = True
+        if isinstance(module, MultiheadAttention):
+            self._skip_flags.append((module, module.skip_embed_dim_check))
+            module.skip_embed_dim_check = True
 
         def pre(mod, args, kwargs):
             args = list(args)
@@ -171,7 +172,7 @@ class AttentionCapture:
 
         self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         self._handles.append(module.register_forward_hook(post, with_kwargs=True))
-        if self.carriers and isinstance(module, LogitMapAttention):
+        if self.carriers and isinstance(module, AttentionMechanism):
             self._handles.append(module.register_map_hook(reported))
 
     def result(self) -> Dict[str, Dict[str, List[Tensor]]]:

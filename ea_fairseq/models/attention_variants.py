@@ -5,8 +5,9 @@ self-attention), ``decoder`` (decoder self-attention) and ``cross``
 (encoder-decoder attention). Each role names a variant with
 ``--encoder-attention``, ``--decoder-attention`` and ``--cross-attention``; the
 architectures only choose defaults, so variants compose freely (e.g. RAN-D with an EA
-encoder). Each variant registers here (:func:`register_variant`) its builder, which turns
-the ``MultiheadAttention`` fairseq built for a role into the mechanism, the roles it is
+encoder). Each variant registers here (:func:`register_variant`) its builder, which makes
+the role's attention module (most from the ``MultiheadAttention`` fairseq builds for the
+role, promoted in place; RAN a module of its own), the roles it is
 defined for, and whether it reads state its stack hands between layers; the options'
 choices and the model's checks are derived from that registry.
 """
@@ -16,7 +17,7 @@ from typing import Callable, Dict, List, Tuple
 
 from fairseq.modules import MultiheadAttention
 
-from ..modules.attention_maps import LogitMapAttention
+from ..modules.attention_maps import AttentionMechanism, LogitMapAttention
 from ..modules.drop_attention import MODES as DROP_MODES, RESCALES as DROP_RESCALES, DropAttention
 from ..modules.evolving_attention import EvolvingAttention
 from ..modules.predictive_attention import PredictiveAttention
@@ -32,7 +33,7 @@ class Variant:
     """One attention variant: what builds it, where it applies, what it needs of its stack."""
 
     name: str
-    build: Callable  # build(attn, cfg, role, layer_index) -> attention module
+    build: Callable  # build(fairseq_attention, cfg, role, layer_index) -> attention module
     roles: Tuple[str, ...]  # the roles it is defined for
     # carries_maps(cfg, role): does it read state its stack hands between the layers of
     # one forward pass (the previous layer's maps, RAN's matrices)?
@@ -69,24 +70,27 @@ def needs_carrier(cfg, role: str) -> bool:
     return variant is not None and variant.carries_maps(cfg, role)
 
 
-def build_attention(role: str, attn: MultiheadAttention, cfg, layer_index: int = 0):
+def build_attention(role: str, fairseq_attention: Callable[[], MultiheadAttention], cfg,
+                    layer_index: int = 0):
+    """The attention module of ``role`` in layer ``layer_index``; ``fairseq_attention()``
+    builds fairseq's, for the variants that start from it."""
     variant = variant_of(cfg, role)
     if variant == "ran" and layer_index == 0 and cfg.ran_first_layer_standard:
         variant = "vanilla"  # the authors' code can keep standard attention in layer 1
-    attn = _build_variant(variant, role, attn, cfg, layer_index)
+    attn = _build_variant(variant, role, fairseq_attention, cfg, layer_index)
     if role in (getattr(cfg, "drop_attention_on", None) or ()) and cfg.drop_attention != "none":
-        if not isinstance(attn, LogitMapAttention):  # vanilla attention with DropAttention
+        if not isinstance(attn, AttentionMechanism):  # vanilla attention with DropAttention
             attn = LogitMapAttention.promote(attn)
         attn.set_weight_dropout(DropAttention(
             cfg.drop_attention, cfg.drop_attention_p, cfg.drop_attention_window,
             cfg.drop_attention_rescale,
         ))
-    if isinstance(attn, LogitMapAttention):
+    if isinstance(attn, AttentionMechanism):
         attn.layer_index = layer_index
     return attn
 
 
-def _build_variant(variant, role, attn, cfg, layer_index):
+def _build_variant(variant, role, fairseq_attention, cfg, layer_index):
     if variant not in VARIANTS:
         raise ValueError(
             f"--{role}-attention {variant}: unknown attention variant; "
@@ -98,7 +102,7 @@ def _build_variant(variant, role, attn, cfg, layer_index):
             f"--{role}-attention {variant}: the {variant} variant is defined for "
             f"{', '.join(roles)} attention only"
         )
-    return VARIANTS[variant].build(attn, cfg, role, layer_index)
+    return VARIANTS[variant].build(fairseq_attention, cfg, role, layer_index)
 
 
 def add_args(parser):
@@ -183,15 +187,15 @@ def ea_alpha(cfg, role: str) -> float:
 
 
 @register_variant("vanilla", roles=ROLES)
-def build_vanilla_attention(attn, cfg, role, layer_index):
-    return attn  # fairseq's MultiheadAttention as built
+def build_vanilla_attention(fairseq_attention, cfg, role, layer_index):
+    return fairseq_attention()
 
 
 @register_variant("ea", roles=ROLES, carries_maps=lambda cfg, role: ea_alpha(cfg, role) > 0.0)
-def build_evolving_attention(attn, cfg, role, layer_index):
+def build_evolving_attention(fairseq_attention, cfg, role, layer_index):
     conv_off = getattr(cfg, f"ea_no_{role}_conv", False)
     return EvolvingAttention.promote(
-        attn,
+        fairseq_attention(),
         slot=SLOT[role],
         alpha=ea_alpha(cfg, role),
         beta=float(cfg.ea_beta),
@@ -202,15 +206,21 @@ def build_evolving_attention(attn, cfg, role, layer_index):
 
 
 @register_variant("pa", roles=("encoder",), carries_maps=True)
-def build_predictive_attention(attn, cfg, role, layer_index):
+def build_predictive_attention(fairseq_attention, cfg, role, layer_index):
     return PredictiveAttention.promote(
-        attn, alpha=float(cfg.pa_alpha), conv_layers=int(cfg.pa_conv_layers), predict=layer_index > 0,
+        fairseq_attention(), alpha=float(cfg.pa_alpha), conv_layers=int(cfg.pa_conv_layers), predict=layer_index > 0,
     )
 
 
 @register_variant("ran", roles=("encoder", "decoder"), carries_maps=True)
-def build_recurrent_attention(attn, cfg, role, layer_index):
-    return RecurrentAttention.promote(attn, causal=role == "decoder")
+def build_recurrent_attention(fairseq_attention, cfg, role, layer_index):
+    side = getattr(cfg, role)  # fairseq's encoder/decoder settings
+    if getattr(side, "xformers_att_config", None):
+        raise ValueError("RAN attends with its own matrices, not through xformers; drop "
+                         f"--{role}-xformers-att-config.")
+    return RecurrentAttention(side.embed_dim, side.attention_heads, dropout=cfg.attention_dropout,
+                              causal=role == "decoder", q_noise=cfg.quant_noise.pq,
+                              qn_block_size=cfg.quant_noise.pq_block_size)
 
 
 def set_default(args, name: str, value) -> None:

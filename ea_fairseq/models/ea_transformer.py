@@ -9,6 +9,7 @@ faster one of :mod:`~ea_fairseq.models.fairseq_speedups`.
 """
 import logging
 from contextlib import contextmanager
+from functools import partial
 
 from fairseq.distributed import fsdp_wrap
 from fairseq.models import register_model, register_model_architecture
@@ -21,7 +22,7 @@ from fairseq.models.transformer.transformer_legacy import base_architecture
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 
-from ..modules.attention_maps import AttentionMapCarrier, LogitMapAttention
+from ..modules.attention_maps import AttentionMapCarrier, AttentionMechanism
 from ..modules.recurrent_attention import (RecurrentAttention, RecurrentAttentionMatrices,
                                             mixed_precision_caveats)
 from . import attention_variants as variants
@@ -37,8 +38,8 @@ class EATransformerEncoderLayer(TransformerEncoderLayerBase):
         super().__init__(cfg, return_fc=return_fc)
 
     def build_self_attention(self, embed_dim, cfg):
-        attn = super().build_self_attention(embed_dim, cfg)
-        return variants.build_attention("encoder", attn, cfg, self.layer_index)
+        fairseq_attention = partial(super().build_self_attention, embed_dim, cfg)
+        return variants.build_attention("encoder", fairseq_attention, cfg, self.layer_index)
 
 
 class EATransformerDecoderLayer(TransformerDecoderLayerBase):
@@ -47,12 +48,15 @@ class EATransformerDecoderLayer(TransformerDecoderLayerBase):
         super().__init__(cfg, no_encoder_attn=no_encoder_attn)
 
     def build_self_attention(self, embed_dim, cfg, add_bias_kv=False, add_zero_attn=False):
-        attn = super().build_self_attention(embed_dim, cfg, add_bias_kv, add_zero_attn)
-        return variants.build_attention("decoder", attn, cfg, self.layer_index)
+        if (add_bias_kv or add_zero_attn) and variants.variant_of(cfg, "decoder") == "ran":
+            raise ValueError("RAN attends over its own matrices, without the extra key column of "
+                             "--add-bias-kv / --add-zero-attn; drop those options.")
+        fairseq_attention = partial(super().build_self_attention, embed_dim, cfg, add_bias_kv, add_zero_attn)
+        return variants.build_attention("decoder", fairseq_attention, cfg, self.layer_index)
 
     def build_encoder_attention(self, embed_dim, cfg):
-        attn = super().build_encoder_attention(embed_dim, cfg)
-        return variants.build_attention("cross", attn, cfg, self.layer_index)
+        fairseq_attention = partial(super().build_encoder_attention, embed_dim, cfg)
+        return variants.build_attention("cross", fairseq_attention, cfg, self.layer_index)
 
 
 def wrap_layer(layer, cfg):
@@ -72,7 +76,7 @@ class AttentionMapsMixin:
         self.attention_maps = AttentionMapCarrier()
         recurrent = []
         for module in self.modules():
-            if isinstance(module, LogitMapAttention):
+            if isinstance(module, AttentionMechanism):
                 module.attach(self.attention_maps)
             if isinstance(module, RecurrentAttention):
                 module.ran_index = len(recurrent)

@@ -20,6 +20,9 @@ output. :class:`LogitMapAttention` is the one place where that map is exposed:
 A fairseq-built ``MultiheadAttention`` becomes a mechanism in place with
 :meth:`LogitMapAttention.promote`: parameters, their names in the state dict and their
 initialisation stay exactly those of the vanilla module; the mechanism adds its own.
+What does not depend on where the logits come from (carrier, map hooks, dropout, softmax
+and value product, the mechanism's cache) is :class:`AttentionMechanism`, which RAN's
+attention, a module of its own without query and key projections, shares.
 """
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -61,7 +64,123 @@ class AttentionMapCarrier:
         self._last[slot] = logits
 
 
-class LogitMapAttention(MultiheadAttention):
+class AttentionMechanism:
+    """What every attention of this plugin shares, whether it computes its logits from
+    queries and keys (:class:`LogitMapAttention`) or not (RAN's
+    :class:`~ea_fairseq.modules.recurrent_attention.RecurrentAttention`): the stack's
+    carrier, the map hooks, attention dropout or DropAttention, softmax and value product,
+    and the mechanism's own incremental state.
+
+    A mixin for a module with ``embed_dim``, ``num_heads``, ``head_dim``, ``out_proj``,
+    ``dropout_module`` and fairseq's incremental-state helpers.
+    """
+
+    def init_mechanism(self) -> None:
+        # instance attributes (a class attribute would shadow the registered submodule):
+        self.attention_maps = None  # AttentionMapCarrier, set by attach()
+        self.weight_dropout = None  # DropAttention, or None for fairseq's attention dropout
+        self.layer_index = 0  # position in its stack, set by the model's builder
+        self._map_hooks = OrderedDict()
+
+    def attach(self, carrier: AttentionMapCarrier) -> None:
+        self.attention_maps = carrier
+
+    def set_weight_dropout(self, module: Optional[torch.nn.Module]) -> None:
+        self.weight_dropout = module
+
+    # -- intermediate maps, for analysis ---------------------------------------------------
+    def register_map_hook(self, hook: Callable[["AttentionMechanism", Dict[str, Tensor]], None]):
+        """Call ``hook(module, maps)`` with the mechanism's intermediate maps (B, H, T, S)
+        of every forward pass that computes them (``module.layer_index`` says which layer).
+        Masked entries hold zeros. The maps exist in the mechanisms' reference
+        implementations, so run the hooked passes inside
+        :func:`ea_fairseq.accelerators.reference_only`. Returns a handle with ``remove()``."""
+        handle = RemovableHandle(self._map_hooks)
+        self._map_hooks[handle.id] = hook
+        return handle
+
+    def report_maps(self, maps: Callable[[], Dict[str, Tensor]], masked: Optional[Tensor]) -> None:
+        """Hand ``maps()`` -- computed only if a hook listens -- to the map hooks."""
+        if self._map_hooks:
+            reported = {k: (fill_masked(v.detach(), masked, 0.0) if v.dim() == 4 else v.detach()).clone()
+                        for k, v in maps().items()}
+            for hook in list(self._map_hooks.values()):
+                hook(self, reported)
+
+    def drops_weights(self) -> bool:
+        """Whether :meth:`drop_weights` changes the weights (training, or fairseq's
+        ``--retain-dropout`` at inference)."""
+        if self.weight_dropout is not None:
+            return self.weight_dropout.training and self.weight_dropout.p > 0.0
+        dropout = self.dropout_module
+        return (dropout.training or dropout.apply_during_inference) and dropout.p > 0.0
+
+    def drop_weights(self, probs: Tensor) -> Tensor:
+        """Dropout on the attention weights ``(batch, heads, tgt, src)``."""
+        if not self.drops_weights():
+            return probs  # what the dropout module returns, without a call per decoding step
+        if self.weight_dropout is not None:
+            return self.weight_dropout(probs)
+        return self.dropout_module(probs)
+
+    def attend_with(self, logits: Tensor, v: Tensor, bsz: int, tgt_len: int,
+                    need_weights: bool, need_head_weights: bool):
+        """softmax, dropout on the weights, values and output projection.
+
+        ``logits`` is (B, H, T, S) with -inf where masked; ``v`` is (B_kv * H, S, head_dim).
+        Returns fairseq's ``(attn, weights)`` pair.
+        """
+        # softmax in at least float32 (fp16/bf16 upcast, as fairseq), double stays double;
+        # the weights meet the values in the values' dtype
+        if logits.dtype in (torch.float32, torch.float64):
+            probs_float = logits.softmax(-1)  # (one decoding step: no casts to pay for)
+        else:
+            probs_float = logits.softmax(-1, dtype=torch.float32)
+        probs = probs_float if probs_float.dtype == v.dtype else probs_float.to(v.dtype)
+        attn = self._attend(self.drop_weights(probs), v, bsz, tgt_len)
+        return attn, fairseq_weights(probs_float, need_weights, need_head_weights)
+
+    def _attend(self, probs: Tensor, v: Tensor, bsz: int, tgt_len: int) -> Tensor:
+        """Weighted sum of values and output projection; ``probs`` is (B, H, T, S)."""
+        heads, src_len = self.num_heads, probs.size(-1)
+        kv_bsz = v.size(0) // heads
+        v = v.view(kv_bsz, heads, src_len, self.head_dim)
+        if kv_bsz != bsz:
+            # beam search shares the encoder's keys/values across a sentence's beams: the
+            # beams' rows go into one matmul per sentence and head (a broadcasting matmul
+            # would copy v once per beam)
+            beams = bsz // kv_bsz
+            rows = probs.view(kv_bsz, beams, heads, tgt_len, src_len).transpose(1, 2)
+            out = torch.matmul(rows.reshape(kv_bsz, heads, beams * tgt_len, src_len), v)
+            out = out.view(kv_bsz, heads, beams, tgt_len, self.head_dim).permute(3, 0, 2, 1, 4)
+        else:
+            out = torch.matmul(probs, v).permute(2, 0, 1, 3)  # (T, B, H, head_dim)
+        return self.out_proj(out.reshape(tgt_len, bsz, self.embed_dim))
+
+    # -- incremental state of a mechanism ----------------------------------------------
+    def get_mechanism_state(self, incremental_state) -> Dict[str, Optional[Tensor]]:
+        state = self.get_incremental_state(incremental_state, "mechanism_state")
+        return state if state is not None else {}
+
+    def set_mechanism_state(self, incremental_state, state: Dict[str, Optional[Tensor]]):
+        self.set_incremental_state(incremental_state, "mechanism_state", state)
+
+    def reorder_incremental_state(self, incremental_state, new_order: Tensor):
+        """Reorder the mechanism's own cache (always: its earlier *target* rows depend on
+        each beam's prefix)."""
+        state = self.get_incremental_state(incremental_state, "mechanism_state")
+        if state is not None:  # the dict stored in the incremental state, changed in place
+            self.reorder_mechanism_state(state, new_order)
+        return incremental_state
+
+    def reorder_mechanism_state(self, state: Dict[str, Optional[Tensor]], new_order: Tensor) -> None:
+        """Put the mechanism's cache in the new order of hypotheses (in place)."""
+        for k, v in state.items():
+            if v is not None:
+                state[k] = v.index_select(0, new_order)
+
+
+class LogitMapAttention(AttentionMechanism, MultiheadAttention):
     """``MultiheadAttention`` with a hook on its logit map (see module docstring).
 
     With the identity :meth:`transform_logits` and plain dropout it computes exactly
@@ -84,11 +203,7 @@ class LogitMapAttention(MultiheadAttention):
                 "not expose; drop --encoder/--decoder-xformers-att-config."
             )
         attn.__class__ = cls
-        # instance attributes (a class attribute would shadow the registered submodule):
-        attn.attention_maps = None  # AttentionMapCarrier, set by attach()
-        attn.weight_dropout = None  # DropAttention, or None for fairseq's attention dropout
-        attn.layer_index = 0  # position in its stack, set by the model's builder
-        attn._map_hooks = OrderedDict()
+        attn.init_mechanism()
         # fairseq's fused training path (F.multi_head_attention_forward) ignores
         # before_softmax; skipping the embed-dim check is what routes every call through
         # the path that returns the logits.
@@ -100,31 +215,6 @@ class LogitMapAttention(MultiheadAttention):
         """Add the mechanism's own parameters and settings (subclasses)."""
         if options:
             raise TypeError(f"unexpected options {sorted(options)}")
-
-    def attach(self, carrier: AttentionMapCarrier) -> None:
-        self.attention_maps = carrier
-
-    def set_weight_dropout(self, module: Optional[torch.nn.Module]) -> None:
-        self.weight_dropout = module
-
-    # -- intermediate maps, for analysis ---------------------------------------------------
-    def register_map_hook(self, hook: Callable[["LogitMapAttention", Dict[str, Tensor]], None]):
-        """Call ``hook(module, maps)`` with the mechanism's intermediate maps (B, H, T, S)
-        of every forward pass that computes them (``module.layer_index`` says which layer).
-        Masked entries hold zeros. The maps exist in the mechanisms' reference
-        implementations, so run the hooked passes inside
-        :func:`ea_fairseq.accelerators.reference_only`. Returns a handle with ``remove()``."""
-        handle = RemovableHandle(self._map_hooks)
-        self._map_hooks[handle.id] = hook
-        return handle
-
-    def report_maps(self, maps: Callable[[], Dict[str, Tensor]], masked: Optional[Tensor]) -> None:
-        """Hand ``maps()`` -- computed only if a hook listens -- to the map hooks."""
-        if self._map_hooks:
-            reported = {k: (fill_masked(v.detach(), masked, 0.0) if v.dim() == 4 else v.detach()).clone()
-                        for k, v in maps().items()}
-            for hook in list(self._map_hooks.values()):
-                hook(self, reported)
 
     # -- hooks ---------------------------------------------------------------------------
     def transform_logits(
@@ -160,22 +250,6 @@ class LogitMapAttention(MultiheadAttention):
         where :meth:`drops_weights` is False.
         """
         return None
-
-    def drops_weights(self) -> bool:
-        """Whether :meth:`drop_weights` changes the weights (training, or fairseq's
-        ``--retain-dropout`` at inference)."""
-        if self.weight_dropout is not None:
-            return self.weight_dropout.training and self.weight_dropout.p > 0.0
-        dropout = self.dropout_module
-        return (dropout.training or dropout.apply_during_inference) and dropout.p > 0.0
-
-    def drop_weights(self, probs: Tensor) -> Tensor:
-        """Dropout on the attention weights ``(batch, heads, tgt, src)``."""
-        if not self.drops_weights():
-            return probs  # what the dropout module returns, without a call per decoding step
-        if self.weight_dropout is not None:
-            return self.weight_dropout(probs)
-        return self.dropout_module(probs)
 
     # -- forward -------------------------------------------------------------------------
     def forward(
@@ -229,67 +303,15 @@ class LogitMapAttention(MultiheadAttention):
             return logits.view(bsz * self.num_heads, tgt_len, -1), v
         return self.attend_with(logits, v, bsz, tgt_len, need_weights, need_head_weights)
 
-    def attend_with(self, logits: Tensor, v: Tensor, bsz: int, tgt_len: int,
-                    need_weights: bool, need_head_weights: bool):
-        """softmax, dropout on the weights, values and output projection.
-
-        ``logits`` is (B, H, T, S) with -inf where masked; ``v`` is (B_kv * H, S, head_dim).
-        Returns fairseq's ``(attn, weights)`` pair.
-        """
-        # softmax in at least float32 (fp16/bf16 upcast, as fairseq), double stays double;
-        # the weights meet the values in the values' dtype
-        if logits.dtype in (torch.float32, torch.float64):
-            probs_float = logits.softmax(-1)  # (one decoding step: no casts to pay for)
-        else:
-            probs_float = logits.softmax(-1, dtype=torch.float32)
-        probs = probs_float if probs_float.dtype == v.dtype else probs_float.to(v.dtype)
-        attn = self._attend(self.drop_weights(probs), v, bsz, tgt_len)
-        return attn, fairseq_weights(probs_float, need_weights, need_head_weights)
-
-    def _attend(self, probs: Tensor, v: Tensor, bsz: int, tgt_len: int) -> Tensor:
-        """Weighted sum of values and output projection; ``probs`` is (B, H, T, S)."""
-        heads, src_len = self.num_heads, probs.size(-1)
-        kv_bsz = v.size(0) // heads
-        v = v.view(kv_bsz, heads, src_len, self.head_dim)
-        if kv_bsz != bsz:
-            # beam search shares the encoder's keys/values across a sentence's beams: the
-            # beams' rows go into one matmul per sentence and head (a broadcasting matmul
-            # would copy v once per beam)
-            beams = bsz // kv_bsz
-            rows = probs.view(kv_bsz, beams, heads, tgt_len, src_len).transpose(1, 2)
-            out = torch.matmul(rows.reshape(kv_bsz, heads, beams * tgt_len, src_len), v)
-            out = out.view(kv_bsz, heads, beams, tgt_len, self.head_dim).permute(3, 0, 2, 1, 4)
-        else:
-            out = torch.matmul(probs, v).permute(2, 0, 1, 3)  # (T, B, H, head_dim)
-        return self.out_proj(out.reshape(tgt_len, bsz, self.embed_dim))
-
-    # -- incremental state of a mechanism ----------------------------------------------
-    def get_mechanism_state(self, incremental_state) -> Dict[str, Optional[Tensor]]:
-        state = self.get_incremental_state(incremental_state, "mechanism_state")
-        return state if state is not None else {}
-
-    def set_mechanism_state(self, incremental_state, state: Dict[str, Optional[Tensor]]):
-        self.set_incremental_state(incremental_state, "mechanism_state", state)
-
     def reorder_incremental_state(self, incremental_state, new_order: Tensor):
         """Reorder fairseq's key/value cache, then the mechanism's own cache.
 
         fairseq's encoder-decoder attention returns early when the batch size did not
-        change (its keys and values are the same for all beams of a sentence); a
-        mechanism's cache of earlier *target* rows depends on each beam's prefix and is
-        always reordered.
+        change (its keys and values are the same for all beams of a sentence); the
+        mechanism's cache is reordered all the same.
         """
-        incremental_state = super().reorder_incremental_state(incremental_state, new_order)
-        state = self.get_incremental_state(incremental_state, "mechanism_state")
-        if state is not None:  # the dict stored in the incremental state, changed in place
-            self.reorder_mechanism_state(state, new_order)
-        return incremental_state
-
-    def reorder_mechanism_state(self, state: Dict[str, Optional[Tensor]], new_order: Tensor) -> None:
-        """Put the mechanism's cache in the new order of hypotheses (in place)."""
-        for k, v in state.items():
-            if v is not None:
-                state[k] = v.index_select(0, new_order)
+        incremental_state = MultiheadAttention.reorder_incremental_state(self, incremental_state, new_order)
+        return super().reorder_incremental_state(incremental_state, new_order)
 
 
 def fairseq_weights(probs: Tensor, need_weights: bool, need_head_weights: bool) -> Optional[Tensor]:

@@ -36,14 +36,17 @@ steps each parameter in float32 and writes it back in its own dtype) both take s
 model; :func:`mixed_precision_caveats` names the fairseq paths that do not.
 """
 import contextlib
+import math
 from typing import List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 from fairseq.incremental_decoding_utils import with_incremental_state
+from fairseq.modules.fairseq_dropout import FairseqDropout
+from fairseq.modules.quant_noise import quant_noise
 from torch import Tensor
 
-from .attention_maps import LogitMapAttention
+from .attention_maps import AttentionMechanism
 
 
 def full_precision(device: torch.device):
@@ -187,20 +190,45 @@ def sentence_logits(square: Tensor, padding_mask: Tensor) -> Tensor:
         return torch.matmul(torch.matmul(p, square), p.transpose(-1, -2))
 
 
-class RecurrentAttention(LogitMapAttention):
+@with_incremental_state
+class RecurrentAttention(AttentionMechanism, nn.Module):
     """Self-attention with input-independent weights ``softmax(A_l)`` (RAN Eqs. 2-4).
 
-    Promoted from fairseq's ``MultiheadAttention``: its query and key projections are
-    removed; the value and output projections stay.
+    Only the value and output projections: no query or key projection. Their names in the
+    state dict, their initialisation and the attention dropout are those of fairseq's
+    ``MultiheadAttention``; the softmax, dropout (or DropAttention) and value product are
+    the plugin's shared ones (:class:`~ea_fairseq.modules.attention_maps.AttentionMechanism`).
     """
 
-    def setup_mechanism(self, causal: bool) -> None:
-        if not self.self_attention:
-            raise ValueError("RAN replaces self-attention only (RAN paper §2)")
-        del self.q_proj
-        del self.k_proj
+    self_attention = True
+    encoder_decoder_attention = False
+
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
+                 causal: bool = False, q_noise: float = 0.0, qn_block_size: int = 8):
+        super().__init__()
+        self.embed_dim, self.num_heads = embed_dim, num_heads
+        self.head_dim = embed_dim // num_heads
+        if self.head_dim * num_heads != embed_dim:
+            raise ValueError(f"embed_dim {embed_dim} is not divisible by num_heads {num_heads}")
+        # fairseq's module name, so that --retain-dropout-modules MultiheadAttention covers it
+        self.dropout_module = FairseqDropout(dropout, module_name="MultiheadAttention")
+        self.v_proj = quant_noise(nn.Linear(embed_dim, embed_dim, bias=bias), q_noise, qn_block_size)
+        self.out_proj = quant_noise(nn.Linear(embed_dim, embed_dim, bias=bias), q_noise, qn_block_size)
         self.causal = causal
         self.ran_index = 0  # which A_l of the stack (set when the stack attaches its carrier)
+        self.init_mechanism()
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """fairseq's ``MultiheadAttention.reset_parameters`` for these two projections."""
+        nn.init.xavier_uniform_(self.v_proj.weight, gain=1 / math.sqrt(2))
+        nn.init.xavier_uniform_(self.out_proj.weight)
+        if self.out_proj.bias is not None:
+            nn.init.constant_(self.out_proj.bias, 0.0)
+
+    def _get_input_buffer(self, incremental_state):
+        """The cache, under the name fairseq's decoder layer asks every self-attention for."""
+        return self.get_mechanism_state(incremental_state)
 
     def causal_weights(self, matrix: Tensor, rows: int, incremental_state, dtype: torch.dtype) -> Tensor:
         """``softmax`` of rows of ``A_l`` over the keys up to their own position, at least
