@@ -2,12 +2,12 @@
 # The README's demo: Transformer-Lite vs EA-Transformer-Lite on a small, real, offline
 # Spanish->English corpus (the Bible, examples/translation/bible-es-en), on CPU.
 #
-#   bash scripts/demo.sh                      # ~17 min on an idle 2-core CPU, setup included
+#   bash scripts/demo.sh                      # ~12 min on an idle 2-core CPU, setup included
 #   DEMO_UPDATES=300 bash scripts/demo.sh     # quicker (and weaker) run
 #
-# Reference run (2 cores shared with other jobs, so slower than idle: 24 min in all, of
-# which setup 1.5 min, data 1 min, training 16.7 / 19.7 min side by side, translation 2 min):
-#   copy source 0.10, transformer_lite 4.56, ea_transformer_lite 4.18 detokenized sacreBLEU
+# Reference run (idle 2-core machine, venv already set up: 10 min 16 s in all; a second run
+# printed the same table):
+#   copy source 0.10, transformer_lite 4.56, ea_transformer_lite 4.34 detokenized sacreBLEU
 # after 600 updates (~1.1 epochs): a smoke test of the whole pipeline, not a benchmark.
 #
 # Stages: (1) the pinned environment (scripts/setup_env.sh, reused when up to date);
