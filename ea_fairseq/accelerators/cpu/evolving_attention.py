@@ -129,8 +129,3 @@ class EvolvingAttentionCPU(Accelerator):
         return extension().evolving_attention_step(
             logits, previous, earlier, keys, conv.masked_weight(), conv.bias, float(alpha),
             float(beta), conv.col_padding[0], values, order)
-
-
-def step_loops_build() -> str:
-    """Which build of the decoding step's inner loops runs here: ``avx2`` or ``portable``."""
-    return extension().step_loops_build()
