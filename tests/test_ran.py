@@ -140,6 +140,22 @@ def test_ran_layers_have_no_query_key_projections():
     assert [layer.self_attn.ran_index for layer in model.encoder.layers] == [0, 1, 2]
 
 
+def test_layers_share_their_stacks_matrices_saved_once():
+    """Each RAN layer reads the matrices its stack owns: one module, in the state dict and
+    in ``parameters()`` once, whose per-pass result is released when the pass ends."""
+    model, _ = build_model("ran_all_lite", *SMALL)
+    for stack in (model.encoder, model.decoder):
+        assert all(layer.self_attn.matrices is stack.recurrent_matrices for layer in stack.layers)
+        assert stack.recurrent_matrices._this_pass is None
+    keys = [k for k in model.state_dict() if "initial" in k or "transition" in k]
+    assert sorted(keys) == sorted(f"{s}.recurrent_matrices.{n}" for s in ("encoder", "decoder")
+                                  for n in ("initial", "transition.weight", "transition.bias"))
+    assert len(list(model.parameters())) == len({id(p) for p in model.parameters()})
+    with pytest.raises(RuntimeError, match="stack"):
+        model.encoder.layers[0].self_attn(torch.randn(3, 1, model.encoder.embed_positions.embedding_dim),
+                                          None, None)
+
+
 def test_first_layer_standard_option():
     model, _ = build_model("ran_e_lite", *SMALL, "--ran-first-layer-standard")
     kinds = [isinstance(layer.self_attn, RecurrentAttention) for layer in model.encoder.layers]

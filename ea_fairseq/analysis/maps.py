@@ -8,8 +8,8 @@
   fused PyTorch one, which only returns head averages), giving
   ``heads x batch x tgt x src`` per layer;
 * the intermediate maps each mechanism reports to a map hook
-  (:meth:`~ea_fairseq.modules.attention_maps.LogitMapAttention.register_map_hook`, which
-  also says the layer): EA its ``dot_product``, ``convolution`` and ``logits`` per layer
+  (:meth:`~ea_fairseq.modules.attention_maps.AttentionMechanism.register_map_hook`),
+  which :meth:`AttentionCapture.record` receives with the layer and slot it watches: EA its ``dot_product``, ``convolution`` and ``logits`` per layer
   (EA Fig. 11), PA its ``prediction``, RAN its input-independent ``recurrent`` logits. The
   capture is generic over these keys. The pass runs the mechanisms' reference
   implementations (:func:`ea_fairseq.accelerators.reference_only`), where those maps exist.
@@ -27,6 +27,7 @@ import logging
 import os
 from contextlib import ExitStack
 from dataclasses import dataclass
+from functools import partial
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -165,15 +166,16 @@ class AttentionCapture:
             if weights is not None and weights.dim() == 4:
                 self._weights.setdefault(name, {})[layer_index] = weights.detach().transpose(0, 1).float()
 
-        def reported(mod, maps):
-            kinds = self._maps.setdefault(name, {})
-            for kind, tensor in maps.items():
-                kinds.setdefault(kind, {})[mod.layer_index] = tensor.float()
-
         self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         self._handles.append(module.register_forward_hook(post, with_kwargs=True))
         if self.carriers and isinstance(module, AttentionMechanism):
-            self._handles.append(module.register_map_hook(reported))
+            self._handles.append(module.register_map_hook(partial(self.record, stack_name, layer_index, slot)))
+
+    def record(self, stack_name: str, layer_index: int, slot: str, maps: Dict[str, Tensor]) -> None:
+        """Keep the intermediate maps a mechanism reported (its map hook)."""
+        kinds = self._maps.setdefault(f"{stack_name}.{slot}", {})
+        for kind, tensor in maps.items():
+            kinds.setdefault(kind, {})[layer_index] = tensor.float()
 
     def result(self) -> Dict[str, Dict[str, List[Tensor]]]:
         out: Dict[str, Dict[str, List[Tensor]]] = {}

@@ -85,8 +85,6 @@ def build_attention(role: str, fairseq_attention: Callable[[], MultiheadAttentio
             cfg.drop_attention, cfg.drop_attention_p, cfg.drop_attention_window,
             cfg.drop_attention_rescale,
         ))
-    if isinstance(attn, AttentionMechanism):
-        attn.layer_index = layer_index
     return attn
 
 
@@ -220,7 +218,8 @@ def build_recurrent_attention(fairseq_attention, cfg, role, layer_index):
                          f"--{role}-xformers-att-config.")
     return RecurrentAttention(side.embed_dim, side.attention_heads, dropout=cfg.attention_dropout,
                               causal=role == "decoder", q_noise=cfg.quant_noise.pq,
-                              qn_block_size=cfg.quant_noise.pq_block_size)
+                              qn_block_size=cfg.quant_noise.pq_block_size,
+                              ran_index=layer_index - int(bool(cfg.ran_first_layer_standard)))
 
 
 def set_default(args, name: str, value) -> None:

@@ -70,7 +70,7 @@ def wrap_layer(layer, cfg):
 
 class AttentionMapsMixin:
     """What an encoder or decoder of this plugin adds to fairseq's: one carrier of
-    attention maps shared by its layers, and the RAN matrices when a layer needs them."""
+    attention maps shared by its layers, and the RAN matrices its RAN layers share."""
 
     def setup_attention_maps(self, cfg, heads: int) -> None:
         self.attention_maps = AttentionMapCarrier()
@@ -79,7 +79,6 @@ class AttentionMapsMixin:
             if isinstance(module, AttentionMechanism):
                 module.attach(self.attention_maps)
             if isinstance(module, RecurrentAttention):
-                module.ran_index = len(recurrent)
                 recurrent.append(module)
         self.recurrent_matrices = None
         if recurrent:
@@ -87,20 +86,25 @@ class AttentionMapsMixin:
                 heads, cfg.ran_max_positions, len(recurrent), fixed_init=cfg.ran_fixed_init,
                 layer_norm=not cfg.ran_no_layernorm, residual=not cfg.ran_no_residual,
             )
+            for module in recurrent:
+                module.share_matrices(self.recurrent_matrices)
 
     def next_layer_index(self) -> int:
-        """Index of the layer being built (fairseq builds a stack's layers in order)."""
+        """Index of the layer being built, the one source of layer indices: fairseq builds
+        a stack's layers in order, so it is the layer's position in ``self.layers``."""
         self._layers_built = getattr(self, "_layers_built", 0) + 1
         return self._layers_built - 1
 
     @contextmanager
     def attention_scope(self, length: int, incremental_state=None):
-        """A fresh carrier for one forward pass, holding the RAN matrices it needs (a
-        decoding run keeps them in its incremental state for its later steps)."""
+        """One forward pass of the stack: a fresh carrier, and the RAN matrices computed
+        once for its layers (a decoding run keeps them in its incremental state)."""
         with self.attention_maps.scope():
-            if self.recurrent_matrices is not None:
-                self.attention_maps.hand_on("recurrent", self.recurrent_matrices(length, incremental_state))
-            yield
+            if self.recurrent_matrices is None:
+                yield
+            else:
+                with self.recurrent_matrices.shared_for_pass(length, incremental_state):
+                    yield
 
 
 class EATransformerEncoder(AttentionMapsMixin, TransformerEncoderBase):

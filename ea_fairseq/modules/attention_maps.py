@@ -79,7 +79,6 @@ class AttentionMechanism:
         # instance attributes (a class attribute would shadow the registered submodule):
         self.attention_maps = None  # AttentionMapCarrier, set by attach()
         self.weight_dropout = None  # DropAttention, or None for fairseq's attention dropout
-        self.layer_index = 0  # position in its stack, set by the model's builder
         self._map_hooks = OrderedDict()
 
     def attach(self, carrier: AttentionMapCarrier) -> None:
@@ -89,9 +88,10 @@ class AttentionMechanism:
         self.weight_dropout = module
 
     # -- intermediate maps, for analysis ---------------------------------------------------
-    def register_map_hook(self, hook: Callable[["AttentionMechanism", Dict[str, Tensor]], None]):
-        """Call ``hook(module, maps)`` with the mechanism's intermediate maps (B, H, T, S)
-        of every forward pass that computes them (``module.layer_index`` says which layer).
+    def register_map_hook(self, hook: Callable[[Dict[str, Tensor]], None]):
+        """Call ``hook(maps)`` with the mechanism's intermediate maps (B, H, T, S) of every
+        forward pass that computes them; whoever registers the hook knows which layer and
+        slot it watches (the analysis tool binds them: ``AttentionCapture.record``).
         Masked entries hold zeros. The maps exist in the mechanisms' reference
         implementations, so run the hooked passes inside
         :func:`ea_fairseq.accelerators.reference_only`. Returns a handle with ``remove()``."""
@@ -105,7 +105,7 @@ class AttentionMechanism:
             reported = {k: (fill_masked(v.detach(), masked, 0.0) if v.dim() == 4 else v.detach()).clone()
                         for k, v in maps().items()}
             for hook in list(self._map_hooks.values()):
-                hook(self, reported)
+                hook(reported)
 
     def drops_weights(self) -> bool:
         """Whether :meth:`drop_weights` changes the weights (training, or fairseq's

@@ -75,6 +75,7 @@ class RecurrentAttentionMatrices(nn.Module):
         nn.init.xavier_uniform_(self.initial)
         self.transition = nn.Linear(max_positions, max_positions)  # W, b of Eq. 3
         self.layer_norm = nn.LayerNorm(max_positions) if layer_norm else None
+        self._this_pass: Optional[Tuple[Tensor, ...]] = None  # A_1 .. A_n during a pass
 
     def _apply(self, fn, recurse=True):
         """Every conversion of the model applies, except to a dtype below float32 (see the
@@ -106,6 +107,27 @@ class RecurrentAttentionMatrices(nn.Module):
                 a = self.step(a)
                 out.append(a)
         return tuple(out)
+
+    @contextlib.contextmanager
+    def shared_for_pass(self, rows: int, incremental_state=None):
+        """Compute ``A_1 .. A_n`` once for one forward pass of the stack (:meth:`forward`)
+        and let its RAN layers read theirs (:meth:`layer`) until the pass ends; nothing
+        (no autograd graph) outlives it."""
+        self._this_pass = self(rows, incremental_state)
+        try:
+            yield
+        finally:
+            self._this_pass = None
+
+    def layer(self, index: int) -> Tensor:
+        """``A_(index + 1)``, (H, rows, L) in float32 or wider, of the pass under way."""
+        if self._this_pass is None:
+            raise RuntimeError(
+                "RAN attention runs inside its encoder's or decoder's forward pass, which "
+                "computes the stack's attention matrices; call the stack, not a layer alone "
+                "(or wrap the call in the stack's attention_scope())."
+            )
+        return self._this_pass[index]
 
     def forward(self, rows: int, incremental_state=None) -> Tuple[Tensor, ...]:
         """The matrices of every RAN layer, at least their first ``rows`` query rows.
@@ -204,7 +226,8 @@ class RecurrentAttention(AttentionMechanism, nn.Module):
     encoder_decoder_attention = False
 
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
-                 causal: bool = False, q_noise: float = 0.0, qn_block_size: int = 8):
+                 causal: bool = False, q_noise: float = 0.0, qn_block_size: int = 8,
+                 ran_index: int = 0):
         super().__init__()
         self.embed_dim, self.num_heads = embed_dim, num_heads
         self.head_dim = embed_dim // num_heads
@@ -215,9 +238,16 @@ class RecurrentAttention(AttentionMechanism, nn.Module):
         self.v_proj = quant_noise(nn.Linear(embed_dim, embed_dim, bias=bias), q_noise, qn_block_size)
         self.out_proj = quant_noise(nn.Linear(embed_dim, embed_dim, bias=bias), q_noise, qn_block_size)
         self.causal = causal
-        self.ran_index = 0  # which A_l of the stack (set when the stack attaches its carrier)
+        self.ran_index = ran_index  # this layer attends with A_(ran_index + 1) of its stack
+        self.share_matrices(None)  # the stack's, handed over when the stack is built
         self.init_mechanism()
         self.reset_parameters()
+
+    def share_matrices(self, matrices: Optional[RecurrentAttentionMatrices]) -> None:
+        """Read ``A_l`` from the stack's matrices, which the stack owns: a reference held
+        outside this module's submodules, so the matrices are in the state dict (and
+        converted by ``.to()``/``.half()``) once, under the stack, not once per layer."""
+        object.__setattr__(self, "matrices", matrices)
 
     def reset_parameters(self) -> None:
         """fairseq's ``MultiheadAttention.reset_parameters`` for these two projections."""
@@ -256,7 +286,10 @@ class RecurrentAttention(AttentionMechanism, nn.Module):
         tgt_len, bsz, _ = query.size()
         heads, head_dim = self.num_heads, self.head_dim
         v = self.v_proj(query).view(tgt_len, bsz, heads, head_dim).permute(1, 2, 0, 3)
-        matrix = self.attention_maps.previous("recurrent")[self.ran_index]  # (H, rows, L), >= fp32
+        if self.matrices is None:
+            raise RuntimeError("RAN attention reads its stack's matrices: build it in an encoder or "
+                               "decoder of this plugin (which calls share_matrices()), not alone.")
+        matrix = self.matrices.layer(self.ran_index)  # (H, rows, L), >= fp32
 
         if incremental_state is not None:
             state = self.get_mechanism_state(incremental_state)
