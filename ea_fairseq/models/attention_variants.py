@@ -35,21 +35,21 @@ class Variant:
     name: str
     build: Callable  # build(fairseq_attention, cfg, role, layer_index) -> attention module
     roles: Tuple[str, ...]  # the roles it is defined for
-    # carries_maps(cfg, role): does it read state its stack hands between the layers of
-    # one forward pass (the previous layer's maps, RAN's matrices)?
-    carries_maps: Callable[..., bool]
+    # cross_layer(cfg, role): does it read what its stack computes during one forward pass,
+    # for more than one layer (the previous layer's logits from the carrier, RAN's matrices)?
+    cross_layer: Callable[..., bool]
 
 
 #: every variant, in the order the options list them; the one source of the choices of
-#: --encoder/decoder/cross-attention, of the roles a variant accepts and of needs_carrier
+#: --encoder/decoder/cross-attention, of the roles a variant accepts and of needs_stack_pass
 VARIANTS: Dict[str, Variant] = {}
 
 
-def register_variant(name: str, roles: Tuple[str, ...], carries_maps=False):
-    """Register ``build`` for ``--<role>-attention name``; ``carries_maps`` is a bool or a
+def register_variant(name: str, roles: Tuple[str, ...], cross_layer=False):
+    """Register ``build`` for ``--<role>-attention name``; ``cross_layer`` is a bool or a
     predicate ``(cfg, role) -> bool``."""
     def wrap(build):
-        predicate = carries_maps if callable(carries_maps) else (lambda cfg, role: carries_maps)
+        predicate = cross_layer if callable(cross_layer) else (lambda cfg, role: cross_layer)
         VARIANTS[name] = Variant(name, build, tuple(roles), predicate)
         return build
 
@@ -64,10 +64,11 @@ def variant_of(cfg, role: str) -> str:
     return getattr(cfg, f"{role}_attention", None) or "vanilla"
 
 
-def needs_carrier(cfg, role: str) -> bool:
-    """Does this role's attention read state its stack hands between layers?"""
+def needs_stack_pass(cfg, role: str) -> bool:
+    """Does this role's attention read what its stack computes during one forward pass (so
+    that a layer cannot be recomputed alone, as activation checkpointing does)?"""
     variant = VARIANTS.get(variant_of(cfg, role))
-    return variant is not None and variant.carries_maps(cfg, role)
+    return variant is not None and variant.cross_layer(cfg, role)
 
 
 def build_attention(role: str, fairseq_attention: Callable[[], MultiheadAttention], cfg,
@@ -189,7 +190,7 @@ def build_vanilla_attention(fairseq_attention, cfg, role, layer_index):
     return fairseq_attention()
 
 
-@register_variant("ea", roles=ROLES, carries_maps=lambda cfg, role: ea_alpha(cfg, role) > 0.0)
+@register_variant("ea", roles=ROLES, cross_layer=lambda cfg, role: ea_alpha(cfg, role) > 0.0)
 def build_evolving_attention(fairseq_attention, cfg, role, layer_index):
     conv_off = getattr(cfg, f"ea_no_{role}_conv", False)
     return EvolvingAttention.promote(
@@ -203,14 +204,14 @@ def build_evolving_attention(fairseq_attention, cfg, role, layer_index):
     )
 
 
-@register_variant("pa", roles=("encoder",), carries_maps=True)
+@register_variant("pa", roles=("encoder",), cross_layer=True)
 def build_predictive_attention(fairseq_attention, cfg, role, layer_index):
     return PredictiveAttention.promote(
         fairseq_attention(), alpha=float(cfg.pa_alpha), conv_layers=int(cfg.pa_conv_layers), predict=layer_index > 0,
     )
 
 
-@register_variant("ran", roles=("encoder", "decoder"), carries_maps=True)
+@register_variant("ran", roles=("encoder", "decoder"), cross_layer=True)
 def build_recurrent_attention(fairseq_attention, cfg, role, layer_index):
     side = getattr(cfg, role)  # fairseq's encoder/decoder settings
     if getattr(side, "xformers_att_config", None):

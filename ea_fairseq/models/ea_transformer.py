@@ -136,7 +136,6 @@ class EATransformerDecoder(AttentionMapsMixin, ListedStateHolders, TransformerDe
     def extract_features(self, prev_output_tokens, encoder_out=None, incremental_state=None,
                          full_context_alignment: bool = False, alignment_layer=None,
                          alignment_heads=None):
-        self.note_decoding_step(incremental_state)
         with self.attention_scope(prev_output_tokens.size(1), incremental_state):
             return super().extract_features(
                 prev_output_tokens, encoder_out, incremental_state,
@@ -174,7 +173,7 @@ class EATransformerModel(TransformerModel):
 
 def check_options(args) -> None:
     """Refuse combinations the mechanisms cannot honour, before anything is built."""
-    carrying = [r for r in variants.ROLES if variants.needs_carrier(args, r)]
+    carrying = [r for r in variants.ROLES if variants.needs_stack_pass(args, r)]
     if carrying and (getattr(args, "checkpoint_activations", False)
                      or getattr(args, "offload_activations", False)):
         raise ValueError(
