@@ -11,13 +11,14 @@
 # after 600 updates (~1.1 epochs): a smoke test of the whole pipeline, not a benchmark.
 #
 # Stages: (1) the pinned environment (scripts/setup_env.sh, reused when up to date);
-# (2) data: decompress the shipped corpus, Moses-tokenize (sacremoses), learn and apply a
+# (2) data: decompress the shipped corpus, Moses-normalize and -tokenize as the recipes do
+# (examples/translation/nmt_text.py, the Perl scripts' port), learn and apply a
 # joint BPE (subword-nmt), binarize (fairseq-preprocess --joined-dictionary); (3) train
 # both architectures for the same number of updates with the same seed and settings;
 # (4) average each run's last checkpoints; (5) translate the test set (beam 5) and score
 # it: detokenized sacreBLEU and fairseq's tokenized BLEU, next to a copy-the-source
 # baseline; (6) plot every model's attention maps across layers for one test sentence
-# (python -m ea_fairseq.analysis dump + plot: PNGs in DEMO_DIR/plots/ARCH/, for EA also its
+# (ea-fairseq-analysis dump + plot: PNGs in DEMO_DIR/plots/ARCH/, for EA also its
 # dot-product / convolution / logit maps); (7) a summary table and a few sample translations.
 #
 # Device: CPU unless torch sees a CUDA GPU (DEMO_DEVICE=cpu|cuda forces one). On CPU the
@@ -79,7 +80,7 @@ trap 'rc=$?; [ $rc -eq 0 ] || printf "[demo] FAILED (exit %d) in the stage above
 if [ -n "$max_minutes" ]; then [[ "$max_minutes" =~ ^[0-9]+([.][0-9]+)?$ ]] || die "DEMO_MAX_MINUTES must be a number of minutes"; fi
 for split in train valid test; do
   for l in $src $tgt; do
-    [ -f "$corpus/$split.$l.xz" ] || die "missing $corpus/$split.$l.xz (the shipped corpus; rebuild it with scripts/build_bible_corpus.py)"
+    [ -f "$corpus/$split.$l.xz" ] || die "missing $corpus/$split.$l.xz (the shipped corpus; rebuild it with examples/translation/bible-es-en/build_corpus.py)"
   done
 done
 command -v xz >/dev/null || die "xz is not installed (apt-get install xz-utils)"
@@ -130,30 +131,23 @@ cd "$work"
 done_with() { [ -f "$1/.done" ] && [ "$(cat "$1/.done")" = "$2" ]; }
 
 # ----------------------------------------------------------------------------- 2. data
-data_cfg="corpus=$(cat "$corpus"/*.xz | sha256sum | cut -c1-16) merges=$merges"
+data_cfg="corpus=$(cat "$corpus"/*.xz | sha256sum | cut -c1-16) tokenizer=$(sha256sum < "$repo/examples/translation/nmt_text.py" | cut -c1-16) merges=$merges"
 if done_with data "$data_cfg"; then
   stage "2/7 data: reusing $work/data ($data_cfg)"
 else
-  stage "2/7 data: decompress, tokenize (sacremoses), joint BPE ($merges merges), binarize"
+  stage "2/7 data: decompress, normalize and tokenize (nmt_text.py), joint BPE ($merges merges), binarize"
   rm -rf data && mkdir -p data/raw data/tok data/bpe
   for split in train valid test; do
     for l in $src $tgt; do xz -dc "$corpus/$split.$l.xz" > "data/raw/$split.$l"; done
   done
   wc -l data/raw/* | sed 's/^/[demo]   /' >&2
-  info "Moses tokenization (both languages in parallel)"
+  info "Moses normalization and tokenization (examples/translation/nmt_text.py, both languages in parallel)"
   pids=()
   for l in $src $tgt; do
-    "$py" - "$l" data/raw data/tok <<'PY' &
-import sys
-from sacremoses import MosesPunctNormalizer, MosesTokenizer
-lang, raw, out = sys.argv[1:]
-norm, tok = MosesPunctNormalizer(lang=lang), MosesTokenizer(lang=lang)
-for split in ("train", "valid", "test"):
-    with open(f"{raw}/{split}.{lang}", encoding="utf-8") as fin, open(f"{out}/{split}.{lang}", "w", encoding="utf-8") as fout:
-        for line in fin:
-            fout.write(tok.tokenize(norm.normalize(line.strip()), escape=False, return_str=True,
-                                    aggressive_dash_splits=True) + "\n")
-PY
+    ( for split in train valid test; do
+        "$py" "$repo/examples/translation/nmt_text.py" text --normalize-punct --tokenize --aggressive-dash \
+          --no-escape -l "$l" -o "data/tok/$split.$l" "data/raw/$split.$l" || exit 1
+      done ) &
     pids+=($!)
   done
   for p in "${pids[@]}"; do wait "$p" || die "tokenization failed"; done
@@ -269,14 +263,9 @@ if [ "$device" = cpu ]; then gen_args+=(--cpu); fi
 eval_one() {  # arch -> train/$arch/eval/{averaged.pt,generate.out}
   local arch=$1 run="train/$1" t0=$SECONDS
   rm -rf "$run/eval" && mkdir -p "$run/eval"
-  if [ -f "$repo/scripts/average_checkpoints.py" ]; then
-    "$py" "$repo/scripts/average_checkpoints.py" --inputs "$run" --num-update-checkpoints "$n_avg" \
-      --output "$run/eval/averaged.pt" 2>&1 | sed "s/^/[$arch] /" >&2
-    [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "[demo] ERROR: scripts/average_checkpoints.py failed for $arch" >&2; return 1; }
-  else
-    echo "[$arch] scripts/average_checkpoints.py not found: translating with checkpoint_last.pt" >&2
-    cp "$run/checkpoint_last.pt" "$run/eval/averaged.pt"
-  fi
+  "$venv/bin/ea-fairseq-average-checkpoints" --inputs "$run" --num-update-checkpoints "$n_avg" \
+    --output "$run/eval/averaged.pt" 2>&1 | sed "s/^/[$arch] /" >&2
+  [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "[demo] ERROR: ea-fairseq-average-checkpoints failed for $arch" >&2; return 1; }
   if ! on_device "$arch" "$venv/bin/fairseq-generate" data/bin --user-dir "$repo/ea_fairseq" --path "$run/eval/averaged.pt" \
       "${gen_args[@]}" > "$run/eval/generate.out" 2> "$run/eval/generate.log"; then
     tail -20 "$run/eval/generate.log" >&2
@@ -431,7 +420,7 @@ for i in picks:
         print(f"       {arch + ':':<{max(10, max(map(len, archs)) + 1)}} {hyps[arch][i]}")
 
 print(f"\nAttention maps of test sentence {plot_sid} ({raw_src[int(plot_sid)]!r}), every layer (rows) and head "
-      "(columns), teacher-forced on the reference (python -m ea_fairseq.analysis, docs/analysis.md):")
+      "(columns), teacher-forced on the reference (ea-fairseq-analysis, docs/analysis.md):")
 for arch in archs:
     for png in sorted(glob.glob(f"plots/{arch}/*.png")):
         print(f"  {os.path.join(work, png)}")

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Create (or reuse) the project's virtual environment with the tested, pinned set
-# of packages, and install ea_fairseq into it in editable mode.
+# Create (or reuse) the project's virtual environment with the tested, pinned set of
+# packages (constraints.txt), and install ea_fairseq into it in editable mode with its
+# test, recipe, analysis and corpus extras (pyproject.toml) and the console tools.
 #
 #   bash scripts/setup_env.sh            # -> .venv/ next to this repo
 #   EA_FAIRSEQ_VENV=/path/venv bash scripts/setup_env.sh
 #
-# Idempotent: a venv whose stamp matches requirements.txt + setup.py is reused as is.
+# Idempotent: a venv whose stamp matches constraints.txt + pyproject.toml is reused as is.
 # torch is installed first, pinned, and every later pip call is constrained to that
 # exact version, so pip can never swap it for a (multi-GB) CUDA build on its own.
 # Set TORCH_INDEX_URL (e.g. https://download.pytorch.org/whl/cpu) on machines where
@@ -15,7 +16,7 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${EA_FAIRSEQ_VENV:-$repo/.venv}"
 python="${PYTHON:-python3}"
 stamp="$venv/.ea_fairseq_stamp"
-want="$(cat "$repo/requirements.txt" "$repo/setup.py" | sha256sum | cut -d' ' -f1)"
+want="$(cat "$repo/constraints.txt" "$repo/pyproject.toml" | sha256sum | cut -d' ' -f1)"
 
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$venv/bin/python" -c "import fairseq, ea_fairseq" 2>/dev/null; then
   echo "[setup] environment up to date: $venv" >&2
@@ -32,18 +33,17 @@ PY
 echo "[setup] creating $venv" >&2
 "$python" -m venv "$venv"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
-torch_pin="$(grep -E '^torch==' "$repo/requirements.txt")"
-constraints="$venv/torch-constraint.txt"
-echo "$torch_pin" > "$constraints"
+torch_pin="$(grep -E '^torch==' "$repo/constraints.txt")"
+constraints="$repo/constraints.txt"  # torch pinned there too: no later pip call can swap it
 extra=()
 if [ -n "${TORCH_INDEX_URL:-}" ]; then extra=(--extra-index-url "$TORCH_INDEX_URL"); fi
 
 echo "[setup] installing $torch_pin" >&2
 "${pip[@]}" install -q "${extra[@]}" "$torch_pin"
-echo "[setup] installing pinned requirements" >&2
-"${pip[@]}" install -q "${extra[@]}" -c "$constraints" -r "$repo/requirements.txt"
-echo "[setup] installing ea_fairseq (editable, no dependency changes)" >&2
-"${pip[@]}" install -q --no-deps --no-build-isolation -e "$repo"
+echo "[setup] installing fairseq and ea_fairseq[test,corpus] (editable) under constraints.txt" >&2
+"${pip[@]}" install -q "${extra[@]}" -c "$constraints" setuptools
+"${pip[@]}" install -q "${extra[@]}" -c "$constraints" --no-build-isolation \
+  ve-fairseq -e "$repo[test,corpus]"
 "$venv/bin/python" - <<'PY'
 import torch, fairseq, ea_fairseq
 print(f"[setup] torch {torch.__version__} (cuda: {torch.version.cuda}), fairseq {fairseq.__version__}, "

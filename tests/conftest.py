@@ -1,48 +1,26 @@
 """Shared helpers: build plugin and fairseq models from command-line style arguments."""
 import os
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+from ea_fairseq.models import building
+from ea_fairseq.models.building import parse_options as parse  # noqa: F401  (tests' shorthand)
 
-import ea_fairseq  # noqa: E402,F401  (registers models)
-from fairseq import options  # noqa: E402
-from fairseq.data import Dictionary  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEST_VOCAB = 44  # the tests' small vocabulary: 40 words and fairseq's 4 special symbols
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
-def make_dictionary(size: int = 40) -> Dictionary:
-    d = Dictionary()
-    for i in range(size):
-        d.add_symbol(f"w{i}")
-    return d
-
-
-def parse(arch: str, *extra: str):
-    parser = options.get_training_parser()
-    return options.parse_args_and_arch(parser, ["/nonexistent-data", "--arch", arch, *extra])
+def make_dictionary(size: int = TEST_VOCAB):
+    return building.placeholder_dictionary(size)
 
 
 def build_model(arch: str, *extra: str, seed: int = 1, dictionary=None):
     """Build ``arch`` the way fairseq-train does (options parser, arch defaults, task dicts)."""
-    args = parse(arch, *extra)
-    d = dictionary or make_dictionary()
-    task = SimpleNamespace(source_dictionary=d, target_dictionary=d)
-    torch.manual_seed(seed)
-    model = args_model_class(args).build_model(args, task)
-    return model, args
-
-
-def args_model_class(args):
-    from fairseq.models import ARCH_MODEL_REGISTRY
-
-    return ARCH_MODEL_REGISTRY[args.arch]
+    return building.build_model(arch, *extra, seed=seed, dictionary=dictionary or make_dictionary())
 
 
 def randomize_convs(model, scale=0.5, seed=3):

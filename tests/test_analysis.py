@@ -16,6 +16,7 @@ from conftest import REPO, build_model, cli, random_batch
 from ea_fairseq.analysis import flops as F
 from ea_fairseq.analysis import metrics as M
 from ea_fairseq.analysis.maps import AttentionCapture
+from ea_fairseq.models import building
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 LN2 = math.log(2.0)
@@ -135,7 +136,7 @@ def test_capture_every_layer_and_head_without_changing_the_model(arch, dictionar
 def table5_counts():
     out = {}
     for arch in F.PAPER_TABLE5:
-        out[arch] = F.count_model(F.build_model(arch, vocab=100, meta=True), 30, 30, name=arch)
+        out[arch] = F.count_model(building.build_model(arch, vocab=100, meta=True)[0], 30, 30, name=arch)
     return out
 
 
@@ -163,7 +164,7 @@ def test_analytic_matmul_count_equals_torch_flop_counter(arch):
     (plus the output projection) equals torch's FlopCounterMode on a forward pass. The
     map convolutions are counted at the map's size (the math of EA/PA); a kernel may also
     compute border rows it crops (shifted layouts), never fewer."""
-    model = F.build_model(arch, ["--encoder-layers", "2", "--decoder-layers", "2"], vocab=60).eval()
+    model = building.build_model(arch, "--encoder-layers", "2", "--decoder-layers", "2", vocab=60)[0].eval()
     for m in model.modules():  # fairseq's own attention path (the fused one hides its bmm)
         if hasattr(m, "skip_embed_dim_check"):
             m.skip_embed_dim_check = True

@@ -1,8 +1,7 @@
-"""scripts/average_checkpoints.py: exact averages, checkpoint selection, errors, and a real
+"""ea-fairseq-average-checkpoints (ea_fairseq.tools.average_checkpoints): exact averages, checkpoint selection, errors, and a real
 fairseq checkpoint (the averaged file loads in fairseq like the inputs)."""
 import argparse
 import collections
-import importlib.util
 import os
 import subprocess
 import sys
@@ -12,12 +11,9 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPT = REPO / "scripts" / "average_checkpoints.py"
 BIN = Path(sys.executable).parent
 
-_spec = importlib.util.spec_from_file_location("average_checkpoints", SCRIPT)
-avg = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(avg)
+from ea_fairseq.tools import average_checkpoints as avg  # noqa: E402
 
 
 def fake_checkpoint(path: Path, seed: int, *, epoch: int = 1, extra_key: str = None,
@@ -147,7 +143,7 @@ def test_refuses_arbitrary_pickles(tmp_path):
 
 def test_command_line_exit_codes(tmp_path):
     fake_checkpoint(tmp_path / "checkpoint1.pt", seed=1)
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--inputs", str(tmp_path), "--num-epoch-checkpoints",
+    proc = subprocess.run([str(BIN / "ea-fairseq-average-checkpoints"), "--inputs", str(tmp_path), "--num-epoch-checkpoints",
                            "2", "--output", str(tmp_path / "o.pt")], capture_output=True, text=True)
     assert proc.returncode == 1 and "average_checkpoints: error:" in proc.stderr and "only 1" in proc.stderr
 

@@ -4,6 +4,7 @@ Timings themselves are never asserted (a unit test is no place to time anything)
 checked is that every requested measurement is made, side by side with its twin, and
 reported as a ratio.
 """
+import importlib.util
 import json
 import math
 import subprocess
@@ -17,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def bench(out, *args):
-    subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark.py"), "--quick", "--out", str(out),
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "benchmark.py"), "--quick", "--out", str(out),
                     "--beams", "1", "--batch-sizes", "2", *args], check=True, capture_output=True, text=True)
 
 
@@ -83,11 +84,9 @@ def test_benchmark_runs_and_appends(tmp_path):
 
 
 def benchmark_module():
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        import benchmark
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
+    spec = importlib.util.spec_from_file_location("benchmark", REPO / "benchmarks" / "benchmark.py")
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
     return benchmark
 
 
@@ -121,7 +120,7 @@ def test_bf16_on_cpu_trains_and_generates_in_its_own_report(tmp_path):
 def test_cuda_is_refused_with_what_to_do_where_there_is_none(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: nothing to refuse")
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark.py"), "--device", "cuda",
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "benchmark.py"), "--device", "cuda",
                            "--out", str(tmp_path)], capture_output=True, text=True)
     assert proc.returncode == 2  # argparse's usage error, before anything is measured
     assert "--device cuda: torch.cuda.is_available() is False" in proc.stderr

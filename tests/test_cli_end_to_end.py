@@ -1,5 +1,5 @@
 """Every architecture through the real command-line tools, as a user runs them:
-fairseq-train (--user-dir) -> scripts/average_checkpoints.py -> fairseq-generate --beam 5."""
+fairseq-train (--user-dir) -> ea-fairseq-average-checkpoints -> fairseq-generate --beam 5."""
 import os
 import re
 import subprocess
@@ -44,7 +44,7 @@ def test_train_average_generate(tmp_path, tiny_data_bin, case):
     ])
     assert "done training" in log
     avg = str(tmp_path / "averaged.pt")
-    run([sys.executable, os.path.join(REPO, "scripts", "average_checkpoints.py"), "--inputs", save,
+    run([cli("ea-fairseq-average-checkpoints"), "--inputs", save,
          "--num-update-checkpoints", "2", "--output", avg])
     out = run([
         cli("fairseq-generate"), tiny_data_bin, "--user-dir", user_dir, "--path", avg,

@@ -24,12 +24,12 @@ def non_embedding_params(model) -> int:
     ("transformer", 44.14), ("ea_transformer_base", 44.15),
 ])
 def test_parameter_counts_match_ea_table5(arch, millions):
-    model, _ = build_model(arch, "--share-all-embeddings", dictionary=make_dictionary(1000))
+    model, _ = build_model(arch, "--share-all-embeddings", dictionary=make_dictionary(1004))
     assert round(non_embedding_params(model) / 1e6, 2) == millions
 
 
 def test_ea_adds_exactly_the_conv_parameters():
-    d = make_dictionary(1000)
+    d = make_dictionary(1004)
     ea, _ = build_model("ea_transformer_lite", dictionary=d)
     base, _ = build_model("transformer_lite", dictionary=d)
     heads, k, convs = 4, 3, 18  # 6 encoder + 6 decoder self + 6 cross

@@ -26,7 +26,7 @@ def test_alpha_zero_is_the_vanilla_transformer(dictionary):
 
 @pytest.mark.parametrize("layers", [0, 1, 2])
 def test_parameters_added_are_only_the_prediction_convs(layers):
-    d = make_dictionary(500)
+    d = make_dictionary(504)
     pa, _ = build_model("pa_transformer_lite", "--pa-conv-layers", str(layers), dictionary=d)
     base, _ = build_model("transformer_lite", dictionary=d)
     heads, predicting_blocks = 4, 5  # no prediction in the first block

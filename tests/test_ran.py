@@ -26,7 +26,7 @@ def total_params(model):
 def test_parameter_count(arch, twin, d, heads, stacks):
     """Per replaced attention -2(d^2+d) (no query/key projections); per RAN stack
     + heads*L^2 (A0) + L^2 + L (transition) + 2L (its layer norm)."""
-    dictionary = make_dictionary(100)
+    dictionary = make_dictionary(104)
     ran, _ = build_model(arch, dictionary=dictionary)
     vanilla, _ = build_model(twin, dictionary=dictionary)
     L, layers = 256, 6

@@ -130,7 +130,7 @@ def test_fp16_optimizers_train_ran_without_overflow(wrapper, extra, monkeypatch)
     here as its train_step drives them: loss scale 128 (fairseq's default), label-smoothed
     loss summed over ~1.5k tokens, 3 updates. RAN's matrices sum their gradients over
     every sentence, head, row and layer; kept in float32, they cannot overflow."""
-    d = make_dictionary(1000)
+    d = make_dictionary(1004)
     model, _ = build_model("ran_all_lite", *FP16_TRAINING, dictionary=d)
     args = parse("ran_all_lite", *FP16_TRAINING, "--fp16", "--fp16-init-scale", "128",
                  "--optimizer", "adam", "--lr", "0.0005", "--clip-norm", "0.0", *extra)

@@ -2,7 +2,7 @@
 
 Each prepare script runs with --raw-dir (so it never touches the network; EA_NO_DOWNLOAD is
 set as well), its binarized output is trained on for a few updates with fairseq-train, and
-scripts/evaluate.sh scores the resulting checkpoints end to end. The CLIs are the ones
+examples/translation/evaluate.sh scores the resulting checkpoints end to end. The CLIs are the ones
 installed next to the Python running the tests.
 """
 import importlib.util
@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-import recipe_fixtures as fx  # noqa: E402
+import recipe_fixtures as fx
+from ea_fairseq.tools import bleu as bleu_tool
+from ea_fairseq.tools import compare_systems as compare
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = REPO / "examples" / "translation"
@@ -75,10 +76,7 @@ def train(data, save, env, *args, epochs=2):
 
 
 def load_bleu():
-    spec = importlib.util.spec_from_file_location("ea_recipes_bleu", REPO / "scripts" / "bleu.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bleu_tool
 
 
 def lines(path: Path):
@@ -181,7 +179,7 @@ def _read_exact(path: Path):
 
 
 def load_nmt_text():
-    spec = importlib.util.spec_from_file_location("ea_recipes_nmt_text", REPO / "scripts" / "nmt_text.py")
+    spec = importlib.util.spec_from_file_location("ea_recipes_nmt_text", RECIPES / "nmt_text.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -419,7 +417,7 @@ def test_train_sh_refuses_cpu_without_cpu_1(env, tmp_path):
 
 
 def _evaluate(run_info, mode, env, *args):
-    return run(["bash", REPO / "scripts" / "evaluate.sh", run_info["save"], run_info["data"], mode,
+    return run(["bash", RECIPES / "evaluate.sh", run_info["save"], run_info["data"], mode,
                 "--num-avg", "2", "--cpu", *args, "--", "--max-len-a", "0", "--max-len-b", "6"],
                env, cwd=run_info["root"])
 
@@ -478,10 +476,10 @@ def test_evaluate_other_wmt_mode_and_errors(wmt14_en_de, env, capsys):
                       "--raw-ref", str(short)]) == 1
     assert "has 1 lines" in capsys.readouterr().err
     # fewer checkpoints than asked for: a clear error before anything is translated
-    proc = run(["bash", REPO / "scripts" / "evaluate.sh", info["save"], info["data"], "wmt",
+    proc = run(["bash", RECIPES / "evaluate.sh", info["save"], info["data"], "wmt",
                 "--num-avg", "5", "--cpu"], env, info["root"], check=False)
     assert proc.returncode != 0 and "only 2" in proc.stderr
-    proc = run(["bash", REPO / "scripts" / "evaluate.sh", info["save"], info["data"], "bogus"],
+    proc = run(["bash", RECIPES / "evaluate.sh", info["save"], info["data"], "bogus"],
                env, info["root"], check=False)
     assert proc.returncode != 0 and "MODE must be" in proc.stderr
 
@@ -502,7 +500,7 @@ def test_compound_split_conventions_on_a_known_example(tmp_path):
                            for i, (h, r) in enumerate(zip(hyp, ref))), encoding="utf-8")
     raw = tmp_path / "raw.de"
     raw.write_text("das Bundes-Land ist klein\neine E-Mail kam gestern\n", encoding="utf-8")
-    out = subprocess.run([sys.executable, REPO / "scripts" / "bleu.py", gen, "--mode", "wmt14-en-de",
+    out = subprocess.run([tool("ea-fairseq-bleu"), gen, "--mode", "wmt14-en-de",
                           "--target-lang", "de", "--raw-ref", raw, "--out-prefix", tmp_path / "t"],
                          capture_output=True, text=True, check=True).stdout
     scores = {m.group(1): float(m.group(2)) for m in
@@ -558,9 +556,6 @@ def test_significance_on_known_different_and_identical_systems(tmp_path, capsys)
     for seed in (1, 2, 3):
         _fake_run(tmp_path / "seeds" / f"seed{seed}", refs, noisy(0.1, 10 + seed))
     capsys.readouterr()
-    spec = importlib.util.spec_from_file_location("ea_compare", REPO / "scripts" / "compare_systems.py")
-    compare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(compare)
     assert compare.main([str(tmp_path / d) for d in ("base", "same", "worse", "seeds")]) == 0
     out = capsys.readouterr().out
     table = _table(out)
@@ -586,7 +581,7 @@ def test_run_hygiene_log_record_and_refusal_to_resume_changed_settings(iwslt, en
     assert "CPU=1" in command and "MAX_EPOCH=2" in command
     settings = (save / "train.settings").read_text()
     assert "family=transformer_lite" in settings and "\n--lr 1e-3\n" in settings
-    assert "# evaluate with: bash scripts/evaluate.sh" in settings
+    assert "# evaluate with: bash examples/translation/evaluate.sh" in settings
     train_sh = ["bash", RECIPES / "train.sh", *iwslt["train_args"]]
     proc = run(train_sh, dict(iwslt["train_env"], LR="5e-4"), root, check=False)
     assert proc.returncode != 0 and "not resuming" in proc.stderr, proc.stderr
@@ -605,13 +600,13 @@ def test_seeds_train_one_run_each_and_evaluate_to_one_table(iwslt, env, tmp_path
     base = tmp_path / "seeds"
     proc = run(["bash", RECIPES / "train.sh", *iwslt["train_args"]],
                dict(iwslt["train_env"], SAVE_DIR=str(base), MAX_EPOCH="1", SEEDS="1 2"), tmp_path)
-    assert "2 runs" in proc.stderr and f"evaluate every seed (mean ± std) with: bash scripts/evaluate.sh {base} " in proc.stderr
+    assert "2 runs" in proc.stderr and f"evaluate every seed (mean ± std) with: bash examples/translation/evaluate.sh {base} " in proc.stderr
     for seed in (1, 2):
         run_dir = base / f"seed{seed}"
         assert (run_dir / "checkpoint1.pt").is_file() and (run_dir / "train.log").is_file()
         assert f"--seed {seed} " in (run_dir / "train.command").read_text()
     assert not list(base.glob("*.pt"))
-    out = run(["bash", REPO / "scripts" / "evaluate.sh", base, iwslt["data"], "iwslt", "--num-avg", "1",
+    out = run(["bash", RECIPES / "evaluate.sh", base, iwslt["data"], "iwslt", "--num-avg", "1",
                "--cpu", "--", "--max-len-a", "0", "--max-len-b", "6"], env, tmp_path).stdout
     row = _table(out)["seeds"]
     assert row[1] == "2" and len(row[2].split()) == 2 and "±" in row[3]
@@ -619,7 +614,7 @@ def test_seeds_train_one_run_each_and_evaluate_to_one_table(iwslt, env, tmp_path
         assert (base / f"seed{seed}" / "eval" / "test.de-en.scores.json").is_file()
     if not (iwslt["save"] / "eval" / "test.de-en.scores.json").is_file():
         _evaluate(iwslt, "iwslt", env)
-    out = run([sys.executable, REPO / "scripts" / "compare_systems.py", f"two_epochs={iwslt['save']}",
+    out = run([tool("ea-fairseq-compare"), f"two_epochs={iwslt['save']}",
                f"one_epoch={base}"], env, tmp_path).stdout
     table = _table(out)
     assert table["two_epochs"][1] == "1" and table["one_epoch"][1] == "2"
@@ -636,7 +631,7 @@ def test_ran_with_over_long_test_sentences(iwslt, env, tmp_path):
     sizes = load_bleu().idx_sizes(str(iwslt["data"] / "test.de-en.de.idx"))
     n_long, n_all = int((sizes > 12).sum()), len(sizes)
     assert 0 < n_long < n_all
-    evaluate = ["bash", REPO / "scripts" / "evaluate.sh", save, iwslt["data"], "iwslt", "--best", "--cpu"]
+    evaluate = ["bash", RECIPES / "evaluate.sh", save, iwslt["data"], "iwslt", "--best", "--cpu"]
     proc = run(evaluate, env, tmp_path, check=False)
     assert proc.returncode != 0
     assert f"{n_long} of the {n_all} test sentences are longer than this model accepts" in proc.stderr

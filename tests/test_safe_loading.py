@@ -2,7 +2,6 @@
 (fairseq-generate, the hub, --restore-file, averaging, the analysis tool) before fairseq
 evaluates them, and nothing is executed; normal checkpoints of every family still load."""
 import argparse
-import importlib.util
 import os
 
 import pytest
@@ -13,9 +12,7 @@ from conftest import REPO, cli
 from ea_fairseq import checkpoint_safety as safety
 from trained_checkpoints import USER_DIR, family_checkpoints, run, train_command
 
-_spec = importlib.util.spec_from_file_location("average_checkpoints", os.path.join(REPO, "scripts", "average_checkpoints.py"))
-avg = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(avg)
+from ea_fairseq.tools import average_checkpoints as avg  # noqa: E402
 
 
 def payload(marker) -> str:

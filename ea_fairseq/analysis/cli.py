@@ -1,4 +1,4 @@
-"""``python -m ea_fairseq.analysis {dump,metrics,plot,flops} ...`` (see docs/analysis.md)."""
+"""``ea-fairseq-analysis {dump,metrics,plot,flops} ...`` (also ``python -m ea_fairseq.analysis``; see docs/analysis.md)."""
 import argparse
 import json
 import logging
@@ -181,13 +181,14 @@ def cmd_plot(args) -> int:
 def cmd_flops(args) -> int:
     import shlex
 
+    from ..models.building import build_model
     from . import flops as F
 
     results = []
     extra = shlex.split(args.model_args or "")
     archs = args.arch if args.arch is not None else ([] if args.checkpoint else F.plugin_architectures())
     for arch in archs:
-        model = F.build_model(arch, extra, vocab=args.vocab, meta=True)
+        model, _ = build_model(arch, *extra, vocab=args.vocab, meta=True)
         results.append(F.count_model(model, args.src_len, args.tgt_len, name=arch))
     for path in args.checkpoint or []:
         from .maps import load_model
@@ -217,7 +218,7 @@ def cmd_flops(args) -> int:
 # -- parser ---------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m ea_fairseq.analysis",
+        prog="ea-fairseq-analysis",
         description="Attention analysis for ea_fairseq models: maps, layer-wise metrics, plots, "
                     "params/FLOPs.",
     )
@@ -248,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plot", help="heatmaps, entropy per layer, JS-divergence matrices")
     plot = p.add_subparsers(dest="what", required=True)
     for what, help_ in (("maps", "heatmaps per layer and head of a dump"),
-                        ("kinds", "per layer, one head's weights beside the carrier's maps "
+                        ("kinds", "per layer, one head's weights beside the mechanism's maps "
                                   "(EA: logits, convolution, dot_product; EA Fig. 11)")):
         q = plot.add_parser(what, help=help_)
         q.add_argument("dump")
@@ -256,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--attention", nargs="+", help="encoder.self decoder.self decoder.cross")
         if what == "maps":
             q.add_argument("--kind", nargs="+", default=["weights"],
-                           help="weights (default), a carrier's maps (dot_product, convolution, "
+                           help="weights (default), a mechanism's maps (dot_product, convolution, "
                                 "logits, prediction, recurrent ...) or all")
         else:
             q.add_argument("--kind", nargs="+", help="kinds to show (default: all in the dump)")
@@ -302,4 +303,4 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         return args.func(args)
     except CheckpointError as err:  # a refused checkpoint: its reason, not a traceback
-        raise SystemExit(f"python -m ea_fairseq.analysis {args.command}: error: {err}")
+        raise SystemExit(f"ea-fairseq-analysis {args.command}: error: {err}")

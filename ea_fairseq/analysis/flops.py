@@ -308,33 +308,6 @@ def count_model(model: nn.Module, src_len: int = 30, tgt_len: int = 30, name: st
     return ModelCount(name, non_embedding_params(model), counts, walker.uncounted, src_len, tgt_len)
 
 
-# -- building models without data --------------------------------------------------------
-def build_model(arch: str, model_args: Iterable[str] = (), vocab: int = 1000, seed: int = 1,
-                meta: bool = False):
-    """Build ``arch`` as fairseq-train would (its option parser and arch defaults), with a
-    made-up dictionary of ``vocab`` symbols (the vocabulary only sizes the embeddings and
-    the output projection, which the Table 5 counts leave out). ``meta=True`` builds on
-    PyTorch's meta device: shapes without storage, all that counting needs, and fast."""
-    import torch
-    from types import SimpleNamespace
-
-    from fairseq import options
-    from fairseq.data import Dictionary
-    from fairseq.models import ARCH_MODEL_REGISTRY
-
-    parser = options.get_training_parser()
-    args = options.parse_args_and_arch(parser, ["/nonexistent-data", "--arch", arch, *model_args])
-    d = Dictionary()
-    for i in range(max(0, vocab - len(d))):
-        d.add_symbol(f"w{i}")
-    task = SimpleNamespace(source_dictionary=d, target_dictionary=d)
-    torch.manual_seed(seed)
-    if meta:
-        with torch.device("meta"):
-            return ARCH_MODEL_REGISTRY[args.arch].build_model(args, task)
-    return ARCH_MODEL_REGISTRY[args.arch].build_model(args, task)
-
-
 def plugin_architectures() -> List[str]:
     """fairseq's ``transformer`` plus every architecture this plugin registers."""
     from fairseq.models import ARCH_CONFIG_REGISTRY

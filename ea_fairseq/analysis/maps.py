@@ -115,9 +115,9 @@ class AttentionCapture:
     forward pass.
     """
 
-    def __init__(self, model, carriers: bool = True):
+    def __init__(self, model, mechanism_maps: bool = True):
         self.model = model
-        self.carriers = carriers  # also collect the mechanisms' intermediate maps
+        self.mechanism_maps = mechanism_maps  # also collect the mechanisms' intermediate maps
         self._stack = ExitStack()
         self._handles = []
         self._maps: Dict[str, Dict[str, Dict[int, Tensor]]] = {}  # attention -> kind -> layer
@@ -125,7 +125,7 @@ class AttentionCapture:
         self._skip_flags = []
 
     def __enter__(self):
-        if self.carriers:
+        if self.mechanism_maps:
             self._stack.enter_context(accelerators.reference_only())
         for stack_name in ("encoder", "decoder"):
             stack = getattr(self.model, stack_name, None)
@@ -168,7 +168,7 @@ class AttentionCapture:
 
         self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         self._handles.append(module.register_forward_hook(post, with_kwargs=True))
-        if self.carriers and isinstance(module, AttentionMechanism):
+        if self.mechanism_maps and isinstance(module, AttentionMechanism):
             self._handles.append(module.register_map_hook(partial(self.record, stack_name, layer_index, slot)))
 
     def record(self, stack_name: str, layer_index: int, slot: str, maps: Dict[str, Tensor]) -> None:
@@ -218,10 +218,10 @@ def with_hypotheses(sample, generator, task) -> dict:
     return sample
 
 
-def capture(model, sample, carriers: bool = True) -> Dict[str, Dict[str, List[Tensor]]]:
+def capture(model, sample, mechanism_maps: bool = True) -> Dict[str, Dict[str, List[Tensor]]]:
     """Teacher-forced forward pass of ``sample`` (its ``prev_output_tokens``), captured."""
     net = sample["net_input"]
-    with torch.no_grad(), AttentionCapture(model, carriers) as cap:
+    with torch.no_grad(), AttentionCapture(model, mechanism_maps) as cap:
         model(net["src_tokens"], net["src_lengths"], net["prev_output_tokens"])
     return cap.result()
 
@@ -273,7 +273,7 @@ def _per_sentence(layers: List[Optional[Tensor]]) -> Dict[str, np.ndarray]:
 
 
 def _zero_masked(kinds: Dict[str, List[Tensor]]) -> None:
-    """Zero the carrier's maps where the attention is masked (zero weight: future
+    """Zero the mechanisms' maps where the attention is masked (zero weight: future
     positions, padding), as EA's and PA's logged logits already are."""
     weights = kinds.get("weights")
     if not weights:

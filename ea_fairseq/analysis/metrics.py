@@ -177,7 +177,7 @@ def evaluate(model, task, dataset, hypothesis=False, beam=5, max_tokens=4000,
         sample = collate(dataset, indices)
         if generator is not None:
             sample = with_hypotheses(sample, generator, task)
-        maps = capture(model, sample, carriers=False)
+        maps = capture(model, sample, mechanism_maps=False)
         acc.update({a: k["weights"] for a, k in maps.items() if "weights" in k},
                    query_masks(sample, pad))
     return acc.result()

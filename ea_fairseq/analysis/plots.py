@@ -2,7 +2,7 @@
 
 * :func:`plot_maps` -- heatmaps of one attention of one sentence, layers x heads, tokens
   on the axes (any kind of a dump: ``weights``, EA's ``convolution``/``dot_product``, ...).
-* :func:`plot_kinds` -- one head, the weights beside the carrier's maps (EA Fig. 11).
+* :func:`plot_kinds` -- one head, the weights beside the mechanism's maps (EA Fig. 11).
 * :func:`plot_entropy` -- entropy per layer of several models on one figure.
 * :func:`plot_js` -- the layer-by-layer Jensen-Shannon divergence matrices.
 """
@@ -76,7 +76,7 @@ def plot_kinds(dump: AttentionDump, sid: int, attention: str, head: int = 1,
                kinds: Optional[Sequence[str]] = None, out: str = "kinds.png",
                layers: Optional[Sequence[int]] = None) -> str:
     """EA Fig. 11 layout for one head: per layer, the attention weights beside the maps
-    the carrier recorded (EA: ``logits`` = β·conv + (1-β)·input, ``convolution``,
+    the mechanism reported (EA: ``logits`` = β·conv + (1-β)·input, ``convolution``,
     ``dot_product``). Every signed map of a column shares one colour scale."""
     available = dump.sentences[sid].kinds[attention]
     kinds = [k for k in (kinds or available) if k in available]

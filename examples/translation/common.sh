@@ -1,5 +1,5 @@
 # Shared steps of the prepare-*.sh recipes: fetch/unpack, tokenize, clean, BPE, binarize.
-# Sourced, not run. The text work is done by scripts/nmt_text.py (the Moses Perl scripts,
+# Sourced, not run. The text work is done by examples/translation/nmt_text.py (the Moses Perl scripts,
 # ported to Python and tested against their outputs) and subword-nmt's Python modules;
 # binarization by fairseq-preprocess.
 #
@@ -57,15 +57,15 @@ ea_fetch() {
   local opts=()
   if [ -n "$RAW_DIR" ]; then opts+=(--raw-dir "$RAW_DIR"); fi
   if [ -n "$NO_DOWNLOAD" ]; then opts+=(--no-download); fi
-  "$PYTHON" "$EA_REPO/scripts/nmt_text.py" fetch --orig "$ORIG" "${opts[@]}" "$@" \
+  "$PYTHON" "$EA_REPO/examples/translation/nmt_text.py" fetch --orig "$ORIG" "${opts[@]}" "$@" \
     || { echo "[$EA_NAME] stopped: raw data missing (see above)" >&2; exit 2; }
 }
 
 # ea_find PATTERN...: path of the first file under $ORIG matching the first matching glob.
-ea_find() { "$PYTHON" "$EA_REPO/scripts/nmt_text.py" find --any "$ORIG" "$@"; }
+ea_find() { "$PYTHON" "$EA_REPO/examples/translation/nmt_text.py" find --any "$ORIG" "$@"; }
 
 # ea_text [nmt_text.py text options] INPUT...
-ea_text() { "$PYTHON" "$EA_REPO/scripts/nmt_text.py" text --workers "$WORKERS" "$@"; }
+ea_text() { "$PYTHON" "$EA_REPO/examples/translation/nmt_text.py" text --workers "$WORKERS" "$@"; }
 
 ea_lines() { wc -l < "$1" | tr -d ' '; }
 
@@ -77,7 +77,7 @@ ea_check_parallel() {
 
 # ea_clean IN_PREFIX L1 L2 OUT_PREFIX MIN MAX [RATIO]: clean-corpus-n.perl.
 ea_clean() {
-  "$PYTHON" "$EA_REPO/scripts/nmt_text.py" clean --ratio "${7:-1.5}" "$1" "$2" "$3" "$4" "$5" "$6"
+  "$PYTHON" "$EA_REPO/examples/translation/nmt_text.py" clean --ratio "${7:-1.5}" "$1" "$2" "$3" "$4" "$5" "$6"
 }
 
 # ea_bpe CODES N DIR_IN DIR_OUT SRC TGT SPLIT...: learn a joint BPE of N merges on
@@ -102,7 +102,7 @@ ea_bpe() {
 # TEXT_DIR/{train,valid,test}.{SRC,TGT} into DEST, with a joined dictionary, or with one
 # dictionary per language when EA_SEPARATE_DICTS=1 (fairseq's IWSLT'14 recipe); with
 # REVERSE_TEXT_DIR also its valid/test sets as the TGT->SRC direction, same dictionary
-# (DEST/{valid,test}.TGT-SRC.*). Both runs share one process (scripts/binarize.py).
+# (DEST/{valid,test}.TGT-SRC.*). Both runs share one process (examples/translation/binarize.py).
 ea_binarize() {
   local src="$1" tgt="$2" dir="$3" dest="$4" rev="${5:-}" dict=(--joined-dictionary)
   if [ -n "${EA_SEPARATE_DICTS:-}" ]; then dict=(); fi
@@ -120,7 +120,7 @@ ea_binarize() {
            --srcdict "$dest/dict.$tgt.txt" --tgtdict "$dest/dict.$src.txt"
            --destdir "$scratch" --workers "$WORKERS")
   fi
-  "$PYTHON" "$EA_REPO/scripts/binarize.py" "${runs[@]}"
+  "$PYTHON" "$EA_REPO/examples/translation/binarize.py" "${runs[@]}"
   if [ -n "$rev" ]; then
     mv "$scratch"/*.bin "$scratch"/*.idx "$dest"/
     rm -rf "$scratch"

@@ -57,7 +57,7 @@ ea_check_parallel "$TMP/test.$src" "$TMP/test.$tgt"
 
 ea_log "creating train, valid, test"
 for l in $src $tgt; do
-  "$PYTHON" "$EA_REPO/scripts/nmt_text.py" split 23 "$TMP/train.tags.$lang.$l" "$TMP/valid.$l" "$TMP/train.$l"
+  "$PYTHON" "$EA_REPO/examples/translation/nmt_text.py" split 23 "$TMP/train.tags.$lang.$l" "$TMP/valid.$l" "$TMP/train.$l"
 done
 
 ea_bpe "$PREP/code" "$BPE_TOKENS" "$TMP" "$PREP" $src $tgt train valid test

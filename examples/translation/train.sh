@@ -118,7 +118,7 @@ esac
 # ---------------------------------------------------------------- family: arch + settings
 alpha=""; beta=""; pa_alpha=""; attn_dropout=0.0; patience=5; max_update=""; keep_updates=""
 drop_default=""
-eval_opts=()  # how the paper evaluates (scripts/evaluate.sh options)
+eval_opts=()  # how the paper evaluates (examples/translation/evaluate.sh options)
 case "$family" in
   transformer_lite) arch=transformer_lite; kind=ea_lite ;;
   ea_lite)          arch=ea_transformer_lite; kind=ea_lite; alpha=0.1; beta=0.1 ;;
@@ -344,7 +344,7 @@ for ((i = 0; i < ${#extra[@]}; i++)); do
     *) settings_extra+=("$a") ;;
   esac
 done
-eval_hint="bash scripts/evaluate.sh $SAVE_DIR $DATA $mode"
+eval_hint="bash examples/translation/evaluate.sh $SAVE_DIR $DATA $mode"
 case "$size" in wmt17) eval_hint+=" -s $src -t $tgt" ;; esac
 if [ ${#eval_opts[@]} -gt 0 ]; then eval_hint+=" ${eval_opts[*]}"; fi
 # the data as an absolute path and the plugin's location left out, so that a resume from

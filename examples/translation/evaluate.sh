@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Average the last checkpoints of a run, translate the test set, and report BLEU, labelled.
 #
-#   bash scripts/evaluate.sh CHECKPOINT_DIR DATA_BIN MODE [options] [-- fairseq-generate args]
+#   bash examples/translation/evaluate.sh CHECKPOINT_DIR DATA_BIN MODE [options] [-- fairseq-generate args]
 #
 # MODE
 #   iwslt        fairseq tokenized BLEU, from fairseq-generate's own scorer (EA/PA papers'
@@ -15,7 +15,7 @@
 #
 # CHECKPOINT_DIR holds one run, or one run per seed (seed*/, as SEEDS="1 2 3" train.sh
 # makes them): each is scored, then its BLEUs are shown with their mean and deviation
-# (scripts/compare_systems.py, which also compares systems: README.md, "Seeds").
+# (ea-fairseq-compare, which also compares systems: README.md, "Seeds").
 #
 # Options (defaults in brackets; the environment variable of the same role in parentheses)
 #   --num-avg N            average the last N checkpoints [10] (NUM_AVG); 1: no averaging,
@@ -38,7 +38,7 @@
 # Tools come from PATH: fairseq-generate, python3 (override with FAIRSEQ_GENERATE, PYTHON).
 set -euo pipefail
 
-repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 PYTHON="${PYTHON:-python3}"
 FAIRSEQ_GENERATE="${FAIRSEQ_GENERATE:-fairseq-generate}"
 
@@ -97,7 +97,7 @@ if ! ls "$ckpt_dir"/checkpoint*.pt >/dev/null 2>&1 && ls -d "$ckpt_dir"/seed*/ >
   compare=("$ckpt_dir")
   if [ -n "$src" ] && [ -n "$tgt" ]; then compare+=(-s "$src" -t "$tgt"); fi
   echo
-  "$PYTHON" "$repo/scripts/compare_systems.py" --subset "$subset" "${compare[@]}"
+  "$PYTHON" -m ea_fairseq.tools.compare_systems --subset "$subset" "${compare[@]}"
   exit 0
 fi
 
@@ -119,7 +119,7 @@ else
   model="$out_dir/average_last${num_avg}_${avg_by}s${upper:+_upto$upper}.pt"
   opts=(--inputs "$ckpt_dir" "--num-${avg_by}-checkpoints" "$num_avg" --output "$model")
   if [ -n "$upper" ]; then opts+=(--checkpoint-upper-bound "$upper"); fi
-  "$PYTHON" "$repo/scripts/average_checkpoints.py" "${opts[@]}"
+  "$PYTHON" -m ea_fairseq.tools.average_checkpoints "${opts[@]}"
   what="average of the last $num_avg $avg_by checkpoints of $ckpt_dir"
 fi
 
@@ -138,11 +138,11 @@ if ! "$FAIRSEQ_GENERATE" "$data" --user-dir "$user_dir" --path "$model" \
   limits=$(sed -n 's/.*since max_positions=(\([0-9]*\), \([0-9]*\)).*/\1 \2/p' "$gen_log" | tail -1)
   if [ -n "$limits" ]; then
     read -r max_src max_tgt <<< "$limits"
-    counts=$("$PYTHON" -c 'import sys; sys.path.insert(0, sys.argv[1]); import bleu
-s, t = bleu.idx_sizes(sys.argv[2]), bleu.idx_sizes(sys.argv[3])
-long = (s > int(sys.argv[4])) | (t > int(sys.argv[5]))
+    counts=$("$PYTHON" -c 'import sys; from ea_fairseq.tools import bleu
+s, t = bleu.idx_sizes(sys.argv[1]), bleu.idx_sizes(sys.argv[2])
+long = (s > int(sys.argv[3])) | (t > int(sys.argv[4]))
 print(int(long.sum()), len(s), " ".join(map(str, long.nonzero()[0][:10])))' \
-      "$repo/scripts" "$data/$subset.$src-$tgt.$src.idx" "$data/$subset.$src-$tgt.$tgt.idx" "$max_src" "$max_tgt")
+      "$data/$subset.$src-$tgt.$src.idx" "$data/$subset.$src-$tgt.$tgt.idx" "$max_src" "$max_tgt")
     read -r n_long n_all first_long <<< "$counts"
     die "$n_long of the $n_all $subset sentences are longer than this model accepts
   (max_positions=($max_src, $max_tgt) tokens with </s>, source and target; for RAN, its
@@ -168,6 +168,6 @@ scores="$out_dir/bleu-$subset.$src-$tgt.txt"
 {
   echo "model: $what"
   echo "data: $data ($subset, $src->$tgt), beam $beam, lenpen $lenpen"
-  "$PYTHON" "$repo/scripts/bleu.py" "$gen" "${score_opts[@]}"
+  "$PYTHON" -m ea_fairseq.tools.bleu "$gen" "${score_opts[@]}"
 } > "$scores"
 cat "$scores"

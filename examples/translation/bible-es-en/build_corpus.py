@@ -17,7 +17,7 @@ The output is deterministic (fixed book order, no randomness, xz without timesta
 re-running the script reproduces the shipped files byte for byte (given the same module
 versions: SpaRV 2.60, KJV 14.3 in Debian).
 
-    python scripts/build_bible_corpus.py [--sword-path /usr/share/sword] [--out DIR]
+    python examples/translation/bible-es-en/build_corpus.py [--sword-path /usr/share/sword] [--out DIR]
 """
 import argparse
 import functools

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """fairseq-preprocess, several runs in one process (importing fairseq is most of its cost).
 
-  python scripts/binarize.py FAIRSEQ_PREPROCESS_ARGS [--- FAIRSEQ_PREPROCESS_ARGS ...]
+  python examples/translation/binarize.py FAIRSEQ_PREPROCESS_ARGS [--- FAIRSEQ_PREPROCESS_ARGS ...]
 
 Each run takes exactly the options of ``fairseq-preprocess`` and writes what it writes.
 """

@@ -1,14 +1,13 @@
-#!/usr/bin/env python3
 """Average the parameters of several fairseq checkpoints into one.
 
   # the last 10 epoch checkpoints (checkpointE.pt) of a run
-  python scripts/average_checkpoints.py --inputs CKPT_DIR --num-epoch-checkpoints 10 \\
+  ea-fairseq-average-checkpoints --inputs CKPT_DIR --num-epoch-checkpoints 10 \\
       --output CKPT_DIR/averaged.pt
   # the last 5 update checkpoints (checkpoint_E_U.pt), none after update 50000
-  python scripts/average_checkpoints.py --inputs CKPT_DIR --num-update-checkpoints 5 \\
+  ea-fairseq-average-checkpoints --inputs CKPT_DIR --num-update-checkpoints 5 \\
       --checkpoint-upper-bound 50000 --output avg.pt
   # explicit files
-  python scripts/average_checkpoints.py --inputs a.pt b.pt c.pt --output avg.pt
+  ea-fairseq-average-checkpoints --inputs a.pt b.pt c.pt --output avg.pt
 
 Every floating-point tensor of ``state["model"]`` is summed in float64, divided by the
 number of checkpoints and cast back to its dtype. Other entries (integer buffers, non-tensor
@@ -31,11 +30,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-sys.path.insert(0, _REPO)
-from ea_fairseq.checkpoint_safety import CheckpointError, load_checkpoint  # noqa: E402  (weights-only, validated)
+from ..checkpoint_safety import CheckpointError, load_checkpoint  # weights-only, validated
 
 
 class AverageError(ValueError):

@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """Score a fairseq-generate output file; every number printed says which BLEU it is.
 
-  python scripts/bleu.py GENERATE_OUTPUT --mode {iwslt,wmt14-en-de,wmt} \\
+  ea-fairseq-bleu GENERATE_OUTPUT --mode {iwslt,wmt14-en-de,wmt} \\
       [--target-lang de] [--raw-ref test.raw.en-de.de] [--expect-idx test.en-de.en.idx]
       [--allow-missing] [--out-prefix PREFIX]
 
@@ -11,7 +10,7 @@ BLEU variants (they are not comparable with each other):
   computed on the tokenized, BPE-removed hypotheses and references (whitespace tokens,
   case-sensitive). For IWSLT'14 De-En (lowercased data) this is the number the EA and PA
   papers report. ``tokenized BLEU`` is the same computed here from the H and T lines
-  (multi-bleu.perl), which the significance tests (compare_systems.py) resample.
+  (multi-bleu.perl), which the significance tests (ea-fairseq-compare) resample.
 * compound-split tokenized BLEU (``--mode wmt14-en-de``), both conventions, labelled:
   - fairseq's ``compound_split_bleu.sh`` (what most fairseq papers report): every hyphen
     between two non-space characters of generate's tokenized H and T lines split as
@@ -29,7 +28,7 @@ BLEU variants (they are not comparable with each other):
 
 With ``--out-prefix`` the hypotheses and references each BLEU was computed on are written
 as ``PREFIX.hyp.NAME`` / ``PREFIX.ref.NAME`` and the scores as ``PREFIX.scores.json``,
-which ``scripts/compare_systems.py`` reads (mean and deviation over seeds, paired
+which ``ea-fairseq-compare`` reads (mean and deviation over seeds, paired
 bootstrap between systems).
 
 Every test sentence must have been translated (``--expect-idx``); ``--allow-missing``
@@ -64,7 +63,7 @@ METRICS = {
                   "first, 'a @-@ b' -> 'a ##AT##-##AT## b'; multi-bleu.perl)", TOKENIZED),
     "sacrebleu": ("detokenized sacreBLEU (sacremoses detok of hyps vs raw references)", DETOKENIZED),
 }
-MODE_METRICS = {  # the first is the one compare_systems.py tests by default
+MODE_METRICS = {  # the first is the one ea-fairseq-compare tests by default
     "iwslt": ["tok"],
     "wmt14-en-de": ["split-fairseq", "split-t2t", "sacrebleu"],
     "wmt": ["tok", "sacrebleu"],
@@ -179,19 +178,19 @@ def main(argv=None) -> int:
     gen = parse_generate(args.generate_output)
     ids = sorted(gen["H"])
     if not ids:
-        print(f"bleu.py: no hypotheses (H- lines) in {args.generate_output}", file=sys.stderr)
+        print(f"ea-fairseq-bleu: no hypotheses (H- lines) in {args.generate_output}", file=sys.stderr)
         return 1
     hyps = [gen["H"][i] for i in ids]
     refs = [gen["T"].get(i) for i in ids]
     if any(r is None for r in refs):
-        print("bleu.py: generate output has hypotheses without references (T- lines)", file=sys.stderr)
+        print("ea-fairseq-bleu: generate output has hypotheses without references (T- lines)", file=sys.stderr)
         return 1
     expected = None
     if args.expect_idx:
         expected = idx_num_sentences(args.expect_idx)
         if len(ids) != expected and not args.allow_missing:
             lost = sorted(set(range(expected)) - set(ids))[:10]
-            print(f"bleu.py: {args.generate_output} has {len(ids)} hypotheses but the test set has "
+            print(f"ea-fairseq-bleu: {args.generate_output} has {len(ids)} hypotheses but the test set has "
                   f"{expected} sentences (missing ids {lost}...). fairseq drops a last batch "
                   "smaller than --required-batch-size-multiple: generate with "
                   "--required-batch-size-multiple 1", file=sys.stderr)
@@ -199,13 +198,13 @@ def main(argv=None) -> int:
     raw = None
     if args.mode != "iwslt":
         if not args.raw_ref or not args.target_lang:
-            print("bleu.py: --mode wmt* needs --raw-ref and --target-lang for sacreBLEU", file=sys.stderr)
+            print("ea-fairseq-bleu: --mode wmt* needs --raw-ref and --target-lang for sacreBLEU", file=sys.stderr)
             return 1
         with open(args.raw_ref, encoding="utf-8") as f:
             raw = [r.rstrip("\n") for r in f]
         expected = len(raw) if expected is None else expected
         if ids[-1] >= len(raw) or len(raw) != expected or (len(ids) != len(raw) and not args.allow_missing):
-            print(f"bleu.py: {len(ids)} hypotheses (ids up to {ids[-1]}) but {args.raw_ref} has "
+            print(f"ea-fairseq-bleu: {len(ids)} hypotheses (ids up to {ids[-1]}) but {args.raw_ref} has "
                   f"{len(raw)} lines: generate must translate the whole test set, in the "
                   "order the references are in", file=sys.stderr)
             return 1

@@ -1,15 +1,17 @@
 #!/usr/bin/env python3
 """Speed and memory of every architecture against its fairseq twin, side by side in one run.
 
-    python scripts/benchmark.py                    # full run (about 15 min on 2 cores)
-    python scripts/benchmark.py --quick            # small smoke run
-    python scripts/benchmark.py --only ea_transformer_lite ran_all_lite
-    python scripts/benchmark.py --device cuda --dtype fp16 --only ea_transformer_lite
+    python benchmarks/benchmark.py                    # full run (about 15 min on 2 cores)
+    python benchmarks/benchmark.py --quick            # small smoke run
+    python benchmarks/benchmark.py --only ea_transformer_lite ran_all_lite
+    python benchmarks/benchmark.py --device cuda --dtype fp16 --only ea_transformer_lite
 
 Every figure that matters is a *ratio* to the vanilla twin of the same dimensions
 (``transformer_lite`` for the Lite family, fairseq's ``transformer`` for base-sized),
 measured in the same process on the same batches with the same seed, the two models'
-runs interleaved and repeated; medians are reported with min-max spread. Absolute
+runs interleaved and repeated; medians are reported with min-max spread. Both reorder
+their beam caches the same way (the plugin's list of state holders, given to the twin's
+fairseq decoder as well; ``--fairseq-reorder``: fairseq's walk over every module, for both). Absolute
 numbers are printed with a description of the machine and of its load: run the
 benchmark alone (a concurrent job distorts CPU timings many times over).
 
@@ -55,18 +57,14 @@ import sys
 import time
 from types import SimpleNamespace
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+import torch
+import torch.nn.functional as F
+from fairseq.sequence_generator import SequenceGenerator
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+from ea_fairseq.models import fairseq_speedups
+from ea_fairseq.models.building import build_model
 
-import ea_fairseq  # noqa: E402,F401  (registers the architectures)
-from ea_fairseq.models import fairseq_speedups  # noqa: E402
-from fairseq import options  # noqa: E402
-from fairseq.data import Dictionary  # noqa: E402
-from fairseq.models import ARCH_MODEL_REGISTRY  # noqa: E402
-from fairseq.sequence_generator import SequenceGenerator  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 LITE_TWIN, BASE_TWIN = "transformer_lite", "transformer"
 PAIRS = {  # arch -> (twin, family)
@@ -86,20 +84,13 @@ CPU = torch.device("cpu")
 
 
 # -- building ---------------------------------------------------------------------------
-def dictionary(size: int) -> Dictionary:
-    d = Dictionary()
-    for i in range(size - d.nspecial):
-        d.add_symbol(f"w{i}")
-    return d
-
-
 def build(arch: str, vocab: int, seed: int = 1):
-    parser = options.get_training_parser()
-    args = options.parse_args_and_arch(parser, ["/nonexistent", "--arch", arch, "--share-all-embeddings"])
-    d = dictionary(vocab)
-    torch.manual_seed(seed)
-    model = ARCH_MODEL_REGISTRY[arch].build_model(args, SimpleNamespace(source_dictionary=d, target_dictionary=d))
-    return model, d
+    """``arch`` with a placeholder vocabulary; a fairseq twin's decoder gets the plugin's
+    beam-reorder bookkeeping too (``fairseq_speedups``), so ratios compare attention only."""
+    model, _ = build_model(arch, "--share-all-embeddings", vocab=vocab, seed=seed)
+    if not isinstance(model.decoder, fairseq_speedups.ListedStateHolders):
+        fairseq_speedups.list_state_holders(model.decoder)
+    return model, model.encoder.dictionary
 
 
 def place(model, device=CPU, dtype="fp32"):
@@ -177,7 +168,7 @@ def optimizer(model, device=CPU, dtype="fp32"):
     return mixed_precision_optimizer(model.parameters(), dtype, device)
 
 
-def batch(d: Dictionary, tokens: int = 0, seed: int = 0, lo: int = 10, hi: int = 40, sentences: int = 0):
+def batch(d, tokens: int = 0, seed: int = 0, lo: int = 10, hi: int = 40, sentences: int = 0):
     """Sentences of IWSLT-like lengths, left-padded: ``sentences`` of them, or as many as
     make up ``tokens`` source tokens."""
     g = torch.Generator().manual_seed(seed)
@@ -516,8 +507,8 @@ def markdown(report) -> str:
             f"{run['loadavg_end'][0]:.2f} at end; other busy processes: {', '.join(run['busy']) or 'none'}; "
             + ("freed memory kept for reuse (no page-fault churn; `--system-allocator` to compare)."
                if m.get("freed_memory_kept") else "glibc's default allocator.")
-            + (" The plugin's decoders reordered their caches with fairseq's walk over every "
-               "module (`--fairseq-reorder`)." if m.get("fairseq_reorder") else ""),
+            + (" Decoders reordered their caches with fairseq's walk over every module "
+               "(`--fairseq-reorder`)." if m.get("fairseq_reorder") else ""),
             "",
         ]
     lines += ["Each cell: median (min–max) over interleaved repeats, alternating which side runs first "
@@ -598,7 +589,7 @@ def main():
                     help="precision (default: fp32); fp16/bf16 train as fairseq's --fp16/--bf16 do "
                          "(cast model, float32 loss, FP16Optimizer with float32 master weights) and "
                          "generate with the cast model; both also run on CPU")
-    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks"),
+    ap.add_argument("--out", default=HERE,
                     help="output directory: benchmark.{json,md} for cpu fp32, "
                          "benchmark-<device>-<dtype>.{json,md} otherwise")
     ap.add_argument("--append", action="store_true",
@@ -606,8 +597,8 @@ def main():
                          "(e.g. base-sized archs run separately)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--fairseq-reorder", action="store_true",
-                    help="the plugin's decoders reorder their caches with fairseq's walk over all "
-                         "modules, as the twins do (isolates the mechanisms' own decoding cost)")
+                    help="every decoder, the plugin's and the twins', reorders its caches with "
+                         "fairseq's walk over all modules (default: both over a list made once per run)")
     ap.add_argument("--system-allocator", action="store_true",
                     help="leave glibc's allocator as it is (default: keep freed memory for reuse, "
                          "which removes page-fault noise from the timings; memory probes always leave it)")
@@ -628,8 +619,7 @@ def main():
         return
     kept = keep_freed_memory() if not args.system_allocator else False
     if args.fairseq_reorder:
-        # ratios then hold the mechanisms' own cost only, as the twins walk every module too
-        fairseq_speedups.use_fairseq_reorder()
+        fairseq_speedups.use_fairseq_reorder()  # arch and twin alike
 
     quick = args.quick
     archs = args.only or (["ea_transformer_lite", "ran_all_lite"] if quick else list(PAIRS))

@@ -17,7 +17,7 @@ are tested against; sacremoses supplies the nonbreaking-prefix lists); BPE is su
   split   every N-th line to one file, the rest to another (fairseq's valid split)
 
 BPE is learnt and applied with ``python -m subword_nmt.learn_bpe`` / ``apply_bpe``
-directly (see common.sh). Run ``python scripts/nmt_text.py CMD --help`` for options.
+directly (see common.sh). Run ``python examples/translation/nmt_text.py CMD --help`` for options.
 """
 import argparse
 import gzip
@@ -374,7 +374,8 @@ class Pipeline:
         if self.args.normalize_punct:
             self._norm = PunctNormalizer(self.args.lang)
         if self.args.tokenize:
-            self._tok = MosesTokenizer(self.args.lang, aggressive_dash=self.args.aggressive_dash)
+            self._tok = MosesTokenizer(self.args.lang, aggressive_dash=self.args.aggressive_dash,
+                                       escape=not self.args.no_escape)
         self._ready = True
 
     def __call__(self, line: str) -> str:
@@ -521,6 +522,7 @@ def main(argv=None) -> int:
     t.add_argument("--remove-non-printing", action="store_true", help="remove-non-printing-char.perl")
     t.add_argument("--tokenize", action="store_true", help="tokenizer.perl -l LANG")
     t.add_argument("--aggressive-dash", action="store_true", help="tokenizer.perl -a")
+    t.add_argument("--no-escape", action="store_true", help="tokenizer.perl -no-escape")
     t.add_argument("--lowercase", action="store_true", help="lowercase.perl")
     t.add_argument("--fix-apostrophe", action="store_true", help="replace ’ by '")
     t.add_argument("--workers", type=int, default=1)

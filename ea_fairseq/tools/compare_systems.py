@@ -1,10 +1,9 @@
-#!/usr/bin/env python3
 """BLEU of several systems over their seeds, and a paired bootstrap test against a baseline.
 
-  python scripts/compare_systems.py [--metric NAME] [-s SRC -t TGT] [--subset test]
+  ea-fairseq-compare [--metric NAME] [-s SRC -t TGT] [--subset test]
       [--samples 1000] [--seed 12345] BASELINE [SYSTEM ...]
 
-Each BASELINE/SYSTEM is a checkpoint directory that ``scripts/evaluate.sh`` has scored: one
+Each BASELINE/SYSTEM is a checkpoint directory that ``examples/translation/evaluate.sh`` has scored: one
 run (``DIR/eval/SUBSET.SRC-TGT.scores.json``) or one run per seed (``DIR/seed*/eval/...``,
 as ``SEEDS="1 2 3" train.sh`` lays them out); ``NAME=DIR`` names it in the table. Printed,
 one table: every run's BLEU, mean ± standard deviation over the runs (ddof 1), and for each
@@ -19,7 +18,7 @@ observed one counts against significance, so two identical systems get p = 1, wh
 sacreBLEU 2.6 reports p = 0.001. The resampling measures the test set's sampling noise of
 the seed-averaged systems, not the spread between training runs: read it with the std.
 
---metric: the BLEU to compare (names as bleu.py writes them): tok (tokenized, IWSLT's),
+--metric: the BLEU to compare (names as ea-fairseq-bleu writes them): tok (tokenized, IWSLT's),
 split-fairseq / split-t2t (WMT'14 En-De compound-split conventions), sacrebleu
 (detokenized); default: the first BLEU of the evaluation mode (tok for iwslt and wmt,
 split-fairseq for wmt14-en-de).
@@ -35,8 +34,7 @@ from typing import Dict, List
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bleu as bleu_script  # noqa: E402
+from . import bleu as bleu_script
 
 
 def _seed_key(path: str):
@@ -58,14 +56,14 @@ def find_runs(path: str, pattern: str) -> List[str]:
         if found:
             runs.append(_one(seed_dir, found)[0])
     if not runs:
-        raise SystemExit(f"compare_systems.py: no {pattern} under {path}/eval or {path}/seed*/eval: "
-                         "score it with scripts/evaluate.sh first")
+        raise SystemExit(f"ea-fairseq-compare: no {pattern} under {path}/eval or {path}/seed*/eval: "
+                         "score it with examples/translation/evaluate.sh first")
     return runs
 
 
 def _one(where: str, found: List[str]) -> List[str]:
     if len(found) > 1:
-        raise SystemExit(f"compare_systems.py: {where} holds scores of several test sets or directions "
+        raise SystemExit(f"ea-fairseq-compare: {where} holds scores of several test sets or directions "
                          f"({', '.join(os.path.basename(f) for f in found)}): give -s/-t/--subset")
     return found
 
@@ -75,7 +73,7 @@ def load_run(path: str, metric: str):
         report = json.load(f)
     metric = metric or report["primary"]
     if metric not in report["metrics"] or "hyp" not in report["metrics"][metric]:
-        raise SystemExit(f"compare_systems.py: {path} has no '{metric}' files "
+        raise SystemExit(f"ea-fairseq-compare: {path} has no '{metric}' files "
                          f"(it has: {', '.join(report['metrics'])})")
     entry = report["metrics"][metric]
     base = os.path.dirname(path)
@@ -115,7 +113,7 @@ def main(argv=None) -> int:
         if not sep:
             name, path = os.path.basename(os.path.normpath(spec)), spec
         if name in systems:
-            raise SystemExit(f"compare_systems.py: two systems named {name}: name them NAME=DIR")
+            raise SystemExit(f"ea-fairseq-compare: two systems named {name}: name them NAME=DIR")
         systems[name] = [load_run(f, args.metric) for f in find_runs(path, pattern)]
 
     first = next(iter(systems.values()))[0]
@@ -124,10 +122,10 @@ def main(argv=None) -> int:
     for name, runs in systems.items():
         for run in runs:
             if run["metric"] != metric:
-                raise SystemExit(f"compare_systems.py: {run['path']} defaults to {run['metric']}, "
+                raise SystemExit(f"ea-fairseq-compare: {run['path']} defaults to {run['metric']}, "
                                  f"{first['path']} to {metric}: give --metric")
             if hashlib.sha256("\n".join(run["refs"]).encode()).hexdigest() != refs_hash:
-                raise SystemExit(f"compare_systems.py: {run['path']} was scored on other references "
+                raise SystemExit(f"ea-fairseq-compare: {run['path']} was scored on other references "
                                  f"(or other sentences) than {first['path']}: not comparable")
     n = len(first["refs"])
     rng = np.random.default_rng(args.seed)

@@ -1,0 +1,46 @@
+"""Build an architecture without data, the way ``fairseq-train`` builds it: fairseq's
+training option parser, the architecture's defaults, and a placeholder dictionary standing
+in for the task's. The tests, the FLOPs counter and the benchmark all build through here.
+"""
+from types import SimpleNamespace
+from typing import Optional, Tuple
+
+import torch
+from fairseq import options
+from fairseq.data import Dictionary
+from fairseq.models import ARCH_MODEL_REGISTRY
+
+
+def placeholder_dictionary(size: int) -> Dictionary:
+    """A dictionary of ``size`` symbols in all: fairseq's four special symbols, then
+    made-up words ``w0, w1, ...``."""
+    d = Dictionary()
+    if size < len(d):
+        raise ValueError(f"a fairseq dictionary has at least {len(d)} symbols (its specials), got {size}")
+    for i in range(size - len(d)):
+        d.add_symbol(f"w{i}")
+    return d
+
+
+def parse_options(arch: str, *model_options: str):
+    """fairseq-train's arguments for ``--arch arch`` and ``model_options`` (no data needed)."""
+    parser = options.get_training_parser()
+    return options.parse_args_and_arch(parser, ["/nonexistent-data", "--arch", arch, *model_options])
+
+
+def build_model(arch: str, *model_options: str, vocab: int = 1000,
+                dictionary: Optional[Dictionary] = None, seed: int = 1,
+                meta: bool = False) -> Tuple[torch.nn.Module, object]:
+    """``(model, args)``: ``arch`` built with ``model_options`` after ``torch.manual_seed(seed)``,
+    source and target sharing ``dictionary`` (default: :func:`placeholder_dictionary` of
+    ``vocab`` symbols). ``meta=True`` builds on PyTorch's meta device: shapes without
+    storage, all that counting parameters and FLOPs needs."""
+    args = parse_options(arch, *model_options)
+    d = dictionary if dictionary is not None else placeholder_dictionary(vocab)
+    task = SimpleNamespace(source_dictionary=d, target_dictionary=d)
+    torch.manual_seed(seed)
+    model_class = ARCH_MODEL_REGISTRY[args.arch]
+    if meta:
+        with torch.device("meta"):
+            return model_class.build_model(args, task), args
+    return model_class.build_model(args, task), args
