@@ -203,6 +203,19 @@ def test_moses_steps_equal_the_perl_scripts(step, tmp_path):
     assert checked >= 10
 
 
+def test_clean_equals_clean_corpus_n_perl(tmp_path):
+    """nmt_text.py clean keeps and rewrites the pairs clean-corpus-n.perl does (fixture made
+    once from the Perl script): pipes removed, Unicode white space folded but not \\x1c,
+    \\r inside a line, empty / too long / too short / over-ratio / 1001-character-word pairs
+    dropped."""
+    assert load_nmt_text().main(["clean", "--ratio", "1.5", str(MOSES / "clean-input"), "de", "en",
+                                 str(tmp_path / "clean"), "1", "10"]) == 0
+    for lang in ("de", "en"):
+        want, got = _read_exact(MOSES / f"clean.{lang}"), _read_exact(tmp_path / f"clean.{lang}")
+        assert got == want
+    assert len(_read_exact(MOSES / "clean-input.de")) > len(want) >= 8  # it does drop pairs
+
+
 def test_moses_cases_sacremoses_gets_wrong():
     """The cases that made the recipes' data differ from the papers': Perl's normalizer maps
     ’ to a double quote and moves a sentence-final period out of a closing quote; its fi/sv

@@ -456,22 +456,42 @@ def cmd_text(args) -> int:
 # --------------------------------------------------------------------------- clean / split
 
 
+# Perl's \s on character strings (which Python's str.split() exceeds: it also splits at
+# \x1c-\x1f, which clean-corpus-n.perl keeps inside a word)
+_PERL_SPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+_PERL_SPACES = re.compile(f"[{_PERL_SPACE}]+")
+_OVERLONG_WORD = re.compile(f"[^{_PERL_SPACE}|]{{1001}}")  # its --max-word-length 1000
+
+
 def cmd_clean(args) -> int:
-    """clean-corpus-n.perl -ratio R IN L1 L2 OUT MIN MAX."""
+    """clean-corpus-n.perl -ratio R IN L1 L2 OUT MIN MAX, line for line: ``|`` removed
+    unless the first pair holds one (factored input), white space folded, pairs dropped that
+    are empty, outside MIN..MAX words, over the length ratio, or with a word over 1000
+    characters."""
     l1, l2 = args.l1, args.l2
     kept = total = 0
-    with open(f"{args.inp}.{l1}", encoding="utf-8") as f1, open(f"{args.inp}.{l2}", encoding="utf-8") as f2, \
+    factored = None
+    # newline="\n": lines end at \n only, as Perl reads them (a \r is white space inside)
+    with open(f"{args.inp}.{l1}", encoding="utf-8", newline="\n") as f1, \
+            open(f"{args.inp}.{l2}", encoding="utf-8", newline="\n") as f2, \
             open(f"{args.out}.{l1}", "w", encoding="utf-8") as o1, open(f"{args.out}.{l2}", "w", encoding="utf-8") as o2:
         for a, b in zip(f1, f2, strict=True):
             total += 1
-            a = " ".join(a.split())
-            b = " ".join(b.split())
-            na, nb = len(a.split(" ")) if a else 0, len(b.split(" ")) if b else 0
-            if na == 0 or nb == 0:
+            a, b = a.removesuffix("\n"), b.removesuffix("\n")
+            if factored is None:
+                factored = "|" in a or "|" in b
+            if not factored:
+                a, b = a.replace("|", ""), b.replace("|", "")
+            a = _PERL_SPACES.sub(" ", a).strip(" ")
+            b = _PERL_SPACES.sub(" ", b).strip(" ")
+            if not a or not b:
                 continue
+            na, nb = len(a.split(" ")), len(b.split(" "))
             if not (args.min <= na <= args.max and args.min <= nb <= args.max):
                 continue
             if na / nb > args.ratio or nb / na > args.ratio:
+                continue
+            if _OVERLONG_WORD.search(a) or _OVERLONG_WORD.search(b):
                 continue
             o1.write(a + "\n")
             o2.write(b + "\n")
