@@ -22,7 +22,7 @@
 # dot-product / convolution / logit maps); (7) a summary table and a few sample translations.
 #
 # Device: CPU unless torch sees a CUDA GPU (DEMO_DEVICE=cpu|cuda forces one). On CPU the
-# budget is a fixed number of updates (about one epoch: a pipeline check, not a trained
+# budget is a fixed number of updates (about two epochs, what fits in 20 minutes: not a trained
 # model). On CUDA the models train in fp16 until the validation loss has not improved for
 # DEMO_PATIENCE validations (every DEMO_VALIDATE_EVERY updates; DEMO_UPDATES caps it), as
 # the papers' early stopping, and the last DEMO_AVG checkpoints are averaged; the output
@@ -31,9 +31,9 @@
 # Environment variables (defaults in brackets: CPU / CUDA):
 #   DEMO_DIR          work directory [runs/demo in the repository]
 #   DEMO_DEVICE       auto, cpu or cuda [auto]
-#   DEMO_UPDATES      training updates per model [600 / at most 30000]
+#   DEMO_UPDATES      training updates per model [1200 / at most 30000]
 #   DEMO_MAX_TOKENS   tokens per batch [2048 / 4096]
-#   DEMO_LR           peak learning rate [0.0015 / 0.001]   DEMO_WARMUP  warmup updates [200 / 1000]
+#   DEMO_LR           peak learning rate [0.002 / 0.001]    DEMO_WARMUP  warmup updates [300 / 1000]
 #   DEMO_DROPOUT      dropout [0.0 / 0.2]                   DEMO_SEED    seed [1]
 #   DEMO_PATIENCE, DEMO_VALIDATE_EVERY   CUDA: early stopping [5 validations, 500 updates apart]
 #   DEMO_BPE_MERGES   joint BPE merge operations [6000]
@@ -111,7 +111,7 @@ if [ "$device" = cuda ]; then
   updates="${updates:-30000}"; max_tokens="${max_tokens:-4096}"; lr="${lr:-0.001}"; warmup="${warmup:-1000}"
   dropout="${dropout:-0.2}"; n_avg="${n_avg:-10}"; save_every="${save_every:-$validate_every}"
 else
-  updates="${updates:-600}"; max_tokens="${max_tokens:-2048}"; lr="${lr:-0.0015}"; warmup="${warmup:-200}"
+  updates="${updates:-1200}"; max_tokens="${max_tokens:-2048}"; lr="${lr:-0.002}"; warmup="${warmup:-300}"
   dropout="${dropout:-0.0}"; n_avg="${n_avg:-5}"; save_every="${save_every:-$(( updates / 20 > 0 ? updates / 20 : 1 ))}"
 fi
 for v in "$updates" "$max_tokens" "$warmup" "$seed" "$merges" "$n_avg" "$save_every" "$patience" "$validate_every"; do
@@ -120,7 +120,7 @@ done
 if [ "$device" = cuda ]; then
   budget="CUDA (${gpu_names//;/, }), fp16: up to $updates updates, stopped when the validation loss has not improved for $patience validations ($validate_every updates apart), i.e. trained to convergence; the last $n_avg checkpoints averaged"
 else
-  budget="CPU: $updates updates of $max_tokens tokens (about one epoch): checks the pipeline on real data, not trained to convergence; the last $n_avg checkpoints averaged"
+  budget="CPU: $updates updates of $max_tokens tokens (a 20-minute budget: about two epochs, far from convergence); the last $n_avg checkpoints averaged"
 fi
 info "device and budget: $budget"
 [ -z "${DEMO_FRESH:-}" ] || { info "DEMO_FRESH set: removing $work"; rm -rf "$work"; }
