@@ -2,13 +2,13 @@
 # The README's demo: Transformer-Lite vs EA-Transformer-Lite on a small, real, offline
 # Spanish->English corpus (the Bible, examples/translation/bible-es-en), on CPU.
 #
-#   bash scripts/demo.sh                      # ~12 min on an idle 2-core CPU, setup included
+#   bash scripts/demo.sh                      # ~19 min on an idle 2-core CPU (+1.5 min setup)
 #   DEMO_UPDATES=300 bash scripts/demo.sh     # quicker (and weaker) run
 #
-# Reference run (idle 2-core machine, venv already set up: 10 min 16 s in all; a second run
+# Reference run (idle 2-core machine, venv already set up: 18 min 45 s in all; a second run
 # printed the same table):
-#   copy source 0.10, transformer_lite 4.56, ea_transformer_lite 4.34 detokenized sacreBLEU
-# after 600 updates (~1.1 epochs): a smoke test of the whole pipeline, not a benchmark.
+#   copy source 0.10, transformer_lite 11.93, ea_transformer_lite 14.23 detokenized sacreBLEU
+# after 1200 updates (~2 epochs, one seed): a check of the whole pipeline, not a benchmark.
 #
 # Stages: (1) the pinned environment (scripts/setup_env.sh, reused when up to date);
 # (2) data: decompress the shipped corpus, Moses-normalize and -tokenize as the recipes do
