@@ -54,6 +54,7 @@ set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 work="${DEMO_DIR:-$repo/runs/demo}"
+case "$work" in /*) ;; *) work="$PWD/$work" ;; esac  # absolute: the stages run inside it
 updates="${DEMO_UPDATES:-}"
 max_tokens="${DEMO_MAX_TOKENS:-}"
 lr="${DEMO_LR:-}"
