@@ -225,7 +225,7 @@ train_one() {  # arch -> trains into train/$arch, logs there and (prefixed) to s
   set -e
   [ "$rc" -eq 0 ] || { echo "[demo] ERROR: fairseq-train failed for $arch (exit $rc, log: $work/$run/train.log)" >&2; return "$rc"; }
   echo $(( SECONDS - t0 )) > "$run/train_seconds"
-  echo "$cfg_prefix --arch $arch" > "$run/.done"
+  train_stamp "$arch" > "$run/.done"
 }
 in_parallel() {  # FUNCTION WHAT ARCH...: FUNCTION ARCH for each arch, $n_par at a time
   local fn=$1 what=$2 arch p pids=()
@@ -237,19 +237,28 @@ in_parallel() {  # FUNCTION WHAT ARCH...: FUNCTION ARCH for each arch, $n_par at
   done
   for p in "${pids[@]}"; do wait "$p" || die "$what failed (see above)"; done
 }
-cfg_prefix="$data_cfg threads=$threads ${train_args[*]}"
-todo=()
-for arch in "${arch_list[@]}"; do
-  if done_with "train/$arch" "$cfg_prefix --arch $arch"; then
-    stage "3/7 training: reusing $work/train/$arch"
-  else
-    todo+=("$arch")
+# run_stage FUNCTION WHAT DIR STAMP REUSED HEADLINE: per arch, the stage's directory (DIR with
+# @ARCH@ replaced) is reused when its .done holds `STAMP arch` (the stage says REUSED), else
+# FUNCTION runs on it, $n_par archs at a time, after HEADLINE (@ARCHS@: those it runs on);
+# FUNCTION writes `STAMP arch` into .done when it succeeds.
+run_stage() {
+  local fn=$1 what=$2 dir=$3 stamp=$4 reused=$5 headline=$6 arch todo=()
+  for arch in "${arch_list[@]}"; do
+    if done_with "${dir//@ARCH@/$arch}" "$("$stamp" "$arch")"; then
+      stage "${reused//@ARCH@/$arch}"
+    else
+      todo+=("$arch")
+    fi
+  done
+  if [ ${#todo[@]} -gt 0 ]; then
+    stage "${headline//@ARCHS@/${todo[*]}}"
+    in_parallel "$fn" "$what" "${todo[@]}"
   fi
-done
-if [ ${#todo[@]} -gt 0 ]; then
-  stage "3/7 training ${todo[*]}: $budget; seed $seed, $max_tokens tokens/batch, $n_par at a time with $threads CPU thread(s) each (logs: $work/train/ARCH/train.log)"
-  in_parallel train_one "training" "${todo[@]}"
-fi
+}
+cfg_prefix="$data_cfg threads=$threads ${train_args[*]}"
+train_stamp() { echo "$cfg_prefix --arch $1"; }
+run_stage train_one "training" "train/@ARCH@" train_stamp "3/7 training: reusing $work/train/@ARCH@" \
+  "3/7 training @ARCHS@: $budget; seed $seed, $max_tokens tokens/batch, $n_par at a time with $threads CPU thread(s) each (logs: $work/train/ARCH/train.log)"
 declare -A train_secs
 for arch in "${arch_list[@]}"; do train_secs[$arch]=$(cat "train/$arch/train_seconds"); done
 
@@ -275,20 +284,12 @@ eval_one() {  # arch -> train/$arch/eval/{averaged.pt,generate.out}
   fi
   echo "[$arch] $(grep -E '^Generate test with beam' "$run/eval/generate.out" || true)" >&2
   echo "[$arch] translated in $(( SECONDS - t0 ))s" >&2
-  echo "$(cat "$run/.done") avg=$n_avg ${gen_args[*]}" > "$run/eval/.done"
+  eval_stamp "$arch" > "$run/eval/.done"
 }
-todo=()
-for arch in "${arch_list[@]}"; do
-  if done_with "train/$arch/eval" "$(cat "train/$arch/.done") avg=$n_avg ${gen_args[*]}"; then
-    stage "4-5/7 reusing the averaged checkpoint and translations of $arch"
-  else
-    todo+=("$arch")
-  fi
-done
-if [ ${#todo[@]} -gt 0 ]; then
-  stage "4-5/7 averaging the last $n_avg checkpoints and translating the test set (beam 5): ${todo[*]}"
-  in_parallel eval_one "averaging/translation" "${todo[@]}"
-fi
+eval_stamp() { echo "$(cat "train/$1/.done") avg=$n_avg ${gen_args[*]}"; }
+run_stage eval_one "averaging/translation" "train/@ARCH@/eval" eval_stamp \
+  "4-5/7 reusing the averaged checkpoint and translations of @ARCH@" \
+  "4-5/7 averaging the last $n_avg checkpoints and translating the test set (beam 5): @ARCHS@"
 
 # ----------------------------------------------------------------------------- 6. attention maps
 # One test sentence, every layer and head of the three attentions of each model, with the
@@ -321,20 +322,11 @@ PY
     echo "[demo] ERROR: attention maps of $arch failed (log: $work/$out/plot.log)" >&2
     return 1
   fi
-  echo "$(cat "train/$arch/eval/.done") plot=$plot_sid" > "$out/.done"
+  plot_stamp "$arch" > "$out/.done"
 }
-todo=()
-for arch in "${arch_list[@]}"; do
-  if done_with "plots/$arch" "$(cat "train/$arch/eval/.done") plot=$plot_sid"; then
-    stage "6/7 reusing the attention maps of $arch"
-  else
-    todo+=("$arch")
-  fi
-done
-if [ ${#todo[@]} -gt 0 ]; then
-  stage "6/7 attention maps of test sentence $plot_sid, every layer and head: ${todo[*]}"
-  in_parallel plot_one "attention maps" "${todo[@]}"
-fi
+plot_stamp() { echo "$(cat "train/$1/eval/.done") plot=$plot_sid"; }
+run_stage plot_one "attention maps" "plots/@ARCH@" plot_stamp "6/7 reusing the attention maps of @ARCH@" \
+  "6/7 attention maps of test sentence $plot_sid, every layer and head: @ARCHS@"
 
 # ----------------------------------------------------------------------------- 7. report
 stage "7/7 scoring and report"
