@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
-from ea_fairseq.tools import average_checkpoints as avg  # noqa: E402
+from ea_fairseq.tools import average_checkpoints as avg
 
 
 def fake_checkpoint(path: Path, seed: int, *, epoch: int = 1, extra_key: str = None,

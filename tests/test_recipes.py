@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import recipe_fixtures as fx
-from ea_fairseq.tools import bleu as bleu_tool
+from ea_fairseq.tools import bleu
 from ea_fairseq.tools import compare_systems as compare
 
 REPO = Path(__file__).resolve().parent.parent
@@ -73,10 +73,6 @@ def train(data, save, env, *args, epochs=2):
          "--lr", "1e-3", "--max-tokens", "1000", "--max-epoch", str(epochs), "--save-dir", save,
          *TINY_RUN, *args], env, cwd=save.parent)
     return save
-
-
-def load_bleu():
-    return bleu_tool
 
 
 def lines(path: Path):
@@ -450,7 +446,6 @@ def test_evaluate_iwslt_end_to_end(iwslt, env):
     gen = (ev / "generate-test.de-en.txt").read_text()
     assert len(re.findall(r"^H-\d+\t", gen, re.M)) == iwslt["info"]["test_lines"]  # none dropped
     # fairseq's scorer and a whitespace-token BLEU of the same H/T lines agree
-    bleu = load_bleu()
     parsed = bleu.parse_generate(str(ev / "generate-test.de-en.txt"))
     ids = sorted(parsed["H"])
     score, _ = bleu.tokenized_bleu([parsed["H"][i] for i in ids], [parsed["T"][i] for i in ids])
@@ -474,7 +469,6 @@ def test_evaluate_wmt14_en_de_end_to_end(wmt14_en_de, env):
 def test_evaluate_other_wmt_mode_and_errors(wmt14_en_de, env, capsys):
     info = wmt14_en_de
     ev = info["save"] / "eval"
-    bleu = load_bleu()
     # --mode wmt (En-Fr, WMT'17): tokenized BLEU without the compound split, and sacreBLEU
     assert bleu.main([str(ev / "generate-test.en-de.txt"), "--mode", "wmt", "--target-lang", "de",
                       "--raw-ref", str(info["data"] / "test.raw.en-de.de"),
@@ -500,7 +494,6 @@ def test_evaluate_other_wmt_mode_and_errors(wmt14_en_de, env, capsys):
 def test_compound_split_conventions_on_a_known_example(tmp_path):
     """WMT'14 En-De: fairseq's compound_split_bleu.sh splits generate's lines as they are, the
     tensor2tensor convention joins the aggressive-hyphen "@-@" first; both are reported."""
-    bleu = load_bleu()
     line = "das Bundes @-@ Land , E-Mail x-y-z e - f"
     assert bleu.compound_split_fairseq(line) == \
         "das Bundes @ ##AT##-##AT## @ Land , E ##AT##-##AT## Mail x ##AT##-##AT## y-z e - f"
@@ -541,7 +534,7 @@ def _fake_run(directory: Path, refs, hyps):
     gen = ev / "generate-test.de-en.txt"
     gen.write_text("".join(f"S-{i}\tx\nT-{i}\t{r}\nH-{i}\t-0.1\t{h}\nD-{i}\t-0.1\t{h}\n"
                            for i, (r, h) in enumerate(zip(refs, hyps))), encoding="utf-8")
-    assert load_bleu().main([str(gen), "--mode", "iwslt", "--out-prefix", str(ev / "test.de-en")]) == 0
+    assert bleu.main([str(gen), "--mode", "iwslt", "--out-prefix", str(ev / "test.de-en")]) == 0
 
 
 def _table(out: str):
@@ -641,7 +634,7 @@ def test_ran_with_over_long_test_sentences(iwslt, env, tmp_path):
     run(["bash", RECIPES / "train.sh", "ran_e_lite", "iwslt14_de_en", *TINY[2:], "--ran-max-positions", "12",
          "--skip-invalid-size-inputs-valid-test", *TRAIN_SH_RUN],
         dict(iwslt["train_env"], SAVE_DIR=str(save), MAX_EPOCH="1"), tmp_path)
-    sizes = load_bleu().idx_sizes(str(iwslt["data"] / "test.de-en.de.idx"))
+    sizes = bleu.idx_sizes(str(iwslt["data"] / "test.de-en.de.idx"))
     n_long, n_all = int((sizes > 12).sum()), len(sizes)
     assert 0 < n_long < n_all
     evaluate = ["bash", RECIPES / "evaluate.sh", save, iwslt["data"], "iwslt", "--best", "--cpu"]

@@ -8,11 +8,11 @@ import pytest
 import torch
 from fairseq import checkpoint_utils, options
 
-from conftest import REPO, cli
+from conftest import cli
 from ea_fairseq import checkpoint_safety as safety
 from trained_checkpoints import USER_DIR, family_checkpoints, run, train_command
 
-from ea_fairseq.tools import average_checkpoints as avg  # noqa: E402
+from ea_fairseq.tools import average_checkpoints as avg
 
 
 def payload(marker) -> str:
