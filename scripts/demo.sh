@@ -5,10 +5,11 @@
 #   bash scripts/demo.sh                      # ~19 min on an idle 2-core CPU (+1.5 min setup)
 #   DEMO_UPDATES=300 bash scripts/demo.sh     # quicker (and weaker) run
 #
-# Reference run (idle 2-core machine, venv already set up: 18 min 45 s in all; a second run
-# printed the same table):
+# Reference run (idle 2-core Intel Xeon VM, venv already set up: 18 min 45 s in all):
 #   copy source 0.10, transformer_lite 11.93, ea_transformer_lite 14.23 detokenized sacreBLEU
 # after 1200 updates (~2 epochs, one seed): a check of the whole pipeline, not a benchmark.
+# The same machine and seed print the same table again; another CPU prints other digits
+# (a 2-core AMD EPYC: 10.63 and 14.51), see the README.
 #
 # Stages: (1) the pinned environment (scripts/setup_env.sh, reused when up to date);
 # (2) data: decompress the shipped corpus, Moses-normalize and -tokenize as the recipes do

@@ -168,7 +168,7 @@ def add_drop_attention_args(group):
     group.add_argument("--drop-attention-window", type=int, metavar="W",
                        help="DropAttention window w: each drop covers w consecutive keys")
     group.add_argument("--drop-attention-rescale", choices=DROP_RESCALES,
-                       help="DropAttention rescaling: re-normalise rows (paper default) or 1/(1-p)")
+                       help="DropAttention rescaling: re-normalise rows (the default, as the paper) or 1/(1-p)")
     group.add_argument("--drop-attention-on", nargs="+", choices=ROLES, metavar="ROLE",
                        help="attentions DropAttention applies to: encoder decoder cross (default: all)")
 

@@ -2,8 +2,8 @@
 
 **Beam reorder.** At every beam-search step fairseq's
 ``FairseqIncrementalDecoder.reorder_incremental_state_scripting`` walks all modules of the
-decoder (about 130) and tests each for ``reorder_incremental_state``: 0.3-0.5 ms a step on
-CPU, a tenth of a small model's step. :class:`ListedStateHolders` lists the same modules,
+decoder (about 130) and tests each for ``reorder_incremental_state`` (its cost:
+benchmarks/README.md). :class:`ListedStateHolders` lists the same modules,
 in the same order, once per decoding run and reorders those. A run is recognised by a
 marker it leaves in the run's own incremental state (fairseq starts every run with an
 empty one), so a module swapped in between runs is listed by the next run.

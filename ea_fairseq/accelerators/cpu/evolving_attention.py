@@ -25,13 +25,9 @@ from .. import Accelerator
 from .build import extension
 
 # A decoding step's softmax and value product run inside the step kernel (one call instead
-# of half a dozen small tensor operations, whose fixed costs dominate small steps: 11 vs 32
-# us per attention call at 5 hypotheses), except where torch's softmax and batched matmul
-# were measured faster on CPU: encoder-decoder attention whose values are not shared by
-# beams (beam 1), above this many hypotheses. One EA-Lite attention call, kernel vs torch,
-# 25 encoder keys, 2-core Xeon: 834 vs 724 us at 128 hypotheses, 1512 vs 1148 at 320,
-# against 436 vs 455 at 64; beam-shared encoder values 741 vs 764 at 160; decoder
-# self-attention 877 vs 1059 at 128 and 1278 vs 1732 at 320 (6 keys), 2024 vs 2043 at 320.
+# of half a dozen small tensor operations), except for encoder-decoder attention whose values
+# are not shared by beams (beam 1) above this many hypotheses, where torch's softmax and
+# batched matmul run them (the measurements behind the threshold: benchmarks/README.md).
 STEP_VALUES_MAX_BATCH = 64
 
 

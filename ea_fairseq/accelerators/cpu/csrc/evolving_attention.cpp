@@ -140,8 +140,7 @@ void step_kernel(
   // compiler vectorises it; the border columns between hypotheses are computed and dropped.
   const int64_t W = d.S + k - 1;
   // The block's window (H * k rows of W per hypothesis) stays within 24 KiB, in L1 with the
-  // output rows: measured at 160 hypotheses of 12 keys, 0.5 us a hypothesis with the 192
-  // KiB window of 64 hypotheses against 0.3 with 20. No larger than the batch either: the
+  // output rows (measured: benchmarks/README.md). No larger than the batch either: the
   // block's buffers are zeroed for every block.
   const int64_t window_elems = 24 * 1024 / static_cast<int64_t>(sizeof(scalar_t));
   const int64_t block = std::max<int64_t>(1, std::min<int64_t>({64, window_elems / (H * k * W), B}));
