@@ -28,7 +28,8 @@ from fairseq.modules import LearnedPositionalEmbedding, MultiheadAttention, Sinu
 from ..modules.attention_map_conv import AttentionMapConv
 from ..modules.evolving_attention import EvolvingAttention
 from ..modules.predictive_attention import PredictiveAttention
-from ..modules.recurrent_attention import RecurrentAttention, RecurrentAttentionMatrices
+from ..modules.position_attention import PositionAttention
+from ..modules.recurrent_attention import RecurrentAttentionMatrices
 
 #: kinds of work a counter reports (all as multiply counts)
 CATEGORIES: Dict[str, str] = {
@@ -205,9 +206,10 @@ def count_predictive_attention(module: PredictiveAttention, ctx: Context, walker
     return counts
 
 
-@register_counter(RecurrentAttention)
-def count_recurrent_attention(module: RecurrentAttention, ctx: Context, walker: Walker) -> Counts:
-    """RAN: no query/key projections and no QK^T; values, AV and the output projection."""
+@register_counter(PositionAttention)
+def count_position_attention(module: PositionAttention, ctx: Context, walker: Walker) -> Counts:
+    """RAN, HC-SA, Syn-R: no query/key projections and no QK^T; values, AV and the output
+    projection (their logits do not depend on the input: no work per token)."""
     tgt = src = ctx.tokens
     counts = Counts()
     for proj in (module.v_proj, module.out_proj):

@@ -10,7 +10,8 @@
 * the intermediate maps each mechanism reports to a map hook
   (:meth:`~ea_fairseq.modules.attention_maps.AttentionMechanism.register_map_hook`),
   which :meth:`AttentionCapture.record` receives with the layer and slot it watches: EA its ``dot_product``, ``convolution`` and ``logits`` per layer
-  (EA Fig. 11), PA its ``prediction``, RAN its input-independent ``recurrent`` logits. The
+  (EA Fig. 11), PA its ``prediction``, RAN its input-independent ``recurrent`` logits (HC-SA
+  ``gaussian``, Syn-R ``synthesized``). The
   capture is generic over these keys. The pass runs the mechanisms' reference
   implementations (:func:`ea_fairseq.accelerators.reference_only`), where those maps exist.
 
@@ -37,7 +38,7 @@ from torch import Tensor
 
 from .. import accelerators
 from ..modules.attention_maps import AttentionMechanism
-from ..modules.recurrent_attention import RecurrentAttention
+from ..modules.position_attention import PositionAttention
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +132,7 @@ class AttentionCapture:
             stack = getattr(self.model, stack_name, None)
             for layer_index, layer in enumerate(getattr(stack, "layers", ())):
                 for module in layer.modules():
-                    if isinstance(module, (MultiheadAttention, RecurrentAttention)):
+                    if isinstance(module, (MultiheadAttention, PositionAttention)):
                         self._watch(module, stack_name, layer_index)
         return self
 

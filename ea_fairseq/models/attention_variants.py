@@ -20,8 +20,10 @@ from fairseq.modules import MultiheadAttention
 from ..modules.attention_maps import AttentionMechanism, LogitMapAttention
 from ..modules.drop_attention import MODES as DROP_MODES, RESCALES as DROP_RESCALES, DropAttention
 from ..modules.evolving_attention import EvolvingAttention
+from ..modules.hard_coded_attention import HardCodedGaussianAttention
 from ..modules.predictive_attention import PredictiveAttention
 from ..modules.recurrent_attention import RecurrentAttention
+from ..modules.synthesizer_attention import RandomSynthesizerAttention
 
 ROLES: Tuple[str, ...] = ("encoder", "decoder", "cross")
 SLOT = {"encoder": "self", "decoder": "self", "cross": "cross"}
@@ -152,6 +154,35 @@ def add_args(parser):
     group.add_argument("--ran-first-layer-standard", action="store_true",
                        help="RAN: keep dot-product attention in the first layer of a RAN stack "
                             "(an option of the authors' code)")
+    group.add_argument("--hcsa-std", type=float, metavar="S",
+                       help="HC-SA: standard deviation of the hard-coded Gaussian weights "
+                            "(You et al. 2020, and RAN's HC-SA baseline: 1.0)")
+    group.add_argument("--hcsa-encoder-offsets", type=int, nargs="+", metavar="O",
+                       help="HC-SA: centres i+O of the encoder heads' Gaussians, split evenly over "
+                            "the heads (You et al. 2020: -1 1)")
+    group.add_argument("--hcsa-decoder-offsets", type=int, nargs="+", metavar="O",
+                       help="HC-SA: centres i+O of the decoder heads' Gaussians, at most 0 (the "
+                            "decoder cannot see later tokens), split evenly over the heads "
+                            "(You et al. 2020: -1 0)")
+    group.add_argument("--synthesizer-max-positions", type=positive_int, metavar="L",
+                       help="Random Synthesizer: size L of each head's L x L attention logits; "
+                            "longer sentences are refused (default 256, RAN's longest sentence)")
+    group.add_argument("--synthesizer-fixed", action="store_true",
+                       help="Random Synthesizer: do not train the random attention logits "
+                            "(Tay et al. 2020's Fixed Random Synthesizer)")
+    add_positional_embedding_args(group)
+
+
+def add_positional_embedding_args(group):
+    """Options that remove one side's positional embeddings (also offered on fairseq's own
+    transformer archs; fairseq's --no-token-positional-embeddings removes both)."""
+    group.add_argument("--no-encoder-positional-embeddings", action="store_true",
+                       help="no positional embeddings in the encoder (RAN Table 2)")
+    group.add_argument("--no-decoder-positional-embeddings", action="store_true",
+                       help="no positional embeddings in the decoder (RAN Table 2)")
+
+
+POSITIONAL_EMBEDDING_OPTIONS = ("no_encoder_positional_embeddings", "no_decoder_positional_embeddings")
 
 
 DROP_ATTENTION_OPTIONS = ("drop_attention_p", "drop_attention_window", "drop_attention_rescale",
@@ -211,16 +242,43 @@ def build_predictive_attention(fairseq_attention, cfg, role, layer_index):
     )
 
 
-@register_variant("ran", roles=("encoder", "decoder"), cross_layer=True)
-def build_recurrent_attention(fairseq_attention, cfg, role, layer_index):
+def position_attention_options(cfg, role: str, name: str) -> dict:
+    """The settings of fairseq's attention that a position-only attention
+    (:class:`~ea_fairseq.modules.position_attention.PositionAttention`) takes."""
     side = getattr(cfg, role)  # fairseq's encoder/decoder settings
     if getattr(side, "xformers_att_config", None):
-        raise ValueError("RAN attends with its own matrices, not through xformers; drop "
+        raise ValueError(f"{name} attends with weights of its own, not through xformers; drop "
                          f"--{role}-xformers-att-config.")
-    return RecurrentAttention(side.embed_dim, side.attention_heads, dropout=cfg.attention_dropout,
-                              causal=role == "decoder", q_noise=cfg.quant_noise.pq,
-                              qn_block_size=cfg.quant_noise.pq_block_size,
+    return dict(embed_dim=side.embed_dim, num_heads=side.attention_heads, dropout=cfg.attention_dropout,
+                causal=role == "decoder", q_noise=cfg.quant_noise.pq,
+                qn_block_size=cfg.quant_noise.pq_block_size)
+
+
+#: variants with no query/key projections (no extra key column, no cross-self-attention)
+POSITION_ONLY = ("ran", "hcsa", "synthesizer")
+
+
+@register_variant("ran", roles=("encoder", "decoder"), cross_layer=True)
+def build_recurrent_attention(fairseq_attention, cfg, role, layer_index):
+    return RecurrentAttention(**position_attention_options(cfg, role, "RAN"),
                               ran_index=layer_index - int(bool(cfg.ran_first_layer_standard)))
+
+
+@register_variant("hcsa", roles=("encoder", "decoder"))
+def build_hard_coded_attention(fairseq_attention, cfg, role, layer_index):
+    offsets = list(getattr(cfg, f"hcsa_{role}_offsets"))
+    if role == "decoder" and max(offsets) > 0:
+        raise ValueError(f"--hcsa-decoder-offsets {' '.join(map(str, offsets))}: a decoder head "
+                         "cannot centre on a later token; use offsets of at most 0")
+    return HardCodedGaussianAttention(**position_attention_options(cfg, role, "HC-SA"),
+                                      offsets=offsets, std=float(cfg.hcsa_std))
+
+
+@register_variant("synthesizer", roles=("encoder", "decoder"))
+def build_synthesizer_attention(fairseq_attention, cfg, role, layer_index):
+    return RandomSynthesizerAttention(**position_attention_options(cfg, role, "The Random Synthesizer"),
+                                      max_positions=int(cfg.synthesizer_max_positions),
+                                      fixed=bool(cfg.synthesizer_fixed))
 
 
 def set_default(args, name: str, value) -> None:
@@ -247,4 +305,11 @@ def fill_defaults(args) -> None:
     set_default(args, "drop_attention_on", list(ROLES))
     set_default(args, "ran_max_positions", 256)
     for flag in ("ran_fixed_init", "ran_no_layernorm", "ran_no_residual", "ran_first_layer_standard"):
+        set_default(args, flag, False)
+    set_default(args, "hcsa_std", 1.0)
+    set_default(args, "hcsa_encoder_offsets", [-1, 1])
+    set_default(args, "hcsa_decoder_offsets", [-1, 0])
+    set_default(args, "synthesizer_max_positions", 256)
+    set_default(args, "synthesizer_fixed", False)
+    for flag in POSITIONAL_EMBEDDING_OPTIONS:
         set_default(args, flag, False)

@@ -1,15 +1,16 @@
-"""DropAttention on fairseq's own transformer, in one flag:
-``--arch transformer_lite --drop-attention element`` (or ``--arch transformer``, ...).
+"""DropAttention and one-sided positional embeddings on fairseq's own transformer, in one
+flag: ``--arch transformer_lite --drop-attention element`` (or ``--arch transformer``,
+...), ``--arch transformer --no-encoder-positional-embeddings``.
 
-fairseq's ``transformer`` model has no DropAttention options, so its architectures
-(``transformer``, ``transformer_iwslt_de_en``, ..., and the plugin's ``transformer_lite``)
-are pointed at :class:`BaselineTransformerModel`: fairseq's ``TransformerModel`` plus only
-the DropAttention options. Without ``--drop-attention`` it builds fairseq's
-``TransformerModel`` itself, the class untouched (every vanilla run, and the benchmark's
-twins, are fairseq's model); with it, the plugin's transformer with vanilla attention in
-every role and DropAttention where asked. The parameters are the same either way, and
-DropAttention acts in training only, so such a checkpoint also loads into fairseq's
-``TransformerModel`` without the plugin.
+fairseq's ``transformer`` model has neither option, so its architectures (``transformer``,
+``transformer_iwslt_de_en``, ..., and the plugin's ``transformer_lite``) are pointed at
+:class:`BaselineTransformerModel`: fairseq's ``TransformerModel`` plus only these options.
+Without them it builds fairseq's ``TransformerModel`` itself, the class untouched (every
+vanilla run, and the benchmark's twins, are fairseq's model); with them, the plugin's
+transformer with vanilla attention in every role, DropAttention where asked and the
+positional embeddings of one side left out. With DropAttention only, the parameters are
+the same either way, and DropAttention acts in training only, so such a checkpoint also
+loads into fairseq's ``TransformerModel`` without the plugin.
 """
 from fairseq.models import ARCH_MODEL_REGISTRY
 from fairseq.models.transformer import TransformerModel
@@ -19,22 +20,26 @@ from .ea_transformer import EATransformerModel
 
 
 class BaselineTransformerModel(EATransformerModel):
-    """fairseq's transformer (its own class when DropAttention is off) + DropAttention."""
+    """fairseq's transformer (its own class when these options are off) + DropAttention and
+    one-sided positional embeddings."""
 
     @classmethod
     def add_args(cls, parser):
         TransformerModel.add_args(parser)
         variants.add_drop_attention_args(parser)
+        variants.add_positional_embedding_args(parser)
 
     @classmethod
     def build_model(cls, args, task):
+        one_sided = any(getattr(args, name, False) for name in variants.POSITIONAL_EMBEDDING_OPTIONS)
         if getattr(args, "drop_attention", None) in (None, "none"):
             stray = [f"--{name.replace('_', '-')}" for name in variants.DROP_ATTENTION_OPTIONS
                      if getattr(args, name, None) is not None]
             if stray:
                 raise ValueError(f"{', '.join(stray)} given without --drop-attention: DropAttention "
                                  "is off unless --drop-attention is column or element")
-            return TransformerModel.build_model(args, task)
+            if not one_sided:
+                return TransformerModel.build_model(args, task)
         return super().build_model(args, task)
 
 

@@ -7,6 +7,7 @@ that hands a layer's attention logits to the next layer; their ``forward`` only 
 fresh scope on it and returns ``super()``'s result. The decoder's beam reorder is the
 faster one of :mod:`~ea_fairseq.models.fairseq_speedups`.
 """
+import copy
 import logging
 from contextlib import contextmanager
 from functools import partial
@@ -48,8 +49,9 @@ class EATransformerDecoderLayer(TransformerDecoderLayerBase):
         super().__init__(cfg, no_encoder_attn=no_encoder_attn)
 
     def build_self_attention(self, embed_dim, cfg, add_bias_kv=False, add_zero_attn=False):
-        if (add_bias_kv or add_zero_attn) and variants.variant_of(cfg, "decoder") == "ran":
-            raise ValueError("RAN attends over its own matrices, without the extra key column of "
+        variant = variants.variant_of(cfg, "decoder")
+        if (add_bias_kv or add_zero_attn) and variant in variants.POSITION_ONLY:
+            raise ValueError(f"The {variant} attention has no keys, so no extra key column of "
                              "--add-bias-kv / --add-zero-attn; drop those options.")
         fairseq_attention = partial(super().build_self_attention, embed_dim, cfg, add_bias_kv, add_zero_attn)
         return variants.build_attention("decoder", fairseq_attention, cfg, self.layer_index)
@@ -107,9 +109,19 @@ class AttentionMapsMixin:
                     yield
 
 
+def side_config(cfg, role: str):
+    """``cfg`` for the ``role`` stack: without positional embeddings where
+    ``--no-<role>-positional-embeddings`` asks (fairseq's own option removes both sides')."""
+    if not getattr(cfg, f"no_{role}_positional_embeddings", False):
+        return cfg
+    cfg = copy.copy(cfg)
+    cfg.no_token_positional_embeddings = True
+    return cfg
+
+
 class EATransformerEncoder(AttentionMapsMixin, TransformerEncoderBase):
     def __init__(self, cfg, dictionary, embed_tokens, return_fc=False):
-        super().__init__(cfg, dictionary, embed_tokens, return_fc=return_fc)
+        super().__init__(side_config(cfg, "encoder"), dictionary, embed_tokens, return_fc=return_fc)
         self.setup_attention_maps(cfg, cfg.encoder.attention_heads)
 
     def build_encoder_layer(self, cfg):
@@ -125,8 +137,8 @@ class EATransformerEncoder(AttentionMapsMixin, TransformerEncoderBase):
 class EATransformerDecoder(AttentionMapsMixin, ListedStateHolders, TransformerDecoderBase):
     def __init__(self, cfg, dictionary, embed_tokens, no_encoder_attn=False,
                  output_projection=None):
-        super().__init__(cfg, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn,
-                         output_projection=output_projection)
+        super().__init__(side_config(cfg, "decoder"), dictionary, embed_tokens,
+                         no_encoder_attn=no_encoder_attn, output_projection=output_projection)
         self.setup_attention_maps(cfg, cfg.decoder.attention_heads)
 
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
@@ -156,7 +168,7 @@ class EATransformerModel(TransformerModel):
     def build_model(cls, args, task):
         variants.fill_defaults(args)
         check_options(args)
-        lower_max_positions_to_ran(args)
+        lower_max_positions(args)
         warn_about_ran_mixed_precision(args)
         return super().build_model(args, task)
 
@@ -183,8 +195,10 @@ def check_options(args) -> None:
             "--checkpoint-activations/--offload-activations, or use --ea-alpha 0 / "
             "--ea-decoder-alpha 0 for EA."
         )
-    if ran_roles(args) and args.ran_max_positions < 1:  # argparse refuses it; this is a checkpoint's value
-        raise ValueError(f"--ran-max-positions must be at least 1, got {args.ran_max_positions}")
+    for role in variants.ROLES:  # argparse refuses them; these are a checkpoint's values
+        option = POSITION_LIMITS.get(variants.variant_of(args, role))
+        if option is not None and getattr(args, option) < 1:
+            raise ValueError(f"--{option.replace('_', '-')} must be at least 1, got {getattr(args, option)}")
     if getattr(args, "cross_self_attention", False) and variants.variant_of(args, "decoder") != "vanilla":
         raise ValueError(
             "--cross-self-attention mixes source and target keys in one map, which the "
@@ -196,17 +210,23 @@ def ran_roles(args):
     return [r for r in ("encoder", "decoder") if variants.variant_of(args, r) == "ran"]
 
 
-def lower_max_positions_to_ran(args) -> None:
-    """Adjust ``--max-source/target-positions`` down to ``--ran-max-positions`` on the RAN
-    sides, so that fairseq itself filters (training) or refuses (generation) longer
-    sentences."""
+#: variants that attend over at most N positions, and the option that sets N
+POSITION_LIMITS = {"ran": "ran_max_positions", "synthesizer": "synthesizer_max_positions"}
+
+
+def lower_max_positions(args) -> None:
+    """Adjust ``--max-source/target-positions`` down to the positions the attention of that
+    side covers (``--ran-max-positions``, ``--synthesizer-max-positions``), so that fairseq
+    itself filters (training) or refuses (generation) longer sentences."""
     for role, side in (("encoder", "source"), ("decoder", "target")):
-        if role in ran_roles(args):
-            name, limit = f"max_{side}_positions", args.ran_max_positions
+        variant = variants.variant_of(args, role)
+        option = POSITION_LIMITS.get(variant)
+        if option is not None:
+            name, limit = f"max_{side}_positions", getattr(args, option)
             given = getattr(args, name, None)
             if given is not None and given > limit:
-                logger.info(f"--max-{side}-positions {given} lowered to {limit}: the RAN {role} "
-                            f"attends over at most --ran-max-positions {limit} tokens; longer "
+                logger.info(f"--max-{side}-positions {given} lowered to {limit}: the {variant} {role} "
+                            f"attends over at most --{option.replace('_', '-')} {limit} tokens; longer "
                             f"{side} sentences are filtered in training and refused in generation")
             setattr(args, name, min(given or limit, limit))
 
@@ -291,3 +311,37 @@ def ran_d_lite(args):
 def ran_all_lite(args):
     """RAN-ALL on transformer_lite dims."""
     _ran_defaults(args, encoder=True, decoder=True, dims=transformer_lite)
+
+
+def _self_attention_defaults(args, variant: str, dims) -> None:
+    """``variant`` as the encoder's and the decoder's self-attention, as RAN's baselines
+    replace both (RAN §Settings); encoder-decoder attention stays dot-product."""
+    variants.set_default(args, "encoder_attention", variant)
+    variants.set_default(args, "decoder_attention", variant)
+    dims(args)
+
+
+@register_model_architecture("ea_transformer", "hcsa")
+def hcsa(args):
+    """HC-SA (RAN Table 1; You et al. 2020): hard-coded Gaussian self-attention, encoder heads
+    on i-1 / i+1, decoder heads on i-1 / i, σ = 1, Transformer-base dims."""
+    _self_attention_defaults(args, "hcsa", base_architecture)
+
+
+@register_model_architecture("ea_transformer", "syn_r")
+def syn_r(args):
+    """Syn-R (RAN Table 1; Tay et al. 2020): Random Synthesizer self-attention in the encoder
+    and decoder, Transformer-base dims."""
+    _self_attention_defaults(args, "synthesizer", base_architecture)
+
+
+@register_model_architecture("ea_transformer", "hcsa_lite")
+def hcsa_lite(args):
+    """HC-SA on transformer_lite dims."""
+    _self_attention_defaults(args, "hcsa", transformer_lite)
+
+
+@register_model_architecture("ea_transformer", "syn_r_lite")
+def syn_r_lite(args):
+    """Syn-R on transformer_lite dims."""
+    _self_attention_defaults(args, "synthesizer", transformer_lite)

@@ -36,24 +36,15 @@ steps each parameter in float32 and writes it back in its own dtype) both take s
 model; :func:`mixed_precision_caveats` names the fairseq paths that do not.
 """
 import contextlib
-import math
 from typing import List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 from fairseq.incremental_decoding_utils import with_incremental_state
-from fairseq.modules.fairseq_dropout import FairseqDropout
-from fairseq.modules.quant_noise import quant_noise
 from torch import Tensor
 
-from .attention_maps import AttentionMechanism
-
-
-def full_precision(device: torch.device):
-    """A region where autocast is off: the ops inside compute in their inputs' dtype."""
-    if torch.amp.is_autocast_available(device.type):
-        return torch.autocast(device.type, enabled=False)
-    return contextlib.nullcontext()
+from .position_attention import (PositionAttention, full_precision, matrix_logits,  # noqa: F401
+                                 sentence_logits, sentence_positions)
 
 
 @with_incremental_state
@@ -180,85 +171,31 @@ def mixed_precision_caveats(args) -> List[str]:
     return notes
 
 
-def sentence_positions(padding_mask: Optional[Tensor], length: int, device) -> Tensor:
-    """0-based position of each token within its own sentence, (batch or 1, length).
-
-    Padding is skipped as in fairseq's ``make_positions``; padded slots get position 0
-    (they are masked as keys, and their query rows are never used).
-    """
-    if padding_mask is None:
-        return torch.arange(length, device=device).unsqueeze(0)
-    real = (~padding_mask.to(torch.bool)).long()
-    return (real.cumsum(dim=1) - 1).clamp(min=0)
-
-
-def sentence_logits(square: Tensor, padding_mask: Tensor) -> Tensor:
-    """``A[pos_i, pos_j]`` at ``(i, j)`` of each sentence (B, H, T, T) from ``square`` = the
-    first T rows and columns of ``A`` (H, T, T), with positions counted per sentence
-    (:func:`sentence_positions`); zero at padded slots' rows and columns.
-
-    With ``P`` (B, T, T) mapping each real slot to its position (one-hot rows, zero rows
-    for padding) this is ``P A P^T``: exact (``P`` is 0/1, ``A`` finite, float32 matmuls
-    without TF32, PyTorch's default), computed without autocast, and its backward is two
-    matrix products per sentence -- the sum over the batch in ``A``'s dtype, no scatter.
-    """
-    length = square.size(-1)
-    slots_to_positions = (
-        sentence_positions(padding_mask, length, square.device)[:, :, None]
-        == torch.arange(length, device=square.device)
-    ) & ~padding_mask.to(torch.bool)[:, :, None]
-    p = slots_to_positions.to(square.dtype).unsqueeze(1)  # (B, 1, T, T)
-    with full_precision(square.device):
-        return torch.matmul(torch.matmul(p, square), p.transpose(-1, -2))
-
-
-@with_incremental_state
-class RecurrentAttention(AttentionMechanism, nn.Module):
+class RecurrentAttention(PositionAttention):
     """Self-attention with input-independent weights ``softmax(A_l)`` (RAN Eqs. 2-4).
 
-    Only the value and output projections: no query or key projection. Their names in the
-    state dict, their initialisation and the attention dropout are those of fairseq's
-    ``MultiheadAttention``; the softmax, dropout (or DropAttention) and value product are
-    the plugin's shared ones (:class:`~ea_fairseq.modules.attention_maps.AttentionMechanism`).
+    The value and output projections, their initialisation and the attention dropout
+    are those of fairseq's ``MultiheadAttention``, the softmax, dropout (or
+    DropAttention) and value product the plugin's shared ones
+    (:class:`~ea_fairseq.modules.position_attention.PositionAttention`); ``A_l`` is read
+    from the stack's matrices.
     """
 
-    self_attention = True
-    encoder_decoder_attention = False
+    map_name = "recurrent"
 
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
                  causal: bool = False, q_noise: float = 0.0, qn_block_size: int = 8,
                  ran_index: int = 0):
-        super().__init__()
-        self.embed_dim, self.num_heads = embed_dim, num_heads
-        self.head_dim = embed_dim // num_heads
-        if self.head_dim * num_heads != embed_dim:
-            raise ValueError(f"embed_dim {embed_dim} is not divisible by num_heads {num_heads}")
-        # fairseq's module name, so that --retain-dropout-modules MultiheadAttention covers it
-        self.dropout_module = FairseqDropout(dropout, module_name="MultiheadAttention")
-        self.v_proj = quant_noise(nn.Linear(embed_dim, embed_dim, bias=bias), q_noise, qn_block_size)
-        self.out_proj = quant_noise(nn.Linear(embed_dim, embed_dim, bias=bias), q_noise, qn_block_size)
-        self.causal = causal
+        super().__init__(embed_dim, num_heads, dropout=dropout, bias=bias, causal=causal,
+                         q_noise=q_noise, qn_block_size=qn_block_size)
         self.ran_index = ran_index  # this layer attends with A_(ran_index + 1) of its stack
         self.share_matrices(None)  # the stack's, handed over when the stack is built
-        self.init_mechanism()
-        self.reset_parameters()
 
     def share_matrices(self, matrices: Optional[RecurrentAttentionMatrices]) -> None:
         """Read ``A_l`` from the stack's matrices, which the stack owns: a reference held
         outside this module's submodules, so the matrices are in the state dict (and
         converted by ``.to()``/``.half()``) once, under the stack, not once per layer."""
         object.__setattr__(self, "matrices", matrices)
-
-    def reset_parameters(self) -> None:
-        """fairseq's ``MultiheadAttention.reset_parameters`` for these two projections."""
-        nn.init.xavier_uniform_(self.v_proj.weight, gain=1 / math.sqrt(2))
-        nn.init.xavier_uniform_(self.out_proj.weight)
-        if self.out_proj.bias is not None:
-            nn.init.constant_(self.out_proj.bias, 0.0)
-
-    def _get_input_buffer(self, incremental_state):
-        """The cache, under the name fairseq's decoder layer asks every self-attention for."""
-        return self.get_mechanism_state(incremental_state)
 
     def causal_weights(self, matrix: Tensor, rows: int, incremental_state, dtype: torch.dtype) -> Tensor:
         """``softmax`` of rows of ``A_l`` over the keys up to their own position, at least
@@ -280,55 +217,20 @@ class RecurrentAttention(AttentionMechanism, nn.Module):
             self.set_incremental_state(incremental_state, "causal_weights", {"weights": weights})
         return weights
 
-    def forward(self, query, key, value, key_padding_mask=None, incremental_state=None,
-                need_weights: bool = True, static_kv: bool = False, attn_mask=None,
-                before_softmax: bool = False, need_head_weights: bool = False):
-        tgt_len, bsz, _ = query.size()
-        heads, head_dim = self.num_heads, self.head_dim
-        v = self.v_proj(query).view(tgt_len, bsz, heads, head_dim).permute(1, 2, 0, 3)
+    def forward(self, query, *args, **kwargs):
         if self.matrices is None:
             raise RuntimeError("RAN attention reads its stack's matrices: build it in an encoder or "
                                "decoder of this plugin (which calls share_matrices()), not alone.")
-        matrix = self.matrices.layer(self.ran_index)  # (H, rows, L), >= fp32
+        return super().forward(query, *args, **kwargs)
 
-        if incremental_state is not None:
-            state = self.get_mechanism_state(incremental_state)
-            earlier = state.get("prev_value")
-            start = 0 if earlier is None else earlier.size(2)
-            if earlier is not None:
-                v = torch.cat([earlier, v], dim=2)
-            state["prev_value"] = v
-            self.set_mechanism_state(incremental_state, state)
-            src_len = v.size(2)
-            if (self.causal and key_padding_mask is None and not torch.is_grad_enabled()
-                    and not self.training and not (need_weights or need_head_weights or before_softmax)):
-                # a decoding step: the weights of these positions are fixed rows of the
-                # stack's matrices; no logits, masks or softmax per step and sentence
-                weights = self.causal_weights(matrix, start + tgt_len, incremental_state, v.dtype)
-                out = torch.matmul(weights[:, start : start + tgt_len, :src_len], v)  # shared by the batch
-                return self.out_proj(out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, self.embed_dim)), None
-            logits = matrix[:, start : start + tgt_len, :src_len].unsqueeze(0).expand(bsz, -1, -1, -1)
-            if self.causal and tgt_len > 1:
-                q_pos = torch.arange(start, start + tgt_len, device=query.device)
-                future = torch.arange(src_len, device=query.device)[None, :] > q_pos[:, None]
-                logits = logits.masked_fill(future, float("-inf"))
-        else:
-            src_len = tgt_len
-            square = matrix[:, :tgt_len, :tgt_len]
-            if key_padding_mask is None:
-                # nothing padded: every token's position is its index, a plain slice (whose
-                # backward is a sum over the batch)
-                logits = square.unsqueeze(0).expand(bsz, -1, -1, -1)
-            else:
-                logits = sentence_logits(square, key_padding_mask)  # (B, H, T, S)
-            if attn_mask is not None:  # fairseq's future mask for the decoder (-inf above)
-                logits = logits + attn_mask.to(logits.dtype)
-        if key_padding_mask is not None:
-            logits = logits.masked_fill(key_padding_mask.to(torch.bool)[:, None, None, :], float("-inf"))
-        self.report_maps(lambda: {"recurrent": logits.masked_fill(torch.isneginf(logits), 0.0)}, None)
-        if before_softmax:
-            return logits.reshape(bsz * heads, tgt_len, src_len), v.reshape(bsz * heads, src_len, head_dim)
+    def position_logits(self, query_positions, key_positions, padding_mask, start, dtype):
+        """``A_l[pos_i, pos_j]`` of this layer's matrix (float32 or wider)."""
+        return matrix_logits(self.matrices.layer(self.ran_index), query_positions.size(-1),
+                             key_positions.size(-1), padding_mask, start)
 
-        # float32 logits and softmax; the weights meet the values in the values' dtype
-        return self.attend_with(logits, v.reshape(bsz * heads, src_len, head_dim), bsz, tgt_len,
-                                need_weights, need_head_weights)
+    def decoding_step_weights(self, start: int, tgt_len: int, src_len: int, incremental_state,
+                              dtype: torch.dtype) -> Tensor:
+        """The weights of a decoding step: rows of the causal softmax of ``A_l``."""
+        weights = self.causal_weights(self.matrices.layer(self.ran_index), start + tgt_len,
+                                      incremental_state, dtype)
+        return weights[:, start : start + tgt_len, :src_len]

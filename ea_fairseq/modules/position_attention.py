@@ -1,0 +1,200 @@
+"""Self-attention whose weights depend on positions only, not on the tokens.
+
+RAN's recurrent attention, hard-coded Gaussian attention (HC-SA) and the Random
+Synthesizer (Syn-R) all attend with ``softmax(A)`` over the values, where the logit
+``A[h, i, j]`` is a function of head ``h`` and of the positions of query ``i`` and key
+``j`` within their sentence: no query or key projection, no token-to-token product.
+:class:`PositionAttention` is what they share: fairseq's value and output projections
+(names in the state dict, initialisation, dropout module), the value cache of a
+decoding run, and -- for the mechanisms that only define their logits
+(:meth:`PositionAttention.position_logits`) -- the masks and the forward pass.
+
+Positions are counted per sentence the way fairseq's positional embeddings count them
+(padding skipped, :func:`sentence_positions`), so a left-padded source attends exactly as
+the same sentence alone. A decoding run's positions are its steps (fairseq's decoder
+inputs are never left-padded).
+"""
+import contextlib
+import math
+from typing import Optional, Tuple
+
+import torch
+import torch.nn as nn
+from fairseq.incremental_decoding_utils import with_incremental_state
+from fairseq.modules.fairseq_dropout import FairseqDropout
+from fairseq.modules.quant_noise import quant_noise
+from torch import Tensor
+
+from .attention_maps import AttentionMechanism
+
+
+def sentence_positions(padding_mask: Optional[Tensor], length: int, device) -> Tensor:
+    """0-based position of each token within its own sentence, (batch or 1, length).
+
+    Padding is skipped as in fairseq's ``make_positions``; padded slots get position 0
+    (they are masked as keys, and their query rows are never used).
+    """
+    if padding_mask is None:
+        return torch.arange(length, device=device).unsqueeze(0)
+    real = (~padding_mask.to(torch.bool)).long()
+    return (real.cumsum(dim=1) - 1).clamp(min=0)
+
+
+def full_precision(device: torch.device):
+    """A region where autocast is off: the ops inside compute in their inputs' dtype."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def sentence_logits(square: Tensor, padding_mask: Tensor) -> Tensor:
+    """``A[pos_i, pos_j]`` at ``(i, j)`` of each sentence (B, H, T, T) from ``square`` = the
+    first T rows and columns of ``A`` (H, T, T), with positions counted per sentence
+    (:func:`sentence_positions`); zero at padded slots' rows and columns.
+
+    With ``P`` (B, T, T) mapping each real slot to its position (one-hot rows, zero rows
+    for padding) this is ``P A P^T``: exact (``P`` is 0/1, ``A`` finite, float32 matmuls
+    without TF32, PyTorch's default), computed without autocast, and its backward is two
+    matrix products per sentence -- the sum over the batch in ``A``'s dtype, no scatter.
+    """
+    length = square.size(-1)
+    slots_to_positions = (
+        sentence_positions(padding_mask, length, square.device)[:, :, None]
+        == torch.arange(length, device=square.device)
+    ) & ~padding_mask.to(torch.bool)[:, :, None]
+    p = slots_to_positions.to(square.dtype).unsqueeze(1)  # (B, 1, T, T)
+    with full_precision(square.device):
+        return torch.matmul(torch.matmul(p, square), p.transpose(-1, -2))
+
+
+def matrix_logits(matrix: Tensor, tgt_len: int, src_len: int, padding_mask: Optional[Tensor],
+                  start: int = 0) -> Tensor:
+    """``matrix[h, pos_i, pos_j]`` (B or 1, H, T, S) for a logit matrix ``matrix`` (H, R, L)
+    indexed by positions: a full pass's tokens (T = S, positions per sentence,
+    :func:`sentence_logits` where padded), or a decoding run's queries ``start .. start +
+    T - 1`` over keys ``0 .. S - 1`` (a slice)."""
+    if padding_mask is None:
+        # every token's position is its index: a plain slice (whose backward, after the
+        # broadcast over the batch, is a sum over the batch)
+        return matrix[:, start : start + tgt_len, :src_len].unsqueeze(0)
+    return sentence_logits(matrix[:, :tgt_len, :tgt_len], padding_mask)
+
+
+@with_incremental_state
+class PositionAttention(AttentionMechanism, nn.Module):
+    """Self-attention ``softmax(A) V`` with logits ``A`` that depend on positions only.
+
+    Only the value and output projections of fairseq's ``MultiheadAttention`` (same
+    names, same initialisation, same attention dropout); the softmax, dropout (or
+    DropAttention) and value product are the plugin's shared ones
+    (:class:`~ea_fairseq.modules.attention_maps.AttentionMechanism`). A subclass defines
+    :meth:`position_logits`; a decoder's (``causal``) cannot see later positions.
+    """
+
+    self_attention = True
+    encoder_decoder_attention = False
+    #: name of the maps handed to map hooks (analysis)
+    map_name = "position"
+
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
+                 causal: bool = False, q_noise: float = 0.0, qn_block_size: int = 8):
+        super().__init__()
+        self.embed_dim, self.num_heads = embed_dim, num_heads
+        self.head_dim = embed_dim // num_heads
+        if self.head_dim * num_heads != embed_dim:
+            raise ValueError(f"embed_dim {embed_dim} is not divisible by num_heads {num_heads}")
+        # fairseq's module name, so that --retain-dropout-modules MultiheadAttention covers it
+        self.dropout_module = FairseqDropout(dropout, module_name="MultiheadAttention")
+        self.v_proj = quant_noise(nn.Linear(embed_dim, embed_dim, bias=bias), q_noise, qn_block_size)
+        self.out_proj = quant_noise(nn.Linear(embed_dim, embed_dim, bias=bias), q_noise, qn_block_size)
+        self.causal = causal
+        self.init_mechanism()
+        self.reset_projections()
+
+    def reset_projections(self) -> None:
+        """fairseq's ``MultiheadAttention.reset_parameters`` for these two projections."""
+        nn.init.xavier_uniform_(self.v_proj.weight, gain=1 / math.sqrt(2))
+        nn.init.xavier_uniform_(self.out_proj.weight)
+        if self.out_proj.bias is not None:
+            nn.init.constant_(self.out_proj.bias, 0.0)
+
+    def _get_input_buffer(self, incremental_state):
+        """The cache, under the name fairseq's decoder layer asks every self-attention for."""
+        return self.get_mechanism_state(incremental_state)
+
+    def cached_values(self, query: Tensor, incremental_state,
+                      key_padding_mask: Optional[Tensor] = None) -> Tuple[Tensor, int, Optional[Tensor]]:
+        """``(v, start, key_padding_mask)``: the values (B, H, S, head_dim) of this call's
+        tokens, after those of the earlier steps of a decoding run (kept in its incremental
+        state, batch first: beam reorders reorder them); ``start``, the position of this
+        call's first token; the padding mask of all ``S`` keys (None if nothing is padded)."""
+        tgt_len, bsz, _ = query.size()
+        v = self.v_proj(query).view(tgt_len, bsz, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
+        if incremental_state is None:
+            return v, 0, key_padding_mask
+        state = self.get_mechanism_state(incremental_state)
+        earlier, earlier_padding = state.get("prev_value"), state.get("prev_key_padding_mask")
+        start = 0 if earlier is None else earlier.size(2)
+        if earlier is not None:
+            v = torch.cat([earlier, v], dim=2)
+        if key_padding_mask is not None or earlier_padding is not None:
+            now = (key_padding_mask.to(torch.bool) if key_padding_mask is not None
+                   else v.new_zeros(bsz, tgt_len, dtype=torch.bool))
+            before = (earlier_padding if earlier_padding is not None
+                      else v.new_zeros(bsz, start, dtype=torch.bool))
+            key_padding_mask = torch.cat([before, now], dim=1)
+            state["prev_key_padding_mask"] = key_padding_mask
+        state["prev_value"] = v
+        self.set_mechanism_state(incremental_state, state)
+        return v, start, key_padding_mask
+
+    def position_logits(self, query_positions: Tensor, key_positions: Tensor,
+                        padding_mask: Optional[Tensor], start: int, dtype: torch.dtype) -> Tensor:
+        """The logits ``A[h, pos_i, pos_j]``, (B or 1, H, T, S) in ``dtype``, for queries at
+        ``query_positions`` (B or 1, T) and keys at ``key_positions`` (B or 1, S).
+        ``padding_mask`` is the full pass's key padding (None in a decoding run, whose
+        queries are positions ``start .. start + T - 1`` and keys ``0 .. S - 1``)."""
+        raise NotImplementedError
+
+    def decoding_step_weights(self, start: int, tgt_len: int, src_len: int, incremental_state,
+                              dtype: torch.dtype) -> Optional[Tensor]:
+        """The softmax weights (H, T, S) of a causal decoding step, shared by the whole batch
+        (nothing padded, no dropout, no weights asked for), or None (here: always) to compute
+        them per sentence through :meth:`position_logits`."""
+        return None
+
+    def forward(self, query, key, value, key_padding_mask=None, incremental_state=None,
+                need_weights: bool = True, static_kv: bool = False, attn_mask=None,
+                before_softmax: bool = False, need_head_weights: bool = False):
+        tgt_len, bsz, _ = query.size()
+        v, start, key_padding_mask = self.cached_values(query, incremental_state, key_padding_mask)
+        src_len = v.size(2)
+        if (incremental_state is not None and self.causal and key_padding_mask is None
+                and not torch.is_grad_enabled() and not self.drops_weights()
+                and not (need_weights or need_head_weights or before_softmax)):
+            weights = self.decoding_step_weights(start, tgt_len, src_len, incremental_state, v.dtype)
+            if weights is not None:
+                out = torch.matmul(weights, v)  # one set of weights for the batch
+                return self.out_proj(out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, self.embed_dim)), None
+        # softmax in at least float32; float64 stays float64
+        dtype = torch.promote_types(v.dtype, torch.float32)
+        if incremental_state is None:
+            q_pos = k_pos = sentence_positions(key_padding_mask, tgt_len, query.device)
+            logits = self.position_logits(q_pos, k_pos, key_padding_mask, 0, dtype)
+            if attn_mask is not None:  # fairseq's future mask for the decoder (-inf above)
+                logits = logits + attn_mask.to(logits.dtype)
+        else:
+            k_pos = torch.arange(src_len, device=query.device).unsqueeze(0)
+            q_pos = k_pos[:, start : start + tgt_len]
+            logits = self.position_logits(q_pos, k_pos, None, start, dtype)
+            if self.causal and tgt_len > 1:
+                future = k_pos[:, None, :] > q_pos[:, :, None]
+                logits = logits.masked_fill(future.unsqueeze(1), float("-inf"))
+        if key_padding_mask is not None:
+            logits = logits.masked_fill(key_padding_mask.to(torch.bool)[:, None, None, :], float("-inf"))
+        logits = logits.expand(bsz, -1, -1, -1)
+        self.report_maps(lambda: {self.map_name: logits.masked_fill(torch.isneginf(logits), 0.0)}, None)
+        v = v.reshape(bsz * self.num_heads, src_len, self.head_dim)
+        if before_softmax:
+            return logits.reshape(bsz * self.num_heads, tgt_len, src_len), v
+        return self.attend_with(logits, v, bsz, tgt_len, need_weights, need_head_weights)
