@@ -1,0 +1,194 @@
+"""RAN's baselines HC-SA (You et al. 2020) and Syn-R (Tay et al. 2020): their equations
+recomputed in float64, causality, incremental decoding, batch invariance, sizes, options."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attention_calls import project_out, real_slots, recorded_attention_calls, values_of
+from conftest import (batch_invariance_gap, beam_reorder_gap, build_model, causality_gap, decoder_out,
+                      make_dictionary, random_batch)
+from ea_fairseq.modules import HardCodedGaussianAttention, RandomSynthesizerAttention
+
+SMALL = ("--encoder-layers", "2", "--decoder-layers", "2", "--dropout", "0.0", "--attention-dropout", "0.0",
+         "--synthesizer-max-positions", "32")
+ARCHS = ["hcsa_lite", "syn_r_lite"]
+# the papers' settings, written here from the papers (not read from the code)
+ENCODER_CENTRES, DECODER_CENTRES, STD = (-1, +1), (-1, 0), 1.0  # You et al. 2020, RAN §Settings
+
+
+def hcsa_weights(heads, positions, centres, causal, normalised=True):
+    """You et al.: head h's weights at query position i are N(j; i + o_h, σ²) over the keys j
+    it may see, normalised (the first half of the heads takes the first centre)."""
+    n = len(positions)
+    w = torch.zeros(heads, n, n, dtype=torch.float64)
+    for h in range(heads):
+        o = centres[h * len(centres) // heads]
+        for i in range(n):
+            for j in range(n):
+                if not causal or j <= i:
+                    w[h, i, j] = math.exp(-((positions[j] - positions[i] - o) ** 2) / (2 * STD ** 2))
+            w[h, i] /= w[h, i].sum() if normalised else math.sqrt(2 * math.pi) * STD
+    return w
+
+
+def synthesizer_weights(module, positions, causal):
+    """Tay et al. §3.2: softmax(R_h) over the keys the query may see, R read at positions."""
+    n = len(positions)
+    r = module.logits.detach()[:, positions][:, :, positions]
+    if causal:
+        r = r.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    return r.softmax(-1)
+
+
+def largest_gap(model, calls, bsz, weights_of):
+    gaps = []
+    for name, stack, causal in (("encoder.self", model.encoder, False), ("decoder.self", model.decoder, True)):
+        for layer, (query, _, padding, output) in zip(stack.layers, calls[name]):
+            module = layer.self_attn
+            for b in range(bsz):
+                slots = real_slots(padding, b, query.size(0))
+                w = weights_of(module, slots, causal)
+                out = project_out(module, w @ values_of(module, query[slots, b]))
+                gaps.append((out - output[slots, b]).abs().max().item())
+    return max(gaps)
+
+
+def weights_for(arch, mutated=False):
+    """The reference weights of ``arch`` for a sentence at ``slots`` of the batch; positions
+    count from the sentence's first token. ``mutated``: HC-SA's densities left unnormalised
+    (the authors' code), Syn-R's positions counted from the batch's first slot."""
+    if arch == "hcsa_lite":
+        return lambda module, slots, causal: hcsa_weights(
+            module.num_heads, list(range(len(slots))), DECODER_CENTRES if causal else ENCODER_CENTRES,
+            causal, normalised=not mutated)
+    return lambda module, slots, causal: synthesizer_weights(
+        module, slots.tolist() if mutated else list(range(len(slots))), causal)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_equation_in_float64_on_a_left_padded_batch(dictionary, arch):
+    model, _ = build_model(arch, *SMALL)
+    model.double()
+    src, lengths, prev = random_batch(dictionary, [5, 9, 3], 7)
+    with recorded_attention_calls(model) as calls:
+        decoder_out(model, src, lengths, prev)
+    assert len(calls["encoder.self"]) == len(calls["decoder.self"]) == 2
+    assert largest_gap(model, calls, 3, weights_for(arch)) <= 1e-12
+    assert largest_gap(model, calls, 3, weights_for(arch, mutated=True)) > 1e-3
+
+
+def test_hcsa_weights_are_the_papers_gaussians(dictionary):
+    """The weights themselves (need_head_weights): centred on i-1 / i+1 (encoder) and i-1 / i
+    (decoder), σ = 1: e.g. for a 7-token sentence, an interior encoder query gives its centre
+    exp(0)/(1 + 2e^-1/2 + 2e^-2 + ...)."""
+    model, _ = build_model("hcsa_lite", *SMALL)
+    model.double()
+    x = torch.randn(7, 1, 160, dtype=torch.float64)
+    for module, centres, causal in ((model.encoder.layers[0].self_attn, ENCODER_CENTRES, False),
+                                    (model.decoder.layers[0].self_attn, DECODER_CENTRES, True)):
+        mask = torch.full((7, 7), float("-inf"), dtype=torch.float64).triu(1) if causal else None
+        _, weights = module(x, x, x, attn_mask=mask, need_head_weights=True)
+        expected = hcsa_weights(4, list(range(7)), centres, causal)
+        assert (weights[:, 0] - expected).abs().max() <= 1e-15
+        assert weights[0, 0, 3].argmax() == 2 and weights[-1, 0, 3].argmax() == (4 if not causal else 3)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_decoder_is_causal(dictionary, arch):
+    model, _ = build_model(arch, *SMALL)
+    for t in (1, 4, 9):
+        before, at = causality_gap(model, dictionary, t)
+        assert before <= 1e-6 and at > 1e-4
+
+
+@pytest.mark.parametrize("new_order", [[1, 1, 3, 2], [3, 2], [[1, 1, 3, 2], [1, 0, 2, 2]]],
+                         ids=["reorder", "sentence-finished", "two-reorders"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_incremental_equals_full_pass_with_beam_reorders(dictionary, arch, new_order):
+    model, _ = build_model(arch, *SMALL)
+    assert beam_reorder_gap(model, dictionary, new_order) <= 1e-5
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_batch_invariance_with_left_padding(dictionary, arch):
+    model, _ = build_model(arch, *SMALL)
+    assert batch_invariance_gap(model, dictionary) <= 1e-5
+
+
+def test_a_decoding_runs_key_padding_is_kept_with_its_values():
+    """fairseq hands a decoding step the padding of its own tokens only; the padding of the
+    earlier steps is kept with their values, and reordered with them."""
+    module = HardCodedGaussianAttention(8, 2, offsets=[-1, 0], causal=True)
+    state = {}
+    x = torch.randn(1, 2, 8)
+    module(x, x, x, key_padding_mask=torch.tensor([[False], [True]]), incremental_state=state)
+    _, weights = module(x, x, x, incremental_state=state, need_weights=True)
+    assert weights[1, 0, 0] == 0.0 and weights[0, 0, 0] > 0.0  # the padded key is masked
+    cached = module._get_input_buffer(state)
+    assert cached["prev_key_padding_mask"].tolist() == [[False, False], [True, False]]
+    module.reorder_incremental_state(state, torch.tensor([1, 0]))
+    assert module._get_input_buffer(state)["prev_key_padding_mask"].tolist() == [[True, False], [False, False]]
+
+
+def total(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("arch,twin,d,heads,layers,per_layer_extra", [
+    ("hcsa", "transformer", 512, 8, 6, lambda heads, L: 0),
+    ("syn_r", "transformer", 512, 8, 6, lambda heads, L: heads * L * L),
+    ("hcsa_lite", "transformer_lite", 160, 4, 6, lambda heads, L: 0),
+    ("syn_r_lite", "transformer_lite", 160, 4, 6, lambda heads, L: heads * L * L),
+])
+def test_parameter_counts_follow_the_papers(arch, twin, d, heads, layers, per_layer_extra):
+    """Per replaced self-attention (encoder and decoder): no query/key projections,
+    -2(d^2 + d); Syn-R adds its h x L x L logits per layer (RAN §2: "h x L attention
+    matrices" for L layers), L = 256."""
+    dictionary = make_dictionary(104)
+    model, _ = build_model(arch, dictionary=dictionary)
+    vanilla, _ = build_model(twin, dictionary=dictionary)
+    expected = 2 * layers * (-2 * (d * d + d) + per_layer_extra(heads, 256))
+    assert total(model) - total(vanilla) == expected
+
+
+def test_too_long_input_is_a_clear_error(dictionary):
+    model, args = build_model("syn_r_lite", *SMALL[:-1], "8")
+    assert args.max_source_positions == args.max_target_positions == 8  # fairseq filters/refuses
+    src, lengths, prev = random_batch(dictionary, [10, 4], 3)
+    with pytest.raises(ValueError, match="raise --synthesizer-max-positions"):
+        decoder_out(model, src, lengths, prev)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (("--hcsa-decoder-offsets", "1"), "cannot centre on a later token"),
+    (("--hcsa-encoder-offsets", "-1", "0", "1"), "cannot be split evenly"),
+    (("--hcsa-std", "0"), "must be positive"),
+])
+def test_bad_hcsa_options_are_clear_errors(extra, message):
+    with pytest.raises(ValueError, match=message):
+        build_model("hcsa_lite", *extra)
+
+
+def test_options_and_composition(dictionary):
+    model, _ = build_model("hcsa_lite", *SMALL, "--hcsa-std", "2", "--hcsa-encoder-offsets", "-2", "-1", "1", "2")
+    assert model.encoder.layers[0].self_attn.offsets == (-2, -1, 1, 2)
+    assert model.encoder.layers[0].self_attn.std == 2.0
+    fixed, _ = build_model("syn_r_lite", *SMALL, "--synthesizer-fixed")
+    assert all(not layer.self_attn.logits.requires_grad for layer in fixed.encoder.layers)
+    # one role each, with other mechanisms and DropAttention, through the registry
+    mixed, _ = build_model("ea_transformer_lite", *SMALL, "--encoder-attention", "synthesizer",
+                           "--decoder-attention", "hcsa", "--drop-attention", "element",
+                           "--drop-attention-p", "0.3")
+    assert isinstance(mixed.encoder.layers[0].self_attn, RandomSynthesizerAttention)
+    assert isinstance(mixed.decoder.layers[0].self_attn, HardCodedGaussianAttention)
+    assert mixed.decoder.layers[0].self_attn.weight_dropout is not None
+    assert beam_reorder_gap(mixed, dictionary, [1, 1, 3, 2]) <= 1e-5
+    mixed.train()
+    src, lengths, prev = random_batch(dictionary, [5, 9], 6)
+    out = mixed(src, lengths, prev)[0]
+    F.cross_entropy(out.reshape(-1, out.size(-1)), prev.reshape(-1)).backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in mixed.parameters() if p.requires_grad)
+    with pytest.raises(SystemExit):
+        build_model("ea_transformer_lite", "--cross-attention", "hcsa")
