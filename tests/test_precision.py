@@ -24,6 +24,7 @@ from ea_fairseq.modules import AttentionMapConv, EvolvingAttention
 SMALL = ("--encoder-layers", "2", "--decoder-layers", "2", "--dropout", "0.0",
          "--attention-dropout", "0.0")
 RAN = ("--ran-max-positions", "32")
+SYN = ("--synthesizer-max-positions", "32")
 DROP = ("--drop-attention", "element", "--drop-attention-p", "0.3")
 FAMILIES = {
     "transformer": ("transformer_lite", ()),
@@ -34,9 +35,13 @@ FAMILIES = {
     "ran-all": ("ran_all_lite", RAN),
     "ea+dropattention": ("ea_transformer_lite", DROP),
     "ran-all+dropattention": ("ran_all_lite", RAN + DROP),
+    "hcsa": ("hcsa_lite", ()),
+    "syn-r": ("syn_r_lite", SYN),
+    "syn-r+dropattention": ("syn_r_lite", SYN + DROP),
 }
 # families whose decoder self-attention is one of the plugin's mechanisms
-DECODER_SIDE = ("ea", "ran-d", "ran-all", "ea+dropattention", "ran-all+dropattention")
+DECODER_SIDE = ("ea", "ran-d", "ran-all", "ea+dropattention", "ran-all+dropattention", "hcsa", "syn-r",
+                "syn-r+dropattention")
 REORDERS = {"reorder": [1, 1, 3, 2], "sentence-finished": [3, 2]}
 
 # Largest |difference| allowed between two computations of the same log-probs or logits
