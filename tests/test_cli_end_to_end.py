@@ -19,6 +19,8 @@ CASES = {
     "ran_e_lite": [],
     "ran_d_lite": [],
     "ran_all_lite": [],
+    "hcsa_lite": [],
+    "syn_r_lite": [],
 }
 
 

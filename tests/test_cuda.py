@@ -31,6 +31,8 @@ ARCHS = {
     "ea": ("ea_transformer_lite", ("--ea-alpha", "0.5", "--ea-beta", "0.5", "--ea-decoder-alpha", "0.3")),
     "pa": ("pa_transformer_lite", ("--pa-alpha", "0.5")),
     "ran-all": ("ran_all_lite", ("--ran-max-positions", "32")),
+    "hcsa": ("hcsa_lite", ()),
+    "syn-r": ("syn_r_lite", ("--synthesizer-max-positions", "32")),
 }
 # Largest |difference| between two computations of the same logits or log-probs.
 # float32: TF32 is switched off below; GPU kernels still pick a reduction order per shape
@@ -238,6 +240,8 @@ CASES = {
     "ran_e_lite": [],
     "ran_d_lite": [],
     "ran_all_lite": [],
+    "hcsa_lite": [],
+    "syn_r_lite": [],
 }
 # fairseq's parser makes --bf16 imply --tpu (torch_xla); this driver runs fairseq-train's
 # own --bf16 path on the GPU instead (see its docstring)
