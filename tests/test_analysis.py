@@ -85,11 +85,14 @@ def test_layer_metrics_ignore_padding_and_identical_layers_have_zero_js():
 
 
 # -- capture on every architecture -------------------------------------------------------------
-LITE = ["transformer_lite", "ea_transformer_lite", "pa_transformer_lite", "ran_all_lite"]
+LITE = ["transformer_lite", "ea_transformer_lite", "pa_transformer_lite", "ran_all_lite", "hcsa_lite",
+        "syn_r_lite"]
 CARRIER_KINDS = {
     "ea_transformer_lite": {"dot_product", "convolution", "logits"},
     "pa_transformer_lite": {"dot_product", "prediction", "logits"},
     "ran_all_lite": {"recurrent"},
+    "hcsa_lite": {"gaussian"},
+    "syn_r_lite": {"synthesized"},
 }
 
 
