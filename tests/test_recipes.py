@@ -386,6 +386,12 @@ def test_train_sh_baselines_take_their_papers_settings(env, tmp_path):
     assert "--arch transformer " in cmd and "--drop-attention" not in cmd and "--dropout 0.1" in cmd
     _, err = _dry(env, tmp_path, "transformer_base", "wmt17_en_fi", check=False)
     assert "transformer_ran" in err  # the EA paper has no WMT'17 setting; RAN's baseline does
+    for family in ("hcsa", "syn_r"):  # RAN's other baselines: its settings, no attention dropout
+        cmd, err = _dry(env, tmp_path, family, "wmt17_tr_en")
+        assert f"--arch {family} " in cmd and "--attention-dropout 0.0" in cmd and "--lr 7e-4" in cmd
+        assert "--max-update 150000" in cmd and "-s tr -t en --best --ran-wmt" in err
+    cmd, _ = _dry(env, tmp_path, "hcsa_lite", "iwslt14_de_en")
+    assert "--arch hcsa_lite " in cmd and "--attention-dropout 0.0" in cmd and "--patience 5" in cmd
 
 
 def test_train_sh_devices_precision_and_batch(env, tmp_path):

@@ -10,6 +10,8 @@
 #   RAN     transformer_ran                       RAN's Transformer baseline (TransF, Base dims)
 #           ran_e ran_d ran_all                   RAN (Transformer-Base dims)
 #           ran_e_lite ran_d_lite ran_all_lite    RAN with Transformer-Lite dims (EA's settings)
+#           hcsa syn_r                            RAN's baselines HC-SA, Syn-R (Transformer-Base dims)
+#           hcsa_lite syn_r_lite                  HC-SA, Syn-R with Transformer-Lite dims
 #   DropAttention  transformer_dropattn dropattn  Transformer-Base without / with DropAttention
 # PAIR    iwslt14_de_en wmt14_en_de wmt14_en_fr
 #         wmt17_en_lv wmt17_lv_en wmt17_en_fi wmt17_fi_en wmt17_en_tr wmt17_tr_en
@@ -52,10 +54,10 @@
 #     beta 0.1; early stopping with patience 5 (EA Table 10, Appendix A.3)
 #   PA-Lite and its Transformer (IWSLT'14 De-En only): lr 5e-4, dropout 0.2, alpha 0.1,
 #     patience 5 (PA §4.1.1, Appendix B.2.1)
-#   RAN and its Transformer on WMT: residual dropout 0.1, attention dropout 0.2 for RAN (not
-#     on En-Fr), 250k updates on WMT'14, 150k on WMT'17, 8 GPUs (2 for En-Tr), best
-#     checkpoint on valid, beam 4, length penalty 0.6 (RAN Settings); lr 7e-4 is not in the
-#     paper (fairseq's usual Base value)
+#   RAN and its baselines (Transformer, HC-SA, Syn-R) on WMT: residual dropout 0.1, attention
+#     dropout 0.2 for RAN (not on En-Fr, not for the baselines), 250k updates on WMT'14, 150k
+#     on WMT'17, 8 GPUs (2 for En-Tr), best checkpoint on valid, beam 4, length penalty 0.6
+#     (RAN Settings); lr 7e-4 is not in the paper (fairseq's usual Base value)
 #   DropAttention and its Transformer (WMT En-De, 32K joint BPE): "the configuration of the
 #     original Transformer base", i.e. Vaswani et al.: dropout 0.1, 100k updates, the last
 #     5 checkpoints averaged, beam 4, length penalty 0.6; lr 7e-4 and 8 GPUs x 4096 tokens
@@ -129,6 +131,8 @@ case "$family" in
   transformer_ran)  arch=transformer; kind=ran ;;
   ran_e|ran_d|ran_all) arch="$family"; kind=ran ;;
   ran_e_lite|ran_d_lite|ran_all_lite) arch="$family"; kind=ran_lite ;;
+  hcsa|syn_r)       arch="$family"; kind=ran ;;
+  hcsa_lite|syn_r_lite) arch="$family"; kind=ran_lite ;;
   transformer_dropattn) arch=transformer; kind=vaswani ;;
   dropattn)         arch=transformer; kind=vaswani; drop_default=element ;;
   *) die "unknown FAMILY '$family' (see --help)" ;;
@@ -157,7 +161,7 @@ case "$kind" in
   ran|ran_lite)
     [ "$family" != transformer_ran ] || [ "$size" != iwslt ] \
       || die "the RAN paper has no IWSLT'14 setting; its Transformer baseline runs on WMT pairs"
-    [ "$family" = transformer_ran ] || attn_dropout=0.2
+    case "$family" in ran_*) attn_dropout=0.2 ;; esac  # "As for RANs"; TransF, HC-SA, Syn-R: 0
     if [ "$size" = iwslt ]; then
       ea_table  # RAN has no IWSLT setting: the EA table's values, RAN's attention dropout
     else
