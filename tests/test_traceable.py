@@ -19,6 +19,8 @@ CASES = {
     "pa": ("pa_transformer_lite",),
     "ran_all": ("ran_all_lite", "--ran-max-positions", "32", "--attention-dropout", "0.0"),
     "ea+drop_attention": ("ea_transformer_lite", "--drop-attention", "element"),
+    "hcsa": ("hcsa_lite", "--attention-dropout", "0.0"),
+    "syn_r": ("syn_r_lite", "--synthesizer-max-positions", "32", "--attention-dropout", "0.0"),
 }
 
 
