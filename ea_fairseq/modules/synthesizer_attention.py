@@ -50,5 +50,5 @@ class RandomSynthesizerAttention(PositionAttention):
                 "--synthesizer-max-positions or filter longer sentences with "
                 "--max-source-positions / --max-target-positions."
             )
-        rows = self.logits[:, : start + tgt_len, :src_len]
-        return matrix_logits(rows.to(dtype), tgt_len, src_len, padding_mask, start)
+        rows = self.logits[:, start : start + tgt_len, :src_len]  # only the rows this call needs
+        return matrix_logits(rows.to(dtype), tgt_len, src_len, padding_mask)
