@@ -1,17 +1,66 @@
 """ea_fairseq: attention maps that evolve across layers, as a fairseq ``--user-dir`` plugin.
 
 ``fairseq-train DATA --user-dir ea_fairseq --arch ea_transformer_lite ...``
+
+Importing the package loads the plugin (:func:`load_plugin`: fairseq, the models and tasks,
+checkpoint validation). The plugin's own command-line tools (``ea-fairseq-*``) parse their
+arguments first and call :func:`load_plugin` only for a command that needs fairseq, so that
+``--help`` and the metric tools answer without importing torch.
 """
+import os as _os
+import sys as _sys
+
 __version__ = "0.1.0"
 
-from ._compat import check_fairseq
+_TOOLS = ("ea-fairseq-average-checkpoints", "ea-fairseq-bleu", "ea-fairseq-compare", "ea-fairseq-analysis")
+_TOOL_MODULES = ("ea_fairseq.tools.", "ea_fairseq.analysis")
+_loaded = False
 
-check_fairseq()
 
-from . import checkpoint_safety  # noqa: E402
-from . import models  # noqa: E402,F401  (registers models and architectures)
-from . import tasks  # noqa: E402,F401  (registers translation_lines)
+def load_plugin() -> None:
+    """Import fairseq and register the plugin's models, architectures and tasks; every
+    checkpoint fairseq reads in this process is validated before fairseq evaluates any of its
+    configuration (:mod:`ea_fairseq.checkpoint_safety`). Idempotent.
 
-# every checkpoint fairseq reads in this process is validated before fairseq evaluates any
-# of its configuration (see checkpoint_safety)
-checkpoint_safety.install()
+    fairseq's import sets the root logger to DEBUG (``logging.basicConfig`` in
+    ``fairseq.models.wav2vec``) and logs a tensorboardX hint at INFO: the root level is put
+    back and messages below WARNING are not shown while fairseq is imported."""
+    global _loaded
+    if _loaded:
+        return
+    import logging
+
+    root = logging.getLogger()
+    level, disabled = root.level, logging.root.manager.disable
+    first = "fairseq" not in _sys.modules
+    if first:
+        logging.disable(logging.INFO)
+    try:
+        from ._compat import check_fairseq
+
+        check_fairseq()
+        from . import checkpoint_safety
+        from . import models  # noqa: F401  (registers models and architectures)
+        from . import tasks  # noqa: F401  (registers translation_lines)
+    finally:
+        if first:
+            logging.disable(disabled)
+            root.setLevel(level)
+    checkpoint_safety.install()
+    _loaded = True
+
+
+def _started_as_tool() -> bool:
+    """True in a process started as one of the plugin's tools (console script or ``python -m``)."""
+    argv = getattr(_sys, "argv", None) or [""]
+    if _os.path.splitext(_os.path.basename(argv[0] or ""))[0] in _TOOLS:
+        return True
+    orig = list(getattr(_sys, "orig_argv", []))
+    if "-m" in orig[:-1]:
+        module = orig[orig.index("-m") + 1]
+        return module.startswith(_TOOL_MODULES)
+    return False
+
+
+if not _started_as_tool():
+    load_plugin()

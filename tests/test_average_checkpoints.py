@@ -40,7 +40,9 @@ def average(*argv):
 
 
 def load(path):
-    return avg.load_checkpoint(str(path))
+    from ea_fairseq.checkpoint_safety import load_checkpoint
+
+    return load_checkpoint(str(path))
 
 
 def test_explicit_inputs_exact_average(tmp_path):
@@ -137,7 +139,7 @@ def test_refuses_arbitrary_pickles(tmp_path):
     """Loading stays weights-only: a checkpoint holding any other class is refused."""
     torch.save({"model": {"w": torch.zeros(1)}, "extra": NotAllowListed()}, tmp_path / "bad.pt")
     with pytest.raises(Exception, match="(?i)weights.only|Unsupported global"):
-        avg.load_checkpoint(str(tmp_path / "bad.pt"))
+        load(tmp_path / "bad.pt")
 
 
 def test_command_line_exit_codes(tmp_path):

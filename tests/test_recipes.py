@@ -543,9 +543,14 @@ def _fake_run(directory: Path, refs, hyps):
     assert bleu.main([str(gen), "--mode", "iwslt", "--out-prefix", str(ev / "test.de-en")]) == 0
 
 
-def _table(out: str):
-    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines() if line.startswith("| ")]
-    return {row[0]: row for row in rows[1:]}
+def _table(out: str, metric: str = None):
+    """The rows of ea-fairseq-compare's table of ``metric`` (default: the first table), by system."""
+    tables = {}
+    for block in out.split("\n\n"):
+        rows = [[c.strip() for c in line.strip("|").split("|")] for line in block.splitlines() if line.startswith("| ")]
+        if rows:
+            tables[rows[0][2].rsplit(" of each run", 1)[0]] = {row[0]: row for row in rows[1:]}
+    return tables[metric] if metric else next(iter(tables.values()))
 
 
 def test_significance_on_known_different_and_identical_systems(tmp_path, capsys):
@@ -570,15 +575,16 @@ def test_significance_on_known_different_and_identical_systems(tmp_path, capsys)
     capsys.readouterr()
     assert compare.main([str(tmp_path / d) for d in ("base", "same", "worse", "seeds")]) == 0
     out = capsys.readouterr().out
-    table = _table(out)
-    assert table["same"][4:] == ["+0.00", "[+0.00, +0.00]", "1.0000"]  # identical: nothing to see
-    assert float(table["worse"][4]) < -10 and float(table["worse"][6]) < 0.01  # clearly different
+    table = _table(out, "tok")
+    assert table["same"][4:] == ["+0.00", "1.0000"]  # identical: nothing to see
+    assert float(table["worse"][4]) < -10 and float(table["worse"][5]) < 0.01  # clearly different
     assert table["seeds"][1] == "3" and len(table["seeds"][2].split()) == 3 and "±" in table["seeds"][3]
-    assert "tokenized BLEU" in out.splitlines()[0] and "150 sentences" in out.splitlines()[0]
+    assert "150 sentences" in out.splitlines()[0] and "tokenized BLEU" in out.splitlines()[2]
+    assert set(_table(out, "chrf")) == set(_table(out, "chrf++")) == set(table)  # every metric
     # one run per system: the p-value is sacreBLEU's paired bootstrap (same resamples, seed 12345)
     test = PairedTest([("base", good), ("worse", bad)], {"BLEU": BLEU(tokenize="none", smooth_method="none")},
                       [refs], test_type="bs", n_samples=1000)
-    assert f"{test()[1]['BLEU'][1].p_value:.4f}" == table["worse"][6]
+    assert f"{test()[1]['BLEU'][1].p_value:.4f}" == table["worse"][5]
     # systems scored on other references are not compared
     _fake_run(tmp_path / "other", [r + " x" for r in refs], good)
     with pytest.raises(SystemExit, match="other references"):
@@ -630,7 +636,7 @@ def test_seeds_train_one_run_each_and_evaluate_to_one_table(iwslt, env, tmp_path
                f"one_epoch={base}"], env, tmp_path).stdout
     table = _table(out)
     assert table["two_epochs"][1] == "1" and table["one_epoch"][1] == "2"
-    assert re.fullmatch(r"[+-][0-9.]+", table["one_epoch"][4]) and re.fullmatch(r"0\.\d{4}|1\.0000", table["one_epoch"][6])
+    assert re.fullmatch(r"[+-][0-9.]+", table["one_epoch"][4]) and re.fullmatch(r"0\.\d{4}|1\.0000", table["one_epoch"][5])
 
 
 def test_ran_with_over_long_test_sentences(iwslt, env, tmp_path):

@@ -5,3 +5,5 @@ The Python API lives in the submodules: :mod:`.maps` (capture and dump attention
 :mod:`.metrics` (entropy, JS divergence, Div, Disagreement), :mod:`.plots` (matplotlib,
 headless) and :mod:`.flops` (analytic params/FLOPs counts).
 """
+
+ATTENTIONS = ("encoder.self", "decoder.self", "decoder.cross")  # the attentions of a model, in order

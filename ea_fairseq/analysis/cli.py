@@ -298,6 +298,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s",
                         level=logging.WARNING, stream=sys.stderr)
     args = build_parser().parse_args(argv)
+    if args.command == "plot" and args.what in ("entropy", "js", "curves"):
+        return args.func(args)  # JSON and log files in, PNG out: no fairseq, no torch
+    from .. import load_plugin
+
+    load_plugin()
     from ..checkpoint_safety import CheckpointError
 
     try:

@@ -37,12 +37,12 @@ from fairseq.modules import MultiheadAttention
 from torch import Tensor
 
 from .. import accelerators
+from . import ATTENTIONS
 from ..modules.attention_maps import AttentionMechanism
 from ..modules.position_attention import PositionAttention
 
 logger = logging.getLogger(__name__)
 
-ATTENTIONS = ("encoder.self", "decoder.self", "decoder.cross")
 META_KEY = "meta.json"
 
 

@@ -8,7 +8,7 @@
 """
 import math
 import os
-from typing import List, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, List, Mapping, Optional, Sequence
 
 import matplotlib
 
@@ -17,7 +17,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 import numpy as np  # noqa: E402
 
-from .maps import ATTENTIONS, AttentionDump  # noqa: E402
+if TYPE_CHECKING:
+    from .maps import AttentionDump
+
+from . import ATTENTIONS  # noqa: E402
 
 
 def _save(fig, out: str) -> str:
@@ -47,7 +50,7 @@ def _figure(n_rows: int, n_cols: int, shape):
                         figsize=(cell * n_cols + 1.2, cell * n_rows + 0.6))
 
 
-def plot_maps(dump: AttentionDump, sid: int, attention: str, kind: str = "weights",
+def plot_maps(dump: "AttentionDump", sid: int, attention: str, kind: str = "weights",
               out: str = "maps.png", layers: Optional[Sequence[int]] = None,
               heads: Optional[Sequence[int]] = None) -> str:
     """Grid of heatmaps (rows: layers, columns: heads); ``layers``/``heads`` are 1-based."""
@@ -72,7 +75,7 @@ def plot_maps(dump: AttentionDump, sid: int, attention: str, kind: str = "weight
     return _save(fig, out)
 
 
-def plot_kinds(dump: AttentionDump, sid: int, attention: str, head: int = 1,
+def plot_kinds(dump: "AttentionDump", sid: int, attention: str, head: int = 1,
                kinds: Optional[Sequence[str]] = None, out: str = "kinds.png",
                layers: Optional[Sequence[int]] = None) -> str:
     """EA Fig. 11 layout for one head: per layer, the attention weights beside the maps

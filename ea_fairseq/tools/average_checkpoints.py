@@ -28,10 +28,6 @@ import re
 import sys
 from typing import Any, Dict, List, Optional
 
-import torch
-
-from ..checkpoint_safety import CheckpointError, load_checkpoint  # weights-only, validated
-
 
 class AverageError(ValueError):
     """Inputs that cannot be averaged (or found)."""
@@ -68,6 +64,10 @@ def last_checkpoints(directory: str, n: int, by_update: bool,
 
 def average(paths: List[str]) -> Dict[str, Any]:
     """Average ``state['model']`` over ``paths``; the rest of the state is ``paths[0]``'s."""
+    import torch
+
+    from ..checkpoint_safety import load_checkpoint  # weights-only, validated
+
     if not paths:
         raise AverageError("no checkpoints to average")
     first = load_checkpoint(paths[0])
@@ -134,6 +134,12 @@ def main(argv=None) -> int:
     parser.add_argument("--checkpoint-upper-bound", type=int, metavar="K",
                         help="with --num-*-checkpoints: ignore checkpoints after epoch/update K")
     args = parser.parse_args(argv)
+    from .. import load_plugin  # fairseq and torch, after the arguments (a fast --help)
+
+    load_plugin()
+    import torch
+
+    from ..checkpoint_safety import CheckpointError
 
     try:
         n = args.num_epoch_checkpoints or args.num_update_checkpoints

@@ -50,23 +50,28 @@ import numpy as np
 _COMPOUND = re.compile(r"(\S)-(\S)")
 _FAIRSEQ_BLEU = re.compile(r"^Generate .*?: (BLEU4? = .*)$")
 
-# metric name -> (label, how it is computed: sacrebleu BLEU keyword arguments)
+# metric name -> (label, sacreBLEU metric class, its keyword arguments)
 TOKENIZED = dict(tokenize="none", smooth_method="none", force=True)
 DETOKENIZED: dict = {}
 METRICS = {
     "tok": ("tokenized BLEU (generate's tokenized H/T lines, sacrebleu tokenize=none, no smoothing"
-            " = multi-bleu.perl)", TOKENIZED),
+            " = multi-bleu.perl)", "BLEU", TOKENIZED),
     "split-fairseq": ("compound-split BLEU, fairseq convention (compound_split_bleu.sh: ##AT##-##AT## "
                       "on generate's tokenized H/T lines as they are, 'a @-@ b' -> 'a @ ##AT##-##AT## @ b'; "
-                      "multi-bleu.perl)", TOKENIZED),
+                      "multi-bleu.perl)", "BLEU", TOKENIZED),
     "split-t2t": ("compound-split BLEU, tensor2tensor convention (get_ende_bleu.sh: '@-@' joined "
-                  "first, 'a @-@ b' -> 'a ##AT##-##AT## b'; multi-bleu.perl)", TOKENIZED),
-    "sacrebleu": ("detokenized sacreBLEU (sacremoses detok of hyps vs raw references)", DETOKENIZED),
+                  "first, 'a @-@ b' -> 'a ##AT##-##AT## b'; multi-bleu.perl)", "BLEU", TOKENIZED),
+    "sacrebleu": ("detokenized sacreBLEU (sacremoses detok of hyps vs raw references)", "BLEU", DETOKENIZED),
+    # character n-gram F-scores (Popovic 2015, 2017) with sacreBLEU's defaults; computed on the
+    # detokenized text where the mode has raw references, else on the tokenized H/T lines
+    "chrf": ("chrF", "CHRF", {}),
+    "chrf++": ("chrF++ (chrF with word bigrams)", "CHRF", dict(word_order=2)),
 }
-MODE_METRICS = {  # the first is the one ea-fairseq-compare tests by default
-    "iwslt": ["tok"],
-    "wmt14-en-de": ["split-fairseq", "split-t2t", "sacrebleu"],
-    "wmt": ["tok", "sacrebleu"],
+CHRF_TEXT = {"detok": "detokenized hyps vs raw references", "tok": "generate's tokenized H/T lines"}
+MODE_METRICS = {  # the first is the one ea-fairseq-compare lists first
+    "iwslt": ["tok", "chrf", "chrf++"],
+    "wmt14-en-de": ["split-fairseq", "split-t2t", "sacrebleu", "chrf", "chrf++"],
+    "wmt": ["tok", "sacrebleu", "chrf", "chrf++"],
 }
 
 
@@ -132,15 +137,18 @@ def compound_split_fairseq(line: str) -> str:
     return _COMPOUND.sub(r"\1 ##AT##-##AT## \2", line)
 
 
-def bleu_metric(name: str):
-    from sacrebleu.metrics import BLEU
+def sacrebleu_metric(name: str):
+    """The sacreBLEU metric object (public API: ``sacrebleu.metrics.BLEU`` / ``CHRF``) of a
+    metric name of :data:`METRICS`."""
+    from sacrebleu import metrics
 
-    return BLEU(**METRICS[name][1])
+    _, cls, kwargs = METRICS[name]
+    return getattr(metrics, cls)(**kwargs)
 
 
 def tokenized_bleu(hyps: List[str], refs: List[str]):
     """multi-bleu.perl-style corpus BLEU on already tokenized text."""
-    metric = bleu_metric("tok")
+    metric = sacrebleu_metric("tok")
     return metric.corpus_score(hyps, [refs]), metric.get_signature()
 
 
@@ -149,11 +157,6 @@ def detokenize(lines: List[str], lang: str) -> List[str]:
 
     detok = MosesDetokenizer(lang=lang)
     return [detok.detokenize(line.split()) for line in lines]
-
-
-def sacrebleu_detok(hyps: List[str], refs: List[str]):
-    metric = bleu_metric("sacrebleu")
-    return metric.corpus_score(hyps, [refs]), metric.get_signature()
 
 
 def _write(path: str, lines: List[str]) -> None:
@@ -226,6 +229,8 @@ def main(argv=None) -> int:
     }
     if raw is not None:
         texts["sacrebleu"] = (detokenize(hyps, args.target_lang), [raw[i] for i in ids])
+    chrf_text = "detok" if raw is not None else "tok"
+    texts["chrf"] = texts["chrf++"] = texts["sacrebleu" if raw is not None else "tok"]
     names = MODE_METRICS[args.mode] + ([] if "tok" in MODE_METRICS[args.mode] else ["tok"])
     report = {"generate_output": os.path.abspath(args.generate_output), "mode": args.mode,
               "sentences": expected if expected is not None else len(ids), "translated": len(ids),
@@ -233,17 +238,21 @@ def main(argv=None) -> int:
               "primary": MODE_METRICS[args.mode][0], "metrics": {}}
     for name in names:
         h, r = texts[name]
-        metric = bleu_metric(name)
+        metric = sacrebleu_metric(name)
         score = metric.corpus_score(h, [r])
         sig = metric.get_signature()
+        label = METRICS[name][0]
+        if name.startswith("chrf"):
+            label += f" ({CHRF_TEXT[chrf_text]})"
         if name in MODE_METRICS[args.mode]:  # (the unsplit BLEU of En-De is only written)
-            results.append(f"{METRICS[name][0]}{coverage}: {score.score:.2f}  [{score}]  signature: {sig}")
-        entry = {"label": METRICS[name][0], "score": score.score, "signature": str(sig)}
-        if args.out_prefix:
-            _write(f"{args.out_prefix}.hyp.{name}", h)
-            _write(f"{args.out_prefix}.ref.{name}", r)
-            entry.update(hyp=os.path.basename(f"{args.out_prefix}.hyp.{name}"),
-                         ref=os.path.basename(f"{args.out_prefix}.ref.{name}"))
+            results.append(f"{label}{coverage}: {score.score:.2f}  [{score}]  signature: {sig}")
+        entry = {"label": label, "score": score.score, "signature": str(sig)}
+        if args.out_prefix:  # chrF and chrF++ point to the files of the text they scored
+            text = ("sacrebleu" if chrf_text == "detok" else "tok") if name.startswith("chrf") else name
+            _write(f"{args.out_prefix}.hyp.{text}", h)
+            _write(f"{args.out_prefix}.ref.{text}", r)
+            entry.update(hyp=os.path.basename(f"{args.out_prefix}.hyp.{text}"),
+                         ref=os.path.basename(f"{args.out_prefix}.ref.{text}"))
         report["metrics"][name] = entry
     if args.out_prefix:
         with open(f"{args.out_prefix}.scores.json", "w", encoding="utf-8") as f:

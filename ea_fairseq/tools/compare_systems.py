@@ -1,40 +1,64 @@
-"""BLEU of several systems over their seeds, and a paired bootstrap test against a baseline.
+"""Scores of several systems over their seeds, and a paired significance test against a
+baseline, for every metric.
 
-  ea-fairseq-compare [--metric NAME] [-s SRC -t TGT] [--subset test]
-      [--samples 1000] [--seed 12345] BASELINE [SYSTEM ...]
+  ea-fairseq-compare [--metric NAME ...] [--test {bs,ar}] [--samples N] [--seed 12345]
+      [--agreement] [-s SRC -t TGT] [--subset test] BASELINE [SYSTEM ...]
 
-Each BASELINE/SYSTEM is a checkpoint directory that ``examples/translation/evaluate.sh`` has scored: one
-run (``DIR/eval/SUBSET.SRC-TGT.scores.json``) or one run per seed (``DIR/seed*/eval/...``,
-as ``SEEDS="1 2 3" train.sh`` lays them out); ``NAME=DIR`` names it in the table. Printed,
-one table: every run's BLEU, mean ± standard deviation over the runs (ddof 1), and for each
-system the difference of means to the baseline, its 95% bootstrap interval and p-value.
+Each BASELINE/SYSTEM is a checkpoint directory that ``examples/translation/evaluate.sh`` has
+scored: one run (``DIR/eval/SUBSET.SRC-TGT.scores.json``) or one run per seed
+(``DIR/seed*/eval/...``, as ``SEEDS="1 2 3" train.sh`` lays them out); ``NAME=DIR`` names it
+in the tables. One table per metric: every run's score, mean ± standard deviation over the
+runs (ddof 1), and for each system the difference of means to the baseline and a p-value.
 
-The test resamples the test sentences with replacement (``--samples`` times, numpy seed
-``--seed``; sacreBLEU's defaults 1000 and 12345) and scores each system on every resample
-as the mean BLEU of its runs, from sacreBLEU's sufficient statistics of the files
-evaluate.sh wrote. The p-value is sacreBLEU's ``--paired-bs`` (two-sided; with one run per
-system the same number) except for ties: a resample whose difference is as large as the
-observed one counts against significance, so two identical systems get p = 1, where
-sacreBLEU 2.6 reports p = 0.001. The resampling measures the test set's sampling noise of
-the seed-averaged systems, not the spread between training runs: read it with the std.
+Metrics (``--metric``, default: all of them):
 
---metric: the BLEU to compare (names as ea-fairseq-bleu writes them): tok (tokenized, IWSLT's),
-split-fairseq / split-t2t (WMT'14 En-De compound-split conventions), sacrebleu
-(detokenized); default: the first BLEU of the evaluation mode (tok for iwslt and wmt,
-split-fairseq for wmt14-en-de).
+* the sacreBLEU metrics ea-fairseq-bleu wrote (names as in its scores.json): tok, split-fairseq,
+  split-t2t, sacrebleu (BLEU variants), chrf, chrf++. The test is sacreBLEU's own
+  ``sacrebleu.significance.PairedTest``: paired bootstrap resampling (``--test bs``, Koehn
+  2004; sacreBLEU's ``--paired-bs``) or approximate randomisation (``--test ar``, Riezler and
+  Maxwell 2005; ``--paired-ar``), ``--samples`` resamples/trials (sacreBLEU's defaults: 1000
+  for bs, 10000 for ar), seeded with ``--seed`` (``SACREBLEU_SEED``, default 12345). The
+  table's header holds the metric's sacreBLEU signature, with the test's settings.
+* any other metric, from segment-level scores: a file ``SUBSET.SRC-TGT.seg.NAME`` beside each
+  run's scores.json (``DIR/eval/`` or ``DIR/seedN/eval/``) with one score per line, in test-set
+  order, for every translated sentence (the lines of ``SUBSET.SRC-TGT.hyp.tok``): COMET,
+  MetricX, BLEURT, ... computed elsewhere. A run's score is the mean of its segment scores;
+  the test is the same paired bootstrap (or approximate randomisation) applied to segment
+  means: the same resampled sentence indices as sacreBLEU draws, the same p-value
+  (``(c + 1) / (samples + 1)``, c counting resamples whose centred |difference| exceeds the
+  observed one).
+
+With several runs per system, every run of the system is tested against every run of the
+baseline and the table shows the largest p-value (a difference is called significant only if
+it is so for every pair of runs); with one run each, the p-value is sacreBLEU's. Identical
+outputs get p = 1 (sacreBLEU's bootstrap would give 1/(samples+1)). The resampling measures
+the test set's sampling noise, not the spread between training runs: read it with the std.
+
+``--agreement``: beside each difference, the deltas at which a metric agrees with human
+judgements of which system is better on 55% and 70% of system pairs (Kocmi et al., 2024,
+"Navigating the Metrics Maze: Reconciling Score Magnitudes and Accuracies", ACL): BLEU 0.52 /
+1.39, chrF 0.33 / 1.00, COMET-22 0.10 / 0.35 (on COMET's 0-100 scale); shown for the metrics
+with published thresholds only.
 """
 import argparse
 import glob
 import hashlib
 import json
+import logging
 import os
 import re
 import sys
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from . import bleu as bleu_script
+
+# Kocmi et al. (2024), Table 1: metric delta for 55% / 70% pairwise accuracy with humans
+AGREEMENT = {"BLEU": (0.52, 1.39), "chrF": (0.33, 1.00), "COMET-22": (0.10, 0.35)}
+AGREEMENT_OF = {"tok": "BLEU", "split-fairseq": "BLEU", "split-t2t": "BLEU", "sacrebleu": "BLEU",
+                "chrf": "chrF", "comet22": "COMET-22", "comet": "COMET-22"}
+SEGMENTS = re.compile(r"^(?P<prefix>.+)\.seg\.(?P<name>[^/]+)$")
 
 
 def _seed_key(path: str):
@@ -68,105 +92,238 @@ def _one(where: str, found: List[str]) -> List[str]:
     return found
 
 
-def load_run(path: str, metric: str):
+def _lines(path: str) -> List[str]:
     with open(path, encoding="utf-8") as f:
-        report = json.load(f)
-    metric = metric or report["primary"]
-    if metric not in report["metrics"] or "hyp" not in report["metrics"][metric]:
-        raise SystemExit(f"ea-fairseq-compare: {path} has no '{metric}' files "
-                         f"(it has: {', '.join(report['metrics'])})")
-    entry = report["metrics"][metric]
-    base = os.path.dirname(path)
-    read = lambda name: open(os.path.join(base, name), encoding="utf-8").read().split("\n")[:-1]  # noqa: E731
-    return dict(path=path, metric=metric, label=entry["label"], score=entry["score"],
-                hyps=read(entry["hyp"]), refs=read(entry["ref"]), report=report)
+        return f.read().split("\n")[:-1]
 
 
-def sufficient_stats(metric_name: str, hyps: List[str], refs: List[str]) -> np.ndarray:
-    metric = bleu_script.bleu_metric(metric_name)
-    return np.array(metric._extract_corpus_statistics(hyps, [refs]), dtype="float32")
+class Run:
+    """One evaluated run: its scores.json, the texts each sacreBLEU metric scored, and the
+    segment-score files beside it."""
+
+    def __init__(self, path: str):
+        self.path = path
+        with open(path, encoding="utf-8") as f:
+            self.report = json.load(f)
+        self.dir = os.path.dirname(path)
+        self.prefix = path[:-len(".scores.json")] if path.endswith(".scores.json") else os.path.splitext(path)[0]
+        self.segment_files = {m.group("name"): f for f in glob.glob(glob.escape(self.prefix) + ".seg.*")
+                              if (m := SEGMENTS.match(f))}
+        self.sentences = self.report["translated"]
+
+    def sacrebleu_names(self) -> List[str]:
+        """The metrics of the run's evaluation mode, in ea-fairseq-bleu's order."""
+        order = bleu_script.MODE_METRICS.get(self.report["mode"], [])
+        return [m for m in order if m in self.report["metrics"]]
+
+    def texts(self, metric: str) -> Tuple[List[str], List[str]]:
+        entry = self.report["metrics"].get(metric)
+        if entry is None or "hyp" not in entry:
+            raise SystemExit(f"ea-fairseq-compare: {self.path} has no '{metric}' files "
+                             f"(it has: {', '.join(self.report['metrics'])})")
+        return _lines(os.path.join(self.dir, entry["hyp"])), _lines(os.path.join(self.dir, entry["ref"]))
+
+    def segments(self, metric: str) -> np.ndarray:
+        path = self.segment_files.get(metric)
+        if path is None:
+            raise SystemExit(f"ea-fairseq-compare: no segment scores {self.prefix}.seg.{metric} "
+                             "(one score per line per translated sentence)")
+        values = []
+        for i, line in enumerate(_lines(path), 1):
+            try:
+                values.append(float(line))
+            except ValueError:
+                raise SystemExit(f"ea-fairseq-compare: {path} line {i}: {line[:40]!r} is not a number "
+                                 "(one score per line)") from None
+        if len(values) != self.sentences:
+            raise SystemExit(f"ea-fairseq-compare: {path} has {len(values)} scores but the run translated "
+                             f"{self.sentences} sentences: one score per line, in test-set order")
+        if not np.all(np.isfinite(values)):
+            raise SystemExit(f"ea-fairseq-compare: {path} holds a non-finite score")
+        return np.array(values, dtype=np.float64)
 
 
-def resampled_scores(metric_name: str, stats: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """BLEU of each resample (rows of ``counts``: how often each sentence is drawn)."""
-    metric = bleu_script.bleu_metric(metric_name)
-    sums = counts @ stats
-    return np.array([metric._compute_score_from_stats(s).score for s in sums])
+def _p_value(sample_stats: np.ndarray, observed: float) -> float:
+    """sacreBLEU's p-value of a paired test: (c + 1) / (n + 1), c counting samples above the
+    observed statistic (as ``bootstrap-hypothesis-difference-significance.pl`` and multeval)."""
+    return (np.sum(sample_stats > observed).item() + 1) / (len(sample_stats) + 1)
+
+
+def segment_test(base: np.ndarray, system: np.ndarray, test: str, samples: int, seed: Optional[int]) -> float:
+    """p-value of the difference of segment means, with the resamples sacreBLEU draws.
+
+    ``bs``: paired bootstrap (Koehn 2004): the mean of each system over the same resampled
+    sentences; the statistic is |difference| centred on its resampling mean.
+    ``ar``: approximate randomisation: each sentence's pair of scores swapped with
+    probability 1/2; the statistic is the |difference| of the shuffled systems."""
+    n = len(base)
+    observed = abs(system.mean() - base.mean())
+    rng = np.random.default_rng(seed)
+    if test == "bs":
+        idxs = rng.choice(n, size=(samples, n), replace=True)
+        diffs = np.abs(system[idxs].mean(1) - base[idxs].mean(1))
+        return _p_value(diffs - diffs.mean(), observed)
+    pos = rng.integers(2, size=(samples, n), dtype=bool)
+    a = np.where(pos, base, system).mean(1)
+    b = np.where(pos, system, base).mean(1)
+    return _p_value(np.abs(a - b), observed)
+
+
+def sacrebleu_tests(metric: str, baseline: List[Run], systems: Dict[str, List[Run]], test: str,
+                    samples: int) -> Tuple[Dict[str, float], str]:
+    """Largest p-value over (baseline run, system run) pairs, per system, from sacreBLEU's
+    PairedTest; and the metric's signature with the test's settings."""
+    from sacrebleu.significance import PairedTest
+
+    worst: Dict[str, float] = {name: 0.0 for name in systems}
+    signature = ""
+    for base in baseline:
+        base_hyps, refs = base.texts(metric)
+        named = [("baseline", base_hyps)]
+        owner = {}
+        for name, runs in systems.items():
+            for i, run in enumerate(runs):
+                hyps = run.texts(metric)[0]
+                if hyps == base_hyps:  # identical outputs: no difference to test
+                    continue
+                named.append((f"{name}#{i}", hyps))
+                owner[f"{name}#{i}"] = name
+        if len(named) > 1:
+            paired = PairedTest(named, {metric: bleu_script.sacrebleu_metric(metric)}, [refs],
+                                test_type=test, n_samples=samples)
+            signatures, scores = paired()
+            key = next(iter(signatures))  # PairedTest keys its results by the score's name (BLEU, chrF2, ...)
+            signature = signatures[key].format()
+            for sys_name, result in zip(scores["System"][1:], scores[key][1:]):
+                worst[owner[sys_name]] = max(worst[owner[sys_name]], result.p_value)
+        for name, runs in systems.items():
+            if any(run.texts(metric)[0] == base_hyps for run in runs):
+                worst[name] = 1.0
+    if not signature:
+        m = bleu_script.sacrebleu_metric(metric)
+        signature = m.get_signature().format()
+    return worst, signature
+
+
+def _table(rows: List[List[str]], head: List[str]) -> List[str]:
+    widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
+    fmt = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    return [fmt(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [fmt(r) for r in rows]
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("systems", nargs="+", metavar="[NAME=]DIR", help="the first is the baseline")
-    p.add_argument("--metric", choices=sorted(bleu_script.METRICS), help="default: the mode's first BLEU")
+    p.add_argument("--metric", nargs="+", metavar="NAME",
+                   help="metrics to compare: names of ea-fairseq-bleu's scores.json (tok, split-fairseq, "
+                        "split-t2t, sacrebleu, chrf, chrf++) or of segment-score files SUBSET.SRC-TGT.seg.NAME "
+                        "(default: every metric all runs have)")
+    p.add_argument("--test", choices=("bs", "ar"), default="bs",
+                   help="paired bootstrap resampling (bs, default) or approximate randomisation (ar)")
+    p.add_argument("--samples", type=int, default=None,
+                   help="bootstrap resamples / randomisation trials [sacreBLEU's: 1000 for bs, 10000 for ar]")
+    p.add_argument("--seed", type=int, default=12345, help="seed of the resampling [12345, sacreBLEU's]")
+    p.add_argument("--agreement", action="store_true",
+                   help="show the deltas of 55%% / 70%% agreement with humans (Kocmi et al., 2024) "
+                        "beside each difference, for BLEU, chrF and COMET-22")
     p.add_argument("-s", "--source-lang")
     p.add_argument("-t", "--target-lang")
     p.add_argument("--subset", default="test")
-    p.add_argument("--samples", type=int, default=1000, help="bootstrap resamples [1000]")
-    p.add_argument("--seed", type=int, default=12345, help="numpy seed of the resampling [12345]")
     args = p.parse_args(argv)
+    logging.basicConfig(format="%(levelname)s | %(name)s | %(message)s", level=logging.WARNING)
+    samples = args.samples or {"bs": 1000, "ar": 10000}[args.test]
+    if samples < 1:
+        raise SystemExit("ea-fairseq-compare: --samples must be at least 1")
+    os.environ["SACREBLEU_SEED"] = str(args.seed)  # how sacreBLEU's PairedTest is seeded
 
     direction = f"{args.source_lang}-{args.target_lang}" if args.source_lang and args.target_lang else "*"
     pattern = f"{args.subset}.{direction}.scores.json"
-    systems: Dict[str, List[dict]] = {}
+    systems: Dict[str, List[Run]] = {}
     for spec in args.systems:
         name, sep, path = spec.partition("=")
         if not sep:
             name, path = os.path.basename(os.path.normpath(spec)), spec
         if name in systems:
             raise SystemExit(f"ea-fairseq-compare: two systems named {name}: name them NAME=DIR")
-        systems[name] = [load_run(f, args.metric) for f in find_runs(path, pattern)]
+        systems[name] = [Run(f) for f in find_runs(path, pattern)]
 
-    first = next(iter(systems.values()))[0]
-    metric = args.metric or first["metric"]
-    refs_hash = hashlib.sha256("\n".join(first["refs"]).encode()).hexdigest()
-    for name, runs in systems.items():
-        for run in runs:
-            if run["metric"] != metric:
-                raise SystemExit(f"ea-fairseq-compare: {run['path']} defaults to {run['metric']}, "
-                                 f"{first['path']} to {metric}: give --metric")
-            if hashlib.sha256("\n".join(run["refs"]).encode()).hexdigest() != refs_hash:
-                raise SystemExit(f"ea-fairseq-compare: {run['path']} was scored on other references "
-                                 f"(or other sentences) than {first['path']}: not comparable")
-    n = len(first["refs"])
-    rng = np.random.default_rng(args.seed)
-    idxs = rng.choice(n, size=(args.samples, n), replace=True)  # as sacreBLEU draws them
-    counts = np.zeros((args.samples, n), dtype="float32")
-    np.add.at(counts, (np.arange(args.samples)[:, None], idxs), 1)
+    runs = [run for rs in systems.values() for run in rs]
+    first = runs[0]
+    sacre = [m for m in first.sacrebleu_names() if all(m in r.report["metrics"] for r in runs)]
+    segment = sorted(set.intersection(*(set(r.segment_files) for r in runs)))
+    if args.metric:
+        for m in args.metric:
+            if m not in bleu_script.METRICS and not all(m in r.segment_files for r in runs):
+                lacking = next(r for r in runs if m not in r.segment_files)
+                raise SystemExit(f"ea-fairseq-compare: '{m}' is neither a metric of ea-fairseq-bleu "
+                                 f"({', '.join(bleu_script.METRICS)}) nor a segment-score file "
+                                 f"{lacking.prefix}.seg.{m}")
+        sacre = [m for m in args.metric if m in bleu_script.METRICS]
+        segment = [m for m in args.metric if m not in bleu_script.METRICS]
 
-    rows, base = [], None
-    for k, (name, runs) in enumerate(systems.items()):
-        scores = np.array([run["score"] for run in runs])
-        samples = np.mean([resampled_scores(metric, sufficient_stats(metric, run["hyps"], run["refs"]), counts)
-                           for run in runs], axis=0)
-        mean = scores.mean()
-        spread = f"{mean:.2f} ± {scores.std(ddof=1):.2f}" if len(scores) > 1 else f"{mean:.2f}"
-        row = [name, str(len(runs)), " ".join(f"{s:.2f}" for s in scores), spread]
-        if base is None:
-            base = (mean, samples)
-            row += ["–", "–", "–"]
-        else:
-            diff = mean - base[0]
-            sample_diffs = samples - base[1]
-            spread = np.abs(sample_diffs)
-            centred = spread - spread.mean()
-            p_value = (np.sum(centred >= abs(diff)).item() + 1) / (args.samples + 1)
-            low, high = np.percentile(sample_diffs, [2.5, 97.5])
-            row += [f"{diff:+.2f}", f"[{low:+.2f}, {high:+.2f}]", f"{p_value:.4f}"]
-        rows.append(row)
+    ref_metric = "tok" if "tok" in first.report["metrics"] else sacre[0] if sacre else None
+    refs_hash = hashlib.sha256("\n".join(first.texts(ref_metric)[1]).encode()).hexdigest() if ref_metric else None
+    for run in runs:
+        if run.report["mode"] != first.report["mode"] and sacre:
+            raise SystemExit(f"ea-fairseq-compare: {run.path} was scored in mode {run.report['mode']}, "
+                             f"{first.path} in {first.report['mode']}: not comparable")
+        if ref_metric and hashlib.sha256("\n".join(run.texts(ref_metric)[1]).encode()).hexdigest() != refs_hash:
+            raise SystemExit(f"ea-fairseq-compare: {run.path} was scored on other references "
+                             f"(or other sentences) than {first.path}: not comparable")
 
-    report = first["report"]
+    names = list(systems)
+    baseline, others = systems[names[0]], {n: systems[n] for n in names[1:]}
+    report = first.report
     coverage = (f"{report['translated']} of {report['sentences']} sentences"
-                if report["translated"] != report["sentences"] else f"{n} sentences")
-    print(f"{first['label']}; {args.subset} set, {coverage}")
-    print(f"p: paired bootstrap, {args.samples} resamples of the test sentences (seed {args.seed}), "
-          "each system scored as the mean of its runs; baseline: " + next(iter(systems)))
-    head = ["system", "runs", "BLEU of each run", "mean ± std", "Δ mean", "95% CI of Δ", "p"]
-    widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
-    fmt = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
-    print(fmt(head))
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for row in rows:
-        print(fmt(row))
+                if report["translated"] != report["sentences"] else f"{report['translated']} sentences")
+    test_name = {"bs": f"paired bootstrap, {samples} resamples",
+                 "ar": f"approximate randomisation, {samples} trials"}[args.test]
+    print(f"{args.subset} set, {coverage}; baseline: {names[0]}; p: {test_name} of the test "
+          f"sentences (seed {args.seed}), the largest over pairs of runs")
+    for metric in sacre + segment:
+        if metric in sacre:
+            scores = {n: np.array([r.report["metrics"][metric]["score"] for r in rs]) for n, rs in systems.items()}
+            pvalues, signature = sacrebleu_tests(metric, baseline, others, args.test, samples)
+            label = report["metrics"][metric]["label"]
+            title = f"{label}\nsacreBLEU signature: {signature}"
+        else:
+            segs = {n: [r.segments(metric) for r in rs] for n, rs in systems.items()}
+            scores = {n: np.array([s.mean() for s in ss]) for n, ss in segs.items()}
+            pvalues = {}
+            for n in others:
+                pvalues[n] = max(1.0 if np.array_equal(b, s) else
+                                 segment_test(b, s, args.test, samples, args.seed)
+                                 for b in segs[names[0]] for s in segs[n])
+            title = f"{metric}: mean of the segment scores in {first.prefix}.seg.{metric} (and each run's)"
+        thresholds = AGREEMENT.get(AGREEMENT_OF.get(metric, "")) if args.agreement else None
+        head = ["system", "runs", f"{metric} of each run", "mean ± std", "Δ mean", "p"]
+        if thresholds:
+            scale = ""
+            if metric in segment and all(np.abs(x).max() <= 1.5 for ss in segs.values() for x in ss):
+                thresholds, scale = (thresholds[0] / 100, thresholds[1] / 100), ", scores on a 0-1 scale"
+            head.append(f"|Δ| vs human agreement 55% / 70% ({AGREEMENT_OF[metric]}: "
+                        f"{thresholds[0]:.4g} / {thresholds[1]:.4g}{scale})")
+        rows = []
+        base_mean = scores[names[0]].mean()
+        for n in names:
+            s = scores[n]
+            spread = f"{s.mean():.2f} ± {s.std(ddof=1):.2f}" if len(s) > 1 else f"{s.mean():.2f}"
+            row = [n, str(len(s)), " ".join(f"{x:.2f}" for x in s), spread]
+            if n == names[0]:
+                row += ["–", "–"] + (["–"] if thresholds else [])
+            else:
+                diff = s.mean() - base_mean
+                row += [f"{diff:+.2f}", f"{pvalues[n]:.4f}"]
+                if thresholds:
+                    row.append("below 55%" if abs(diff) < thresholds[0] else
+                               "55% to 70%" if abs(diff) < thresholds[1] else "70% or more")
+            rows.append(row)
+        print()
+        print(title)
+        print("\n".join(_table(rows, head)))
+    if args.agreement:
+        print("\nhuman agreement: Kocmi et al. (2024), Navigating the Metrics Maze, ACL; "
+              "the pairwise accuracy a metric difference of that size reaches against human judgements")
     return 0
 
 
