@@ -159,6 +159,29 @@ def detokenize(lines: List[str], lang: str) -> List[str]:
     return [detok.detokenize(line.split()) for line in lines]
 
 
+COMET_HOW = "pip install 'ea_fairseq[comet]' (unbabel-comet), then give --comet-model PATH (e.g. wmt22-comet-da's checkpoints/model.ckpt)"
+
+
+def comet_scores(model_path: str, sources: List[str], hyps: List[str], refs: List[str],
+                 batch_size: int = 16, gpus: Optional[int] = None) -> List[float]:
+    """Segment-level COMET scores (unbabel-comet's ``load_from_checkpoint`` and ``predict``)."""
+    try:
+        from comet import load_from_checkpoint
+    except ImportError:
+        raise SystemExit(f"ea-fairseq-bleu: --comet-model needs unbabel-comet: {COMET_HOW}") from None
+    if not os.path.exists(model_path):
+        raise SystemExit(f"ea-fairseq-bleu: COMET model {model_path} not found: give the path of a downloaded "
+                         "checkpoint (comet.download_model('Unbabel/wmt22-comet-da') returns it)")
+    if gpus is None:
+        import torch
+
+        gpus = 1 if torch.cuda.is_available() else 0
+    model = load_from_checkpoint(model_path)
+    data = [{"src": s, "mt": h, "ref": r} for s, h, r in zip(sources, hyps, refs)]
+    out = model.predict(data, batch_size=batch_size, gpus=gpus)
+    return [float(x) for x in out.scores]
+
+
 def _write(path: str, lines: List[str]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         f.writelines(line + "\n" for line in lines)
@@ -176,6 +199,13 @@ def main(argv=None) -> int:
                    help="score an output that lacks some sentences (e.g. skipped as too long), "
                         "saying so in every label")
     p.add_argument("--out-prefix", help="also write PREFIX.{hyp,ref}.METRIC and PREFIX.scores.json")
+    p.add_argument("--comet-model", metavar="PATH",
+                   help="also score with this COMET checkpoint (needs the comet extra, unbabel-comet); "
+                        "segment scores go to PREFIX.seg.comet")
+    p.add_argument("--raw-src", help="untokenized sources for COMET (default: generate's S lines, detokenized)")
+    p.add_argument("--source-lang", help="language of the sources (detokenizer rules for COMET's sources)")
+    p.add_argument("--comet-batch-size", type=int, default=16)
+    p.add_argument("--comet-gpus", type=int, help="GPUs for COMET (default: 1 if CUDA is available, else 0)")
     args = p.parse_args(argv)
 
     gen = parse_generate(args.generate_output)
@@ -254,6 +284,30 @@ def main(argv=None) -> int:
             entry.update(hyp=os.path.basename(f"{args.out_prefix}.hyp.{text}"),
                          ref=os.path.basename(f"{args.out_prefix}.ref.{text}"))
         report["metrics"][name] = entry
+    if args.comet_model:
+        if args.raw_src:
+            with open(args.raw_src, encoding="utf-8") as f:
+                raw_src = [line.rstrip("\n") for line in f]
+            sources = [raw_src[i] if i < len(raw_src) else "" for i in ids]
+        else:
+            sources = detokenize([gen["S"].get(i, "") for i in ids], args.source_lang or "en")
+        comet_hyps, comet_refs = texts["sacrebleu"] if raw is not None else texts["tok"]
+        print(f"ea-fairseq-bleu: COMET ({args.comet_model}) on {len(ids)} sentences ...", file=sys.stderr)
+        segments = comet_scores(args.comet_model, sources, comet_hyps, comet_refs,
+                                args.comet_batch_size, args.comet_gpus)
+        score = float(np.mean(segments))
+        label = f"COMET ({os.path.basename(os.path.normpath(args.comet_model))}, mean of segment scores)"
+        results.append(f"{label}{coverage}: {score:.4f}")
+        report["metrics"]["comet"] = {"label": label, "score": score, "model": os.path.abspath(args.comet_model)}
+        if args.out_prefix:
+            _write(f"{args.out_prefix}.seg.comet", [repr(x) for x in segments])
+            report["metrics"]["comet"]["segments"] = os.path.basename(f"{args.out_prefix}.seg.comet")
+    else:
+        import importlib.util
+
+        installed = importlib.util.find_spec("comet") is not None
+        results.append("COMET: not scored (give --comet-model PATH)" if installed
+                       else f"COMET: not scored ({COMET_HOW})")
     if args.out_prefix:
         with open(f"{args.out_prefix}.scores.json", "w", encoding="utf-8") as f:
             json.dump(report, f, indent=1)

@@ -199,9 +199,8 @@ def sacrebleu_tests(metric: str, baseline: List[Run], systems: Dict[str, List[Ru
         for name, runs in systems.items():
             if any(run.texts(metric)[0] == base_hyps for run in runs):
                 worst[name] = 1.0
-    if not signature:
-        m = bleu_script.sacrebleu_metric(metric)
-        signature = m.get_signature().format()
+    if not signature:  # every output identical to the baseline's: no test run
+        signature = baseline[0].report["metrics"][metric]["signature"]
     return worst, signature
 
 
@@ -296,24 +295,27 @@ def main(argv=None) -> int:
                                  for b in segs[names[0]] for s in segs[n])
             title = f"{metric}: mean of the segment scores in {first.prefix}.seg.{metric} (and each run's)"
         thresholds = AGREEMENT.get(AGREEMENT_OF.get(metric, "")) if args.agreement else None
+        small = all(np.abs(x).max() <= 1.5 for x in scores.values())  # e.g. COMET's 0-1 scale
+        digits = 4 if small else 2
         head = ["system", "runs", f"{metric} of each run", "mean ± std", "Δ mean", "p"]
         if thresholds:
             scale = ""
-            if metric in segment and all(np.abs(x).max() <= 1.5 for ss in segs.values() for x in ss):
+            if metric in segment and small:
                 thresholds, scale = (thresholds[0] / 100, thresholds[1] / 100), ", scores on a 0-1 scale"
-            head.append(f"|Δ| vs human agreement 55% / 70% ({AGREEMENT_OF[metric]}: "
+            head.append(f"human agreement of Δ (55% / 70% at {AGREEMENT_OF[metric]} "
                         f"{thresholds[0]:.4g} / {thresholds[1]:.4g}{scale})")
         rows = []
         base_mean = scores[names[0]].mean()
         for n in names:
             s = scores[n]
-            spread = f"{s.mean():.2f} ± {s.std(ddof=1):.2f}" if len(s) > 1 else f"{s.mean():.2f}"
-            row = [n, str(len(s)), " ".join(f"{x:.2f}" for x in s), spread]
+            spread = (f"{s.mean():.{digits}f} ± {s.std(ddof=1):.{digits}f}" if len(s) > 1
+                      else f"{s.mean():.{digits}f}")
+            row = [n, str(len(s)), " ".join(f"{x:.{digits}f}" for x in s), spread]
             if n == names[0]:
                 row += ["–", "–"] + (["–"] if thresholds else [])
             else:
                 diff = s.mean() - base_mean
-                row += [f"{diff:+.2f}", f"{pvalues[n]:.4f}"]
+                row += [f"{diff:+.{digits}f}", f"{pvalues[n]:.4f}"]
                 if thresholds:
                     row.append("below 55%" if abs(diff) < thresholds[0] else
                                "55% to 70%" if abs(diff) < thresholds[1] else "70% or more")
