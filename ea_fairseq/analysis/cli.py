@@ -1,4 +1,4 @@
-"""``ea-fairseq-analysis {dump,metrics,plot,flops} ...`` (also ``python -m ea_fairseq.analysis``; see docs/analysis.md)."""
+"""``ea-fairseq-analysis {dump,metrics,plot,flops} ...``; ``plot curves`` draws learning curves from fairseq-train logs (also ``python -m ea_fairseq.analysis``; see docs/analysis.md)."""
 import argparse
 import json
 import logging
@@ -165,6 +165,25 @@ def cmd_plot(args) -> int:
                                                    args.layers, args.heads))
     elif args.what == "entropy":
         written.append(plots.plot_entropy(_read_metrics(args.metrics), args.out, args.metric))
+    elif args.what == "curves":
+        from .curves import has_curves, parse_log
+
+        runs = {}
+        for path in args.logs:
+            if not os.path.isfile(path):
+                raise SystemExit(f"ea-fairseq-analysis plot curves: {path}: no such file")
+            records = parse_log(path)
+            if not has_curves(records):
+                raise SystemExit(f"ea-fairseq-analysis plot curves: no training statistics in {path} "
+                                 "(a fairseq-train log, --log-format json or simple; train.sh writes "
+                                 "SAVE_DIR/train.log)")
+            name = os.path.basename(os.path.dirname(os.path.abspath(path))) or path
+            runs[name if name not in runs else path] = records
+        if args.names:
+            if len(args.names) != len(args.logs):
+                raise SystemExit("--names needs one name per log")
+            runs = dict(zip(args.names, runs.values()))
+        written.append(plots.plot_curves(runs, args.out))
     elif args.what == "js":
         results = _read_metrics(args.metrics)
         if args.attention:
@@ -270,6 +289,12 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("metrics", nargs="+")
     q.add_argument("--metric", default="entropy", choices=("entropy", "div", "disagreement"))
     q.add_argument("--out", required=True)
+    q.set_defaults(func=cmd_plot)
+    q = plot.add_parser("curves", help="learning curves (train/valid loss, valid BLEU if logged) "
+                                       "from fairseq-train logs")
+    q.add_argument("logs", nargs="+", metavar="LOG", help="fairseq-train logs (e.g. SAVE_DIR/train.log)")
+    q.add_argument("--names", nargs="+", help="run names for the legend (default: each log's directory)")
+    q.add_argument("--out", "-o", required=True, help="output PNG")
     q.set_defaults(func=cmd_plot)
     q = plot.add_parser("js", help="JS-divergence matrices (metrics JSON files)")
     q.add_argument("metrics", nargs="+")

@@ -5,6 +5,7 @@
 * :func:`plot_kinds` -- one head, the weights beside the mechanism's maps (EA Fig. 11).
 * :func:`plot_entropy` -- entropy per layer of several models on one figure.
 * :func:`plot_js` -- the layer-by-layer Jensen-Shannon divergence matrices.
+* :func:`plot_curves` -- learning curves of fairseq-train runs (:mod:`.curves`).
 """
 import math
 import os
@@ -163,4 +164,50 @@ def plot_js(results: Mapping[str, Mapping[str, dict]], out: str = "js.png") -> s
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     fig.colorbar(im, ax=axes, shrink=0.8, label="JS divergence (nats)")
+    return _save(fig, out)
+
+
+def plot_curves(runs: Mapping[str, Mapping[str, List[dict]]], out: str = "curves.png") -> str:
+    """``runs``: ``{name: curves.parse_log(log)}``. Left: training loss per logging interval
+    (line) and per epoch (circles), validation loss (squares), against updates; right, when a
+    run logged it (``--eval-bleu``): validation BLEU."""
+    with_bleu = any("bleu" in r for rec in runs.values() for tag, rs in rec.items()
+                    if tag not in ("train", "train_inner") for r in rs)
+    fig, axes = plt.subplots(1, 2 if with_bleu else 1, squeeze=False, layout="constrained",
+                             figsize=(11 if with_bleu else 6.5, 4.2))
+    loss_ax = axes[0][0]
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for k, (name, records) in enumerate(runs.items()):
+        colour = colours[k % len(colours)]
+
+        def points(tag, key):
+            rs = [r for r in records.get(tag, []) if key in r and "num_updates" in r]
+            return [r["num_updates"] for r in rs], [r[key] for r in rs]
+
+        x, y = points("train_inner", "loss")
+        if x:
+            loss_ax.plot(x, y, color=colour, alpha=0.45, linewidth=1, label=f"{name}: train")
+        x, y = points("train", "loss")
+        if x:
+            loss_ax.plot(x, y, "o", color=colour, markersize=4,
+                         label=f"{name}: train, per epoch")
+        for tag in records:
+            if tag in ("train", "train_inner"):
+                continue
+            x, y = points(tag, "loss")
+            if x:
+                loss_ax.plot(x, y, "s--", color=colour, markersize=4, label=f"{name}: {tag}")
+            x, y = points(tag, "bleu")
+            if x and with_bleu:
+                axes[0][1].plot(x, y, "s-", color=colour, markersize=4, label=f"{name}: {tag}")
+    loss_ax.set_xlabel("updates")
+    loss_ax.set_ylabel("loss (base 2)")
+    loss_ax.grid(alpha=0.3)
+    loss_ax.legend(fontsize=7)
+    if with_bleu:
+        ax = axes[0][1]
+        ax.set_xlabel("updates")
+        ax.set_ylabel("validation BLEU (--eval-bleu)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
     return _save(fig, out)
