@@ -214,6 +214,55 @@ def test_plots_entropy_and_js_are_png(tmp_path):
     assert_png(plots.plot_js(results, str(tmp_path / "js.png")))
 
 
+def test_plot_colour_scales_fit_the_data(tmp_path, monkeypatch):
+    """Weights on a scale from 0 to the largest weight shown (square root: a near-uniform
+    head is a mid tone, not dark); the kinds figure's colour bars are readable; the entropy
+    axis shows plain values (no offset such as "+2")."""
+    from ea_fairseq.analysis import plots
+
+    figures = []
+    monkeypatch.setattr(plots, "_save", lambda fig, out: figures.append(fig) or out)
+    keys = 7
+    weights = np.full((2, 3, 5, keys), 1.0 / keys, dtype=np.float32)
+    weights[:, 0] = np.eye(5, keys) * 0.5 + 0.5 / keys  # peaked head: largest weight 0.57
+    norm = plots._norm(weights, probabilities=True)
+    assert norm.vmin == 0 and norm.vmax == pytest.approx(0.5 + 0.5 / keys)
+    assert 0.4 < norm(1.0 / keys) < 0.6  # uniform head: mid tone (a fixed 0-1 scale gives 0.14)
+    signed = plots._norm(np.array([-3.0, 0.5, np.nan]), probabilities=False)
+    assert (signed.vmin, signed.vmax) == (-3.0, 3.0)
+
+    class Dump:
+        sentences = {0: type("S", (), {"kinds": {"encoder.self": ["weights", "logits"]}})()}
+
+        def get(self, sid, attention, kind):
+            return weights if kind == "weights" else np.log(weights) * 40
+
+        def axis_tokens(self, sid, attention):
+            return [f"t{i}" for i in range(5)], [f"s{i}" for i in range(keys)]
+
+    plots.plot_maps(Dump(), 0, "encoder.self", out=str(tmp_path / "m.png"))
+    plots.plot_maps(Dump(), 0, "encoder.self", out=str(tmp_path / "p.png"), scale="panel")
+    plots.plot_kinds(Dump(), 0, "encoder.self", out=str(tmp_path / "k.png"))
+    maps, panels, kinds = figures
+    assert len(maps.axes) == 2 * 3 + 1 and len(panels.axes) == 2 * 3 * 2  # one bar, or one per panel
+    images = [ax.images[0] for ax in maps.axes if ax.images]
+    assert all(im.norm is images[0].norm and im.norm.vmax == pytest.approx(0.5 + 0.5 / keys) for im in images)
+    kinds.canvas.draw()
+    bars = [ax for ax in kinds.axes if not ax.images]
+    assert len(bars) == 2
+    for bar in bars:
+        box = bar.get_window_extent().transformed(kinds.dpi_scale_trans.inverted())
+        assert box.width > 1.2 and box.height > 0.1  # inches
+        assert len([t for t in bar.get_xticklabels() if t.get_text()]) >= 3
+    metrics = {"layers": 3, "entropy": [2.00001, 2.00002, 2.00004], "div": [0.1] * 3,
+               "disagreement": [0.5] * 3, "js": [[0.0] * 3] * 3, "js_mode": "mean"}
+    plots.plot_entropy({"a": {"encoder.self": metrics}}, str(tmp_path / "e.png"))
+    entropy = figures[-1]
+    entropy.canvas.draw()
+    assert entropy.axes[0].yaxis.get_major_formatter().get_offset() == ""
+    assert any(t.get_text().startswith("2.0000") for t in entropy.axes[0].get_yticklabels())
+
+
 # -- command line, end to end --------------------------------------------------------------------
 def run(cmd, env=None):
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)

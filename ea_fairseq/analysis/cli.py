@@ -162,7 +162,7 @@ def cmd_plot(args) -> int:
                         continue
                     out = os.path.join(args.out_dir, f"s{sid}_{attention}_{kind}.png")
                     written.append(plots.plot_maps(dump, sid, attention, kind, out,
-                                                   args.layers, args.heads))
+                                                   args.layers, args.heads, args.scale))
     elif args.what == "entropy":
         written.append(plots.plot_entropy(_read_metrics(args.metrics), args.out, args.metric))
     elif args.what == "curves":
@@ -278,6 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
             q.add_argument("--kind", nargs="+", default=["weights"],
                            help="weights (default), a mechanism's maps (dot_product, convolution, "
                                 "logits, prediction, recurrent ...) or all")
+            q.add_argument("--scale", choices=("figure", "panel"), default="figure",
+                           help="one colour scale fitted to every panel (figure, default) or one per "
+                                "panel (panel); weights on a square-root scale from 0 to the largest shown")
         else:
             q.add_argument("--kind", nargs="+", help="kinds to show (default: all in the dump)")
         q.add_argument("--layers", type=int, nargs="+", help="1-based layers (default all)")

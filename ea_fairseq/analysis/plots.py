@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, List, Mapping, Optional, Sequence
 import matplotlib
 
 matplotlib.use("Agg")
+import matplotlib.colors  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 import numpy as np  # noqa: E402
@@ -31,11 +32,22 @@ def _save(fig, out: str) -> str:
     return out
 
 
-def _heatmap(ax, m, rows_tok, cols_tok, probabilities: bool, lim: float):
+def _norm(values: np.ndarray, probabilities: bool):
+    """Colour scale fitted to ``values``. Attention weights: 0 to the largest weight shown, on
+    a square-root scale, so that a near-uniform head (every weight about 1/keys) is a mid tone
+    and the structure of peaked heads stays visible. Signed maps (logits, convolution terms):
+    symmetric around 0 up to the largest magnitude shown."""
+    finite = np.abs(values[np.isfinite(values)])
+    top = float(finite.max()) if finite.size else 0.0
+    top = top or 1.0
     if probabilities:
-        im = ax.imshow(m, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
-    else:  # logits / convolution terms: signed, one symmetric scale per figure
-        im = ax.imshow(m, cmap="RdBu_r", vmin=-lim, vmax=lim, aspect="auto")
+        return matplotlib.colors.PowerNorm(gamma=0.5, vmin=0.0, vmax=top)
+    return matplotlib.colors.Normalize(vmin=-top, vmax=top)
+
+
+def _heatmap(ax, m, rows_tok, cols_tok, norm):
+    cmap = "viridis" if isinstance(norm, matplotlib.colors.PowerNorm) else "RdBu_r"
+    im = ax.imshow(m, cmap=cmap, norm=norm, aspect="auto")
     n_rows, n_cols = m.shape
     ax.set_xticks(range(n_cols))
     ax.set_yticks(range(n_rows))
@@ -43,6 +55,33 @@ def _heatmap(ax, m, rows_tok, cols_tok, probabilities: bool, lim: float):
                        rotation=90, fontsize=6)
     ax.set_yticklabels(rows_tok if len(rows_tok) == n_rows else range(1, n_rows + 1), fontsize=6)
     return im
+
+
+def _colorbar(fig, im, ax, label: str = "", **kwargs):
+    bar = fig.colorbar(im, ax=ax, **kwargs)
+    bar.ax.tick_params(labelsize=8)
+    axis = bar.ax.xaxis if kwargs.get("location") == "bottom" else bar.ax.yaxis
+    if isinstance(im.norm, matplotlib.colors.PowerNorm):  # ticks evenly spaced on the bar
+        axis.set_major_locator(matplotlib.ticker.FixedLocator(
+            [_round_down(im.norm.vmax * (k / 3) ** 2) for k in range(4)]))
+        axis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:.2g}"))
+    else:
+        axis.set_major_locator(matplotlib.ticker.MaxNLocator(4))
+    if label:
+        bar.set_label(label, fontsize=8)
+    return bar
+
+
+def _round_down(v: float) -> float:
+    """``v`` rounded down to two significant digits (a tick inside the colour bar)."""
+    if v <= 0:
+        return 0.0
+    scale = 10 ** (1 - math.floor(math.log10(v)))
+    return math.floor(v * scale) / scale
+
+
+def _label(kind: str) -> str:
+    return "weight (square-root colour scale)" if kind == "weights" else kind
 
 
 def _figure(n_rows: int, n_cols: int, shape):
@@ -53,26 +92,35 @@ def _figure(n_rows: int, n_cols: int, shape):
 
 def plot_maps(dump: "AttentionDump", sid: int, attention: str, kind: str = "weights",
               out: str = "maps.png", layers: Optional[Sequence[int]] = None,
-              heads: Optional[Sequence[int]] = None) -> str:
-    """Grid of heatmaps (rows: layers, columns: heads); ``layers``/``heads`` are 1-based."""
+              heads: Optional[Sequence[int]] = None, scale: str = "figure") -> str:
+    """Grid of heatmaps (rows: layers, columns: heads); ``layers``/``heads`` are 1-based.
+    ``scale``: one colour scale fitted to every panel shown (``figure``) or each panel fitted
+    to its own values, with its own colour bar (``panel``)."""
+    if scale not in ("figure", "panel"):
+        raise ValueError(f"scale is 'figure' or 'panel', not {scale!r}")
     maps = dump.get(sid, attention, kind)  # (L, H, T, S)
     rows_tok, cols_tok = dump.axis_tokens(sid, attention)
     layers = list(layers) if layers else list(range(1, maps.shape[0] + 1))
     heads = list(heads) if heads else list(range(1, maps.shape[1] + 1))
     probabilities = kind == "weights"
-    shown = np.abs(maps[[l - 1 for l in layers]][:, [h - 1 for h in heads]])
-    lim = (float(np.nanmax(shown)) if np.isfinite(shown).any() else 0.0) or 1.0
+    shown = maps[[l - 1 for l in layers]][:, [h - 1 for h in heads]]
+    norm = _norm(shown, probabilities)
     fig, axes = _figure(len(layers), len(heads), maps.shape[2:])
     for r, layer in enumerate(layers):
         for c, head in enumerate(heads):
             ax = axes[r][c]
-            im = _heatmap(ax, maps[layer - 1, head - 1], rows_tok, cols_tok, probabilities, lim)
+            m = maps[layer - 1, head - 1]
+            im = _heatmap(ax, m, rows_tok, cols_tok, norm if scale == "figure" else _norm(m, probabilities))
+            if scale == "panel":
+                _colorbar(fig, im, ax, shrink=0.9, pad=0.02)
             if r == 0:
                 ax.set_title(f"head {head}", fontsize=8)
             if c == 0:
                 ax.set_ylabel(f"layer {layer}", fontsize=8)
-    fig.colorbar(im, ax=axes, shrink=0.8, label="weight" if probabilities else kind)
-    fig.suptitle(f"sentence {sid}: {attention} {kind}", fontsize=10)
+    if scale == "figure":
+        _colorbar(fig, im, axes, _label(kind), shrink=0.8)
+    fig.suptitle(f"sentence {sid}: {attention} {_label(kind) if scale == 'panel' else kind}"
+                 f"{', each panel on its own scale' if scale == 'panel' else ''}", fontsize=10)
     return _save(fig, out)
 
 
@@ -81,31 +129,31 @@ def plot_kinds(dump: "AttentionDump", sid: int, attention: str, head: int = 1,
                layers: Optional[Sequence[int]] = None) -> str:
     """EA Fig. 11 layout for one head: per layer, the attention weights beside the maps
     the mechanism reported (EA: ``logits`` = β·conv + (1-β)·input, ``convolution``,
-    ``dot_product``). Every signed map of a column shares one colour scale."""
+    ``dot_product``). Each column has one colour scale fitted to its values, with its colour
+    bar below it."""
     available = dump.sentences[sid].kinds[attention]
     kinds = [k for k in (kinds or available) if k in available]
     if not kinds:
         raise ValueError(f"none of the kinds is in the dump; {attention} has {available}")
     stacks = {k: dump.get(sid, attention, k) for k in kinds}
     stacks = {k: a for k, a in stacks.items() if a.ndim == 4}  # stacked (layers, heads, T, S)
+    kinds = list(stacks)
     n_layers = next(iter(stacks.values())).shape[0]
     layers = list(layers) if layers else list(range(1, n_layers + 1))
     rows_tok, cols_tok = dump.axis_tokens(sid, attention)
     fig, axes = _figure(len(layers), len(kinds), next(iter(stacks.values())).shape[2:])
     for c, kind in enumerate(kinds):
         m = stacks[kind][[l - 1 for l in layers], head - 1]
-        lim = float(np.nanmax(np.abs(m))) if np.isfinite(m).any() else 1.0
-        lim = lim or 1.0
+        norm = _norm(m, kind == "weights")
         for r, layer in enumerate(layers):
             ax = axes[r][c]
-            im = _heatmap(ax, m[r], rows_tok, cols_tok, kind == "weights", lim)
+            im = _heatmap(ax, m[r], rows_tok, cols_tok, norm)
             if r == 0:
-                ax.set_title(kind, fontsize=8)
+                ax.set_title(kind, fontsize=9)
             if c == 0:
                 ax.set_ylabel(f"layer {layer}", fontsize=8)
-        bar = fig.colorbar(im, ax=axes[:, c], shrink=0.6, location="bottom")
-        bar.ax.tick_params(labelsize=7)
-        bar.ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(3))
+        _colorbar(fig, im, axes[:, c], "weight (square-root scale)" if kind == "weights" else kind,
+                  location="bottom", shrink=0.95, aspect=12, pad=0.02)
     fig.suptitle(f"sentence {sid}: {attention}, head {head}", fontsize=10)
     return _save(fig, out)
 
@@ -133,6 +181,7 @@ def plot_entropy(results: Mapping[str, Mapping[str, dict]], out: str = "entropy.
         ax.set_xlabel("layer")
         ax.set_ylabel(f"{metric} (nats)" if metric == "entropy" else metric)
         ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.ticklabel_format(axis="y", useOffset=False, style="plain")
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=8)
     return _save(fig, out)
