@@ -1,8 +1,9 @@
-"""Score a fairseq-generate output file; every number printed says which BLEU it is.
+"""Score a fairseq-generate output file; every number printed says which BLEU (or chrF,
+COMET) it is.
 
   ea-fairseq-bleu GENERATE_OUTPUT --mode {iwslt,wmt14-en-de,wmt} \\
       [--target-lang de] [--raw-ref test.raw.en-de.de] [--expect-idx test.en-de.en.idx]
-      [--allow-missing] [--out-prefix PREFIX]
+      [--allow-missing] [--out-prefix PREFIX] [--comet-model PATH [--raw-src FILE]]
 
 BLEU variants (they are not comparable with each other):
 
@@ -26,7 +27,14 @@ BLEU variants (they are not comparable with each other):
   sacremoses' MosesDetokenizer, scored against the untokenized references (``--raw-ref``)
   with sacrebleu's default settings; its signature is printed.
 
-With ``--out-prefix`` the hypotheses and references each BLEU was computed on are written
+In every mode also **chrF** and **chrF++** (sacreBLEU's ``CHRF``, defaults: character 6-grams,
+beta 2; chrF++ adds word bigrams), with their signatures, on the detokenized hypotheses and
+raw references where the mode has them (wmt14-en-de, wmt), else on generate's tokenized H/T
+lines (iwslt). **COMET** when ``--comet-model`` names a checkpoint and unbabel-comet is
+installed (``pip install 'ea_fairseq[comet]'``): the mean of its segment scores, which go to
+``PREFIX.seg.comet``; otherwise one line says how to get it.
+
+With ``--out-prefix`` the hypotheses and references each metric was computed on are written
 as ``PREFIX.hyp.NAME`` / ``PREFIX.ref.NAME`` and the scores as ``PREFIX.scores.json``,
 which ``ea-fairseq-compare`` reads (mean and deviation over seeds, paired
 bootstrap between systems).

@@ -11,7 +11,9 @@
 #                (sacremoses-detokenized hypotheses vs the raw references, with signature).
 #   wmt          other WMT pairs (En-Fr, WMT'17): tokenized BLEU without compound split and
 #                detokenized sacreBLEU.
-#   fairseq-generate's own BLEU line is reported in every mode, labelled as such.
+#   fairseq-generate's own BLEU line is reported in every mode, labelled as such, and
+#   chrF and chrF++ with their signatures (on the detokenized text where there are raw
+#   references, else on the tokenized one).
 #
 # CHECKPOINT_DIR holds one run, or one run per seed (seed*/, as SEEDS="1 2 3" train.sh
 # makes them): each is scored, then its BLEUs are shown with their mean and deviation
@@ -30,6 +32,8 @@
 #   --subset NAME          split to translate [test]
 #   --raw-ref FILE         raw references for sacreBLEU [DATA_BIN/test.raw.SRC-TGT.TGT]
 #   --out-dir DIR          generate output and scores [CHECKPOINT_DIR/eval]
+#   --comet-model PATH     also score with this COMET checkpoint (pip install 'ea_fairseq[comet]');
+#                          sources: DATA_BIN/SUBSET.raw.SRC-TGT.SRC if present
 #   --user-dir DIR         plugin [this repository's ea_fairseq]
 #   --max-tokens N [4096]  --cpu
 #   --skip-long            translate the sentences a model accepts and skip longer ones
@@ -54,7 +58,7 @@ all_args=("$@")
 case "$mode" in iwslt|wmt14-en-de|wmt) ;; *) die "MODE must be iwslt, wmt14-en-de or wmt (got '$mode')" ;; esac
 
 num_avg="${NUM_AVG:-10}"; avg_by=epoch; upper=""; checkpoint=""; best=""; skip_long=""
-beam=5; lenpen=1.0; src=""; tgt=""; subset=test; raw_ref=""; out_dir=""
+beam=5; lenpen=1.0; src=""; tgt=""; subset=test; raw_ref=""; out_dir=""; comet_model=""
 user_dir="$repo/ea_fairseq"; max_tokens=4096; cpu=(); extra=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -72,6 +76,7 @@ while [ $# -gt 0 ]; do
     --subset) subset="$2"; shift 2 ;;
     --raw-ref) raw_ref="$2"; shift 2 ;;
     --out-dir) out_dir="$2"; shift 2 ;;
+    --comet-model) comet_model="$2"; shift 2 ;;
     --user-dir) user_dir="$2"; shift 2 ;;
     --max-tokens) max_tokens="$2"; shift 2 ;;
     --cpu) cpu=(--cpu); shift ;;
@@ -163,6 +168,11 @@ if [ "$mode" != iwslt ]; then
   raw_ref="${raw_ref:-$data/$subset.raw.$src-$tgt.$tgt}"
   [ -f "$raw_ref" ] || die "raw references $raw_ref not found (--raw-ref): detokenized sacreBLEU needs them"
   score_opts+=(--raw-ref "$raw_ref")
+fi
+if [ -n "$comet_model" ]; then
+  score_opts+=(--comet-model "$comet_model" --source-lang "$src")
+  raw_src="$data/$subset.raw.$src-$tgt.$src"
+  if [ -f "$raw_src" ]; then score_opts+=(--raw-src "$raw_src"); fi
 fi
 scores="$out_dir/bleu-$subset.$src-$tgt.txt"
 {
