@@ -280,6 +280,7 @@ def main(argv=None) -> int:
     print(f"{args.subset} set, {coverage}; baseline: {names[0]}; p: {test_name} of the test "
           f"sentences (seed {args.seed}), the largest over pairs of runs")
     for metric in sacre + segment:
+        print(f"ea-fairseq-compare: {metric}: {test_name} ...", file=sys.stderr, flush=True)
         if metric in sacre:
             scores = {n: np.array([r.report["metrics"][metric]["score"] for r in rs]) for n, rs in systems.items()}
             pvalues, signature = sacrebleu_tests(metric, baseline, others, args.test, samples)
