@@ -168,8 +168,12 @@ def cmd_plot(args) -> int:
     elif args.what == "curves":
         from .curves import has_curves, parse_log
 
+        dirs = [os.path.basename(os.path.dirname(os.path.abspath(p))) for p in args.logs]
+        names = args.names or (dirs if len(set(dirs)) == len(dirs) else list(args.logs))
+        if len(names) != len(args.logs):
+            raise SystemExit("--names needs one name per log")
         runs = {}
-        for path in args.logs:
+        for name, path in zip(names, args.logs):
             if not os.path.isfile(path):
                 raise SystemExit(f"ea-fairseq-analysis plot curves: {path}: no such file")
             records = parse_log(path)
@@ -177,12 +181,7 @@ def cmd_plot(args) -> int:
                 raise SystemExit(f"ea-fairseq-analysis plot curves: no training statistics in {path} "
                                  "(a fairseq-train log, --log-format json or simple; train.sh writes "
                                  "SAVE_DIR/train.log)")
-            name = os.path.basename(os.path.dirname(os.path.abspath(path))) or path
-            runs[name if name not in runs else path] = records
-        if args.names:
-            if len(args.names) != len(args.logs):
-                raise SystemExit("--names needs one name per log")
-            runs = dict(zip(args.names, runs.values()))
+            runs[name] = records
         written.append(plots.plot_curves(runs, args.out))
     elif args.what == "js":
         results = _read_metrics(args.metrics)
@@ -296,7 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     q = plot.add_parser("curves", help="learning curves (train/valid loss, valid BLEU if logged) "
                                        "from fairseq-train logs")
     q.add_argument("logs", nargs="+", metavar="LOG", help="fairseq-train logs (e.g. SAVE_DIR/train.log)")
-    q.add_argument("--names", nargs="+", help="run names for the legend (default: each log's directory)")
+    q.add_argument("--names", nargs="+", help="run names for the legend (default: each log's directory, "
+                                              "or its path where two share one)")
     q.add_argument("--out", "-o", required=True, help="output PNG")
     q.set_defaults(func=cmd_plot)
     q = plot.add_parser("js", help="JS-divergence matrices (metrics JSON files)")

@@ -249,6 +249,8 @@ def plot_curves(runs: Mapping[str, Mapping[str, List[dict]]], out: str = "curves
             x, y = points(tag, "bleu")
             if x and with_bleu:
                 axes[0][1].plot(x, y, "s-", color=colour, markersize=4, label=f"{name}: {tag}")
+    for ax in axes[0]:
+        ax.xaxis.get_major_locator().set_params(integer=True)
     loss_ax.set_xlabel("updates")
     loss_ax.set_ylabel("loss (base 2)")
     loss_ax.grid(alpha=0.3)
@@ -257,6 +259,7 @@ def plot_curves(runs: Mapping[str, Mapping[str, List[dict]]], out: str = "curves
         ax = axes[0][1]
         ax.set_xlabel("updates")
         ax.set_ylabel("validation BLEU (--eval-bleu)")
+        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     return _save(fig, out)
