@@ -14,8 +14,10 @@ loads into fairseq's ``TransformerModel`` without the plugin.
 """
 from fairseq.models import ARCH_MODEL_REGISTRY
 from fairseq.models.transformer import TransformerModel
+from omegaconf import OmegaConf
 
 from . import attention_variants as variants
+from . import hydra_config
 from .ea_transformer import EATransformerModel
 
 
@@ -31,6 +33,11 @@ class BaselineTransformerModel(EATransformerModel):
 
     @classmethod
     def build_model(cls, args, task):
+        if OmegaConf.is_config(args):  # fairseq-hydra-train, or a checkpoint it wrote
+            cfg, args = args, hydra_config.namespace_from_config(args, cls)
+            model = cls.build_model(args, task)
+            hydra_config.record_options(cfg, args, hydra_config.plugin_option_names(cls))
+            return model
         one_sided = any(getattr(args, name, False) for name in variants.POSITIONAL_EMBEDDING_OPTIONS)
         if getattr(args, "drop_attention", None) in (None, "none"):
             stray = [f"--{name.replace('_', '-')}" for name in variants.DROP_ATTENTION_OPTIONS

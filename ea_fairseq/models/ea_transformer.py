@@ -22,11 +22,13 @@ from fairseq.models.transformer import (
 from fairseq.models.transformer.transformer_legacy import base_architecture
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
+from omegaconf import OmegaConf
 
 from ..modules.attention_maps import AttentionMapCarrier, AttentionMechanism
 from ..modules.recurrent_attention import (RecurrentAttention, RecurrentAttentionMatrices,
                                             mixed_precision_caveats)
 from . import attention_variants as variants
+from . import hydra_config
 from .fairseq_speedups import ListedStateHolders
 from .transformer_lite import transformer_lite
 
@@ -166,6 +168,11 @@ class EATransformerModel(TransformerModel):
 
     @classmethod
     def build_model(cls, args, task):
+        if OmegaConf.is_config(args):  # fairseq-hydra-train, or a checkpoint it wrote
+            cfg, args = args, hydra_config.namespace_from_config(args, cls)
+            model = cls.build_model(args, task)
+            hydra_config.record_options(cfg, args, hydra_config.plugin_option_names(cls))
+            return model
         variants.fill_defaults(args)
         check_options(args)
         lower_max_positions(args)

@@ -1,0 +1,205 @@
+"""fairseq-hydra-train builds the model fairseq-train builds, for every recipe config
+(examples/translation/config), and refuses a model configuration it cannot read."""
+import os
+import re
+import subprocess
+from types import SimpleNamespace
+
+import pytest
+import torch
+from fairseq import checkpoint_utils, models
+from fairseq.data import Dictionary
+from fairseq.dataclass.initialize import add_defaults, hydra_init
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from conftest import REPO, cli, make_dictionary
+from ea_fairseq.models import building
+from ea_fairseq.modules import EvolvingAttention, RecurrentAttention
+
+# fairseq-hydra-train validates a config against the schema fairseq stores under the config's
+# name, a composition hydra deprecates (with a warning at every composition)
+pytestmark = pytest.mark.filterwarnings(r"ignore:\s*'[^']*' is validated against ConfigStore schema:UserWarning")
+
+CONFIG_DIR = os.path.join(REPO, "examples", "translation", "config")
+
+# each recipe config: the fairseq-train --arch and model options of the same paper setting
+# (examples/translation/train.sh FAMILY PAIR prints them with DRY_RUN=1)
+EQUIVALENT = {
+    "transformer_lite_iwslt14": ("transformer_lite", "--share-all-embeddings --dropout 0.2"),
+    "ea_transformer_lite_iwslt14": ("ea_transformer_lite",
+                                    "--share-all-embeddings --dropout 0.2 --ea-alpha 0.1 --ea-beta 0.1"),
+    "transformer_lite_pa_iwslt14": ("transformer_lite", "--share-all-embeddings --dropout 0.2"),
+    "pa_transformer_lite_iwslt14": ("pa_transformer_lite", "--share-all-embeddings --dropout 0.2 --pa-alpha 0.1"),
+    "transformer_base_wmt14_en_de": ("transformer", "--share-all-embeddings --dropout 0.3"),
+    "ea_transformer_base_wmt14_en_de": ("ea_transformer_base",
+                                        "--share-all-embeddings --dropout 0.3 --ea-alpha 0.5 --ea-beta 0.1"),
+    "transformer_ran_wmt14_en_de": ("transformer", "--share-all-embeddings --dropout 0.1 --attention-dropout 0.0"),
+    "ran_e_wmt14_en_de": ("ran_e", "--share-all-embeddings --dropout 0.1 --attention-dropout 0.2"),
+    "ran_d_wmt14_en_de": ("ran_d", "--share-all-embeddings --dropout 0.1 --attention-dropout 0.2"),
+    "ran_all_wmt14_en_de": ("ran_all", "--share-all-embeddings --dropout 0.1 --attention-dropout 0.2"),
+    "transformer_dropattn_wmt14_en_de": ("transformer", "--share-all-embeddings --dropout 0.1"),
+    "dropattn_wmt14_en_de": ("transformer", "--share-all-embeddings --dropout 0.1 --drop-attention element "
+                                            "--drop-attention-p 0.2 --drop-attention-window 2"),
+}
+
+
+def hydra_config(name: str, *overrides: str):
+    """``cfg`` as fairseq-hydra-train composes it (``--config-dir examples/translation/config
+    --config-name name overrides...``) and hands it to fairseq's training."""
+    hydra_init(name)
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        cfg = compose(config_name=name, overrides=list(overrides))
+    add_defaults(cfg)
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+    OmegaConf.set_struct(cfg, True)
+    return cfg
+
+
+def hydra_model(name: str, *overrides: str, meta: bool = False, seed: int = 1):
+    """The model fairseq's training builds from that configuration (``models.build_model``)."""
+    cfg = hydra_config(name, *overrides)
+    d = make_dictionary()
+    torch.manual_seed(seed)
+    with torch.device("meta") if meta else torch.device("cpu"):
+        return models.build_model(cfg.model, SimpleNamespace(source_dictionary=d, target_dictionary=d)), cfg
+
+
+def train_model(arch: str, options: str, meta: bool = False, seed: int = 1):
+    """The model fairseq-train builds for ``--arch arch options``."""
+    return building.build_model(arch, *options.split(), dictionary=make_dictionary(), seed=seed, meta=meta)[0]
+
+
+def signature(model):
+    """Every module's name, class and scalar settings (α, β, dropout p, ...), and every
+    parameter's and buffer's name and shape."""
+    modules = [(name, type(m).__name__,
+                {k: v for k, v in vars(m).items() if not k.startswith("_") and isinstance(v, (bool, int, float, str))})
+               for name, m in model.named_modules()]
+    return modules, [(k, tuple(v.shape)) for k, v in model.state_dict().items()]
+
+
+def attention_classes(model):
+    return {role: {type(getattr(layer, attr)).__name__ for layer in stack.layers}
+            for role, stack, attr in (("encoder", model.encoder, "self_attn"),
+                                      ("decoder", model.decoder, "self_attn"),
+                                      ("cross", model.decoder, "encoder_attn"))}
+
+
+def n_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_every_recipe_config_has_its_fairseq_train_equivalent():
+    names = sorted(f[:-len(".yaml")] for f in os.listdir(CONFIG_DIR) if f.endswith(".yaml"))
+    assert names == sorted(EQUIVALENT)
+
+
+@pytest.mark.parametrize("name", sorted(EQUIVALENT))
+def test_hydra_builds_the_model_fairseq_train_builds(name):
+    """Same classes, settings, parameter names and shapes; the Lite models (built for real)
+    also the same initial weights under the same seed."""
+    arch, options = EQUIVALENT[name]
+    meta = "lite" not in arch
+    hydra, cfg = hydra_model(name, meta=meta)
+    train = train_model(arch, options, meta=meta)
+    assert cfg.model._name == arch
+    assert type(hydra) is type(train)
+    assert signature(hydra) == signature(train)
+    assert n_params(hydra) == n_params(train)
+    if not meta:
+        for (k, a), b in zip(hydra.state_dict().items(), train.state_dict().values()):
+            assert torch.equal(a, b), k
+
+
+def test_each_family_builds_its_attention_through_hydra():
+    expected = {
+        "transformer_lite_iwslt14": ("MultiheadAttention", "MultiheadAttention", "MultiheadAttention"),
+        "ea_transformer_lite_iwslt14": ("EvolvingAttention", "EvolvingAttention", "EvolvingAttention"),
+        "pa_transformer_lite_iwslt14": ("PredictiveAttention", "MultiheadAttention", "MultiheadAttention"),
+        "ran_e_wmt14_en_de": ("RecurrentAttention", "MultiheadAttention", "MultiheadAttention"),
+        "ran_d_wmt14_en_de": ("MultiheadAttention", "RecurrentAttention", "MultiheadAttention"),
+        "ran_all_wmt14_en_de": ("RecurrentAttention", "RecurrentAttention", "MultiheadAttention"),
+        "dropattn_wmt14_en_de": ("LogitMapAttention", "LogitMapAttention", "LogitMapAttention"),
+    }
+    for name, (encoder, decoder, cross) in expected.items():
+        model, _ = hydra_model(name, meta=True)
+        assert attention_classes(model) == {"encoder": {encoder}, "decoder": {decoder}, "cross": {cross}}, name
+    model, _ = hydra_model("dropattn_wmt14_en_de", meta=True)
+    drops = {repr(m.weight_dropout) for m in model.modules() if hasattr(m, "weight_dropout")}
+    assert drops == {"DropAttention(mode=element, p=0.2, window=2, rescale=normalized)"}
+
+
+def test_overrides_on_the_command_line_change_the_model():
+    # a vanilla-encoder config gets an EA encoder, as --encoder-attention ea would give it
+    # (options the config lists are overridden as they are, others added with '+')
+    hydra, _ = hydra_model("ran_d_wmt14_en_de", "model._name=ran_d_lite", "model.encoder_attention=ea",
+                           "+model.ea_alpha=0.3", "+model.ea_beta=0.1")
+    train = train_model("ran_d_lite", "--share-all-embeddings --dropout 0.1 --attention-dropout 0.2 "
+                        "--encoder-attention ea --ea-alpha 0.3 --ea-beta 0.1")
+    assert attention_classes(hydra)["encoder"] == {"EvolvingAttention"}
+    assert {m.alpha for m in hydra.encoder.modules() if isinstance(m, EvolvingAttention)} == {0.3}
+    assert signature(hydra) == signature(train)
+    # and an option the config lists, overridden
+    vanilla, _ = hydra_model("ea_transformer_lite_iwslt14", "model.encoder_attention=vanilla")
+    ea, _ = hydra_model("ea_transformer_lite_iwslt14")
+    assert attention_classes(vanilla)["encoder"] == {"MultiheadAttention"}
+    assert n_params(vanilla) < n_params(ea)
+    assert signature(vanilla) == signature(train_model(
+        "ea_transformer_lite", "--share-all-embeddings --dropout 0.2 --ea-alpha 0.1 --ea-beta 0.1 "
+        "--encoder-attention vanilla"))
+
+
+@pytest.mark.parametrize("name, overrides, message", [
+    ("ea_transformer_lite_iwslt14", ["+model.ea_alpah=0.3"],
+     r"model\.ea_alpah: not an option of --arch ea_transformer_lite \(did you mean model\.ea_alpha\?\)"),
+    ("ea_transformer_lite_iwslt14", ["model.ea_alpha=abc"], r"argument --ea-alpha: invalid float value: 'abc'"),
+    ("ea_transformer_lite_iwslt14", ["model.cross_attention=ran"],
+     r"argument --cross-attention: invalid choice: 'ran' \(choose from 'vanilla', 'ea'\)"),
+    ("ea_transformer_lite_iwslt14", ["+model.ran_max_positions=0"], r"argument --ran-max-positions: must be at least 1"),
+    ("ea_transformer_lite_iwslt14", ["+model.ea_no_encoder_conv=maybe"], r"model\.ea_no_encoder_conv: 'maybe': a flag takes true or false"),
+    ("transformer_lite_iwslt14", ["+model.encoder_attention=ea"],
+     r"model\.encoder_attention: not an option of --arch transformer_lite.*option of the plugin's own archs"),
+    ("transformer_lite_iwslt14", ["+model.encoder.embed_dim=64"], r"model\.encoder: fairseq's legacy transformer reads flat options"),
+    ("transformer_base_wmt14_en_de", ["+model.drop_attention_p=0.3"], r"--drop-attention-p given without --drop-attention"),
+])
+def test_a_config_the_model_cannot_read_is_refused(name, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        hydra_model(name, *overrides, meta=True)
+
+
+def test_fairseq_hydra_train_trains_and_its_checkpoint_reloads(tiny_data_bin, tmp_path):
+    """A real ``fairseq-hydra-train`` run of a recipe config (2 updates on tiny data): the model
+    it trains is fairseq-train's, and its checkpoint rebuilds the same model with the options
+    it was trained with (also through fairseq-generate)."""
+    save = tmp_path / "ckpt"
+    proc = subprocess.run(
+        [cli("fairseq-hydra-train"), "--config-dir", CONFIG_DIR, "--config-name", "ea_transformer_lite_iwslt14",
+         f"task.data={tiny_data_bin}", "task.source_lang=src", "task.target_lang=tgt",
+         f"common.user_dir={os.path.join(REPO, 'ea_fairseq')}", "common.fp16=false", "common.cpu=true",
+         "optimization.max_update=2", "dataset.max_tokens=1024", f"checkpoint.save_dir={save}",
+         "checkpoint.patience=-1", "model.ea_alpha=0.3", "+model.encoder_layers=3"],
+        cwd=tmp_path, capture_output=True, text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    logged = int(re.search(r"num\. shared model params: ([\d,]+)", proc.stderr + proc.stdout).group(1).replace(",", ""))
+    dictionary = Dictionary.load(os.path.join(tiny_data_bin, "dict.src.txt"))
+    train = building.build_model("ea_transformer_lite", "--share-all-embeddings", "--dropout", "0.2", "--ea-alpha", "0.3",
+                                 "--encoder-layers", "3", dictionary=dictionary)[0]
+    assert logged == n_params(train)
+    assert (save / "hydra_train.log").exists() and not (tmp_path / "outputs").exists()
+
+    (model,), saved = checkpoint_utils.load_model_ensemble([str(save / "checkpoint_last.pt")])
+    assert saved.model.encoder_attention == "ea" and saved.model.ea_alpha == 0.3 and saved.model.ea_beta == 0.1
+    assert signature(model) == signature(train)
+    assert {m.alpha for m in model.encoder.modules() if isinstance(m, EvolvingAttention)} == {0.3}
+    assert not any(isinstance(m, RecurrentAttention) for m in model.modules())
+
+    gen = subprocess.run(
+        [cli("fairseq-generate"), tiny_data_bin, "--user-dir", os.path.join(REPO, "ea_fairseq"),
+         "--path", str(save / "checkpoint_last.pt"), "--gen-subset", "valid", "--beam", "2",
+         "--max-len-b", "5", "--required-batch-size-multiple", "1", "--cpu"],
+        cwd=tmp_path, capture_output=True, text=True,
+    )
+    assert gen.returncode == 0, gen.stderr[-3000:]
+    assert len(re.findall(r"^H-\d+", gen.stdout, re.M)) == 40
