@@ -52,8 +52,17 @@ def _flag(name: str) -> str:
 
 
 def _model_args(state: dict, path: str) -> argparse.Namespace:
+    from fairseq.models import ARCH_MODEL_REGISTRY
+
     cfg = state.get("cfg")
     args = cfg.get("model") if isinstance(cfg, dict) else state.get("args")
+    if isinstance(args, dict) and args.get("_name") in ARCH_MODEL_REGISTRY:  # fairseq-hydra-train's
+        from .models.hydra_config import namespace_from_config
+
+        try:
+            args = namespace_from_config(args, ARCH_MODEL_REGISTRY[args["_name"]])
+        except ValueError as err:
+            raise WarmStartError(f"{path}: {err}") from None
     if not isinstance(args, argparse.Namespace) or not getattr(args, "arch", None):
         raise WarmStartError(f"{path}: no model options (an argparse Namespace with an arch) in the "
                              "checkpoint: not a checkpoint of fairseq's transformer")

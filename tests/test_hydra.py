@@ -26,11 +26,11 @@ CONFIG_DIR = os.path.join(REPO, "examples", "translation", "config")
 # each recipe config: the fairseq-train --arch and model options of the same paper setting
 # (examples/translation/train.sh FAMILY PAIR prints them with DRY_RUN=1)
 EQUIVALENT = {
-    "transformer_lite_iwslt14": ("transformer_lite", "--share-all-embeddings --dropout 0.2"),
+    "transformer_lite_iwslt14": ("transformer_lite", "--share-decoder-input-output-embed --dropout 0.2"),
     "ea_transformer_lite_iwslt14": ("ea_transformer_lite",
-                                    "--share-all-embeddings --dropout 0.2 --ea-alpha 0.1 --ea-beta 0.1"),
-    "transformer_lite_pa_iwslt14": ("transformer_lite", "--share-all-embeddings --dropout 0.2"),
-    "pa_transformer_lite_iwslt14": ("pa_transformer_lite", "--share-all-embeddings --dropout 0.2 --pa-alpha 0.1"),
+                                    "--share-decoder-input-output-embed --dropout 0.2 --ea-alpha 0.1 --ea-beta 0.1"),
+    "transformer_lite_pa_iwslt14": ("transformer_lite", "--share-decoder-input-output-embed --dropout 0.2"),
+    "pa_transformer_lite_iwslt14": ("pa_transformer_lite", "--share-decoder-input-output-embed --dropout 0.2 --pa-alpha 0.1"),
     "transformer_base_wmt14_en_de": ("transformer", "--share-all-embeddings --dropout 0.3"),
     "ea_transformer_base_wmt14_en_de": ("ea_transformer_base",
                                         "--share-all-embeddings --dropout 0.3 --ea-alpha 0.5 --ea-beta 0.1"),
@@ -146,7 +146,7 @@ def test_overrides_on_the_command_line_change_the_model():
     assert attention_classes(vanilla)["encoder"] == {"MultiheadAttention"}
     assert n_params(vanilla) < n_params(ea)
     assert signature(vanilla) == signature(train_model(
-        "ea_transformer_lite", "--share-all-embeddings --dropout 0.2 --ea-alpha 0.1 --ea-beta 0.1 "
+        "ea_transformer_lite", "--share-decoder-input-output-embed --dropout 0.2 --ea-alpha 0.1 --ea-beta 0.1 "
         "--encoder-attention vanilla"))
 
 
@@ -184,7 +184,7 @@ def test_fairseq_hydra_train_trains_and_its_checkpoint_reloads(tiny_data_bin, tm
     assert proc.returncode == 0, proc.stderr[-3000:]
     logged = int(re.search(r"num\. shared model params: ([\d,]+)", proc.stderr + proc.stdout).group(1).replace(",", ""))
     dictionary = Dictionary.load(os.path.join(tiny_data_bin, "dict.src.txt"))
-    train = building.build_model("ea_transformer_lite", "--share-all-embeddings", "--dropout", "0.2", "--ea-alpha", "0.3",
+    train = building.build_model("ea_transformer_lite", "--share-decoder-input-output-embed", "--dropout", "0.2", "--ea-alpha", "0.3",
                                  "--encoder-layers", "3", dictionary=dictionary)[0]
     assert logged == n_params(train)
     assert (save / "hydra_train.log").exists() and not (tmp_path / "outputs").exists()
@@ -194,6 +194,13 @@ def test_fairseq_hydra_train_trains_and_its_checkpoint_reloads(tiny_data_bin, tm
     assert signature(model) == signature(train)
     assert {m.alpha for m in model.encoder.modules() if isinstance(m, EvolvingAttention)} == {0.3}
     assert not any(isinstance(m, RecurrentAttention) for m in model.modules())
+
+    # the plugin's tools read its configuration too: a warm start names what it holds
+    from ea_fairseq.warm_start import WarmStartError, warm_start
+
+    with pytest.raises(WarmStartError, match="is a checkpoint of --arch ea_transformer_lite with "
+                                             "--encoder-attention ea, --decoder-attention ea, --cross-attention ea"):
+        warm_start(str(save / "checkpoint_last.pt"), "ea_transformer_lite")
 
     gen = subprocess.run(
         [cli("fairseq-generate"), tiny_data_bin, "--user-dir", os.path.join(REPO, "ea_fairseq"),

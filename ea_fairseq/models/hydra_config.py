@@ -85,10 +85,11 @@ def unknown_key_message(key: str, arch: str, known) -> str:
 
 def namespace_from_config(cfg, model_class) -> argparse.Namespace:
     """The ``Namespace`` ``fairseq-train`` would hand ``model_class`` for the hydra model
-    configuration ``cfg`` (its ``_name`` the architecture), its plugin options checked and
+    configuration ``cfg`` (a ``DictConfig``, or the ``dict`` a checkpoint saves it as; its
+    ``_name`` the architecture), its plugin options checked and
     typed by their own argparse definitions; ``ValueError`` names a key no option of the
     model defines or a value its option refuses."""
-    values = OmegaConf.to_container(cfg, resolve=True)
+    values = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
     arch = values.pop("_name", None) or values.get("arch")
     if arch not in ARCH_CONFIG_REGISTRY:
         raise ValueError(f"model._name: {arch!r} is not an architecture; fairseq-train --help "
