@@ -191,6 +191,8 @@ def test_fairseq_hydra_train_trains_and_its_checkpoint_reloads(tiny_data_bin, tm
 
     (model,), saved = checkpoint_utils.load_model_ensemble([str(save / "checkpoint_last.pt")])
     assert saved.model.encoder_attention == "ea" and saved.model.ea_alpha == 0.3 and saved.model.ea_beta == 0.1
+    # options the config does not list are recorded with the values the model took
+    assert saved.model.ea_kernel_size == 3 and saved.model.drop_attention == "none"
     assert signature(model) == signature(train)
     assert {m.alpha for m in model.encoder.modules() if isinstance(m, EvolvingAttention)} == {0.3}
     assert not any(isinstance(m, RecurrentAttention) for m in model.modules())
