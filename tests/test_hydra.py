@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from fairseq import checkpoint_utils, models
+from fairseq.models import ARCH_MODEL_REGISTRY
 from fairseq.data import Dictionary
 from fairseq.dataclass.initialize import add_defaults, hydra_init
 from hydra import compose, initialize_config_dir
@@ -15,6 +16,7 @@ from omegaconf import OmegaConf
 
 from conftest import REPO, cli, make_dictionary
 from ea_fairseq.models import building
+from ea_fairseq.models.ea_transformer import EATransformerModel
 from ea_fairseq.modules import EvolvingAttention, RecurrentAttention
 
 # fairseq-hydra-train validates a config against the schema fairseq stores under the config's
@@ -110,6 +112,18 @@ def test_hydra_builds_the_model_fairseq_train_builds(name):
     if not meta:
         for (k, a), b in zip(hydra.state_dict().items(), train.state_dict().values()):
             assert torch.equal(a, b), k
+
+
+PLUGIN_ARCHS = sorted(arch for arch, model in ARCH_MODEL_REGISTRY.items() if model is EATransformerModel)
+
+
+@pytest.mark.parametrize("arch", PLUGIN_ARCHS)
+def test_every_plugin_arch_builds_through_hydra(arch):
+    """Any arch of the plugin as ``model._name`` on a recipe config: fairseq-train's model."""
+    hydra, _ = hydra_model("transformer_lite_iwslt14", f"model._name={arch}", meta=True)
+    train = train_model(arch, "--share-decoder-input-output-embed --dropout 0.2", meta=True)
+    assert type(hydra) is EATransformerModel
+    assert signature(hydra) == signature(train)
 
 
 def test_each_family_builds_its_attention_through_hydra():

@@ -16,7 +16,7 @@ import argparse
 import difflib
 from typing import Dict, Iterable, List
 
-from fairseq.models import ARCH_CONFIG_REGISTRY
+from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY
 from fairseq.models.transformer import TransformerModel
 from omegaconf import OmegaConf, open_dict
 
@@ -76,10 +76,11 @@ def unknown_key_message(key: str, arch: str, known) -> str:
                f"`fairseq-train --arch {arch} --help`, with '_' for '-'")
     from .ea_transformer import EATransformerModel  # the model that defines every plugin option
 
-    if key in plugin_option_names(EATransformerModel):
+    model_class = ARCH_MODEL_REGISTRY[arch]
+    if model_class is not EATransformerModel and key in plugin_option_names(EATransformerModel):
         message += (f". {key} is an option of the plugin's own archs (ea_transformer_lite, "
-                    "pa_transformer_lite, ran_d, ...); fairseq's transformer archs take "
-                    "DropAttention's options only")
+                    f"pa_transformer_lite, ran_d, ...); --arch {arch} takes of the plugin's "
+                    f"options only {', '.join(plugin_option_names(model_class))}")
     return message
 
 
