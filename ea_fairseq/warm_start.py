@@ -29,7 +29,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 
-from .checkpoint_safety import CheckpointError, load_checkpoint
+from .checkpoint_safety import CheckpointError, load_checkpoint, nonfinite_weights
 
 # options that decide the shapes or the computation shared with the vanilla model
 STRUCTURE = (
@@ -175,6 +175,11 @@ def warm_start(vanilla_path: str, arch: str, options: Sequence[str] = (), seed: 
               "those options, or start from a vanilla model trained with them.")
 
     weights = vanilla["model"]
+    bad = nonfinite_weights(weights)
+    if bad:
+        raise WarmStartError(f"{vanilla_path} holds NaN or infinite weights in {len(bad)} tensors: "
+                             f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}; start from a "
+                             "checkpoint of a healthy run")
     src = _dictionary(weights["encoder.embed_tokens.weight"].shape[0])
     tgt = src if args.share_all_embeddings else _dictionary(weights["decoder.embed_tokens.weight"].shape[0])
     torch.manual_seed(seed)  # what fairseq-train --seed does before it builds the model

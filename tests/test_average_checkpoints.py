@@ -27,7 +27,7 @@ def fake_checkpoint(path: Path, seed: int, *, epoch: int = 1, extra_key: str = N
     if extra_key:
         model[extra_key] = torch.zeros(1)
     state = {"args": None,
-             "cfg": {"model": argparse.Namespace(arch="tiny", dropout=0.1), "common": {"seed": seed}},
+             "cfg": {"model": argparse.Namespace(arch="transformer", dropout=0.1), "common": {"seed": seed}},
              "model": model,
              "optimizer_history": [{"num_updates": 10 * epoch}],
              "extra_state": {"epoch": epoch}}
@@ -57,7 +57,7 @@ def test_explicit_inputs_exact_average(tmp_path):
     assert list(out["model"]) == list(states[0]["model"])  # key order kept
     # everything but the model is the first input's; the Namespace survives weights-only loading
     assert out["extra_state"] == {"epoch": 0} and out["cfg"]["common"]["seed"] == 0
-    assert isinstance(out["cfg"]["model"], argparse.Namespace) and out["cfg"]["model"].arch == "tiny"
+    assert isinstance(out["cfg"]["model"], argparse.Namespace) and out["cfg"]["model"].arch == "transformer"
 
 
 def test_average_is_computed_in_float64(tmp_path):
@@ -188,3 +188,27 @@ def test_real_fairseq_checkpoints(tmp_path):
                                                        arg_overrides={"data": str(tmp_path / "bin")})
     weight = models[0].state_dict()["encoder.embed_tokens.weight"]
     assert torch.equal(weight, out["model"]["encoder.embed_tokens.weight"])
+
+
+def test_output_equal_to_an_input_is_refused(tmp_path, capsys):
+    fake_checkpoint(tmp_path / "checkpoint1.pt", seed=1)
+    fake_checkpoint(tmp_path / "checkpoint2.pt", seed=2)
+    before = (tmp_path / "checkpoint2.pt").read_bytes()
+    os.symlink(tmp_path / "checkpoint2.pt", tmp_path / "link.pt")
+    for output in (tmp_path / "checkpoint2.pt", tmp_path / "sub" / ".." / "checkpoint2.pt", tmp_path / "link.pt"):
+        assert average("--inputs", tmp_path / "checkpoint1.pt", tmp_path / "checkpoint2.pt", "--output", output) == 1
+        assert "is one of the inputs" in capsys.readouterr().err
+    assert average("--inputs", tmp_path, "--num-epoch-checkpoints", "2", "--output", tmp_path / "checkpoint1.pt") == 1
+    assert (tmp_path / "checkpoint2.pt").read_bytes() == before
+
+
+def test_non_finite_weights_are_reported_by_name(tmp_path, capsys):
+    fake_checkpoint(tmp_path / "a.pt", seed=1)
+    state = fake_checkpoint(tmp_path / "b.pt", seed=2)
+    state["model"]["encoder.h"][1] = float("nan")
+    state["model"]["decoder.b"][0] = float("inf")
+    torch.save(state, tmp_path / "b.pt")
+    assert average("--inputs", tmp_path / "a.pt", tmp_path / "b.pt", "--output", tmp_path / "o.pt") == 1
+    err = capsys.readouterr().err
+    assert "b.pt holds NaN or infinite weights in 2 tensors: encoder.h, decoder.b" in err
+    assert not (tmp_path / "o.pt").exists()

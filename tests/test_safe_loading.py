@@ -1,37 +1,134 @@
-"""A checkpoint cannot run code: crafted configurations are refused by every loading path
-(fairseq-generate, the hub, --restore-file, averaging, the analysis tool) before fairseq
-evaluates them, and nothing is executed; normal checkpoints of every family still load."""
+"""A checkpoint cannot run code: crafted checkpoints are refused by every loading path
+(fairseq-generate, fairseq-interactive, the hub, --restore-file, averaging, the analysis
+tool, warm start) before fairseq converts or evaluates anything, nothing is executed, and
+the message names the field; damaged files are reported as such; normal checkpoints of
+every family the plugin vouches for still load."""
 import argparse
+import json
 import os
+import time
 
 import pytest
 import torch
-from fairseq import checkpoint_utils, options
+from fairseq import checkpoint_utils, options, tasks
+from fairseq.models.transformer import TransformerModel
+from omegaconf import OmegaConf
 
 from conftest import cli
 from ea_fairseq import checkpoint_safety as safety
+from ea_fairseq.tools import average_checkpoints as avg
 from trained_checkpoints import USER_DIR, family_checkpoints, run, train_command
 
-from ea_fairseq.tools import average_checkpoints as avg
+
+def payload(marker, tail="None") -> str:
+    """A string fairseq's eval() runs, leaving a file behind."""
+    return f"__import__('os').system('touch {marker}') or {tail}"
 
 
-def payload(marker) -> str:
-    """What the issue found: a string fairseq's eval() runs, leaving a file behind."""
-    return f"__import__('os').system('touch {marker}') or None"
+def trusted_state(path):
+    return torch.load(path, weights_only=False)  # our own, trusted file
 
 
-def crafted(src, dst, field, value, where="model"):
-    """A copy of checkpoint ``src`` with one configuration field replaced."""
-    state = torch.load(src, weights_only=False)  # our own, trusted file
-    if where == "args":  # the legacy layout: a flat Namespace, no cfg
-        flat = argparse.Namespace(**vars(state["cfg"]["model"]))
-        flat.task, flat.data = "translation", state["cfg"]["task"]["data"]
-        setattr(flat, field, value)
-        state["args"], state["cfg"] = flat, None
-    elif isinstance(state["cfg"][where], argparse.Namespace):
-        setattr(state["cfg"][where], field, value)
-    else:
-        state["cfg"][where][field] = value
+def _grammar(value) -> str:
+    """``value`` in omegaconf's interpolation grammar (for ``${oc.create:...}``)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(map(_grammar, value)) + "]"
+    return json.dumps(str(value))
+
+
+# attack name -> (edit of a trusted transformer_lite checkpoint's state, the path the refusal names)
+def _bytes_in_fconv(state, marker):
+    state["cfg"]["model"].arch = state["cfg"]["model"]._name = "fconv_iwslt_de_en"
+    state["cfg"]["model"].encoder_layers = payload(marker, "[(32, 3)]").encode()
+
+
+def _bytes_in_transformer(state, marker):
+    state["cfg"]["model"].adaptive_softmax_cutoff = bytearray(payload(marker).encode())
+
+
+def _code_in_evaluated_field(state, marker):
+    state["cfg"]["model"].adaptive_softmax_cutoff = payload(marker)
+
+
+def _code_in_optimizer(state, marker):
+    state["cfg"]["optimizer"]["adam_betas"] = payload(marker, "(0.9, 0.98)")
+
+
+def _oc_create_section(state, marker):
+    fields = dict(vars(state["cfg"]["model"]), adaptive_softmax_cutoff=payload(marker))
+    state["cfg"]["model"] = "${oc.create:{" + ", ".join(f"{k}: {_grammar(v)}" for k, v in fields.items()) + "}}"
+
+
+def _oc_env(state, marker):
+    state["cfg"]["task"]["target_lang"] = "${oc.env:HOME}"
+
+
+def _interpolation_in_omegaconf_container(state, marker):
+    cfg = OmegaConf.create({"model": dict(vars(state["cfg"]["model"])), "task": {"data": "x"}},
+                           flags={"allow_objects": True})
+    cfg.model.adaptive_softmax_cutoff = "${oc.create:[" + json.dumps(payload(marker)) + "]}"
+    state["cfg"] = cfg
+
+
+def _shared_reference_bomb(state, marker):
+    level = ["x"]
+    for _ in range(40):  # 2^40 paths through 80 list objects
+        level = [level, level]
+    state["cfg"]["model"].encoder_layers_to_keep = level
+
+
+def _cycle(state, marker):
+    loop = []
+    loop.append(loop)
+    state["cfg"]["common"]["tensorboard_logdir"] = loop
+
+
+def _legacy_args_layout(state, marker):
+    flat = argparse.Namespace(**vars(state["cfg"]["model"]))
+    flat.task, flat.data = "translation", state["cfg"]["task"]["data"]
+    flat.adaptive_softmax_cutoff = payload(marker)
+    state["args"], state["cfg"] = flat, None
+
+
+def _lstm_family(state, marker):
+    state["cfg"]["model"].arch = state["cfg"]["model"]._name = "lstm_luong_wmt_en_de"
+    state["cfg"]["model"].encoder_layers = "1"  # clean: refused for its family alone
+
+
+def _pickled_callable(state, marker):
+    state["hook"] = os.system
+
+
+def _stride_zero_tensor(state, marker):
+    state["model"]["encoder.layers.0.fc1.bias"] = torch.zeros(1).expand(1 << 30)
+
+
+ATTACKS = {
+    "bytes-in-fconv": (_bytes_in_fconv, "cfg.model.encoder_layers: a bytes value"),
+    "bytearray-in-transformer": (_bytes_in_transformer, "cfg.model.adaptive_softmax_cutoff: a bytearray value"),
+    "code-in-evaluated-field": (_code_in_evaluated_field, "cfg.model.adaptive_softmax_cutoff = "),
+    "code-in-optimizer-field": (_code_in_optimizer, "cfg.optimizer.adam_betas = "),
+    "oc.create-section": (_oc_create_section, "cfg.model: '${oc.create:"),
+    "oc.env": (_oc_env, "cfg.task.target_lang: '${oc.env:HOME}'"),
+    "interpolation-in-omegaconf": (_interpolation_in_omegaconf_container, "cfg.model.adaptive_softmax_cutoff: '${"),
+    "shared-reference-bomb": (_shared_reference_bomb, "cfg.model.encoder_layers_to_keep"),
+    "cycle": (_cycle, "cfg.common.tensorboard_logdir[0]: it contains itself"),
+    "legacy-args": (_legacy_args_layout, "args.adaptive_softmax_cutoff = "),
+    "lstm-family": (_lstm_family, f"cfg.model._name = 'lstm_luong_wmt_en_de'"),
+    "pickled-callable": (_pickled_callable, "posix.system"),
+    "stride-0-tensor": (_stride_zero_tensor, "['model']['encoder.layers.0.fc1.bias'] declares (1073741824,)"),
+}
+
+
+def crafted(src, dst, attack, marker):
+    state = trusted_state(src)
+    ATTACKS[attack][0](state, marker)
     torch.save(state, dst)
     return dst
 
@@ -41,160 +138,176 @@ def checkpoints(tmp_path_factory, tiny_data_bin):
     return family_checkpoints(tmp_path_factory, tiny_data_bin)
 
 
-@pytest.fixture
-def evil(tmp_path, checkpoints):
-    """(crafted checkpoint, the file its payload would create)."""
-    marker = tmp_path / "pwned"
-    return crafted(checkpoints["vanilla"], tmp_path / "crafted.pt", "adaptive_softmax_cutoff",
-                   payload(marker)), marker
-
-
-def test_the_payload_is_live_without_the_guard(tmp_path, checkpoints):
-    """Negative control: unguarded, fairseq's loading runs the payload (so the tests below
-    that check the file is absent can fail)."""
-    marker = tmp_path / "pwned"
-    path = crafted(checkpoints["vanilla"], tmp_path / "c.pt", "adaptive_softmax_cutoff", payload(marker))
-    state = unguarded_load(path)
-    with pytest.raises(TypeError):  # eval ran, then eval_str_list choked on its None
-        checkpoint_utils.load_model_ensemble_and_task([str(path)], state=state)
-    assert marker.exists()
-
-
 def unguarded_load(path):
-    """fairseq's own loader, without the validation (the allow-list still scoped)."""
+    """fairseq's own loader, without this plugin's checks (the allow-list still scoped)."""
     with safety.checkpoint_globals_allowed():
         return checkpoint_utils.load_checkpoint_to_cpu.__wrapped__(str(path))
 
 
-def refused(text, field="cfg.model.adaptive_softmax_cutoff"):
-    return "refused" in text and field in text and "Nothing in the checkpoint was run" in text
+@pytest.mark.parametrize("attack", ["bytes-in-fconv", "code-in-evaluated-field", "oc.create-section"])
+def test_the_payloads_are_live_without_the_guard(tmp_path, checkpoints, attack):
+    """Negative control: unguarded, fairseq's loading runs the payload (so the tests below,
+    which check that the file is never created, can fail)."""
+    marker = tmp_path / "pwned"
+    path = crafted(checkpoints["vanilla"], tmp_path / "c.pt", attack, marker)
+    state = unguarded_load(path)
+    with pytest.raises(Exception):  # eval ran; what it returned does not build a model
+        checkpoint_utils.load_model_ensemble_and_task([str(path)], state=state)
+    assert marker.exists()
 
 
-def test_fairseq_generate_refuses(tiny_data_bin, evil):
-    path, marker = evil
-    code, out = run([cli("fairseq-generate"), tiny_data_bin, "--user-dir", USER_DIR, "--path", path,
-                     "--beam", "5", "--cpu", "--max-len-b", "5"], expect_ok=False, cwd=path.parent)
-    assert code != 0 and refused(out), out[-3000:]
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+def test_every_attack_is_refused_by_the_hub_and_the_plugins_loader(tmp_path, checkpoints, tiny_data_bin, attack):
+    """The hub (``from_pretrained``: fairseq's loader, as generate, interactive, --restore-file
+    and the analysis tool use it) and the plugin's loader (averaging, warm start)."""
+    marker = tmp_path / "pwned"
+    path = crafted(checkpoints["vanilla"], tmp_path / "c.pt", attack, marker)
+    shown = ATTACKS[attack][1]
+    start = time.perf_counter()
+    with pytest.raises(safety.UnsafeCheckpointError) as refusal:
+        TransformerModel.from_pretrained(str(tmp_path), checkpoint_file="c.pt",
+                                         data_name_or_path=tiny_data_bin, user_dir=USER_DIR)
+    assert shown in str(refusal.value) and "Nothing in" in str(refusal.value)
+    with pytest.raises(safety.UnsafeCheckpointError) as refusal:
+        safety.load_checkpoint(str(path))
+    assert shown in str(refusal.value)
+    assert time.perf_counter() - start < 10  # (the 2^40 walk would take days)
     assert not marker.exists()
 
 
-def test_restore_file_refuses(tmp_path, tiny_data_bin, evil):
-    path, marker = evil
+def test_fairseq_generate_refuses(tmp_path, tiny_data_bin, checkpoints):
+    marker = tmp_path / "pwned"
+    path = crafted(checkpoints["vanilla"], tmp_path / "c.pt", "bytes-in-fconv", marker)
+    code, out = run([cli("fairseq-generate"), tiny_data_bin, "--user-dir", USER_DIR, "--path", path,
+                     "--beam", "2", "--cpu", "--max-len-b", "5"], expect_ok=False, cwd=tmp_path)
+    assert code != 0 and ATTACKS["bytes-in-fconv"][1] in out, out[-3000:]
+    assert not marker.exists()
+
+
+def test_fairseq_interactive_refuses(tmp_path, tiny_data_bin, checkpoints):
+    marker = tmp_path / "pwned"
+    path = crafted(checkpoints["vanilla"], tmp_path / "c.pt", "oc.create-section", marker)
+    code, out = run([cli("fairseq-interactive"), tiny_data_bin, "--user-dir", USER_DIR, "--path", path,
+                     "--task", "translation_lines", "--cpu", "--source-lang", "src", "--target-lang", "tgt"],
+                    expect_ok=False, cwd=tmp_path, input="s1 s2\n")
+    assert code != 0 and ATTACKS["oc.create-section"][1] in out, out[-3000:]
+    assert not marker.exists()
+
+
+def test_restore_file_refuses(tmp_path, tiny_data_bin, checkpoints):
+    marker = tmp_path / "pwned"
+    path = crafted(checkpoints["vanilla"], tmp_path / "c.pt", "code-in-optimizer-field", marker)
     code, out = run(train_command(tiny_data_bin, "transformer_lite", tmp_path / "save", "--restore-file", path),
                     expect_ok=False, cwd=tmp_path)
-    assert code != 0 and refused(out), out[-3000:]
+    assert code != 0 and ATTACKS["code-in-optimizer-field"][1] in out, out[-3000:]
     assert not marker.exists()
 
 
-def test_hub_refuses(tiny_data_bin, evil):
-    from fairseq.models.transformer import TransformerModel
-
-    path, marker = evil
-    with pytest.raises(safety.UnsafeCheckpointError, match="cfg.model.adaptive_softmax_cutoff"):
-        TransformerModel.from_pretrained(str(path.parent), checkpoint_file=path.name,
-                                         data_name_or_path=tiny_data_bin, user_dir=USER_DIR)
-    assert not marker.exists()
-
-
-def test_averaging_refuses_and_writes_nothing(tmp_path, checkpoints, evil, capsys):
-    path, marker = evil
+@pytest.mark.parametrize("attack", ["oc.create-section", "stride-0-tensor"])
+def test_averaging_refuses_and_writes_nothing(tmp_path, checkpoints, attack, capsys):
+    marker = tmp_path / "pwned"
+    path = crafted(checkpoints["vanilla"], tmp_path / "c.pt", attack, marker)
     out = tmp_path / "avg.pt"
     for inputs in ([checkpoints["vanilla"], path], [path, checkpoints["vanilla"]]):
         assert avg.main(["--inputs", *map(str, inputs), "--output", str(out)]) == 1
-        assert refused(capsys.readouterr().err)
+        assert ATTACKS[attack][1] in capsys.readouterr().err
     assert not out.exists() and not marker.exists()
 
 
-def test_analysis_refuses(tmp_path, tiny_data_bin, evil):
+def test_analysis_refuses(tmp_path, tiny_data_bin, checkpoints):
     from ea_fairseq.analysis.cli import main
 
-    path, marker = evil
+    marker = tmp_path / "pwned"
+    path = crafted(checkpoints["vanilla"], tmp_path / "c.pt", "bytes-in-fconv", marker)
     with pytest.raises(SystemExit) as exit_:
         main(["dump", str(path), "--data", tiny_data_bin, "--out", str(tmp_path / "d.npz")])
-    assert refused(str(exit_.value.code))
+    assert ATTACKS["bytes-in-fconv"][1] in str(exit_.value.code)
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("field", sorted(safety.GUARDED_FIELDS))
-def test_every_guarded_field_is_refused(tmp_path, checkpoints, field):
-    """Every field fairseq evaluates, imports or looks up by name (a path string is a valid
-    user_dir: that field is refused for not being a string)."""
+def test_warm_start_refuses(tmp_path, checkpoints, capsys):
+    from ea_fairseq.warm_start import main
+
     marker = tmp_path / "pwned"
-    path = crafted(checkpoints["vanilla"], tmp_path / "c.pt", field, 7 if field == "user_dir" else payload(marker))
-    with pytest.raises(safety.UnsafeCheckpointError, match=f"cfg.model.{field} "):
-        checkpoint_utils.load_checkpoint_to_cpu(str(path))  # generate, hub, restore, analysis
-    with pytest.raises(safety.UnsafeCheckpointError, match=f"cfg.model.{field} "):
-        safety.load_checkpoint(str(path))  # averaging, warm start
-    assert not marker.exists()
-
-
-@pytest.mark.parametrize("field,where,shown", [
-    ("adam_betas", "optimizer", "cfg.optimizer.adam_betas"),
-    ("left_pad_source", "task", "cfg.task.left_pad_source"),
-    ("adaptive_softmax_cutoff", "args", "args.adaptive_softmax_cutoff"),  # legacy checkpoints
-    ("encoder_xformers_att_config", "args", "args.encoder_xformers_att_config"),
-])
-def test_refused_in_every_section_and_layout(tmp_path, checkpoints, field, where, shown):
-    marker = tmp_path / "pwned"
-    path = crafted(checkpoints["vanilla"], tmp_path / "c.pt", field, payload(marker), where=where)
-    with pytest.raises(safety.UnsafeCheckpointError, match=shown.replace(".", r"\.")):
-        checkpoint_utils.load_model_ensemble_and_task([str(path)])
-    assert not marker.exists()
-
-
-@pytest.mark.parametrize("field", ["encoder_xformers_att_config", "decoder_xformers_att_config"])
-def test_fields_evaluated_while_loading_are_caught_before(tmp_path, checkpoints, field):
-    """These are evaluated when the model is built from the checkpoint (control: unguarded,
-    the payload runs); guarded, loading stops first."""
-    marker = tmp_path / "pwned"
-    path = crafted(checkpoints["vanilla"], tmp_path / "c.pt", field, payload(marker))
-    state = unguarded_load(path)
-    checkpoint_utils.load_model_ensemble_and_task([str(path)], state=state)
-    assert marker.exists()
-    marker.unlink()
-    with pytest.raises(safety.UnsafeCheckpointError, match=field):
-        checkpoint_utils.load_model_ensemble_and_task([str(path)])
-    assert not marker.exists()
+    path = crafted(checkpoints["vanilla"], tmp_path / "c.pt", "code-in-evaluated-field", marker)
+    assert main([str(path), "--arch", "ea_transformer_lite", "--output", str(tmp_path / "w.pt")]) == 1
+    assert ATTACKS["code-in-evaluated-field"][1] in capsys.readouterr().err
+    assert not (tmp_path / "w.pt").exists() and not marker.exists()
 
 
 @pytest.mark.parametrize("field,value,why", [
     ("adaptive_softmax_cutoff", "[1000, 'x']", "not an integer or a list of integers"),
-    ("adaptive_softmax_cutoff", "${oc.env:HOME}", "not a Python literal"),
     ("adaptive_softmax_cutoff", "[0] * 1000000000", "more than 100000 items"),
     ("adaptive_softmax_cutoff", "(lambda: 1)()", "function call"),
+    ("adaptive_softmax_cutoff", "{1, 2}", "a set"),
     ("adam_betas", "().__class__", "attribute access"),
-    ("decoder_attention", "[x for x in ()]", "code, not a literal"),
-    ("user_dir", 7, "not a directory path"),
-    ("arch", "transformer; rm -rf ~", "registered name"),
-    ("task", "../../etc", "registered name"),
+    ("adam_betas", "(0.9, 1e999)", "not a number or a list of numbers"),  # repr(inf) is not a literal
+    ("xformers_att_config", "{**{}}", "unpacks a dict"),
+    ("left_pad_source", "__debug__", "a name"),
 ])
 def test_errors_say_what_is_wrong(field, value, why):
-    state = {"cfg": {"model": argparse.Namespace(**{field: value})}}
+    state = {"cfg": {"model": argparse.Namespace(arch="transformer", **{field: value})}}
     with pytest.raises(safety.UnsafeCheckpointError, match=why.replace("(", r"\(")):
-        safety.validate_checkpoint(state, "x.pt")
+        safety.sanitize(state, "x.pt")
+
+
+def test_evaluated_fields_are_handed_over_as_text_written_from_their_literal(tmp_path, checkpoints, tiny_data_bin):
+    """fairseq evaluates ``repr()`` of the parsed literal, not the checkpoint's string."""
+    state = trusted_state(checkpoints["vanilla"])
+    state["cfg"]["model"].adaptive_softmax_cutoff = " [10] + [5 * 4]"
+    state["cfg"]["optimizer"]["adam_betas"] = "(0.9, 0.98)"
+    torch.save(state, tmp_path / "c.pt")
+    loaded = checkpoint_utils.load_checkpoint_to_cpu(str(tmp_path / "c.pt"), arg_overrides={"data": tiny_data_bin})
+    assert loaded["cfg"].model.adaptive_softmax_cutoff == "[10, 20]"
+    assert loaded["cfg"].optimizer.adam_betas == "(0.9, 0.98)"
+    model = tasks.setup_task(loaded["cfg"].task).build_model(loaded["cfg"].model)
+    assert model.decoder.adaptive_softmax.cutoff[:2] == [10, 20]
 
 
 @pytest.mark.parametrize("arch,task", [
-    ("fconv_wmt_en_de", "translation"), ("fconv_self_att_wp", "translation"), ("lstm_luong_wmt_en_de", "translation"),
-    ("lightconv_iwslt_de_en", "translation"), ("transformer_wmt_en_de_big", "translation"),
-    ("transformer_lm_gpt", "language_modeling"), ("ran_d", "translation"), ("ea_transformer_base", "translation"),
+    ("transformer_wmt_en_de_big", "translation"), ("transformer_iwslt_de_en", "translation"),
+    ("transformer_lite", "translation_lines"), ("ran_d", "translation"), ("ea_transformer_base", "translation"),
 ])
 @pytest.mark.parametrize("optimizer", ["adam", "adafactor"])
 def test_fairseq_defaults_are_accepted(arch, task, optimizer):
-    """Expressions fairseq itself stores (``"[(512, 3)] * 9 + [(1024, 3)] * 4"``, betas,
-    character filters, names) are literals: no false refusal."""
+    """Every option fairseq itself stores for the vouched families (betas, expressions,
+    names) passes: no false refusal."""
     args = options.parse_args_and_arch(options.get_training_parser(), [
         "/nonexistent", "--arch", arch, "--task", task, "--optimizer", optimizer,
         "--lr-scheduler", "inverse_sqrt", "--user-dir", USER_DIR])
-    safety.validate_checkpoint({"args": args}, "x.pt")
-    safety.validate_checkpoint({"cfg": {"model": args, "optimizer": {"adam_betas": "(0.9, 0.98)"}}}, "x.pt")
+    safety.sanitize({"args": args}, "x.pt")
+    safety.sanitize({"cfg": {"model": args, "optimizer": {"adam_betas": "(0.9, 0.98)"}}}, "x.pt")
 
 
-def test_a_pickled_callable_is_refused_by_fairseqs_loader(tmp_path):
-    path = tmp_path / "evil.pt"
-    torch.save({"model": {}, "cfg": None, "hook": os.system}, path)
-    with pytest.raises(safety.CheckpointError, match="posix.system"):
+def test_other_families_load_with_the_trust_switch_and_a_warning(tmp_path, checkpoints, monkeypatch, caplog):
+    path = crafted(checkpoints["vanilla"], tmp_path / "c.pt", "lstm-family", tmp_path / "pwned")
+    with pytest.raises(safety.UnsafeCheckpointError, match=f"set {safety.TRUST_SWITCH}=1"):
         checkpoint_utils.load_checkpoint_to_cpu(str(path))
+    monkeypatch.setenv(safety.TRUST_SWITCH, "1")
+    with caplog.at_level("WARNING", logger="ea_fairseq"):
+        state = checkpoint_utils.load_checkpoint_to_cpu(str(path))
+    assert state["cfg"].model.arch == "lstm_luong_wmt_en_de"
+    assert any(f"{safety.TRUST_SWITCH}=1: loading" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("content,cause", [
+    (b"", "the file is empty"),
+    (b"step 1000 loss 3.2\n", "not a torch checkpoint"),
+    ("truncated", "a zip archive without its central directory"),
+    (b"\x80\x02" + os.urandom(64), "corrupt or not a checkpoint"),
+], ids=["empty", "text", "truncated", "damaged-pickle"])
+def test_damaged_files_are_reported_as_such_not_as_refusals(tmp_path, checkpoints, content, cause, capsys):
+    if content == "truncated":
+        data = checkpoints["vanilla"].read_bytes()
+        content = data[: len(data) // 2]
+    path = tmp_path / "checkpoint_last.pt"
+    path.write_bytes(content)
+    for load in (checkpoint_utils.load_checkpoint_to_cpu, safety.load_checkpoint):
+        with pytest.raises(safety.CorruptCheckpointError, match="corrupt or not a checkpoint") as err:
+            load(str(path))
+        assert cause in str(err.value) and "refused" not in str(err.value)
+    assert avg.main(["--inputs", str(path), str(checkpoints["vanilla"]), "--output", str(tmp_path / "a.pt")]) == 1
+    assert "corrupt or not a checkpoint" in capsys.readouterr().err
 
 
 def test_allow_list_is_scoped_to_checkpoint_loads(checkpoints):
@@ -204,9 +317,42 @@ def test_allow_list_is_scoped_to_checkpoint_loads(checkpoints):
         torch.load(checkpoints["vanilla"], weights_only=True)
 
 
+def test_fairseq_reads_the_file_once(tmp_path, checkpoints, monkeypatch):
+    """fairseq's conversions run on the sanitized state: the file is not read a second time."""
+    reads = []
+    real = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: reads.append(a) or real(*a, **k))
+    checkpoint_utils.load_checkpoint_to_cpu(str(checkpoints["vanilla"]))
+    assert len(reads) == 1
+
+
 @pytest.mark.parametrize("family", ["vanilla", "ea", "pa", "ran"])
 def test_normal_checkpoints_of_every_family_load(checkpoints, family, tiny_data_bin):
     models, cfg, task = checkpoint_utils.load_model_ensemble_and_task(
         [str(checkpoints[family])], arg_overrides={"data": tiny_data_bin})
     state = safety.load_checkpoint(str(checkpoints[family]))
     assert all(torch.equal(v, models[0].state_dict()[k]) for k, v in state["model"].items())
+
+
+@pytest.mark.parametrize("layout", ["transformer-arch", "hydra-dict", "legacy-args", "omegaconf-container"])
+def test_fairseq_transformer_checkpoints_load(tmp_path, checkpoints, tiny_data_bin, layout):
+    """fairseq's own ``TransformerModel`` (``--arch transformer``; ``_name`` as hydra writes it;
+    the legacy ``args`` layout; an omegaconf container) loads and computes the same."""
+    state = trusted_state(checkpoints["vanilla"])
+    model_cfg = state["cfg"]["model"]
+    model_cfg.arch = model_cfg._name = "transformer"
+    if layout == "hydra-dict":
+        state["cfg"]["model"] = dict(vars(model_cfg))
+    elif layout == "legacy-args":
+        _legacy_args_layout(state, None)
+        state["args"].adaptive_softmax_cutoff = None
+    elif layout == "omegaconf-container":
+        state["cfg"] = OmegaConf.create({k: dict(vars(v)) if isinstance(v, argparse.Namespace) else v
+                                         for k, v in state["cfg"].items()}, flags={"allow_objects": True})
+    torch.save(state, tmp_path / "c.pt")
+    (model,), _, _ = checkpoint_utils.load_model_ensemble_and_task(
+        [str(tmp_path / "c.pt")], arg_overrides={"data": tiny_data_bin})
+    (reference,), _, _ = checkpoint_utils.load_model_ensemble_and_task(
+        [str(checkpoints["vanilla"])], arg_overrides={"data": tiny_data_bin})
+    assert type(model) is TransformerModel
+    assert all(torch.equal(v, reference.state_dict()[k]) for k, v in model.state_dict().items())

@@ -116,3 +116,11 @@ def test_command_line_then_fairseq_train_continues_as_ea(tmp_path, checkpoints, 
         if key in vanilla and value.is_floating_point() and value.numel() > 1:
             assert (value - vanilla[key]).abs().max() <= 2.5e-3, key
     assert any((ft["model"][k] != start[k]).any() for k in start if ".conv." in k)  # EA trains
+
+
+def test_non_finite_weights_are_reported_by_name(tmp_path, checkpoints):
+    state = torch.load(checkpoints["vanilla"], weights_only=False)
+    state["model"]["decoder.layers.1.fc2.weight"][0, 0] = float("nan")
+    torch.save(state, tmp_path / "nan.pt")
+    with pytest.raises(WarmStartError, match="NaN or infinite weights in 1 tensors: decoder.layers.1.fc2.weight"):
+        warm_start(str(tmp_path / "nan.pt"), "ea_transformer_lite")

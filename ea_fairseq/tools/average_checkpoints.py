@@ -15,11 +15,10 @@ values) must be identical in every input. The result keeps the rest of the first
 state (its ``cfg``/``args``, ...); with the last-N options the first input is the newest
 checkpoint. ``fairseq-generate --path`` loads the output like any checkpoint.
 
-Checkpoints are read with torch's weights-only unpickler, the fairseq configuration classes
-allow-listed (``ea_fairseq.checkpoint_safety``); nothing else is unpickled. Every input's
-configuration is validated as fairseq's loading is with the plugin: a field that fairseq would
-evaluate must hold a literal, so an input that could run code when loaded is refused and no
-output is written.
+Inputs are read as fairseq reads them with the plugin (``ea_fairseq.checkpoint_safety``):
+weights-only, the configuration rebuilt as plain data, the model family vouched for, every
+tensor within its storage. An input refused there, one holding NaN or infinite weights, or an
+``--output`` that is one of the inputs stops the run before anything is written.
 """
 import argparse
 import collections
@@ -62,26 +61,33 @@ def last_checkpoints(directory: str, n: int, by_update: bool,
     return [path for _, path in found[:n]]
 
 
+def _weights(path: str) -> Dict[str, Any]:
+    from ..checkpoint_safety import load_checkpoint, nonfinite_weights  # weights-only, sanitized
+
+    state = load_checkpoint(path)
+    if not isinstance(state.get("model"), dict):
+        raise AverageError(f"{path} has no 'model' entry: not a fairseq checkpoint")
+    bad = nonfinite_weights(state["model"])
+    if bad:
+        raise AverageError(f"{path} holds NaN or infinite weights in {len(bad)} tensors: "
+                           f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}; averaging would spread them")
+    return state
+
+
 def average(paths: List[str]) -> Dict[str, Any]:
     """Average ``state['model']`` over ``paths``; the rest of the state is ``paths[0]``'s."""
     import torch
 
-    from ..checkpoint_safety import load_checkpoint  # weights-only, validated
-
     if not paths:
         raise AverageError("no checkpoints to average")
-    first = load_checkpoint(paths[0])
-    if "model" not in first:
-        raise AverageError(f"{paths[0]} has no 'model' entry: not a fairseq checkpoint")
+    first = _weights(paths[0])
     reference = first["model"]
     sums: Dict[str, Any] = {}
     for key, value in reference.items():
         if torch.is_tensor(value) and value.is_floating_point():
             sums[key] = value.detach().to(torch.float64).clone()
     for path in paths[1:]:
-        model = load_checkpoint(path).get("model")
-        if model is None:
-            raise AverageError(f"{path} has no 'model' entry: not a fairseq checkpoint")
+        model = _weights(path)["model"]
         missing = [k for k in reference if k not in model]
         extra = [k for k in model if k not in reference]
         if missing or extra:
@@ -158,6 +164,11 @@ def main(argv=None) -> int:
             for path in paths:
                 if not os.path.isfile(path):
                     raise AverageError(f"{path}: no such checkpoint file")
+        for path in paths:
+            if os.path.realpath(path) == os.path.realpath(args.output) or (
+                    os.path.exists(args.output) and os.path.samefile(path, args.output)):
+                raise AverageError(f"--output {args.output} is one of the inputs ({path}); "
+                                   "write the average to another file")
         print(f"averaging {len(paths)} checkpoints: {', '.join(paths)}", file=sys.stderr)
         state = average(paths)
     except (AverageError, CheckpointError) as err:
