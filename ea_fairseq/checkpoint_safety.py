@@ -242,8 +242,8 @@ class _Walk:
         size, values = 1, []
         for name, child in items:
             if shape in (dict, argparse.Namespace):
-                if type(name) not in _SCALARS or (type(name) is str and "${" in name):
-                    raise self.refuse(f"{path}[{name!r}]", "a key that is not a plain name")
+                if type(name) not in (_SCALARS if shape is dict else (str,)) or (type(name) is str and "${" in name):
+                    raise self.refuse(f"{path}[{_shown(name)}]", "a key that is not a plain name")
                 child_path = f"{path}.{name}" if type(name) is str else f"{path}[{name!r}]"
             elif shape == "value":
                 child_path = path
