@@ -19,8 +19,9 @@ _loaded = False
 
 def load_plugin() -> None:
     """Import fairseq and register the plugin's models, architectures and tasks; every
-    checkpoint fairseq reads in this process is validated before fairseq evaluates any of its
-    configuration (:mod:`ea_fairseq.checkpoint_safety`). Idempotent.
+    checkpoint fairseq reads in this process is sanitized before fairseq converts or evaluates
+    any of it (:mod:`ea_fairseq.checkpoint_safety`), and the plugin's option errors print as
+    one line (:mod:`ea_fairseq.errors`). Idempotent.
 
     fairseq's import sets the root logger to DEBUG (``logging.basicConfig`` in
     ``fairseq.models.wav2vec``) and logs a tensorboardX hint at INFO: the root level is put
@@ -39,7 +40,7 @@ def load_plugin() -> None:
         from ._compat import check_fairseq
 
         check_fairseq()
-        from . import checkpoint_safety
+        from . import checkpoint_safety, errors
         from . import models  # noqa: F401  (registers models and architectures)
         from . import tasks  # noqa: F401  (registers translation_lines)
     finally:
@@ -47,6 +48,7 @@ def load_plugin() -> None:
             logging.disable(disabled)
             root.setLevel(level)
     checkpoint_safety.install()
+    errors.install_excepthook()  # the plugin's option errors as one line on the command line
     _loaded = True
 
 

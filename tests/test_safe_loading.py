@@ -455,3 +455,38 @@ def test_any_configuration_is_refused_or_loads_as_plain_data(base_state, tmp_pat
         assert _is_plain(loaded["cfg"], set())
         assert loaded["model"] is not None
     assert time.perf_counter() - start < 1.5
+
+
+# -- the plugin's option errors on fairseq's command line ---------------------------------
+@pytest.mark.parametrize("extra,message", [
+    (["--arch", "ea_transformer_lite", "--ea-alpha", "-1"], "--ea-alpha must lie in [0, 1], got -1.0"),
+    (["--arch", "ea_transformer_lite", "--drop-attention", "element", "--drop-attention-p", "1.5"],
+     "--drop-attention-p must lie in [0, 1), got 1.5"),
+    (["--arch", "ea_transformer_lite", "--checkpoint-activations"], "--checkpoint-activations recomputes"),
+    (["--arch", "transformer_lite", "--drop-attention-p", "0.2"], "--drop-attention-p given without --drop-attention"),
+])
+def test_option_errors_are_raised_as_option_errors(extra, message):
+    """Refused when the model is built, whatever brought the value (command line, hydra,
+    a checkpoint): the class the command line prints as one line."""
+    from conftest import build_model
+    from ea_fairseq.errors import OptionError
+
+    with pytest.raises(OptionError) as err:
+        build_model(extra[1], *extra[2:])
+    assert message in str(err.value)
+
+
+def test_option_error_on_the_command_line_is_one_line(tmp_path, tiny_data_bin):
+    code, out = run(train_command(tiny_data_bin, "ea_transformer_lite", tmp_path, "--ea-alpha", "-1"),
+                    expect_ok=False, cwd=tmp_path)
+    assert code == 1 and "Traceback" not in out, out[-3000:]
+    assert out.strip().splitlines()[-1] == "fairseq-train: error: --ea-alpha must lie in [0, 1], got -1.0"
+
+
+def test_ran_overlong_line_with_fairseqs_translation_task_names_the_options(tiny_data_bin, checkpoints):
+    """fairseq's own refusal of the line, with a note naming the limit and the way on."""
+    code, out = run([cli("fairseq-interactive"), tiny_data_bin, "--user-dir", USER_DIR, "--path", checkpoints["ran"],
+                     "--cpu", "--source-lang", "src", "--target-lang", "tgt", "--beam", "2"],
+                    expect_ok=False, input=" ".join(["s4"] * 30) + "\n")
+    assert code != 0 and "Size of sample #0 is invalid" in out, out[-3000:]
+    assert "at most --ran-max-positions 16 tokens" in out and "--task translation_lines" in out

@@ -16,6 +16,7 @@ from fairseq.models import ARCH_MODEL_REGISTRY
 from fairseq.models.transformer import TransformerModel
 from omegaconf import OmegaConf
 
+from ..errors import OptionError
 from . import attention_variants as variants
 from . import hydra_config
 from .ea_transformer import EATransformerModel
@@ -43,7 +44,7 @@ class BaselineTransformerModel(EATransformerModel):
             stray = [f"--{name.replace('_', '-')}" for name in variants.DROP_ATTENTION_OPTIONS
                      if getattr(args, name, None) is not None]
             if stray:
-                raise ValueError(f"{', '.join(stray)} given without --drop-attention: DropAttention "
+                raise OptionError(f"{', '.join(stray)} given without --drop-attention: DropAttention "
                                  "is off unless --drop-attention is column or element")
             if not one_sided:
                 return TransformerModel.build_model(args, task)

@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 from ..modules.attention_maps import AttentionMapCarrier, AttentionMechanism
 from ..modules.recurrent_attention import (RecurrentAttention, RecurrentAttentionMatrices,
                                             mixed_precision_caveats)
+from ..errors import OptionError, note_position_limit
 from . import attention_variants as variants
 from . import hydra_config
 from .fairseq_speedups import ListedStateHolders
@@ -191,11 +192,19 @@ class EATransformerModel(TransformerModel):
 
 
 def check_options(args) -> None:
-    """Refuse combinations the mechanisms cannot honour, before anything is built."""
+    """Refuse values and combinations the mechanisms cannot honour, before anything is built
+    (one-line errors on the command line: :mod:`ea_fairseq.errors`)."""
+    for name, low, high, closed in (("ea_alpha", 0, 1, True), ("ea_decoder_alpha", 0, 1, True),
+                                    ("ea_beta", 0, 1, True), ("pa_alpha", 0, 1, True),
+                                    ("drop_attention_p", 0, 1, False)):
+        value = getattr(args, name, None)
+        if value is not None and not (low <= value <= high if closed else low <= value < high):
+            raise OptionError(f"--{name.replace('_', '-')} must lie in [{low}, {high}{']' if closed else ')'}, "
+                              f"got {value}")
     carrying = [r for r in variants.ROLES if variants.needs_stack_pass(args, r)]
     if carrying and (getattr(args, "checkpoint_activations", False)
                      or getattr(args, "offload_activations", False)):
-        raise ValueError(
+        raise OptionError(
             "--checkpoint-activations recomputes each layer on its own, outside the forward "
             "pass that hands attention maps between layers, which the "
             f"{', '.join(carrying)} attention reads (EA with α > 0, PA, RAN). Drop "
@@ -205,9 +214,9 @@ def check_options(args) -> None:
     for role in variants.ROLES:  # argparse refuses them; these are a checkpoint's values
         option = POSITION_LIMITS.get(variants.variant_of(args, role))
         if option is not None and getattr(args, option) < 1:
-            raise ValueError(f"--{option.replace('_', '-')} must be at least 1, got {getattr(args, option)}")
+            raise OptionError(f"--{option.replace('_', '-')} must be at least 1, got {getattr(args, option)}")
     if getattr(args, "cross_self_attention", False) and variants.variant_of(args, "decoder") != "vanilla":
-        raise ValueError(
+        raise OptionError(
             "--cross-self-attention mixes source and target keys in one map, which the "
             f"{variants.variant_of(args, 'decoder')} decoder attention does not define; drop it."
         )
@@ -236,6 +245,10 @@ def lower_max_positions(args) -> None:
                             f"attends over at most --{option.replace('_', '-')} {limit} tokens; longer "
                             f"{side} sentences are filtered in training and refused in generation")
             setattr(args, name, min(given or limit, limit))
+            note_position_limit(
+                f"The {variant} {role} of this model takes at most --{option.replace('_', '-')} {limit} tokens: "
+                "translate with --task translation_lines, which reports such a line and translates the "
+                f"others, or train with a larger --{option.replace('_', '-')}.")
 
 
 def warn_about_ran_mixed_precision(args) -> None:

@@ -1,0 +1,54 @@
+"""How the plugin's own refusals reach a user of fairseq's command-line tools.
+
+fairseq's tools let every exception end the process with a traceback; argparse errors are
+the only one-line errors they print. The plugin's option values are checked by argparse
+where argparse sees them, but combinations (EA with ``--checkpoint-activations``) and
+values that reach a model another way (hydra, a checkpoint) are checked when the model is
+built, deep inside fairseq. Those checks raise :class:`OptionError`, and
+:func:`install_excepthook` prints an uncaught one as a single line, as argparse would (the
+process still exits with status 1). Every other exception goes to the previous hook
+unchanged, except fairseq's refusal of an over-long input when a model built in this
+process limits positions itself (:func:`note_position_limit`): that one gets a note saying
+which option sets the limit and how to go on.
+"""
+import os
+import re
+import sys
+from typing import Dict
+
+_SIZE_ERROR = re.compile(r"Size of sample #\d+ is invalid")
+_position_limits: Dict[str, None] = {}  # notes, in the order the models were built
+
+
+class OptionError(ValueError):
+    """An option value or combination the plugin refuses; its message says what to do."""
+
+
+def note_position_limit(note: str) -> None:
+    """Record that a model built in this process refuses longer inputs (``note`` says why
+    and what to do), for fairseq's over-long-input error."""
+    _position_limits[note] = None
+
+
+def excepthook(kind, value, tb, previous=None) -> None:
+    previous = previous or sys.__excepthook__
+    if isinstance(value, OptionError):
+        print(f"{os.path.basename(sys.argv[0]) or 'python'}: error: {value}", file=sys.stderr)
+        return
+    if _position_limits and _SIZE_ERROR.search(str(value)) and hasattr(value, "add_note"):
+        for note in _position_limits:
+            value.add_note(note)
+    previous(kind, value, tb)
+
+
+def install_excepthook() -> None:
+    """Put :func:`excepthook` in front of the current ``sys.excepthook`` (once)."""
+    current = sys.excepthook
+    if getattr(current, "ea_fairseq", False):
+        return
+
+    def hook(kind, value, tb):
+        excepthook(kind, value, tb, previous=current)
+
+    hook.ea_fairseq = True
+    sys.excepthook = hook
