@@ -282,6 +282,8 @@ class _Walk:
             return self.sizes[key]
         if key in self.active:
             raise self.refuse(path, "it contains itself (a cycle)")
+        if type(node) in (self.dict_config, self.list_config, self.any_node):
+            raise self.refuse(path, "an omegaconf container outside the configuration")
         children = self._children(node, path)
         if children is None:
             if isinstance(node, (torch.Size, torch.dtype, torch.device, torch.memory_format, bytes)):
@@ -503,22 +505,24 @@ def vouched_model_class(name: str):
     return None
 
 
-def _model_names(state: Mapping) -> Optional[List[Tuple[str, Any]]]:
-    """``(path, name)`` of every model name fairseq may build from (None: no model config)."""
+def _model_names(state: Mapping, source: str) -> List[Tuple[str, Any]]:
+    """``(path, name)`` of every model name fairseq may build from (none: no model config)."""
     sections = []
     if state.get("args") is not None:
         sections.append(("args", state["args"]))
     cfg = state.get("cfg")
-    if type(cfg) is dict and cfg.get("model") is not None:
-        sections.append(("cfg.model", cfg["model"]))
-    if not sections:
-        return None
+    if cfg is not None:
+        if type(cfg) is not dict:  # (a string would be parsed as YAML by OmegaConf.create)
+            raise UnsafeCheckpointError(f"{source}: refused: cfg = {_shown(cfg)}: not a configuration "
+                                        "(a dict of sections). Nothing in the checkpoint was run.")
+        if cfg.get("model") is not None:
+            sections.append(("cfg.model", cfg["model"]))
     names = []
     for where, section in sections:
+        if type(section) not in (dict, argparse.Namespace):
+            raise UnsafeCheckpointError(f"{source}: refused: {where} = {_shown(section)}: not a model "
+                                        "configuration (a Namespace or dict). Nothing in the checkpoint was run.")
         fields = vars(section) if type(section) is argparse.Namespace else section
-        if type(fields) is not dict:
-            names.append((where, fields))
-            continue
         for field in ("_name", "arch"):
             if fields.get(field) is not None:
                 names.append((f"{where}.{field}", fields[field]))
@@ -528,7 +532,7 @@ def _model_names(state: Mapping) -> Optional[List[Tuple[str, Any]]]:
 
 
 def _check_family(state: Mapping, source: str) -> None:
-    for where, name in _model_names(state) or ():
+    for where, name in _model_names(state, source):
         if type(name) is str and vouched_model_class(name) is not None:
             continue
         raise UnsafeCheckpointError(

@@ -99,6 +99,12 @@ def _legacy_args_layout(state, marker):
     state["args"], state["cfg"] = flat, None
 
 
+def _yaml_configuration(state, marker):
+    model = dict(vars(state["cfg"]["model"]), arch="fconv_iwslt_de_en", _name="fconv_iwslt_de_en",
+                 encoder_layers=payload(marker, "[(32, 3)]"))
+    state["cfg"] = json.dumps({"model": model, "task": state["cfg"]["task"]})  # OmegaConf.create parses it
+
+
 def _lstm_family(state, marker):
     state["cfg"]["model"].arch = state["cfg"]["model"]._name = "lstm_luong_wmt_en_de"
     state["cfg"]["model"].encoder_layers = "1"  # clean: refused for its family alone
@@ -123,6 +129,7 @@ ATTACKS = {
     "shared-reference-bomb": (_shared_reference_bomb, "cfg.model.encoder_layers_to_keep"),
     "cycle": (_cycle, "cfg.common.tensorboard_logdir[0]: it contains itself"),
     "legacy-args": (_legacy_args_layout, "args.adaptive_softmax_cutoff = "),
+    "yaml-configuration": (_yaml_configuration, "cfg = '{"),
     "lstm-family": (_lstm_family, f"cfg.model._name = 'lstm_luong_wmt_en_de'"),
     "pickled-callable": (_pickled_callable, "posix.system"),
     "stride-0-tensor": (_stride_zero_tensor, "['model']['encoder.layers.0.fc1.bias'] declares (1073741824,)"),
@@ -147,7 +154,8 @@ def unguarded_load(path):
         return checkpoint_utils.load_checkpoint_to_cpu.__wrapped__(str(path))
 
 
-@pytest.mark.parametrize("attack", ["bytes-in-fconv", "code-in-evaluated-field", "oc.create-section"])
+@pytest.mark.parametrize("attack", ["bytes-in-fconv", "code-in-evaluated-field", "oc.create-section",
+                                    "yaml-configuration"])
 def test_the_payloads_are_live_without_the_guard(tmp_path, checkpoints, attack):
     """Negative control: unguarded, fairseq's loading runs the payload (so the tests below,
     which check that the file is never created, can fail)."""
