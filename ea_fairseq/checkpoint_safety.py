@@ -191,10 +191,12 @@ class _Walk:
         self.tensor_bytes = 0
         self.dict_config, self.list_config, self.any_node = _omegaconf_classes()
 
-    def refuse(self, path: str, why: str) -> UnsafeCheckpointError:
-        return UnsafeCheckpointError(
-            f"{self.source}: refused: {path}: {why}. A checkpoint's configuration may only hold "
-            "None, booleans, numbers, strings and lists/dicts of them. Nothing in the checkpoint was run.")
+    def refuse(self, path: str, why: str, config: bool = True) -> UnsafeCheckpointError:
+        what = ("A checkpoint's configuration may only hold None, booleans, numbers, strings and "
+                "lists/dicts of them" if config else "Outside its configuration a checkpoint holds tensors "
+                "and plain data, nested at most {LIMIT_DEPTH} deep".format(LIMIT_DEPTH=LIMIT_DEPTH))
+        path = path if len(path) <= 160 else f"{path[:80]}...{path[-60:]}"
+        return UnsafeCheckpointError(f"{self.source}: refused: {path}: {why}. {what}. Nothing in the checkpoint was run.")
 
     def _children(self, node, path: str):
         """``(kind, [(key, child)])`` of a container, or None for a leaf."""
@@ -276,32 +278,35 @@ class _Walk:
         if type(node) in _SCALARS:
             return 1
         if depth > LIMIT_DEPTH:
-            raise self.refuse(path, f"nested more than {LIMIT_DEPTH} deep")
+            raise self.refuse(path, f"nested more than {LIMIT_DEPTH} deep", config=False)
         key = id(node)
         if key in self.sizes:
             return self.sizes[key]
         if key in self.active:
-            raise self.refuse(path, "it contains itself (a cycle)")
+            raise self.refuse(path, "it contains itself (a cycle)", config=False)
         if type(node) in (self.dict_config, self.list_config, self.any_node):
-            raise self.refuse(path, "an omegaconf container outside the configuration")
+            raise self.refuse(path, "an omegaconf container outside the configuration", config=False)
         children = self._children(node, path)
         if children is None:
             if isinstance(node, (torch.Size, torch.dtype, torch.device, torch.memory_format, bytes)):
                 return 1
-            raise self.refuse(path, f"a {type(node).__qualname__} value")
+            raise self.refuse(path, f"a {type(node).__qualname__} value", config=False)
         self.active.add(key)
         size = 1
         for name, child in children[1]:
             size += self.check(child, f"{path}[{name!r}]", depth + 1)
             if size > LIMIT_STATE_NODES:
                 raise self.refuse(path, f"it holds more than {LIMIT_STATE_NODES} values (counting every "
-                                        "reference to a shared container)")
+                                        "reference to a shared container)", config=False)
         self.active.discard(key)
         self.sizes[key] = size
         self.keep.append(node)
         return size
 
     def tensor(self, t: torch.Tensor, path: str) -> None:
+        if t.layout is not torch.strided or t.is_quantized:
+            raise self.refuse(path, f"a {t.layout} tensor{' (quantized)' if t.is_quantized else ''}; "
+                                    "fairseq checkpoints hold dense tensors", config=False)
         storage = t.untyped_storage()
         available = storage.nbytes() - t.storage_offset() * t.element_size()
         declared = t.numel() * t.element_size()

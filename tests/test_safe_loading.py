@@ -7,6 +7,7 @@ import argparse
 import ast
 import json
 import os
+import re
 import time
 
 import pytest
@@ -290,6 +291,16 @@ def test_fairseq_defaults_are_accepted(arch, task, optimizer):
     safety.sanitize({"cfg": {"model": args, "optimizer": {"adam_betas": "(0.9, 0.98)"}}}, "x.pt")
 
 
+@pytest.mark.parametrize("arch", ["fconv_iwslt_de_en", "fconv_self_att_wp", "lstm", "lightconv_iwslt_de_en",
+                                  "wav2vec2", "transformer_lm", "bart_base", "transformer_align", "no_such_arch"])
+@pytest.mark.parametrize("layout", ["arch", "_name", "legacy-args"])
+def test_other_families_are_refused_naming_the_trust_switch(arch, layout):
+    model = argparse.Namespace(**{"_name" if layout == "_name" else "arch": arch})
+    state = {"args": model} if layout == "legacy-args" else {"cfg": {"model": model}}
+    with pytest.raises(safety.UnsafeCheckpointError, match=f"= '{arch}'.*set {safety.TRUST_SWITCH}=1"):
+        safety.sanitize(state, "x.pt")
+
+
 def test_other_families_load_with_the_trust_switch_and_a_warning(tmp_path, checkpoints, monkeypatch, caplog):
     path = crafted(checkpoints["vanilla"], tmp_path / "c.pt", "lstm-family", tmp_path / "pwned")
     with pytest.raises(safety.UnsafeCheckpointError, match=f"set {safety.TRUST_SWITCH}=1"):
@@ -299,6 +310,23 @@ def test_other_families_load_with_the_trust_switch_and_a_warning(tmp_path, check
         state = checkpoint_utils.load_checkpoint_to_cpu(str(path))
     assert state["cfg"].model.arch == "lstm_luong_wmt_en_de"
     assert any(f"{safety.TRUST_SWITCH}=1: loading" in r.getMessage() for r in caplog.records)
+    for attack in ("pickled-callable", "stride-0-tensor"):  # what the switch leaves on
+        path = crafted(checkpoints["vanilla"], tmp_path / "c.pt", attack, tmp_path / "pwned")
+        with pytest.raises(safety.UnsafeCheckpointError, match=re.escape(ATTACKS[attack][1])):
+            checkpoint_utils.load_checkpoint_to_cpu(str(path))
+
+
+def test_compressed_records_are_refused(tmp_path, checkpoints):
+    """torch.save stores records uncompressed, so none can expand beyond the file's size."""
+    import zipfile
+
+    with zipfile.ZipFile(checkpoints["vanilla"]) as src, \
+            zipfile.ZipFile(tmp_path / "c.pt", "w", compression=zipfile.ZIP_DEFLATED) as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info))
+    for load in (checkpoint_utils.load_checkpoint_to_cpu, safety.load_checkpoint):
+        with pytest.raises(safety.UnsafeCheckpointError, match="compressed records"):
+            load(str(tmp_path / "c.pt"))
 
 
 @pytest.mark.parametrize("content,cause", [
