@@ -6,7 +6,8 @@ only after :func:`sanitize` has rebuilt it from what it may contain:
 1. **Pickled objects.** torch's weights-only unpickler reads the file and is never switched
    off; the classes of a fairseq configuration (``argparse.Namespace``; omegaconf containers
    in older checkpoints) are allow-listed only while a checkpoint is read
-   (:func:`checkpoint_globals_allowed`). A file that is empty, truncated or not a torch
+   (:func:`checkpoint_globals_allowed`); records must be stored uncompressed, as torch
+   writes them, so none outgrows the file. A file that is empty, truncated or not a torch
    checkpoint is reported as such (:class:`CorruptCheckpointError`), not as a refusal.
 2. **Plain data only.** The configuration (``args`` and ``cfg``) is rebuilt from ``None``,
    ``bool``, ``int``, ``float``, ``str`` and lists, tuples, dicts and Namespaces of them,
@@ -14,8 +15,9 @@ only after :func:`sanitize` has rebuilt it from what it may contain:
    counted as often as it is referred to (so a configuration whose expansion is huge is
    refused after a linear walk), depth and size bounded. Anything else (``bytes``, an
    omegaconf node of another kind, ...) and any string holding an omegaconf interpolation
-   (``${``) is refused with the field's path. Omegaconf containers are read from their
-   stored content, nothing resolved. The rest of the state (weights, optimizer state) is
+   (``${``) is refused with the field's path; ``cfg`` must be a dict of sections (omegaconf
+   would parse a string as YAML). Omegaconf containers are read from their stored content,
+   nothing resolved. The rest of the state (weights, optimizer state) is
    walked with the same bounds, and every tensor must fit in its storage (an expanded or
    stride-0 view declaring more elements than the file holds is refused).
 3. **Families vouched for.** The model configuration must name an architecture of this

@@ -13,9 +13,9 @@ import time
 import pytest
 import torch
 from fairseq import checkpoint_utils, options, tasks
+from fairseq.models.transformer import TransformerModel
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from fairseq.models.transformer import TransformerModel
 from omegaconf import OmegaConf
 
 from conftest import cli
