@@ -64,8 +64,17 @@ def _code_in_optimizer(state, marker):
     state["cfg"]["optimizer"]["adam_betas"] = payload(marker, "(0.9, 0.98)")
 
 
+def _model_fields(namespace) -> dict:
+    """The fields of a checkpoint's model Namespace that a hydra model config holds."""
+    from fairseq.models import ARCH_MODEL_REGISTRY
+    from ea_fairseq.models.hydra_config import arch_keys, option_actions
+
+    known = set(option_actions(ARCH_MODEL_REGISTRY[namespace.arch])) | set(arch_keys(namespace.arch)) | {"_name"}
+    return {key: value for key, value in vars(namespace).items() if key in known}
+
+
 def _oc_create_section(state, marker):
-    fields = dict(vars(state["cfg"]["model"]), adaptive_softmax_cutoff=payload(marker))
+    fields = dict(_model_fields(state["cfg"]["model"]), adaptive_softmax_cutoff=payload(marker))
     state["cfg"]["model"] = "${oc.create:{" + ", ".join(f"{k}: {_grammar(v)}" for k, v in fields.items()) + "}}"
 
 
@@ -381,13 +390,13 @@ def test_fairseq_transformer_checkpoints_load(tmp_path, checkpoints, tiny_data_b
     model_cfg = state["cfg"]["model"]
     model_cfg.arch = model_cfg._name = "transformer"
     if layout == "hydra-dict":
-        state["cfg"]["model"] = dict(vars(model_cfg))
+        state["cfg"]["model"] = _model_fields(model_cfg)
     elif layout == "legacy-args":
         _legacy_args_layout(state, None)
         state["args"].adaptive_softmax_cutoff = None
     elif layout == "omegaconf-container":
-        state["cfg"] = OmegaConf.create({k: dict(vars(v)) if isinstance(v, argparse.Namespace) else v
-                                         for k, v in state["cfg"].items()}, flags={"allow_objects": True})
+        state["cfg"] = OmegaConf.create(dict(state["cfg"], model=_model_fields(model_cfg)),
+                                        flags={"allow_objects": True})
     torch.save(state, tmp_path / "c.pt")
     (model,), _, _ = checkpoint_utils.load_model_ensemble_and_task(
         [str(tmp_path / "c.pt")], arg_overrides={"data": tiny_data_bin})
