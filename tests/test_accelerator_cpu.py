@@ -9,11 +9,13 @@ import sys
 import pytest
 import torch
 from fairseq.modules import MultiheadAttention
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ea_fairseq import accelerators
 from ea_fairseq.accelerators.cpu import build
 from ea_fairseq.accelerators.cpu import evolving_attention as cpu_ea
 from ea_fairseq.modules import AttentionMapCarrier, EvolvingAttention
+from ea_fairseq.modules.evolving_attention import ConvRowCache, evolving_attention_reference
 
 HEADS = 4
 (ACCELERATOR,) = accelerators.registered("evolving_attention")
@@ -41,17 +43,18 @@ def ea_attention(layout, kernel_size, alpha, dtype, seed=0, hand_on=True):
     return attn.to(dtype)
 
 
-def decode(attn, steps, bsz, src_len, padded, dtype, reorder_at=None, weights=False):
-    """Feed random step logits (fairseq's -inf on padded keys) and previous-layer maps;
-    return every step's A_logit, or with ``weights`` the pair (softmax, value product) as
-    the attention computes it (:meth:`attend_step` where it applies; encoder-decoder values
-    shared by beams of 5 where the batch allows). Beams are reordered once, as in beam search."""
+def decode(attn, steps, bsz, src_len, padded, dtype, backend, reorder_at=None, weights=False):
+    """Feed random step logits (fairseq's -inf on padded keys) and previous-layer maps to
+    ``backend`` (the accelerator or the reference, the operation's same signature); return
+    every step's A_logit (handed on), or with ``weights`` the pair (softmax, value product)
+    (encoder-decoder values shared by beams of 5 where the batch allows). Beams are
+    reordered once, as in beam search."""
     g = torch.Generator().manual_seed(1)
-    state, outs = {}, []
+    cache, outs = ConvRowCache({}), []
     with torch.no_grad():
         for t in range(steps):
             if t == reorder_at:
-                attn.reorder_incremental_state(state, torch.arange(bsz).flip(0).roll(1))
+                cache.reorder(torch.arange(bsz).flip(0).roll(1))
             width = t + 1 if attn.conv.layout == "causal" else src_len
             logits = torch.randn(bsz, HEADS, 1, width, generator=g, dtype=dtype) * 3
             masked = None
@@ -61,22 +64,14 @@ def decode(attn, steps, bsz, src_len, padded, dtype, reorder_at=None, weights=Fa
                 masked = keys[:, None, None, :]
                 logits.masked_fill_(masked, float("-inf"))
             previous = torch.randn(bsz, HEADS, 1, width, generator=g, dtype=dtype)
-            attn.attention_maps.hand_on("self", previous)
-            if not weights:
-                outs.append(attn.transform_logits(logits, masked, None, state).clone())
-                continue
             beams = 5 if layout_shares_values(attn) and bsz % 5 == 0 else 1
-            v = torch.randn(bsz // beams * HEADS, width, attn.head_dim, generator=g, dtype=dtype)
-            step = attn.attend_step(logits, masked, v, state)
-            if accelerators.lookup("evolving_attention", logits) is not None:
-                assert step is not None, "the fused step did not compute the attention"
-                context, probs = step
-            else:
-                assert step is None
-                probs = attn.transform_logits(logits, masked, None, state).softmax(-1)
-                context = torch.einsum("kbhts,khsd->tkbhd", probs.view(bsz // beams, beams, HEADS, 1, width),
-                                       v.view(bsz // beams, HEADS, width, -1)).reshape(1, bsz, -1)
-            outs.append((probs.clone(), context.clone()))
+            v = None
+            if weights:
+                v = torch.randn(bsz // beams * HEADS, width, attn.head_dim, generator=g, dtype=dtype)
+            out = backend(logits, previous if attn.alpha > 0 else None, masked, masked, attn.params(),
+                          cache=cache, values=v, hand_on=not weights)
+            assert out is not NotImplemented, "the accelerator did not take the step"
+            outs.append((out.probs.clone(), out.context.clone()) if weights else out.logits.clone())
     return outs
 
 
@@ -98,9 +93,9 @@ def test_accelerated_step_equals_the_reference(kernel, monkeypatch, layout, kern
     monkeypatch.setattr(cpu_ea, "STEP_VALUES_MAX_BATCH", 10**6)
     attn = ea_attention(layout, kernel_size, alpha, dtype, hand_on=not weights)
     steps, src_len = 6, 9
-    got = decode(attn, steps, bsz, src_len, padded, dtype, reorder_at=3, weights=weights)
-    with accelerators.reference_only():
-        want = decode(attn, steps, bsz, src_len, padded, dtype, reorder_at=3, weights=weights)
+    got = decode(attn, steps, bsz, src_len, padded, dtype, ACCELERATOR, reorder_at=3, weights=weights)
+    want = decode(attn, steps, bsz, src_len, padded, dtype, evolving_attention_reference,
+                  reorder_at=3, weights=weights)
     tol = 1e-4 if dtype == torch.float32 else 1e-10
     for g, w in zip(got, want):
         if weights:  # masked keys weigh exactly 0, rows sum to 1; then the value products
@@ -127,14 +122,17 @@ def test_the_accelerator_runs_only_where_it_applies(kernel):
     with accelerators.reference_only():
         assert accelerators.lookup("evolving_attention", logits) is None
     assert accelerators.lookup("evolving_attention", logits) is ACCELERATOR
-    attn = ea_attention("causal", 3, 0.0, torch.float32)
+    params = ea_attention("causal", 3, 0.0, torch.float32).params()
+
+    def step(logits, masked=None):
+        return ACCELERATOR(logits, None, masked, masked, params, cache=ConvRowCache({}))
+
     with torch.no_grad():  # several rows, or a mask per head: the reference
-        assert ACCELERATOR.step(torch.zeros(2, HEADS, 3, 5), None, None, None, None, attn.conv, 0.0, 0.1) is None
-        per_head = torch.zeros(2, HEADS, 1, 5, dtype=torch.bool)
-        assert ACCELERATOR.step(logits, None, per_head, None, None, attn.conv, 0.0, 0.1) is None
-        assert ACCELERATOR.step(logits.clone(), None, None, None, None, attn.conv, 0.0, 0.1) is not None
+        assert step(torch.zeros(2, HEADS, 3, 5)) is NotImplemented
+        assert step(logits, torch.zeros(2, HEADS, 1, 5, dtype=torch.bool)) is NotImplemented
+        assert step(logits.clone()) is not NotImplemented
     # with autograd on (training, gradient-based analysis) the ops must be autograd's
-    assert ACCELERATOR.step(logits, None, None, None, None, attn.conv, 0.0, 0.1) is None
+    assert step(logits) is NotImplemented
 
 
 @pytest.mark.parametrize("layout,beams,fused_above_limit", [
@@ -148,8 +146,20 @@ def test_which_large_steps_take_torch_softmax_and_matmul(kernel, layout, beams, 
     for bsz, fused_values in ((limit, True), (limit + beams, fused_above_limit)):
         logits = torch.randn(bsz, HEADS, 1, 6)
         v = torch.randn(bsz // beams * HEADS, 6, attn.head_dim)
-        with torch.no_grad():
-            assert (attn.attend_step(logits, None, v, {}) is not None) == fused_values
+        with torch.no_grad(), SoftmaxSeen() as seen:
+            out = ACCELERATOR(logits, None, None, None, attn.params(), cache=ConvRowCache({}), values=v)
+        assert out.context.shape == (1, bsz, 16)
+        assert seen.softmax != fused_values  # torch's softmax where the kernel does not fuse
+
+
+class SoftmaxSeen(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.softmax = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.softmax |= func is torch.ops.aten._softmax.default
+        return func(*args, **(kwargs or {}))
 
 
 def cpu_flags() -> set:

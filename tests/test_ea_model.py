@@ -166,3 +166,22 @@ def test_table6_rows_are_expressible():
         assert all(ks == (k, k) for ks in convs.values())
         assert model.encoder.layers[0].self_attn.alpha == (0.0 if "--ea-alpha" in extra else 0.1)
         assert model.decoder.layers[0].self_attn.alpha == 0.0  # paper §4.3: no decoder skip
+
+
+def test_mechanism_classes_built_directly_work_or_name_the_way():
+    """``EvolvingAttention(16, 4, self_attention=True)`` names the options it needs and how
+    the models build it; given them, the module attends on its own (no stack: no previous
+    map); PA likewise; RAN, which reads its stack's matrices, names its stack."""
+    from ea_fairseq.modules import EvolvingAttention, PredictiveAttention, RecurrentAttention
+
+    x = torch.randn(5, 2, 16)
+    with pytest.raises(TypeError, match=r"needs its mechanism's options \['slot', 'alpha'.*promote"):
+        EvolvingAttention(16, 4, self_attention=True)
+    attn = EvolvingAttention(16, 4, self_attention=True, slot="self", alpha=0.3, beta=0.5,
+                             kernel_size=3, conv_layout="full", hand_on=True)
+    out, weights = attn(x, x, x)
+    assert out.shape == (5, 2, 16) and torch.allclose(weights.sum(-1), torch.ones(2, 5))
+    pa = PredictiveAttention(16, 4, self_attention=True, alpha=0.1, conv_layers=1, predict=True)
+    assert pa(x, x, x)[0].shape == (5, 2, 16)
+    with pytest.raises(RuntimeError, match="build it in an encoder or decoder"):
+        RecurrentAttention(16, 4)(x, x, x)

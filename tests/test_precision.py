@@ -19,7 +19,7 @@ from fairseq.sequence_generator import SequenceGenerator
 
 from conftest import (beam_reorder_gap, build_model, causality_gap, decoder_out,
                       incremental_logprobs, random_batch)
-from ea_fairseq.modules import AttentionMapConv, EvolvingAttention
+from ea_fairseq.modules import EvolvingAttention
 
 SMALL = ("--encoder-layers", "2", "--decoder-layers", "2", "--dropout", "0.0",
          "--attention-dropout", "0.0")
@@ -261,9 +261,9 @@ def test_ea_fp16_stays_finite_with_trained_scale_logits(dictionary, monkeypatch,
     model = build_model("ea_transformer_lite", *SMALL, "--ea-alpha", "0.5", "--ea-beta", "0.5",
                         "--ea-decoder-alpha", decoder_alpha)[0]
     conv_inputs = []  # what every map convolution reads (the reference's or an accelerator's)
-    convolve = AttentionMapConv.convolve_uncropped
-    monkeypatch.setattr(AttentionMapConv, "convolve_uncropped",
-                        lambda self, maps, *a: conv_inputs.append(maps.detach()) or convolve(self, maps, *a))
+    conv2d = F.conv2d  # every map convolution, the reference's and the accelerator's
+    monkeypatch.setattr(F, "conv2d",
+                        lambda maps, *a, **k: conv_inputs.append(maps.detach()) or conv2d(maps, *a, **k))
     src, lengths, prev = random_batch(dictionary, [3, 9, 6], 7)
 
     def largest_map_entry():

@@ -1,11 +1,14 @@
 """Accelerators: faster implementations of a mechanism's equations on some devices and dtypes.
 
 Every mechanism computes its equation once, in plain PyTorch, in its own module (the
-reference: device- and dtype-agnostic, autocast-friendly, the code the tests prove exact).
-An accelerator computes the same values and gradients faster where it can: it registers
-under the mechanism's name for a device type and a set of dtypes, and the mechanism asks
-:func:`lookup` for one on every call; where none applies (another device or dtype, one that
-could not be built, or accelerators switched off) the reference runs. Nothing
+reference: device- and dtype-agnostic, autocast-friendly, the code the tests prove exact),
+behind one operation with a fixed signature (EA:
+:func:`ea_fairseq.modules.evolving_attention.evolving_attention`). An accelerator
+implements that same signature, faster where it can, with the same values and gradients:
+it registers under the operation's name for a device type and a set of dtypes, and the
+operation asks :func:`lookup` for one on every call; where none applies (another device or
+dtype, one that could not be built, accelerators switched off, or the accelerator returns
+``NotImplemented`` for the call's shapes) the reference runs. Nothing
 device-specific lives in a mechanism's own module, and tests hold each accelerator to the
 reference (``tests/test_accelerator_*.py``).
 
@@ -15,8 +18,8 @@ Registered here:
   convolution and a fused decoding step (:mod:`ea_fairseq.accelerators.cpu`).
 
 Switches: ``EA_FAIRSEQ_ACCELERATORS=0`` in the environment runs the reference everywhere
-(read once per process); :func:`reference_only` does so within a ``with`` block (analysis
-recording uses it, as the reference is where a mechanism's intermediate maps exist).
+(read once per process); :func:`reference_only` does so within a ``with`` block (the tests
+compare both that way).
 """
 import os
 import threading
@@ -29,9 +32,9 @@ ENV_SWITCH = "EA_FAIRSEQ_ACCELERATORS"
 
 
 class Accelerator:
-    """Base class: what a mechanism's accelerator declares. Subclasses add the operations
-    the mechanism calls (documented by the mechanism) and may refuse a call's shapes by
-    returning None from them (the mechanism then runs its reference)."""
+    """Base class: what an operation's accelerator declares. Subclasses are called with the
+    operation's signature and may refuse a call by returning ``NotImplemented`` (the
+    operation then runs its reference)."""
 
     device_type: str = "cpu"
     dtypes: FrozenSet[torch.dtype] = frozenset()

@@ -188,8 +188,8 @@ def count_map_conv(conv: AttentionMapConv, tgt: int, src: int) -> Counts:
     """One convolution of a ``heads x tgt x src`` map to a map of the same size."""
     out_elements = conv.out_channels * tgt * src
     counts = Counts().add("map_conv", out_elements * conv.in_channels * math.prod(conv.kernel_size))
-    if conv.kernel_mask is not None:
-        counts.add("elementwise", conv.weight.numel())  # weight * kernel_mask
+    if conv.layout == "causal":
+        counts.add("elementwise", conv.weight.numel())  # the kernel's masked taps
     return counts
 
 

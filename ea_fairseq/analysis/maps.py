@@ -12,8 +12,8 @@
   which :meth:`AttentionCapture.record` receives with the layer and slot it watches: EA its ``dot_product``, ``convolution`` and ``logits`` per layer
   (EA Fig. 11), PA its ``prediction``, RAN its input-independent ``recurrent`` logits (HC-SA
   ``gaussian``, Syn-R ``synthesized``). The
-  capture is generic over these keys. The pass runs the mechanisms' reference
-  implementations (:func:`ea_fairseq.accelerators.reference_only`), where those maps exist.
+  capture is generic over these keys. The maps are the same whichever backend computes a
+  mechanism (a mechanism asks its operation for them while a hook listens).
 
 Names: an *attention* is ``encoder.self``, ``decoder.self`` or ``decoder.cross``; a
 *kind* is ``weights`` or a reported map's key. Arrays are ``(layers, heads, queries, keys)``;
@@ -26,7 +26,6 @@ self-attention keys.
 import json
 import logging
 import os
-from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
@@ -36,7 +35,6 @@ import torch
 from fairseq.modules import MultiheadAttention
 from torch import Tensor
 
-from .. import accelerators
 from . import ATTENTIONS
 from ..modules.attention_maps import AttentionMechanism
 from ..modules.position_attention import PositionAttention
@@ -119,15 +117,12 @@ class AttentionCapture:
     def __init__(self, model, mechanism_maps: bool = True):
         self.model = model
         self.mechanism_maps = mechanism_maps  # also collect the mechanisms' intermediate maps
-        self._stack = ExitStack()
         self._handles = []
         self._maps: Dict[str, Dict[str, Dict[int, Tensor]]] = {}  # attention -> kind -> layer
         self._weights: Dict[str, Dict[int, Tensor]] = {}
         self._skip_flags = []
 
     def __enter__(self):
-        if self.mechanism_maps:
-            self._stack.enter_context(accelerators.reference_only())
         for stack_name in ("encoder", "decoder"):
             stack = getattr(self.model, stack_name, None)
             for layer_index, layer in enumerate(getattr(stack, "layers", ())):
@@ -141,7 +136,6 @@ class AttentionCapture:
             h.remove()
         for module, flag in self._skip_flags:
             module.skip_embed_dim_check = flag
-        self._stack.close()
         return False
 
     def _watch(self, module, stack_name: str, layer_index: int) -> None:

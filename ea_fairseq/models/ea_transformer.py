@@ -148,6 +148,12 @@ class EATransformerDecoder(AttentionMapsMixin, ListedStateHolders, TransformerDe
         layer = EATransformerDecoderLayer(cfg, no_encoder_attn, self.next_layer_index())
         return wrap_layer(layer, cfg)
 
+    def buffered_future_mask(self, tensor):
+        """fairseq's future mask, the same tensor for every layer of a pass (fairseq slices
+        its buffer anew per layer), so the mechanisms derive their masks from it once."""
+        return self.attention_maps.shared(f"future_mask_{tensor.size(0)}", (),
+                                          lambda: super(EATransformerDecoder, self).buffered_future_mask(tensor))
+
     def extract_features(self, prev_output_tokens, encoder_out=None, incremental_state=None,
                          full_context_alignment: bool = False, alignment_layer=None,
                          alignment_heads=None):

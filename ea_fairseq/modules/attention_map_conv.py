@@ -17,10 +17,18 @@ three layouts of the EA paper's Figure 3:
 Inputs are expected to hold neutral zeros wherever the attention is masked (padding,
 future positions): with fairseq's left-padded sources a padded column then looks exactly
 like the convolution's own zero border, so a sentence's map does not depend on what it
-was batched with. Incremental decoding passes the cached previous rows itself
-(``pad_rows=False``). One ``F.conv2d`` call per map (cuDNN on CUDA, oneDNN on CPU).
+was batched with.
+
+:func:`convolve` computes exactly the ``tgt x src`` outputs, in one ``F.conv2d`` call
+(cuDNN on CUDA, oneDNN on CPU): the shifts' one-sided zero border is folded into the kernel
+(:func:`layout_kernel`: ``k - 1`` zero rows below it for the shift along the target axis,
+``k - 1`` zero columns right of it for the causal column shift), so the convolution's own
+symmetric padding gives the shifted output with nothing computed and cropped. In
+incremental decoding the caller supplies the ``k - 1`` earlier rows on top of the new ones,
+which are the top border.
 """
-import torch
+from typing import Optional, Tuple
+
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
@@ -28,57 +36,58 @@ from torch import Tensor
 LAYOUTS = ("full", "causal", "rows")
 
 
+def check_layout(layout: str, kernel_size: int) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if kernel_size < 1 or kernel_size % 2 == 0:
+        raise ValueError(f"the attention-map kernel size must be odd and >= 1, got {kernel_size}")
+
+
+def layout_kernel(weight: Tensor, layout: str, rows_given: bool = False) -> Tuple[Tensor, Tuple[int, int]]:
+    """``(kernel, padding)`` for ``F.conv2d`` that convolve a map in ``layout`` with
+    ``weight`` (H, H, k, k) and return exactly its ``tgt x src`` outputs; with
+    ``rows_given`` the map carries the ``k - 1`` rows before its first output row on top
+    (incremental decoding) and the result has ``k - 1`` rows fewer than the map.
+
+    Taps in the zero rows (columns) appended to the kernel meet the symmetric padding's
+    bottom rows (right columns) only: what remains is the one-sided shift of Fig. 3.
+    """
+    k = weight.size(-1)
+    half, full = k // 2, k - 1
+    if layout == "full":
+        return weight, (half, half)
+    if layout == "causal":
+        weight = weight.tril()  # keep taps (a, b) with b <= a: the lower triangle
+        if rows_given:
+            return F.pad(weight, (0, full)), (0, full)
+        return F.pad(weight, (0, full, 0, full)), (full, full)
+    if rows_given:  # rows
+        return weight, (0, half)
+    return F.pad(weight, (0, 0, 0, full)), (full, half)
+
+
+def convolve(maps: Tensor, kernel: Tensor, bias: Optional[Tensor], padding: Tuple[int, int]) -> Tensor:
+    """The map convolution, with a kernel and padding from :func:`layout_kernel`."""
+    return F.conv2d(maps, kernel, bias, padding=padding)
+
+
 class AttentionMapConv(nn.Conv2d):
     """``k x k`` heads-to-heads convolution of an attention map, in one of :data:`LAYOUTS`.
 
     A subclass of ``nn.Conv2d`` for its parameters, initialisation and state-dict names;
-    the padding (and the shift it implements) is applied in :meth:`forward`.
+    the layout's padding (and the shift it implements) is applied in :meth:`forward`.
     """
 
     def __init__(self, heads: int, kernel_size: int, layout: str):
-        if layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-        if kernel_size < 1 or kernel_size % 2 == 0:
-            raise ValueError(f"the attention-map kernel size must be odd and >= 1, got {kernel_size}")
+        check_layout(layout, kernel_size)
         super().__init__(heads, heads, kernel_size, padding=0)
         self.layout = layout
-        k = kernel_size
-        if layout == "causal":
-            # keep taps (a, b) with b <= a: the kernel's lower triangle, diagonal included
-            self.register_buffer("kernel_mask", torch.ones(k, k).tril(), persistent=False)
-        else:
-            self.kernel_mask = None
-        half, full = k // 2, k - 1
-        # (top, bottom) and (left, right) zero padding: the shift of Fig. 3 is asymmetric padding
-        self.row_padding = (full, 0) if layout in ("causal", "rows") else (half, half)
-        self.col_padding = (full, 0) if layout == "causal" else (half, half)
 
-    @property
-    def rows_needed(self) -> int:
-        """How many earlier target rows one output row reads (the incremental cache size)."""
-        return self.kernel_size[0] - 1
-
-    def forward(self, maps: Tensor, pad_rows: bool = True) -> Tensor:
-        """``maps`` is (batch, heads, tgt, src); returns the convolved map of the same size.
-
-        With ``pad_rows=False`` the caller supplies the ``rows_needed`` earlier rows on top
-        of the rows to compute (incremental decoding) and gets ``tgt - rows_needed`` rows.
-        """
-        rows = maps.size(2) - (0 if pad_rows else self.rows_needed)
-        return self.convolve_uncropped(maps, pad_rows)[:, :, :rows, : maps.size(3)]
-
-    def convolve_uncropped(self, maps: Tensor, pad_rows: bool = True) -> Tensor:
-        """The convolution with symmetric zero padding, whose ``[:, :, :rows, :src]`` is
-        :meth:`forward`'s result: a one-sided (shifted) padding is symmetric padding with
-        the surplus rows and columns cropped, which saves a padded copy of the map."""
-        top, bottom = self.row_padding if pad_rows else (0, 0)
-        left, right = self.col_padding
-        return F.conv2d(maps, self.masked_weight(), self.bias,
-                        padding=(max(top, bottom), max(left, right)))
-
-    def masked_weight(self) -> Tensor:
-        """The kernel with the causal layout's masked taps zeroed (the kernel itself otherwise)."""
-        return self.weight if self.kernel_mask is None else self.weight * self.kernel_mask
+    def forward(self, maps: Tensor) -> Tensor:
+        """``maps`` is (batch, heads, tgt, src); returns the convolved map of the same size."""
+        kernel, padding = layout_kernel(self.weight, self.layout)
+        return convolve(maps, kernel, self.bias, padding)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", layout={self.layout}"
+

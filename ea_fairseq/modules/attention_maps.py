@@ -14,8 +14,12 @@ output. :class:`LogitMapAttention` is the one place where that map is exposed:
   its intermediate maps to whoever registered a hook for them
   (:meth:`LogitMapAttention.register_map_hook`: the analysis tool), at no cost otherwise;
 * softmax, :meth:`drop_weights` (attention dropout), the value product and the output
-  projection follow, as in fairseq. In a decoding step a mechanism may compute the
-  weights and the value product in one go instead (:meth:`LogitMapAttention.attend_step`).
+  projection follow, as in fairseq. A mechanism that computes the weights and the value
+  product itself overrides :meth:`LogitMapAttention.attend_logits` (everything after QK^T)
+  instead.
+
+The boolean masks every layer derives alike from the pass's padding and future masks are
+computed once per forward pass of the stack (:meth:`AttentionMapCarrier.shared`).
 
 A fairseq-built ``MultiheadAttention`` becomes a mechanism in place with
 :meth:`LogitMapAttention.promote`: parameters, their names in the state dict and their
@@ -24,15 +28,24 @@ What does not depend on where the logits come from (carrier, map hooks, dropout,
 and value product, the mechanism's cache) is :class:`AttentionMechanism`, which RAN's
 attention, a module of its own without query and key projections, shares.
 """
+import inspect
 from collections import OrderedDict
 from contextlib import contextmanager
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple, TypeVar
 
 import torch
 import torch.nn.functional as F
 from fairseq.modules import MultiheadAttention
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
+
+T = TypeVar("T")
+
+
+def shared_in_pass(carrier: Optional["AttentionMapCarrier"], name: str,
+                   inputs: Tuple[Optional[Tensor], ...], compute: Callable[[], T]) -> T:
+    """:meth:`AttentionMapCarrier.shared`, or ``compute()`` for a module without a stack."""
+    return compute() if carrier is None else carrier.shared(name, inputs, compute)
 
 
 class AttentionMapCarrier:
@@ -47,14 +60,28 @@ class AttentionMapCarrier:
 
     def __init__(self):
         self._last: Dict[str, Tensor] = {}
+        self._shared: List[Tuple[str, Tuple[Optional[Tensor], ...], object]] = []
 
     @contextmanager
     def scope(self):
         self._last.clear()
+        self._shared.clear()
         try:
             yield self
         finally:
             self._last.clear()
+            self._shared.clear()
+
+    def shared(self, name: str, inputs: Tuple[Optional[Tensor], ...], compute: Callable[[], T]) -> T:
+        """``compute()``, once per forward pass for the same ``inputs`` (the same tensor
+        objects): what every layer of the stack derives alike from the pass's masks."""
+        for entry_name, entry_inputs, value in self._shared:
+            if entry_name == name and len(entry_inputs) == len(inputs) and all(
+                    a is b for a, b in zip(entry_inputs, inputs)):
+                return value
+        value = compute()
+        self._shared.append((name, inputs, value))
+        return value
 
     def previous(self, slot: str) -> Optional[Tensor]:
         """The logits the previous layer handed on for ``slot`` (None in the first layer)."""
@@ -92,9 +119,9 @@ class AttentionMechanism:
         """Call ``hook(maps)`` with the mechanism's intermediate maps (B, H, T, S) of every
         forward pass that computes them; whoever registers the hook knows which layer and
         slot it watches (the analysis tool binds them: ``AttentionCapture.record``).
-        Masked entries hold zeros. The maps exist in the mechanisms' reference
-        implementations, so run the hooked passes inside
-        :func:`ea_fairseq.accelerators.reference_only`. Returns a handle with ``remove()``."""
+        Masked entries hold zeros. The same maps whichever backend computes the mechanism
+        (a mechanism asks its operation for them while a hook listens). Returns a handle
+        with ``remove()``."""
         handle = RemovableHandle(self._map_hooks)
         self._map_hooks[handle.id] = hook
         return handle
@@ -130,32 +157,9 @@ class AttentionMechanism:
         ``logits`` is (B, H, T, S) with -inf where masked; ``v`` is (B_kv * H, S, head_dim).
         Returns fairseq's ``(attn, weights)`` pair.
         """
-        # softmax in at least float32 (fp16/bf16 upcast, as fairseq), double stays double;
-        # the weights meet the values in the values' dtype
-        if logits.dtype in (torch.float32, torch.float64):
-            probs_float = logits.softmax(-1)  # (one decoding step: no casts to pay for)
-        else:
-            probs_float = logits.softmax(-1, dtype=torch.float32)
-        probs = probs_float if probs_float.dtype == v.dtype else probs_float.to(v.dtype)
-        attn = self._attend(self.drop_weights(probs), v, bsz, tgt_len)
-        return attn, fairseq_weights(probs_float, need_weights, need_head_weights)
-
-    def _attend(self, probs: Tensor, v: Tensor, bsz: int, tgt_len: int) -> Tensor:
-        """Weighted sum of values and output projection; ``probs`` is (B, H, T, S)."""
-        heads, src_len = self.num_heads, probs.size(-1)
-        kv_bsz = v.size(0) // heads
-        v = v.view(kv_bsz, heads, src_len, self.head_dim)
-        if kv_bsz != bsz:
-            # beam search shares the encoder's keys/values across a sentence's beams: the
-            # beams' rows go into one matmul per sentence and head (a broadcasting matmul
-            # would copy v once per beam)
-            beams = bsz // kv_bsz
-            rows = probs.view(kv_bsz, beams, heads, tgt_len, src_len).transpose(1, 2)
-            out = torch.matmul(rows.reshape(kv_bsz, heads, beams * tgt_len, src_len), v)
-            out = out.view(kv_bsz, heads, beams, tgt_len, self.head_dim).permute(3, 0, 2, 1, 4)
-        else:
-            out = torch.matmul(probs, v).permute(2, 0, 1, 3)  # (T, B, H, head_dim)
-        return self.out_proj(out.reshape(tgt_len, bsz, self.embed_dim))
+        probs_float, probs = attention_weights(logits, v.dtype)
+        context = value_product(self.drop_weights(probs), v, bsz, tgt_len)
+        return self.out_proj(context), fairseq_weights(probs_float, need_weights, need_head_weights)
 
     # -- incremental state of a mechanism ----------------------------------------------
     def get_mechanism_state(self, incremental_state) -> Dict[str, Optional[Tensor]]:
@@ -184,32 +188,61 @@ class LogitMapAttention(AttentionMechanism, MultiheadAttention):
     """``MultiheadAttention`` with a hook on its logit map (see module docstring).
 
     With the identity :meth:`transform_logits` and plain dropout it computes exactly
-    fairseq's attention; mechanisms subclass it.
+    fairseq's attention; mechanisms subclass it. Built either from a fairseq-built module
+    (:meth:`promote`, what the models do) or directly, with ``MultiheadAttention``'s
+    arguments and the mechanism's options as keywords
+    (``EvolvingAttention(16, 4, self_attention=True, slot="self", alpha=0.0, beta=0.1,
+    kernel_size=3, conv_layout="causal", hand_on=False)``).
     """
+
+    def __init__(self, *args, **kwargs):
+        options = {k: kwargs.pop(k) for k in list(kwargs) if k in self.mechanism_options()}
+        missing = [k for k, p in inspect.signature(self.setup_mechanism).parameters.items()
+                   if p.default is inspect.Parameter.empty and k not in options
+                   and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+        if missing:
+            raise TypeError(
+                f"{type(self).__name__} needs its mechanism's options {missing} as keywords, "
+                f"after MultiheadAttention's arguments (e.g. {type(self).__name__}(16, 4, "
+                f"self_attention=True, {', '.join(f'{k}=...' for k in missing)})); or build it "
+                f"from a fairseq MultiheadAttention with {type(self).__name__}.promote(attn, ...), "
+                "as the models of this plugin do."
+            )
+        super().__init__(*args, **kwargs)
+        self._become_mechanism(options)
+
+    @classmethod
+    def mechanism_options(cls):
+        return [k for k, p in inspect.signature(cls.setup_mechanism).parameters.items()
+                if k != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
 
     @classmethod
     def promote(cls, attn: MultiheadAttention, **options) -> "LogitMapAttention":
         """Turn a fairseq-built ``MultiheadAttention`` into ``cls`` in place."""
         if not isinstance(attn, MultiheadAttention):
             raise TypeError(f"expected a fairseq MultiheadAttention, got {type(attn).__name__}")
-        if attn.bias_k is not None or attn.add_zero_attn:
+        attn.__class__ = cls
+        attn._become_mechanism(options)
+        return attn
+
+    def _become_mechanism(self, options) -> None:
+        cls = type(self)
+        if self.bias_k is not None or self.add_zero_attn:
             raise ValueError(
                 f"{cls.__name__} works on the token-by-token attention map and cannot take "
                 "the extra key column of --add-bias-kv / --add-zero-attn; drop those options."
             )
-        if getattr(attn, "use_xformers", False):
+        if getattr(self, "use_xformers", False):
             raise ValueError(
                 f"{cls.__name__} needs the attention logits, which xformers attention does "
                 "not expose; drop --encoder/--decoder-xformers-att-config."
             )
-        attn.__class__ = cls
-        attn.init_mechanism()
+        self.init_mechanism()
         # fairseq's fused training path (F.multi_head_attention_forward) ignores
         # before_softmax; skipping the embed-dim check is what routes every call through
         # the path that returns the logits.
-        attn.skip_embed_dim_check = True
-        attn.setup_mechanism(**options)
-        return attn
+        self.skip_embed_dim_check = True
+        self.setup_mechanism(**options)
 
     def setup_mechanism(self, **options) -> None:
         """Add the mechanism's own parameters and settings (subclasses)."""
@@ -238,18 +271,22 @@ class LogitMapAttention(AttentionMechanism, MultiheadAttention):
         """
         return fill_masked_(logits, masked, float("-inf"))
 
-    def attend_step(self, logits: Tensor, masked: Optional[Tensor], v: Tensor,
-                    incremental_state) -> Optional[Tuple[Tensor, Tensor]]:
-        """One decoding step's attention after QK^T in one go, or None (here: always) for
-        :meth:`transform_logits`, softmax, :meth:`drop_weights` and the value product.
+    def attend_logits(self, logits: Tensor, masked: Optional[Tensor],
+                      query_padding_mask: Optional[Tensor], v: Tensor, incremental_state,
+                      bsz: int, tgt_len: int, need_weights: bool, need_head_weights: bool):
+        """Everything after QK^T: fairseq's ``(attn, weights)`` pair. Here
+        :meth:`transform_logits`, then softmax, dropout, values and output projection
+        (:meth:`attend_with`); a mechanism that computes the weights and the value product
+        itself overrides this."""
+        logits = self.transform_logits(logits, masked, query_padding_mask, incremental_state)
+        return self.attend_with(logits, v, bsz, tgt_len, need_weights, need_head_weights)
 
-        ``logits``, ``masked`` as for :meth:`transform_logits` (a step has no padded query
-        rows), ``v`` (B_kv * H, S, head_dim) as for :meth:`attend_with`. Returns
-        ``(context, weights)``: the value product (T, B, embed_dim), the output projection's
-        input, and the weights ``softmax(transform_logits(...))`` (B, H, T, S). Only called
-        where :meth:`drops_weights` is False.
-        """
-        return None
+    def neutral_entries(self, masked: Optional[Tensor], query_padding_mask: Optional[Tensor]):
+        """:func:`neutral_entries`, computed once per pass of the stack."""
+        if masked is None or query_padding_mask is None:
+            return neutral_entries(masked, query_padding_mask)
+        return shared_in_pass(self.attention_maps, "neutral", (masked, query_padding_mask),
+                              lambda: neutral_entries(masked, query_padding_mask))
 
     # -- forward -------------------------------------------------------------------------
     def forward(
@@ -268,11 +305,11 @@ class LogitMapAttention(AttentionMechanism, MultiheadAttention):
         tgt_len, bsz, _ = query.size()
         # Where the padding mask covers every key -- a full pass, or the encoder's keys in a
         # decoding step (static_kv: the caller hands them, and their mask, to every step) --
-        # the padded keys are masked once, in place, by transform_logits (or attend_step);
-        # fairseq would mask them out of place first, only for a mechanism to overwrite the
-        # same entries again. Otherwise (decoder self-attention steps, whose cached keys
-        # fairseq pads itself; any other mask shape) fairseq masks them and masked_entries
-        # reads its -inf back.
+        # the padded keys are masked once, in place, by the mechanism; fairseq would mask
+        # them out of place first, only for a mechanism to overwrite the same entries
+        # again. Otherwise (decoder self-attention steps, whose cached keys fairseq pads
+        # itself; any other mask shape) fairseq masks them and masked_entries reads its
+        # -inf back.
         own_padding = (
             (incremental_state is None or static_kv) and key_padding_mask is not None
             and key is not None and key_padding_mask.shape == (bsz, key.size(0))
@@ -289,19 +326,15 @@ class LogitMapAttention(AttentionMechanism, MultiheadAttention):
             before_softmax=True,
         )
         logits = logits.view(bsz, self.num_heads, tgt_len, -1)
-        masked = masked_entries(logits, key_padding_mask, attn_mask)
-        if incremental_state is not None and not before_softmax and not self.drops_weights():
-            step = self.attend_step(logits, masked, v, incremental_state)
-            if step is not None:
-                context, probs = step
-                return self.out_proj(context), fairseq_weights(probs, need_weights, need_head_weights)
+        masked = masked_entries(logits, key_padding_mask, attn_mask, self.attention_maps)
         query_padding_mask = None
         if self.self_attention and incremental_state is None and key_padding_mask is not None:
             query_padding_mask = key_padding_mask.to(torch.bool)
-        logits = self.transform_logits(logits, masked, query_padding_mask, incremental_state)
         if before_softmax:
+            logits = self.transform_logits(logits, masked, query_padding_mask, incremental_state)
             return logits.view(bsz * self.num_heads, tgt_len, -1), v
-        return self.attend_with(logits, v, bsz, tgt_len, need_weights, need_head_weights)
+        return self.attend_logits(logits, masked, query_padding_mask, v, incremental_state,
+                                  bsz, tgt_len, need_weights, need_head_weights)
 
     def reorder_incremental_state(self, incremental_state, new_order: Tensor):
         """Reorder fairseq's key/value cache, then the mechanism's own cache.
@@ -314,6 +347,36 @@ class LogitMapAttention(AttentionMechanism, MultiheadAttention):
         return super().reorder_incremental_state(incremental_state, new_order)
 
 
+def attention_weights(logits: Tensor, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """``(softmax in at least float32, the same in dtype)`` of logits with -inf where
+    masked: fp16/bf16 logits upcast as fairseq does, double stays double; the weights meet
+    the values in the values' ``dtype``."""
+    if logits.dtype in (torch.float32, torch.float64):
+        probs_float = logits.softmax(-1)
+    else:
+        probs_float = logits.softmax(-1, dtype=torch.float32)
+    return probs_float, probs_float if probs_float.dtype == dtype else probs_float.to(dtype)
+
+
+def value_product(probs: Tensor, v: Tensor, bsz: int, tgt_len: int) -> Tensor:
+    """The weighted sum of values, (T, B, H * head_dim): the output projection's input.
+    ``probs`` is (B, H, T, S), ``v`` (B_kv * H, S, head_dim)."""
+    heads, src_len = probs.size(1), probs.size(-1)
+    kv_bsz, head_dim = v.size(0) // heads, v.size(-1)
+    v = v.view(kv_bsz, heads, src_len, head_dim)
+    if kv_bsz != bsz:
+        # beam search shares the encoder's keys/values across a sentence's beams: the
+        # beams' rows go into one matmul per sentence and head (a broadcasting matmul
+        # would copy v once per beam)
+        beams = bsz // kv_bsz
+        rows = probs.view(kv_bsz, beams, heads, tgt_len, src_len).transpose(1, 2)
+        out = torch.matmul(rows.reshape(kv_bsz, heads, beams * tgt_len, src_len), v)
+        out = out.view(kv_bsz, heads, beams, tgt_len, head_dim).permute(3, 0, 2, 1, 4)
+    else:
+        out = torch.matmul(probs, v).permute(2, 0, 1, 3)  # (T, B, H, head_dim)
+    return out.reshape(tgt_len, bsz, heads * head_dim)
+
+
 def fairseq_weights(probs: Tensor, need_weights: bool, need_head_weights: bool) -> Optional[Tensor]:
     """The weights fairseq's attention returns: per head (heads x batch x tgt x src) or
     averaged over heads, or None when not asked for."""
@@ -323,8 +386,8 @@ def fairseq_weights(probs: Tensor, need_weights: bool, need_head_weights: bool) 
     return weights if need_head_weights else weights.mean(dim=0)
 
 
-def masked_entries(logits: Tensor, key_padding_mask: Optional[Tensor],
-                   attn_mask: Optional[Tensor]) -> Optional[Tensor]:
+def masked_entries(logits: Tensor, key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor],
+                   carrier: Optional[AttentionMapCarrier] = None) -> Optional[Tensor]:
     """The entries fairseq masked in ``logits`` (B, H, T, S), as a broadcastable bool mask.
 
     fairseq writes both masks as ``-inf``: padded keys (``key_padding_mask``, B x S) and
@@ -332,19 +395,26 @@ def masked_entries(logits: Tensor, key_padding_mask: Optional[Tensor],
     describe the whole map, from the logits themselves otherwise (e.g. the key padding of
     one incremental step, which fairseq extends with its cached keys). None when there is no
     mask at all, so that callers skip the masking passes. Decided from shapes only: no
-    look at the masks' values, which on a GPU would wait for the device.
+    look at the masks' values, which on a GPU would wait for the device. From the small
+    masks, computed once per pass of the stack (``carrier``): every layer gets the same.
     """
     bsz, _, tgt_len, src_len = logits.shape
+    if ((key_padding_mask is not None and key_padding_mask.shape != (bsz, src_len))
+            or (attn_mask is not None and attn_mask.shape != (tgt_len, src_len))):
+        return torch.isneginf(logits)
+    if key_padding_mask is None and attn_mask is None:
+        return None
+    return shared_in_pass(carrier, "masked", (key_padding_mask, attn_mask),
+                          lambda: _masked_from(key_padding_mask, attn_mask))
+
+
+def _masked_from(key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor]) -> Tensor:
     masked = None
     if key_padding_mask is not None:
-        if key_padding_mask.shape != (bsz, src_len):
-            return torch.isneginf(logits)
         if key_padding_mask.dtype != torch.bool:
             key_padding_mask = key_padding_mask.to(torch.bool)
         masked = key_padding_mask[:, None, None, :]
     if attn_mask is not None:
-        if attn_mask.shape != (tgt_len, src_len):
-            return torch.isneginf(logits)
         future = attn_mask if attn_mask.dtype == torch.bool else torch.isneginf(attn_mask)
         masked = future[None, None] if masked is None else masked | future[None, None]
     return masked

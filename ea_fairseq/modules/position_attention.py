@@ -25,7 +25,7 @@ from fairseq.modules.fairseq_dropout import FairseqDropout
 from fairseq.modules.quant_noise import quant_noise
 from torch import Tensor
 
-from .attention_maps import AttentionMechanism
+from .attention_maps import AttentionMechanism, shared_in_pass
 
 
 def sentence_positions(padding_mask: Optional[Tensor], length: int, device) -> Tensor:
@@ -179,7 +179,9 @@ class PositionAttention(AttentionMechanism, nn.Module):
         # softmax in at least float32; float64 stays float64
         dtype = torch.promote_types(v.dtype, torch.float32)
         if incremental_state is None:
-            q_pos = k_pos = sentence_positions(key_padding_mask, tgt_len, query.device)
+            # the same for every layer of the pass: counted once
+            q_pos = k_pos = shared_in_pass(self.attention_maps, "positions", (key_padding_mask,),
+                                           lambda: sentence_positions(key_padding_mask, tgt_len, query.device))
             logits = self.position_logits(q_pos, k_pos, key_padding_mask, 0, dtype)
             if attn_mask is not None:  # fairseq's future mask for the decoder (-inf above)
                 logits = logits + attn_mask.to(logits.dtype)

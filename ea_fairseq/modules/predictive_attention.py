@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .attention_map_conv import AttentionMapConv
-from .attention_maps import LogitMapAttention, fill_masked, neutral_entries
+from .attention_maps import LogitMapAttention, fill_masked
 
 
 class PredictiveAttention(LogitMapAttention):
@@ -41,17 +41,18 @@ class PredictiveAttention(LogitMapAttention):
     def transform_logits(self, logits, masked, query_padding_mask, incremental_state):
         carrier = self.attention_maps
         current = fill_masked(logits, masked, 0.0)
-        previous = carrier.previous("self")
+        previous = carrier.previous("self") if carrier is not None else None  # None: built alone
         prediction = None
         if self.predictor is not None and previous is not None:
-            neutral = neutral_entries(masked, query_padding_mask)
+            neutral = self.neutral_entries(masked, query_padding_mask)
             prediction = fill_masked(previous, neutral, 0.0)
             for conv in self.predictor:  # CNN: conv + ReLU per layer
                 prediction = fill_masked(F.relu(conv(prediction)), neutral, 0.0)
             current = self.alpha * prediction + (1.0 - self.alpha) * current  # Eq. (4)
         # ``current`` is finite, zero where masked (both of its terms are), as the next
         # block's A_pre_logits must be
-        carrier.hand_on("self", current)
+        if carrier is not None:
+            carrier.hand_on("self", current)
         self.report_maps(lambda: {
             "dot_product": logits,
             "prediction": prediction if prediction is not None else current.new_zeros(()),

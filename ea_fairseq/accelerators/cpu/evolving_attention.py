@@ -3,8 +3,8 @@
 
 * :meth:`EvolvingAttentionCPU.full_pass` (training and full passes): one C++ pass before
   the convolution (skip connection, neutral zeros, the channels-last layout the
-  convolution reads) and one after it (ReLU, β mix, and the crop of the convolution's
-  border), each with a fused backward. In PyTorch operations those passes, their backward
+  convolution reads) and one after it (ReLU, β mix, reading the convolution's output
+  through the strides of its ``T x S`` part), each with a fused backward. In PyTorch operations those passes, their backward
   passes and the layout changes cost more on CPU than the convolutions themselves.
 * :meth:`EvolvingAttentionCPU.step` (incremental decoding): the whole of Eq. (4) for one
   new query row per hypothesis in one call -- and, where no later layer reads the map,
@@ -19,8 +19,10 @@ portable build). ``tests/test_accelerator_cpu.py`` holds both operations to the 
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
+from ...modules.evolving_attention import EvolvingAttentionOutput, finish
 from .. import Accelerator
 from .build import extension
 
@@ -68,8 +70,9 @@ class ConvolutionResidual(torch.autograd.Function):
 
 
 class EvolvingAttentionCPU(Accelerator):
-    """The operations :class:`~ea_fairseq.modules.evolving_attention.EvolvingAttention`
-    calls on an accelerator (same values and gradients as its reference)."""
+    """:func:`~ea_fairseq.modules.evolving_attention.evolving_attention` on CPU: the same
+    signature, values and gradients as its reference; ``NotImplemented`` where it does not
+    take the call (the reference runs)."""
 
     device_type = "cpu"
     dtypes = frozenset((torch.float32, torch.float64))
@@ -77,51 +80,56 @@ class EvolvingAttentionCPU(Accelerator):
     def available(self) -> bool:
         return extension() is not None
 
-    def full_pass(self, logits: Tensor, previous: Optional[Tensor], neutral: Optional[Tensor],
-                  masked: Optional[Tensor], conv, alpha: float, beta: float) -> Tensor:
-        """``A_logit`` of whole maps (B, H, T, S), Eq. (4) with ``conv`` (an
-        :class:`~ea_fairseq.modules.attention_map_conv.AttentionMapConv`).
+    def __call__(self, logits, previous, masked, neutral, params, *, cache=None, values=None,
+                 hand_on=False):
+        if params.weight is None:
+            return NotImplemented
+        if cache is None:
+            return self.full_pass(logits, previous, masked, neutral, params, values, hand_on)
+        return self.step(logits, previous, masked, neutral, params, cache, values, hand_on)
 
-        ``neutral`` marks the entries that enter the skip connection and the convolution
-        as zeros; ``masked``, when given, the entries written ``-inf`` (else they keep
-        their finite values). Both broadcastable to the map, or None. Contiguous result.
-        """
+    def full_pass(self, logits, previous, masked, neutral, params, values, hand_on):
+        """Whole maps (B, H, T, S): one fused pass before the convolution, one after it."""
         if neutral is not None:
             neutral = neutral.expand(logits.shape)
-        a_input = EvolvingAttentionInput.apply(logits, previous, neutral, float(alpha))
-        conv_out = conv.convolve_uncropped(a_input)  # its [:, :, :T, :S] is Conv(A_input)
-        if masked is not None:
-            masked = masked.expand(logits.shape)
-        return ConvolutionResidual.apply(a_input, conv_out, masked, float(beta))
+        a_input = EvolvingAttentionInput.apply(logits, previous, neutral, float(params.alpha))
+        k = params.weight.size(-1)
+        weight = params.weight.tril() if params.layout == "causal" else params.weight
+        # the one-sided padding of the layout as symmetric padding: the convolution's
+        # [:, :, :T, :S] is Conv(A_input), which the fused residual reads in place
+        rows = k - 1 if params.layout in ("causal", "rows") else k // 2
+        cols = k - 1 if params.layout == "causal" else k // 2
+        conv_out = F.conv2d(a_input, weight, params.bias, padding=(rows, cols))
+        written = None if (hand_on or masked is None) else masked.expand(logits.shape)
+        a_logit = ConvolutionResidual.apply(a_input, conv_out, written, float(params.beta))
+        return finish(a_logit, masked if hand_on else None, hand_on, values)
 
-    def step(self, logits: Tensor, previous: Optional[Tensor], masked: Optional[Tensor],
-             earlier: Optional[Tensor], order: Optional[Tensor], conv, alpha: float, beta: float,
-             values: Optional[Tensor] = None, cross_attention: bool = False):
-        """Eq. (4) for one query row per hypothesis, in place of ``logits`` (B, H, 1, S).
-
-        ``previous``: the previous layer's ``A_logit`` row or None; ``masked``: the masked
-        entries (broadcastable, the same for every head) or None; ``earlier``: the cached
-        ``k - 1`` rows of ``A_input`` (B', H, k-1, S' <= S) or None before the first step;
-        ``order``: beam search's reorder since they were cached (hypothesis n reads
-        ``earlier[order[n]]``) or None. Returns ``(A_logit, rows to cache, None)`` --
-        ``A_logit`` finite, masked entries included -- or, with ``values``
-        (B_kv * H, S, head_dim), ``(weights, rows to cache, context)``: the softmax over
-        the unmasked keys and the value product (1, B, H * head_dim). None where the
-        accelerator does not take the step (autograd on, several rows, per-head masks,
-        no earlier rows to read, or -- ``cross_attention`` -- encoder values it computes
-        slower than torch, see :data:`STEP_VALUES_MAX_BATCH`).
-        """
+    def step(self, logits, previous, masked, neutral, params, cache, values, hand_on):
+        """One query row per hypothesis, in place of ``logits`` (B, H, 1, S): the whole of
+        Eq. (4) in one call, reading the cached rows in beam search's order -- and where
+        no later layer reads ``A_logit``, the softmax and the value product too. Not taken
+        with autograd on, several rows, a mask per head, ``k = 1``, or the ``full`` layout;
+        encoder values it computes slower than torch (:data:`STEP_VALUES_MAX_BATCH`) go to
+        torch's softmax and batched matmul."""
         bsz, heads, rows, src_len = logits.shape
-        if torch.is_grad_enabled() or rows != 1 or conv.rows_needed == 0:
-            return None
-        if (values is not None and cross_attention and bsz > STEP_VALUES_MAX_BATCH
-                and values.size(0) == bsz * heads):
-            return None  # encoder values per hypothesis (beam 1): torch's batched matmul
+        k = params.weight.size(-1)
+        if (torch.is_grad_enabled() or rows != 1 or k == 1 or params.layout == "full"
+                or neutral is not masked):
+            return NotImplemented
         keys = None
         if masked is not None:
             if masked.size(1) != 1:
-                return None  # a mask per head: the reference
+                return NotImplemented  # a mask per head: the reference
             keys = masked.expand(bsz, 1, 1, src_len).reshape(bsz, src_len)
-        return extension().evolving_attention_step(
-            logits, previous, earlier, keys, conv.masked_weight(), conv.bias, float(alpha),
-            float(beta), conv.col_padding[0], values, order)
+        fused_values = values is not None and not hand_on and not (
+            params.layout == "rows" and bsz > STEP_VALUES_MAX_BATCH and values.size(0) == bsz * heads)
+        causal = params.layout == "causal"
+        weight = cache.memo("cpu", lambda: (params.weight.tril() if causal else params.weight).contiguous())
+        out, rows_out, context = extension().evolving_attention_step(
+            logits, previous, cache.rows, keys, weight, params.bias, float(params.alpha),
+            float(params.beta), k - 1 if causal else k // 2, values if fused_values else None,
+            cache.order)
+        cache.store(rows_out)
+        if fused_values:
+            return EvolvingAttentionOutput(probs=out, context=context)
+        return finish(out, masked, hand_on, values)

@@ -1,0 +1,184 @@
+"""How many operations one decoding step and one training update issue, per family.
+
+A GPU running a Lite-sized model is bound by kernel launches, so the number of non-view
+aten operations a step dispatches is a faithful, machine-independent proxy for its cost.
+They are counted here with ``TorchDispatchMode`` on the reference path (accelerators off):
+one beam-search decoding step (beam 5, one sentence: the decoder's forward for the newest
+token and the beam reorder of its caches) and one training forward + backward, for every
+family against ``transformer_lite`` (fairseq's own attention, computed unfused here as on
+the mechanisms' path). ``python tests/test_operation_counts.py`` prints the table.
+"""
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from conftest import build_model, make_dictionary, random_batch
+from ea_fairseq import accelerators
+from ea_fairseq.models import fairseq_speedups
+
+#: family -> (arch, options)
+FAMILIES = {
+    "transformer_lite": ("transformer_lite",),
+    "EA-Lite": ("ea_transformer_lite",),
+    # the same attention path as EA-Lite (logits exposed, unfused), every mechanism off
+    "EA-Lite, mechanism off": ("ea_transformer_lite", "--ea-alpha", "0", "--ea-beta", "0",
+                               "--ea-decoder-alpha", "0", "--ea-no-encoder-conv",
+                               "--ea-no-decoder-conv", "--ea-no-cross-conv"),
+    "PA-Lite": ("pa_transformer_lite",),
+    "RAN-ALL-Lite": ("ran_all_lite",),
+    "RAN-E-Lite": ("ran_e_lite",),
+    "RAN-D-Lite": ("ran_d_lite",),
+    "DropAttention on EA-Lite": ("ea_transformer_lite", "--drop-attention", "element",
+                                 "--drop-attention-window", "2"),
+}
+BEAM, SOURCE, STEPS_BEFORE = 5, 20, 4
+
+
+class OperationCounter(TorchDispatchMode):
+    """Counts the aten operations dispatched inside it: ``count`` those that are not views
+    (nor a reshape's or ``detach``'s alias), ``all`` every one."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = self.all = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.all += 1
+        if not (func.is_view or torch.Tag.view_copy in func.tags or func in _ALIASES):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+_ALIASES = {torch.ops.aten.detach.default, torch.ops.aten._unsafe_view.default,
+            torch.ops.prim.device.default}
+
+
+def build(family: str):
+    model, _ = build_model(*FAMILIES[family], dictionary=make_dictionary(1000))
+    if not isinstance(model.decoder, fairseq_speedups.ListedStateHolders):
+        fairseq_speedups.list_state_holders(model.decoder)  # the same beam-reorder bookkeeping
+    return model
+
+
+def decoding_step_count(model) -> int:
+    """One beam-search step after ``STEPS_BEFORE``: the beam reorder of the decoder's caches,
+    then its forward for the newest token (what fairseq's generator runs per step)."""
+    model.eval()
+    d = model.decoder.dictionary
+    src, lengths, _ = random_batch(d, [SOURCE], 2)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(d.nspecial, len(d), (BEAM, STEPS_BEFORE + 1), generator=g)
+    tokens[:, 0] = d.eos()
+    order = torch.tensor([1, 0, 2, 4, 3])
+    with torch.no_grad():
+        encoder_out = model.encoder(src, lengths)
+        encoder_out = model.encoder.reorder_encoder_out(encoder_out, torch.zeros(BEAM, dtype=torch.long))
+        state = {}
+        for t in range(STEPS_BEFORE):
+            if t > 0:
+                model.decoder.reorder_incremental_state_scripting(state, order)
+            model.decoder(tokens[:, : t + 1], encoder_out, incremental_state=state)
+        with OperationCounter() as counter:
+            model.decoder.reorder_incremental_state_scripting(state, order)
+            model.decoder(tokens, encoder_out, incremental_state=state)
+    return counter
+
+
+def training_count(model) -> int:
+    """One training forward + backward of a 3-sentence left-padded batch."""
+    model.train()
+    d = model.decoder.dictionary
+    src, lengths, prev = random_batch(d, [12, 9, 7], 10)
+    target = torch.randint(d.nspecial, len(d), prev.shape, generator=torch.Generator().manual_seed(1))
+    with OperationCounter() as counter:
+        logits = model(src, lengths, prev)[0]
+        F.cross_entropy(logits.view(-1, logits.size(-1)), target.view(-1)).backward()
+    return counter
+
+
+_COUNTS = {}
+
+
+def counts(family: str):
+    """``(decoding step, training forward + backward)`` counters, on the reference path."""
+    if family not in _COUNTS:
+        model = build(family)
+        with accelerators.reference_only():
+            _COUNTS[family] = decoding_step_count(model), training_count(model)
+    return _COUNTS[family]
+
+
+def table() -> str:
+    base_step, base_train = counts("transformer_lite")
+    lines = ["| family | decoding step | ratio | all ops | ratio | training fwd+bwd | ratio | all ops | ratio |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for family in FAMILIES:
+        step, train = counts(family)
+        cells = [family]
+        for got, base in ((step, base_step), (train, base_train)):
+            cells += [str(got.count), f"{got.count / base.count:.2f}", str(got.all), f"{got.all / base.all:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def ratios(family: str) -> str:
+    return f"{family} against transformer_lite:\n{table()}"
+
+
+#: EA's own operations in one EA-Lite decoding step, over the same attention without its
+#: mechanism (12 attentions: convolution, ReLU, β mix, the cached rows' reorder and
+#: concatenation; the causal layout's widening of the cached rows by the new key)
+EA_STEP_OPS = 12 * 5 + 6
+#: the same for a training forward + backward (18 attentions; a convolution's, a ReLU's and
+#: a mix's forward and backward, the skip connections of the encoder's 5 later layers,
+#: the kernels' masks and borders)
+EA_TRAINING_OPS = 140
+
+
+def test_ea_adds_only_its_own_operations():
+    (step, train), (plain_step, plain_train) = counts("EA-Lite"), counts("EA-Lite, mechanism off")
+    assert step.count - plain_step.count <= EA_STEP_OPS, ratios("EA-Lite")
+    assert train.count - plain_train.count <= EA_TRAINING_OPS, ratios("EA-Lite")
+
+
+def test_ea_lite_against_transformer_lite():
+    (step, train), (base_step, base_train) = counts("EA-Lite"), counts("transformer_lite")
+    assert step.all <= 1.25 * base_step.all, ratios("EA-Lite")
+    assert train.all <= 1.25 * base_train.all, ratios("EA-Lite")
+
+
+@pytest.mark.parametrize("family", ["RAN-ALL-Lite", "RAN-D-Lite", "RAN-E-Lite", "PA-Lite"])
+def test_decoding_steps_no_dearer_than_transformer_lite(family):
+    assert counts(family)[0].count <= counts("transformer_lite")[0].count, ratios(family)
+
+
+def test_mechanisms_compute_stack_constants_once_per_pass():
+    """The masks' union and RAN's position matrices: once per stack and pass, not per layer."""
+    import collections
+
+    class Seen(OperationCounter):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[func] += 1
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    for family, op, most in (("EA-Lite", torch.ops.aten.isneginf.default, 1),
+                             ("RAN-ALL-Lite", torch.ops.aten.cumsum.default, 3)):
+        model = build(family)
+        model.train()
+        src, lengths, prev = random_batch(model.decoder.dictionary, [12, 9, 7], 10)
+        with accelerators.reference_only(), Seen() as seen:
+            model(src, lengths, prev)
+        assert seen.ops[op] <= most, (family, op, seen.ops[op])
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    print(table())
+    sys.exit(0)
