@@ -31,6 +31,8 @@ FAMILIES = {
     "RAN-ALL-Lite": ("ran_all_lite",),
     "RAN-E-Lite": ("ran_e_lite",),
     "RAN-D-Lite": ("ran_d_lite",),
+    "HC-SA-Lite": ("hcsa_lite",),
+    "Syn-R-Lite": ("syn_r_lite",),
     "DropAttention on EA-Lite": ("ea_transformer_lite", "--drop-attention", "element",
                                  "--drop-attention-window", "2"),
 }

@@ -47,7 +47,7 @@ def full_precision(device: torch.device):
     return contextlib.nullcontext()
 
 
-def sentence_logits(square: Tensor, padding_mask: Tensor) -> Tensor:
+def sentence_logits(square: Tensor, padding_mask: Tensor, positions: Optional[Tensor] = None) -> Tensor:
     """``A[pos_i, pos_j]`` at ``(i, j)`` of each sentence (B, H, T, T) from ``square`` = the
     first T rows and columns of ``A`` (H, T, T), with positions counted per sentence
     (:func:`sentence_positions`); zero at padded slots' rows and columns.
@@ -56,11 +56,13 @@ def sentence_logits(square: Tensor, padding_mask: Tensor) -> Tensor:
     for padding) this is ``P A P^T``: exact (``P`` is 0/1, ``A`` finite, float32 matmuls
     without TF32, PyTorch's default), computed without autocast, and its backward is two
     matrix products per sentence -- the sum over the batch in ``A``'s dtype, no scatter.
+    ``positions``: :func:`sentence_positions` of ``padding_mask`` where already counted.
     """
     length = square.size(-1)
+    if positions is None:
+        positions = sentence_positions(padding_mask, length, square.device)
     slots_to_positions = (
-        sentence_positions(padding_mask, length, square.device)[:, :, None]
-        == torch.arange(length, device=square.device)
+        positions[:, :, None] == torch.arange(length, device=square.device)
     ) & ~padding_mask.to(torch.bool)[:, :, None]
     p = slots_to_positions.to(square.dtype).unsqueeze(1)  # (B, 1, T, T)
     with full_precision(square.device):
@@ -68,7 +70,7 @@ def sentence_logits(square: Tensor, padding_mask: Tensor) -> Tensor:
 
 
 def matrix_logits(matrix: Tensor, tgt_len: int, src_len: int, padding_mask: Optional[Tensor],
-                  start: int = 0) -> Tensor:
+                  start: int = 0, positions: Optional[Tensor] = None) -> Tensor:
     """``matrix[h, pos_i, pos_j]`` (B or 1, H, T, S) for a logit matrix ``matrix`` (H, R, L)
     indexed by positions: a full pass's tokens (T = S, positions per sentence,
     :func:`sentence_logits` where padded), or a decoding run's queries ``start .. start +
@@ -77,7 +79,7 @@ def matrix_logits(matrix: Tensor, tgt_len: int, src_len: int, padding_mask: Opti
         # every token's position is its index: a plain slice (whose backward, after the
         # broadcast over the batch, is a sum over the batch)
         return matrix[:, start : start + tgt_len, :src_len].unsqueeze(0)
-    return sentence_logits(matrix[:, :tgt_len, :tgt_len], padding_mask)
+    return sentence_logits(matrix[:, :tgt_len, :tgt_len], padding_mask, positions)
 
 
 @with_incremental_state

@@ -226,7 +226,7 @@ class RecurrentAttention(PositionAttention):
     def position_logits(self, query_positions, key_positions, padding_mask, start, dtype):
         """``A_l[pos_i, pos_j]`` of this layer's matrix (float32 or wider)."""
         return matrix_logits(self.matrices.layer(self.ran_index), query_positions.size(-1),
-                             key_positions.size(-1), padding_mask, start)
+                             key_positions.size(-1), padding_mask, start, query_positions)
 
     def decoding_step_weights(self, start: int, tgt_len: int, src_len: int, incremental_state,
                               dtype: torch.dtype) -> Tensor:

@@ -51,4 +51,4 @@ class RandomSynthesizerAttention(PositionAttention):
                 "--max-source-positions / --max-target-positions."
             )
         rows = self.logits[:, start : start + tgt_len, :src_len]  # only the rows this call needs
-        return matrix_logits(rows.to(dtype), tgt_len, src_len, padding_mask)
+        return matrix_logits(rows.to(dtype), tgt_len, src_len, padding_mask, positions=query_positions)
