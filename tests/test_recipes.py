@@ -5,7 +5,10 @@ set as well), its binarized output is trained on for a few updates with fairseq-
 examples/translation/evaluate.sh scores the resulting checkpoints end to end. The CLIs are the ones
 installed next to the Python running the tests.
 """
+import ast
 import importlib.util
+import json
+import lzma
 import os
 import re
 import subprocess
@@ -133,9 +136,68 @@ def _wmt17(lang):
     return job
 
 
-JOBS = {"iwslt14": _iwslt14, "wmt14_en_de": _wmt14_en_de, "iwslt14_joined": _iwslt14_joined,
+def _iwslt14_spm(root, env):
+    fx.iwslt14(root / "raw", n_train=40)
+    return dict(root=root, data=prepare("prepare-iwslt14.sh", root / "raw", root, env, "--sentencepiece", "300"))
+
+
+# --------------------------------------------- the own-data walk-through, as the README writes it
+BIBLE = RECIPES / "bible-es-en"
+WALK_SIZES = {"train": 150, "valid": 20, "test": 12}
+
+
+def doc_block(doc: Path, heading: str, lang: str) -> str:
+    """The first ```LANG block after HEADING in DOC."""
+    text = doc.read_text(encoding="utf-8")
+    return re.search(rf"^{re.escape(heading)}\n.*?```{lang}\n(.*?)```", text, re.S | re.M).group(1)
+
+
+def doc_commands(doc: Path, heading: str):
+    """The shell commands of that block, continuation lines joined, comments dropped."""
+    block = doc_block(doc, heading, "bash").replace("\\\n", " ")
+    return [line.strip() for line in block.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def walk_through_tree(root: Path) -> None:
+    """ROOT laid out as the repository is, for commands run from its root: the recipes and
+    the plugin linked, the Bible corpus replaced by its first sentence pairs (.xz, as shipped)."""
+    recipes = root / "examples" / "translation"
+    recipes.mkdir(parents=True)
+    for f in RECIPES.iterdir():
+        if f.name != "bible-es-en":
+            (recipes / f.name).symlink_to(f)
+    (root / "ea_fairseq").symlink_to(REPO / "ea_fairseq")
+    (recipes / "bible-es-en").mkdir()
+    for split, n in WALK_SIZES.items():
+        for lang in ("es", "en"):
+            with lzma.open(BIBLE / f"{split}.{lang}.xz", "rt", encoding="utf-8") as f:
+                head = [next(f) for _ in range(n)]
+            with lzma.open(recipes / "bible-es-en" / f"{split}.{lang}.xz", "wt", encoding="utf-8") as f:
+                f.writelines(head)
+
+
+def _own_walk_through(root, env):
+    """examples/translation/README.md's own-data commands, run as written from a copy of the
+    repository's layout; on this machine CPU=1, one epoch (MAX_EPOCH) of a one-layer model
+    (options appended to train.sh), that epoch's checkpoint scored (NUM_AVG), generation kept
+    short (options appended to evaluate.sh)."""
+    walk_through_tree(root)
+    commands = doc_commands(RECIPES / "README.md", "### Your own parallel text")
+    assert [c.split()[:3] for c in commands] == [
+        ["bash", "examples/translation/prepare-own.sh", "es"],
+        ["DATA=data-bin/bible.es-en", "bash", "examples/translation/train.sh"],
+        ["bash", "examples/translation/evaluate.sh", "checkpoints/ea_lite.own"]]
+    walk_env = dict(env, CPU="1", MAX_EPOCH="1", MAX_TOKENS="2000", NUM_AVG="1")
+    appended = ["", " --encoder-layers 1 --decoder-layers 1 " + " ".join(TRAIN_SH_RUN),
+                " --cpu --progress 0.5 -- --max-len-a 0 --max-len-b 8"]
+    outputs = [run(["bash", "-c", command + extra], walk_env, cwd=root)
+               for command, extra in zip(commands, appended)]
+    return dict(root=root, commands=commands, outputs=outputs)
+
+
+JOBS = {"own_walk_through": _own_walk_through, "iwslt14": _iwslt14, "wmt14_en_de": _wmt14_en_de, "iwslt14_joined": _iwslt14_joined,
         "wmt14_en_fr": _wmt14_en_fr,
-        "wmt17_lv": _wmt17_lv, "wmt17_fi": _wmt17("fi"), "wmt17_tr": _wmt17("tr")}
+        "wmt17_lv": _wmt17_lv, "wmt17_fi": _wmt17("fi"), "wmt17_tr": _wmt17("tr"), "iwslt14_spm": _iwslt14_spm}
 
 
 @pytest.fixture(scope="module")
@@ -303,6 +365,21 @@ def test_prepare_wmt17(recipes, lang):
         assert (res["data"] / f"{name}.idx").is_file(), name
 
 
+def test_prepare_iwslt14_sentencepiece(recipes):
+    """--sentencepiece: the subword step is SentencePiece, its model kept beside the data."""
+    res = recipes("iwslt14_spm")
+    data, prep = res["data"], res["root"] / "work" / "prep"
+    assert (data / "sentencepiece.bpe.model").is_file() and not (data / "code").exists()
+    text = (prep / "train.de").read_text(encoding="utf-8")
+    assert "\u2581" in text and "@@" not in text
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(data / "sentencepiece.bpe.model"))
+    assert 100 < sp.get_piece_size() <= 300
+    first = lines(prep / "train.de")[0]  # the pieces decode to the tokenized, lowercased line
+    assert sp.decode(first.split()) == first.replace(" ", "").replace("\u2581", " ").strip()
+
+
 def test_prepare_wmt14en2de_alternative_data_is_asked_for(tmp_path, env):
     """--wmt17-news-commentary wants News Commentary v12; without it, it names the file."""
     fx.wmt14(tmp_path / "raw", "de")
@@ -323,6 +400,33 @@ def test_prepare_without_data_lists_the_files(tmp_path, env):
     proc = run(["bash", RECIPES / "prepare-iwslt14.sh", "--work-dir", tmp_path / "w2"],
                env, tmp_path, check=False)  # EA_NO_DOWNLOAD=1 in env
     assert proc.returncode == 2 and "de-en.tgz" in proc.stderr and "EA_NO_DOWNLOAD" in proc.stderr
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_prepare_with_a_damaged_archive_says_so_in_one_line(tmp_path, env, damage):
+    fx.iwslt14(tmp_path / "raw", n_train=10)
+    archive = tmp_path / "raw" / "de-en.tgz"
+    data = archive.read_bytes()
+    archive.write_bytes(b"<html>404 Not Found</html>\n" if damage == "garbage" else data[: len(data) // 2])
+    proc = run(["bash", RECIPES / "prepare-iwslt14.sh", "--raw-dir", tmp_path / "raw", "--work-dir", tmp_path / "w"],
+               env, tmp_path, check=False)
+    assert proc.returncode == 3
+    errors = [line for line in proc.stderr.splitlines() if not line.startswith("[fetch] unpacking")]
+    assert len(errors) == 1, proc.stderr
+    assert f"{archive} is not a readable archive" in errors[0] and "download it again" in errors[0]
+    assert "Traceback" not in proc.stderr and "missing" not in proc.stderr
+
+
+@pytest.mark.parametrize("pair, script", [("iwslt14_de_en", "prepare-iwslt14.sh"),
+                                          ("wmt17_tr_en", "prepare-wmt17.sh tr")])
+def test_train_sh_before_the_data_names_the_recipe(env, tmp_path, pair, script):
+    proc = run(["bash", RECIPES / "train.sh", "ea_lite" if pair.startswith("iwslt") else "ran_d", pair],
+               dict(env, CPU="1"), tmp_path, check=False)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"run bash examples/translation/{script} first" in proc.stderr
+    assert not (tmp_path / "checkpoints").exists()
+    proc = run(["bash", RECIPES / "train.sh", "ea_lite", "own"], dict(env, CPU="1"), tmp_path, check=False)
+    assert proc.returncode == 1 and "DATA=" in proc.stderr and "prepare-own.sh" in proc.stderr
 
 
 # ------------------------------------------------------------------ training / evaluation
@@ -656,6 +760,82 @@ def test_ran_with_over_long_test_sentences(iwslt, env, tmp_path):
     assert "--skip-long" in proc.stderr and "--ran-max-positions" in proc.stderr
     out = run([*evaluate, "--skip-long", "--", "--max-len-a", "0", "--max-len-b", "6"], env, tmp_path).stdout
     assert f"[on {n_all - n_long} of {n_all} sentences: {n_long} not translated" in out
+
+
+def test_own_data_walk_through(recipes):
+    """Your own text -> SentencePiece -> binarized -> train.sh FAMILY own -> evaluate.sh."""
+    res = recipes("own_walk_through")
+    root = res["root"]
+    prepare_out, train_out, evaluate_out = res["outputs"]
+    data, save = root / "data-bin" / "bible.es-en", root / "checkpoints" / "ea_lite.own"
+    assert (data / "sentencepiece.bpe.model").is_file() and not (data / "code").exists()
+    for split, n in WALK_SIZES.items():
+        assert f"{split}: {n} pairs" in prepare_out.stderr
+    assert len(lines(data / "test.raw.es-en.en")) == WALK_SIZES["test"]
+    assert "\u2581" in (root / "work" / "own.es-en" / "prep" / "train.es").read_text(encoding="utf-8")
+    assert "arch='ea_transformer_lite'" in train_out.stderr + train_out.stdout
+    assert (save / "checkpoint1.pt").is_file() and (save / "sentencepiece.bpe.model").is_file()
+    assert "evaluate with: bash examples/translation/evaluate.sh checkpoints/ea_lite.own data-bin/bible.es-en wmt" \
+        in train_out.stderr
+    out, err = evaluate_out.stdout, evaluate_out.stderr
+    assert re.search(r"^detokenized sacreBLEU .*: [0-9.]+ .*signature: ", out, re.M), out
+    assert f"its log: checkpoints/ea_lite.own/eval/generate-test.es-en.log" in err
+    assert re.search(rf"^\[evaluate\] {WALK_SIZES['test']} of {WALK_SIZES['test']} sentences translated$", err, re.M), err
+    assert f"[evaluate] {WALK_SIZES['test']} sentences translated in" in err
+    hyps = lines(save / "eval" / "test.es-en.hyp.sacrebleu")  # SentencePiece removed, detokenized
+    assert len(hyps) == WALK_SIZES["test"] and not any("\u2581" in h for h in hyps)
+
+
+HUB_CHECKS = """
+import json
+sentence = "And God said, Let there be light: and there was light."
+hyp = ea.generate([ea.encode("Y dijo Dios: Sea la luz.")], beam=5)[0][0]["tokens"]
+print("CHECKS", json.dumps(dict(
+    spanish=ea.tokenize("Vea la pág. 12 de la Sra. García."), pieces=ea.apply_bpe(ea.tokenize(sentence)),
+    round_trip=ea.decode(ea.encode(sentence)), first=ea.decode(hyp))))
+"""
+
+
+def test_readme_hub_example_takes_raw_text(recipes, env):
+    """README.md's hub example, run as written on the walk-through's model (in a Python of its
+    own, from the repository layout's root): raw Spanish in, detokenized English out, Spanish
+    Moses rules on the way in."""
+    root = recipes("own_walk_through")["root"]
+    code = doc_block(REPO / "README.md", "### Translating from Python (fairseq's hub)", "python")
+    out = run([sys.executable, "-c", code + HUB_CHECKS], env, cwd=root).stdout.splitlines()
+    translations = ast.literal_eval(out[-2])  # the example's print: a list of strings
+    checks = json.loads(out[-1].removeprefix("CHECKS "))
+    assert len(translations) == 2 and all(isinstance(t, str) and t for t in translations)
+    assert not any("\u2581" in t for t in translations)
+    assert checks["first"] == translations[0]  # the pieces, joined and detokenized
+    assert checks["spanish"] == "Vea la pág. 12 de la Sra. García ."  # Spanish abbreviations
+    # raw in, raw out: into pieces and back, spacing and punctuation restored
+    assert "\u2581" in checks["pieces"]
+    assert checks["round_trip"] == "And God said, Let there be light: and there was light."
+
+
+def test_readme_interactive_example_takes_raw_text(recipes):
+    """README.md's fairseq-interactive command, run as written: detokenized D- lines, the
+    hub's translations."""
+    root = recipes("own_walk_through")["root"]
+    (command,) = doc_commands(REPO / "README.md", "### fairseq-interactive")
+    assert command.startswith("fairseq-interactive ") and command.endswith("< raw.es")
+    raw = ["Y dijo Dios: Sea la luz.", "¿Dónde está el rey?", "Y fué la tarde y la mañana el día primero."]
+    (root / "raw.es").write_text("".join(line + "\n" for line in raw), encoding="utf-8")
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", CUDA_VISIBLE_DEVICES="")
+    short = " --max-len-a 0 --max-len-b 10"  # an untrained model's output is long otherwise
+    out = run(["bash", "-c", command.replace(" < raw.es", short + " < raw.es")], env, cwd=root).stdout
+    detok = dict(re.findall(r"^D-(\d+)\t\S+\t(.*)$", out, re.M))
+    assert sorted(detok) == ["0", "1", "2"]
+    assert not any("\u2581" in d for d in detok.values())
+    from fairseq.models.transformer import TransformerModel
+
+    save = root / "checkpoints" / "ea_lite.own"
+    hub = TransformerModel.from_pretrained(str(save), checkpoint_file="checkpoint_best.pt",
+                                           data_name_or_path=str(root / "data-bin" / "bible.es-en"),
+                                           user_dir=str(REPO / "ea_fairseq"), tokenizer="moses",
+                                           source_lang="es", target_lang="en", bpe="sentencepiece")
+    assert [detok[str(i)] for i in range(3)] == hub.translate(raw, beam=5, max_len_a=0, max_len_b=10)
 
 
 def test_documented_generate_commands_translate_every_sentence():

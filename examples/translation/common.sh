@@ -10,7 +10,11 @@
 #   --dest-dir DIR    (EA_DEST_DIR)    fairseq-preprocess output    [data-bin/NAME]
 #   --workers N       (WORKERS)        processes for tokenization/BPE/binarization [nproc]
 #   --bpe-tokens N    (BPE_TOKENS)     BPE merge operations          [recipe's value]
-# Tools: PYTHON (python3 from PATH), which must have fairseq, sacremoses, regex and subword-nmt.
+#   --sentencepiece V (SENTENCEPIECE=V) SentencePiece instead of subword-nmt's BPE: one joint
+#                     unigram model of at most V pieces, learnt and applied where the BPE would
+#                     be (on the tokenized text), kept as DEST/sentencepiece.bpe.model
+# Tools: PYTHON (python3 from PATH), which must have fairseq, sacremoses, regex, subword-nmt
+# (and sentencepiece for --sentencepiece).
 
 set -euo pipefail
 
@@ -24,6 +28,7 @@ ea_die() { echo "[$EA_NAME] error: $*" >&2; exit 1; }
 # options the recipe itself defines are left in the array EA_REST.
 ea_parse_args() {
   EA_NAME="$1"; shift
+  SENTENCEPIECE="${SENTENCEPIECE:-}"
   RAW_DIR="${EA_RAW_DIR:-}"
   NO_DOWNLOAD="${EA_NO_DOWNLOAD:-}"
   WORK="${EA_WORK_DIR:-work/$EA_NAME}"
@@ -37,12 +42,19 @@ ea_parse_args() {
       --work-dir) WORK="$2"; shift 2 ;;
       --dest-dir) DEST="$2"; shift 2 ;;
       --workers) WORKERS="$2"; shift 2 ;;
-      --bpe-tokens) BPE_TOKENS="$2"; shift 2 ;;
+      --bpe-tokens) BPE_TOKENS="$2"; EA_BPE_TOKENS_GIVEN=1; shift 2 ;;
+      --sentencepiece) SENTENCEPIECE="$2"; shift 2 ;;
       -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
       *) EA_REST+=("$1"); shift ;;
     esac
   done
   if [ -n "$RAW_DIR" ] && [ ! -d "$RAW_DIR" ]; then ea_die "--raw-dir $RAW_DIR is not a directory"; fi
+  if [ -n "$SENTENCEPIECE" ]; then
+    [[ "$SENTENCEPIECE" =~ ^[1-9][0-9]*$ ]] || ea_die "--sentencepiece takes a vocabulary size (got '$SENTENCEPIECE')"
+    [ -z "${EA_BPE_TOKENS_GIVEN:-}" ] || ea_die "--bpe-tokens and --sentencepiece: choose one subword model"
+    "$PYTHON" -c "import sentencepiece" 2>/dev/null \
+      || ea_die "--sentencepiece needs the sentencepiece package in $PYTHON: pip install 'ea_fairseq[recipes]'"
+  fi
   ORIG="$WORK/orig"; TMP="$WORK/tmp"; PREP="$WORK/prep"
   mkdir -p "$ORIG" "$TMP" "$PREP"
 }
@@ -57,8 +69,13 @@ ea_fetch() {
   local opts=()
   if [ -n "$RAW_DIR" ]; then opts+=(--raw-dir "$RAW_DIR"); fi
   if [ -n "$NO_DOWNLOAD" ]; then opts+=(--no-download); fi
-  "$PYTHON" "$EA_REPO/examples/translation/nmt_text.py" fetch --orig "$ORIG" "${opts[@]}" "$@" \
-    || { echo "[$EA_NAME] stopped: raw data missing (see above)" >&2; exit 2; }
+  local rc=0
+  "$PYTHON" "$EA_REPO/examples/translation/nmt_text.py" fetch --orig "$ORIG" ${opts[@]+"${opts[@]}"} "$@" || rc=$?
+  case $rc in
+    0) ;;
+    2) echo "[$EA_NAME] stopped: raw data missing (see above)" >&2; exit 2 ;;
+    *) exit $rc ;;  # a damaged archive: nmt_text.py said which
+  esac
 }
 
 # ea_find PATTERN...: path of the first file under $ORIG matching the first matching glob.
@@ -80,22 +97,48 @@ ea_clean() {
   "$PYTHON" "$EA_REPO/examples/translation/nmt_text.py" clean --ratio "${7:-1.5}" "$1" "$2" "$3" "$4" "$5" "$6"
 }
 
-# ea_bpe CODES N DIR_IN DIR_OUT SRC TGT SPLIT...: learn a joint BPE of N merges on
-# DIR_IN/train.{SRC,TGT} and apply it to DIR_IN/SPLIT.{SRC,TGT} -> DIR_OUT/SPLIT.{SRC,TGT}.
+# The subword model of the recipe: subword-nmt's BPE codes, or with --sentencepiece a
+# SentencePiece model (fairseq's file name for one, which its hub finds in a model directory).
+EA_SPM_MODEL=sentencepiece.bpe.model
+ea_subword_model() { if [ -n "$SENTENCEPIECE" ]; then echo "$PREP/$EA_SPM_MODEL"; else echo "$PREP/code"; fi; }
+
+# ea_subword_apply IN OUT: segment IN with the learnt model.
+ea_subword_apply() {
+  if [ -n "$SENTENCEPIECE" ]; then
+    "$PYTHON" "$EA_REPO/examples/translation/nmt_text.py" spm-encode --model "$PREP/$EA_SPM_MODEL" \
+      --workers "$WORKERS" -i "$1" -o "$2"
+  else
+    "$PYTHON" -m subword_nmt.apply_bpe -c "$PREP/code" --num-workers "$WORKERS" -i "$1" -o "$2"
+  fi
+}
+
+# ea_bpe DIR_IN DIR_OUT SRC TGT SPLIT...: learn a joint subword model on DIR_IN/train.{SRC,TGT}
+# (BPE of BPE_TOKENS merges, or SentencePiece of SENTENCEPIECE pieces) and apply it to
+# DIR_IN/SPLIT.{SRC,TGT} -> DIR_OUT/SPLIT.{SRC,TGT}.
 ea_bpe() {
-  local codes="$1" n="$2" din="$3" dout="$4" src="$5" tgt="$6"; shift 6
-  ea_log "learning joint BPE ($n merges) on $din/train.{$src,$tgt}"
-  cat "$din/train.$src" "$din/train.$tgt" > "$TMP/bpe-train.joint"
-  "$PYTHON" -m subword_nmt.learn_bpe -s "$n" --num-workers "$WORKERS" \
-    -i "$TMP/bpe-train.joint" -o "$codes"
-  rm -f "$TMP/bpe-train.joint"
+  local din="$1" dout="$2" src="$3" tgt="$4"; shift 4
+  if [ -n "$SENTENCEPIECE" ]; then
+    ea_log "learning a joint SentencePiece model (at most $SENTENCEPIECE pieces) on $din/train.{$src,$tgt}"
+    "$PYTHON" "$EA_REPO/examples/translation/nmt_text.py" spm-learn --vocab-size "$SENTENCEPIECE" \
+      --model-prefix "$PREP/${EA_SPM_MODEL%.model}" --workers "$WORKERS" "$din/train.$src" "$din/train.$tgt"
+  else
+    ea_log "learning joint BPE ($BPE_TOKENS merges) on $din/train.{$src,$tgt}"
+    cat "$din/train.$src" "$din/train.$tgt" > "$TMP/bpe-train.joint"
+    "$PYTHON" -m subword_nmt.learn_bpe -s "$BPE_TOKENS" --num-workers "$WORKERS" \
+      -i "$TMP/bpe-train.joint" -o "$PREP/code"
+    rm -f "$TMP/bpe-train.joint"
+  fi
   local split l
   for split in "$@"; do
-    for l in "$src" "$tgt"; do
-      "$PYTHON" -m subword_nmt.apply_bpe -c "$codes" --num-workers "$WORKERS" \
-        -i "$din/$split.$l" -o "$dout/$split.$l"
-    done
+    for l in "$src" "$tgt"; do ea_subword_apply "$din/$split.$l" "$dout/$split.$l"; done
   done
+}
+
+# ea_keep_subword_model: the subword model next to the binarized data (and not the other kind,
+# which evaluate.sh would take for this data's)
+ea_keep_subword_model() {
+  rm -f "$DEST/code" "$DEST/$EA_SPM_MODEL"
+  cp "$(ea_subword_model)" "$DEST/"
 }
 
 # ea_binarize SRC TGT TEXT_DIR DEST [REVERSE_TEXT_DIR]: fairseq-preprocess of
@@ -135,7 +178,9 @@ ea_keep_raw_test() {
 }
 
 ea_done() {
-  ea_log "done: $DEST ($(ls "$DEST" | wc -l | tr -d ' ') files); BPE codes in $DEST/code"
+  local model="BPE codes in $DEST/code"
+  [ -z "$SENTENCEPIECE" ] || model="SentencePiece model in $DEST/$EA_SPM_MODEL"
+  ea_log "done: $DEST ($(ls "$DEST" | wc -l | tr -d ' ') files); $model"
 }
 
 # ---------------------------------------------------------------- WMT steps (shared by the
@@ -162,7 +207,7 @@ ea_wmt_test() {
   ea_check_parallel "$TMP/tok/$name.$src" "$TMP/tok/$name.$tgt"
 }
 
-# ea_wmt_bpe SRC TGT MAXLEN: joint BPE learnt on $TMP/tok/train.*, applied to
+# ea_wmt_bpe SRC TGT MAXLEN: joint BPE (or SentencePiece) learnt on $TMP/tok/train.*, applied to
 # train/valid/test; train and valid cleaned after BPE (1-MAXLEN tokens, ratio 1.5; MAXLEN 0:
 # no cleaning) -> $PREP/{train,valid,test}.*
 ea_wmt_bpe() {
@@ -170,7 +215,7 @@ ea_wmt_bpe() {
   ea_check_parallel "$TMP/tok/train.$src" "$TMP/tok/train.$tgt"
   ea_check_parallel "$TMP/tok/valid.$src" "$TMP/tok/valid.$tgt"
   mkdir -p "$TMP/bpe"
-  ea_bpe "$PREP/code" "$BPE_TOKENS" "$TMP/tok" "$TMP/bpe" "$src" "$tgt" train valid test
+  ea_bpe "$TMP/tok" "$TMP/bpe" "$src" "$tgt" train valid test
   for split in train valid; do
     if [ "$maxlen" -gt 0 ]; then
       ea_clean "$TMP/bpe/$split" "$src" "$tgt" "$PREP/$split" 1 "$maxlen" 1.5
@@ -181,12 +226,12 @@ ea_wmt_bpe() {
   for l in "$src" "$tgt"; do cp "$TMP/bpe/test.$l" "$PREP/test.$l"; done
 }
 
-# ea_wmt_finish SRC TGT MAXLEN: ea_wmt_bpe, then binarize to $DEST with the BPE codes and
+# ea_wmt_finish SRC TGT MAXLEN: ea_wmt_bpe, then binarize to $DEST with the subword model and
 # the raw test sentences ($TMP/test.raw.*).
 ea_wmt_finish() {
   ea_wmt_bpe "$1" "$2" "$3"
   ea_binarize "$1" "$2" "$PREP" "$DEST"
-  cp "$PREP/code" "$DEST/code"
+  ea_keep_subword_model
   ea_keep_raw_test "$1" "$2" "$TMP/test.raw.$1" "$TMP/test.raw.$2" "$DEST"
 }
 

@@ -14,6 +14,8 @@
 #   fairseq-generate's own BLEU line is reported in every mode, labelled as such, and
 #   chrF and chrF++ with their signatures (on the detokenized text where there are raw
 #   references, else on the tokenized one).
+# Subwords are removed as the data was segmented: SentencePiece when DATA_BIN holds
+# sentencepiece.bpe.model (prepare-*.sh --sentencepiece), subword-nmt's @@ otherwise.
 #
 # CHECKPOINT_DIR holds one run, or one run per seed (seed*/, as SEEDS="1 2 3" train.sh
 # makes them): each is scored, then its BLEUs are shown with their mean and deviation
@@ -36,6 +38,7 @@
 #                          sources: DATA_BIN/SUBSET.raw.SRC-TGT.SRC if present
 #   --user-dir DIR         plugin [this repository's ea_fairseq]
 #   --max-tokens N [4096]  --cpu
+#   --progress S           report the sentences translated so far every S seconds [10]
 #   --skip-long            translate the sentences a model accepts and skip longer ones
 #                          (RAN's --ran-max-positions), every BLEU saying how many it
 #                          covers; without it such a test set stops with the count
@@ -59,7 +62,7 @@ case "$mode" in iwslt|wmt14-en-de|wmt) ;; *) die "MODE must be iwslt, wmt14-en-d
 
 num_avg="${NUM_AVG:-10}"; avg_by=epoch; upper=""; checkpoint=""; best=""; skip_long=""
 beam=5; lenpen=1.0; src=""; tgt=""; subset=test; raw_ref=""; out_dir=""; comet_model=""
-user_dir="$repo/ea_fairseq"; max_tokens=4096; cpu=(); extra=()
+user_dir="$repo/ea_fairseq"; max_tokens=4096; cpu=(); extra=(); progress_every=10
 while [ $# -gt 0 ]; do
   case "$1" in
     --num-avg) num_avg="$2"; shift 2 ;;
@@ -80,6 +83,7 @@ while [ $# -gt 0 ]; do
     --user-dir) user_dir="$2"; shift 2 ;;
     --max-tokens) max_tokens="$2"; shift 2 ;;
     --cpu) cpu=(--cpu); shift ;;
+    --progress) progress_every="$2"; shift 2 ;;
     --) shift; extra=("$@"); break ;;
     -h|--help) usage; exit 0 ;;
     *) die "unknown option '$1' (fairseq-generate options go after --)" ;;
@@ -89,6 +93,10 @@ case "$avg_by" in epoch|update) ;; *) die "--avg-by must be epoch or update" ;; 
 [ -d "$data" ] || die "data-bin directory $data not found"
 [ -d "$user_dir" ] || die "plugin directory $user_dir not found (--user-dir)"
 [ -z "$best" ] || [ -z "$checkpoint" ] || die "--best and --checkpoint: choose one"
+[[ "$progress_every" =~ ^[0-9]*\.?[0-9]+$ ]] && [ "$progress_every" != 0 ] \
+  || die "--progress takes a number of seconds (got '$progress_every')"
+remove_bpe=(--remove-bpe)
+if [ -f "$data/sentencepiece.bpe.model" ]; then remove_bpe=(--remove-bpe sentencepiece); fi
 
 # one run per seed: score each, then their mean and deviation
 if ! ls "$ckpt_dir"/checkpoint*.pt >/dev/null 2>&1 && ls -d "$ckpt_dir"/seed*/ >/dev/null 2>&1; then
@@ -133,13 +141,36 @@ gen_log="$out_dir/generate-$subset.$src-$tgt.log"
 skip=()
 if [ -n "$skip_long" ]; then skip=(--skip-invalid-size-inputs-valid-test); fi
 echo "[evaluate] translating $subset ($src->$tgt) with beam $beam, lenpen $lenpen: $what" >&2
+echo "[evaluate] fairseq-generate's output: $gen, its log: $gen_log" >&2
+
+# every $1 seconds, how many of the subset's sentences fairseq-generate has written, when it
+# changed (the wait is bash's own read -t: no sleep process outlives the loop)
+report_progress() {
+  local total="" n shown=""
+  exec 3<> <(:)
+  while ! read -r -t "$1" -u 3 _; do
+    [ -n "$total" ] || total=$(sed -n "s:.*loaded \([0-9,]*\) examples from\: .*/$subset\.$src-$tgt\.$src\$:\1:p" \
+      "$gen_log" 2>/dev/null | head -1)
+    [ -n "$total" ] || continue
+    n=$(grep -c '^H-' "$gen" 2>/dev/null || true)
+    [ "${n:-0}" != "$shown" ] || continue
+    shown="${n:-0}"
+    echo "[evaluate] $shown of $total sentences translated" >&2
+  done
+}
+report_progress "$progress_every" &
+progress_pid=$!
+trap 'kill "$progress_pid" 2>/dev/null || true' EXIT
+t0=$SECONDS
 # --required-batch-size-multiple 1: fairseq (upstream main) drops a last batch smaller than
 # it (default 8), i.e. up to 7 test sentences; bleu.py checks none is missing.
-if ! "$FAIRSEQ_GENERATE" "$data" --user-dir "$user_dir" --path "$model" \
+# PYTHONUNBUFFERED: hypotheses reach $gen as they are made (the progress count reads it).
+if ! PYTHONUNBUFFERED=1 "$FAIRSEQ_GENERATE" "$data" --user-dir "$user_dir" --path "$model" \
     --source-lang "$src" --target-lang "$tgt" --gen-subset "$subset" \
-    --beam "$beam" --lenpen "$lenpen" --remove-bpe --max-tokens "$max_tokens" \
+    --beam "$beam" --lenpen "$lenpen" "${remove_bpe[@]}" --max-tokens "$max_tokens" \
     --required-batch-size-multiple 1 ${skip[@]+"${skip[@]}"} \
     ${cpu[@]+"${cpu[@]}"} ${extra[@]+"${extra[@]}"} > "$gen" 2> "$gen_log"; then
+  kill "$progress_pid" 2>/dev/null || true
   limits=$(sed -n 's/.*since max_positions=(\([0-9]*\), \([0-9]*\)).*/\1 \2/p' "$gen_log" | tail -1)
   if [ -n "$limits" ]; then
     read -r max_src max_tgt <<< "$limits"
@@ -160,6 +191,8 @@ print(int(long.sum()), len(s), " ".join(map(str, long.nonzero()[0][:10])))' \
   tail -20 "$gen_log" >&2
   die "fairseq-generate failed (log: $gen_log)"
 fi
+kill "$progress_pid" 2>/dev/null || true
+echo "[evaluate] $(grep -c '^H-' "$gen" || true) sentences translated in $((SECONDS - t0)) s" >&2
 
 score_opts=(--mode "$mode" --target-lang "$tgt" --out-prefix "$out_dir/$subset.$src-$tgt"
             --expect-idx "$data/$subset.$src-$tgt.$src.idx")

@@ -15,13 +15,15 @@ are tested against; sacremoses supplies the nonbreaking-prefix lists); BPE is su
   clean   clean-corpus-n.perl: drop pairs that are empty, longer than MAX tokens, or
           whose length ratio exceeds RATIO
   split   every N-th line to one file, the rest to another (fairseq's valid split)
+  spm-learn / spm-encode   learn a joint SentencePiece model / segment text with it
 
 BPE is learnt and applied with ``python -m subword_nmt.learn_bpe`` / ``apply_bpe``
-directly (see common.sh). Run ``python examples/translation/nmt_text.py CMD --help`` for options.
+directly (see common.sh); SentencePiece, the alternative, with the ``sentencepiece`` package. Run ``python examples/translation/nmt_text.py CMD --help`` for options.
 """
 import argparse
 import gzip
 import io
+import lzma
 import os
 import re
 import shutil
@@ -43,6 +45,10 @@ def _archive_dir(orig: Path, name: str) -> Path:
     return orig / (name + ".d")
 
 
+class BrokenArchive(Exception):
+    """A raw file that is there but cannot be unpacked (truncated download, wrong file)."""
+
+
 def _unpack(path: Path, dest: Path) -> None:
     stamp = dest / ".unpacked"
     if stamp.exists():
@@ -50,6 +56,17 @@ def _unpack(path: Path, dest: Path) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     name = path.name
     print(f"[fetch] unpacking {name} -> {dest}", file=sys.stderr)
+    try:
+        _extract(path, dest)
+    except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError, lzma.LZMAError) as err:
+        shutil.rmtree(dest, ignore_errors=True)
+        first = str(err).splitlines()[0].rstrip(": ") if str(err) else ""
+        raise BrokenArchive(f"{type(err).__name__}: {first}" if first else type(err).__name__) from None
+    stamp.touch()
+
+
+def _extract(path: Path, dest: Path) -> None:
+    name = path.name
     if name.endswith((".tgz", ".tar.gz", ".tar")):
         with tarfile.open(path) as tar:
             if hasattr(tarfile, "data_filter"):
@@ -66,7 +83,6 @@ def _unpack(path: Path, dest: Path) -> None:
         target = dest / name
         if not target.exists():
             os.symlink(path.resolve(), target)
-    stamp.touch()
 
 
 def _download(url: str, target: Path) -> bool:
@@ -101,7 +117,13 @@ def cmd_fetch(args) -> int:
             else:
                 missing.append((name, url))
                 continue
-        _unpack(target, _archive_dir(orig, name))
+        try:
+            _unpack(target, _archive_dir(orig, name))
+        except BrokenArchive as err:
+            print(f"[fetch] error: {target.resolve()} is not a readable archive ({err}): the file is "
+                  f"damaged or incomplete; download it again{f' from {url}' if url else ''} and replace it",
+                  file=sys.stderr)
+            return 3
     if missing:
         lines = [
             "[fetch] missing raw data. Put these files in a directory and pass it with --raw-dir DIR",
@@ -156,6 +178,8 @@ def _open_text(path: str):
         return io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="replace")
     if path.endswith(".gz"):
         return gzip.open(path, "rt", encoding="utf-8", errors="replace")
+    if path.endswith(".xz"):
+        return lzma.open(path, "rt", encoding="utf-8", errors="replace", newline="\n")
     return open(path, encoding="utf-8", errors="replace", newline="\n")
 
 
@@ -509,6 +533,37 @@ def cmd_split(args) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- SentencePiece
+
+
+def cmd_spm_learn(args) -> int:
+    """One SentencePiece model learnt on all INPUTS (both languages: a joint vocabulary)."""
+    import sentencepiece as spm
+
+    spm.SentencePieceTrainer.train(
+        input=",".join(args.inputs), model_prefix=args.model_prefix, vocab_size=args.vocab_size,
+        model_type=args.model_type, character_coverage=args.character_coverage,
+        # at most VOCAB pieces: a small corpus gets fewer instead of an error
+        hard_vocab_limit=False,
+        input_sentence_size=args.input_sentence_size, shuffle_input_sentence=True,
+        num_threads=args.workers, minloglevel=1)
+    n = spm.SentencePieceProcessor(model_file=args.model_prefix + ".model").get_piece_size()
+    print(f"[spm] {args.model_type} model of {n} pieces -> {args.model_prefix}.model", file=sys.stderr)
+    return 0
+
+
+def cmd_spm_encode(args) -> int:
+    """Each line of INPUT as its SentencePiece pieces, space-separated."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=args.model)
+    with _open_text(args.input) as f, open(args.output, "w", encoding="utf-8") as out:
+        for chunk in _chunks((line.rstrip("\n") for line in f), 10000):
+            pieces = sp.encode(chunk, out_type=str, num_threads=args.workers)
+            out.write("".join(" ".join(p) + "\n" for p in pieces))
+    return 0
+
+
 # --------------------------------------------------------------------------- CLI
 
 
@@ -565,6 +620,25 @@ def main(argv=None) -> int:
     s.add_argument("every_out")
     s.add_argument("rest_out")
     s.set_defaults(fn=cmd_split)
+
+    m = sub.add_parser("spm-learn", help="learn a joint SentencePiece model on INPUTS")
+    m.add_argument("inputs", nargs="+")
+    m.add_argument("--model-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
+    m.add_argument("--vocab-size", type=int, required=True, help="at most this many pieces")
+    m.add_argument("--model-type", choices=["unigram", "bpe"], default="unigram")
+    m.add_argument("--character-coverage", type=float, default=1.0,
+                   help="share of characters covered; 0.9995 for Chinese or Japanese")
+    m.add_argument("--input-sentence-size", type=int, default=10_000_000,
+                   help="learn on a random sample of at most this many lines")
+    m.add_argument("--workers", type=int, default=1)
+    m.set_defaults(fn=cmd_spm_learn)
+
+    m = sub.add_parser("spm-encode", help="segment a text file with a SentencePiece model")
+    m.add_argument("--model", required=True)
+    m.add_argument("-i", "--input", required=True)
+    m.add_argument("-o", "--output", required=True)
+    m.add_argument("--workers", type=int, default=1)
+    m.set_defaults(fn=cmd_spm_encode)
 
     args = p.parse_args(argv)
     return args.fn(args)

@@ -5,7 +5,7 @@
 # IWSLT14.TED.dev2010 + TEDX.dev2012 + TED.tst2010-2012 concatenated (fairseq's order).
 #
 #   bash examples/translation/prepare-iwslt14.sh [--joined-dictionary] [--raw-dir DIR]
-#        [--no-download] [--work-dir DIR] [--dest-dir DIR] [--workers N] [--bpe-tokens N]
+#        [--no-download] [--work-dir DIR] [--dest-dir DIR] [--workers N] [--bpe-tokens N | --sentencepiece V]
 #
 # Dictionaries: one per language, as fairseq's recipe binarizes (8,848 German and 6,632
 # English types on the full data, the PA paper's vocabulary sizes); train with
@@ -60,7 +60,7 @@ for l in $src $tgt; do
   "$PYTHON" "$EA_REPO/examples/translation/nmt_text.py" split 23 "$TMP/train.tags.$lang.$l" "$TMP/valid.$l" "$TMP/train.$l"
 done
 
-ea_bpe "$PREP/code" "$BPE_TOKENS" "$TMP" "$PREP" $src $tgt train valid test
+ea_bpe "$TMP" "$PREP" $src $tgt train valid test
 ea_binarize $src $tgt "$PREP" "$DEST"
-cp "$PREP/code" "$DEST/code"
+ea_keep_subword_model
 ea_done

@@ -9,7 +9,7 @@
 #
 #   bash examples/translation/prepare-wmt14en2de.sh [--wmt17-news-commentary]
 #        [--raw-dir DIR] [--no-download] [--work-dir DIR] [--dest-dir DIR]
-#        [--workers N] [--bpe-tokens N]
+#        [--workers N] [--bpe-tokens N | --sentencepiece V]
 #
 # --wmt17-news-commentary: News Commentary v12 instead of v9, i.e. the training data of
 #   fairseq's default prepare-wmt14en2de.sh (WMT'17's release; not what the papers used).

@@ -7,7 +7,7 @@
 # tokens, ratio 1.5). Untokenized test sentences: DEST/test.raw.en-fr.{en,fr}.
 #
 #   bash examples/translation/prepare-wmt14en2fr.sh [--raw-dir DIR] [--no-download]
-#        [--work-dir DIR] [--dest-dir DIR] [--workers N] [--bpe-tokens N]
+#        [--work-dir DIR] [--dest-dir DIR] [--workers N] [--bpe-tokens N | --sentencepiece V]
 #
 # Raw data (file names as expected in --raw-dir): training-parallel-europarl-v7.tgz
 #   training-parallel-commoncrawl.tgz training-parallel-un.tgz training-parallel-nc-v9.tgz

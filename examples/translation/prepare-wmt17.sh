@@ -13,7 +13,7 @@
 # merges (RAN: "a joint vocabulary of ... 32K tokens for the others").
 #
 #   bash examples/translation/prepare-wmt17.sh {lv|fi|tr} [--raw-dir DIR] [--no-download]
-#        [--work-dir DIR] [--dest-dir DIR] [--workers N] [--bpe-tokens N]
+#        [--work-dir DIR] [--dest-dir DIR] [--workers N] [--bpe-tokens N | --sentencepiece V]
 #
 # Output: data-bin/wmt17_en_LANG with train.en-LANG.* and the en->LANG valid/test sets, plus
 # valid/test.LANG-en.* (the LANG->en dev and test sets, binarized with the same
@@ -93,14 +93,14 @@ for l in $src $tgt; do
 done
 
 ea_wmt_bpe $src $tgt 0
-ea_log "BPE for the $tgt->$src valid/test sets"
+ea_log "subwords for the $tgt->$src valid/test sets"
 mkdir -p "$PREP/$tgt-$src"
 for l in $src $tgt; do
-  "$PYTHON" -m subword_nmt.apply_bpe -c "$PREP/code" -i "$TMP/tok/$tgt-$src/valid.$l" -o "$PREP/$tgt-$src/valid.$l"
-  "$PYTHON" -m subword_nmt.apply_bpe -c "$PREP/code" -i "$TMP/tok/test.$tgt-$src.$l" -o "$PREP/$tgt-$src/test.$l"
+  ea_subword_apply "$TMP/tok/$tgt-$src/valid.$l" "$PREP/$tgt-$src/valid.$l"
+  ea_subword_apply "$TMP/tok/test.$tgt-$src.$l" "$PREP/$tgt-$src/test.$l"
 done
 ea_binarize $src $tgt "$PREP" "$DEST" "$PREP/$tgt-$src"
-cp "$PREP/code" "$DEST/code"
+ea_keep_subword_model
 ea_keep_raw_test $src $tgt "$TMP/test.raw.$src" "$TMP/test.raw.$tgt" "$DEST"
 ea_keep_raw_test $tgt $src "$TMP/test.$tgt-$src.raw.$tgt" "$TMP/test.$tgt-$src.raw.$src" "$DEST"
 ea_done

@@ -15,6 +15,9 @@
 #   DropAttention  transformer_dropattn dropattn  Transformer-Base without / with DropAttention
 # PAIR    iwslt14_de_en wmt14_en_de wmt14_en_fr
 #         wmt17_en_lv wmt17_lv_en wmt17_en_fi wmt17_fi_en wmt17_en_tr wmt17_tr_en
+#         own: the data set in DATA (required; e.g. prepare-own.sh's output), its direction
+#           the only train.SRC-TGT.* there (or SRC=.. TGT=..); the family's settings for
+#           IWSLT'14 De-En (1 GPU; the DropAttention families: its WMT settings)
 #
 # Devices and precision
 #   CUDA GPUs by default; without a CUDA device it stops unless CPU=1 (train on CPU).
@@ -29,9 +32,10 @@
 # Seeds and run directories
 #   SEED [1]; SEEDS="1 2 3" trains one run per seed, one after another, into SAVE_DIR/seedN
 #   SAVE_DIR [checkpoints/FAMILY.PAIR]: checkpoints, train.log (fairseq's log), train.command
-#   (every command that trained it) and train.settings (the resolved settings). A directory
-#   whose checkpoints were trained with other settings is not resumed: train.sh stops and
-#   shows the difference; ALLOW_CHANGED_SETTINGS=1 resumes anyway.
+#   (every command that trained it), train.settings (the resolved settings) and a copy of the
+#   data's subword model (code or sentencepiece.bpe.model: fairseq's hub looks there). A
+#   directory whose checkpoints were trained with other settings is not resumed: train.sh
+#   stops and shows the difference; ALLOW_CHANGED_SETTINGS=1 resumes anyway.
 #
 # Every value below can be overridden with the environment variable in capitals, and any
 # fairseq-train option given after PAIR is passed through last (so it wins):
@@ -77,7 +81,7 @@ fi
 family="$1"; pair="$2"; shift 2
 
 # the variables the caller set, for train.command (before any default is filled in)
-known_vars=(DATA SAVE_DIR LR DROPOUT ATTN_DROPOUT EA_ALPHA EA_BETA PA_ALPHA WARMUP LABEL_SMOOTHING
+known_vars=(DATA SRC TGT SAVE_DIR LR DROPOUT ATTN_DROPOUT EA_ALPHA EA_BETA PA_ALPHA WARMUP LABEL_SMOOTHING
             MAX_TOKENS MAX_UPDATE MAX_EPOCH PATIENCE KEEP_LAST_EPOCHS SEED SEEDS UPDATE_FREQ NGPUS
             CPU FP16 BF16 WEIGHT_DECAY SHARE_EMBEDDINGS DROP_ATTENTION DROP_ATTENTION_P
             DROP_ATTENTION_WINDOW LAUNCHER USER_DIR FAIRSEQ_TRAIN ALLOW_CHANGED_SETTINGS)
@@ -114,6 +118,18 @@ case "$pair" in
     src="${pair:6:2}"; tgt="${pair:9:2}"
     other="$src"; [ "$src" = en ] && other="$tgt"
     data_dir="wmt17_en_$other"; size=wmt17; mode=wmt ;;
+  own)
+    [ -n "${DATA:-}" ] || die "PAIR own trains on the data set in DATA: DATA=data-bin/NAME bash $0 $family own
+  (examples/translation/prepare-own.sh makes one from your own parallel text)"
+    [ -d "$DATA" ] || die "DATA=$DATA is not a directory (prepare it with examples/translation/prepare-own.sh)"
+    src="${SRC:-}"; tgt="${TGT:-}"
+    if [ -z "$src" ] || [ -z "$tgt" ]; then
+      dirs=$(ls "$DATA" | sed -n 's/^train\.\([^.]*\)-\([^.]*\)\.\1\.idx$/\1 \2/p' | sort -u)
+      [ -n "$dirs" ] || die "no train.SRC-TGT.SRC.idx in DATA=$DATA: is it fairseq-preprocess output? (examples/translation/prepare-own.sh)"
+      [ "$(echo "$dirs" | wc -l)" -eq 1 ] || die "DATA=$DATA holds several directions ($(echo $dirs)): give SRC=.. TGT=.."
+      read -r src tgt <<< "$dirs"
+    fi
+    data_dir=""; size=own; mode=wmt ;;
   *) die "unknown PAIR '$pair' (see --help)" ;;
 esac
 
@@ -141,7 +157,7 @@ esac
 # EA Table 10 (also used for the Transformer baselines, and for RAN outside its WMT tasks)
 ea_table() {
   case "$pair" in
-    iwslt14_de_en) lr=1e-3; dropout=0.2; paper_gpus=1; paper_accum=1 ;;
+    iwslt14_de_en|own) lr=1e-3; dropout=0.2; paper_gpus=1; paper_accum=1 ;;
     wmt14_en_de)   lr=1e-3; dropout=0.3; paper_gpus=8; paper_accum=16 ;;
     wmt14_en_fr)   lr=1e-3; dropout=0.1; paper_gpus=8; paper_accum=16 ;;
     *) if [ "$family" = transformer_base ] || [ "$family" = transformer_lite ]; then
@@ -156,13 +172,14 @@ max_tokens=4096
 case "$kind" in
   ea_lite|ea_base) ea_table ;;
   pa_lite)
-    [ "$pair" = iwslt14_de_en ] || die "the PA paper trains translation on IWSLT'14 De-En only"
+    [ "$pair" = iwslt14_de_en ] || [ "$pair" = own ] \
+      || die "the PA paper trains translation on IWSLT'14 De-En only (PAIR own: your data, its settings)"
     lr=5e-4; dropout=0.2; paper_gpus=1; paper_accum=1 ;;
   ran|ran_lite)
     [ "$family" != transformer_ran ] || [ "$size" != iwslt ] \
       || die "the RAN paper has no IWSLT'14 setting; its Transformer baseline runs on WMT pairs"
     case "$family" in ran_*) attn_dropout=0.2 ;; esac  # "As for RANs"; TransF, HC-SA, Syn-R: 0
-    if [ "$size" = iwslt ]; then
+    if [ "$size" = iwslt ] || [ "$size" = own ]; then
       ea_table  # RAN has no IWSLT setting: the EA table's values, RAN's attention dropout
     else
       if [ "$kind" = ran ]; then
@@ -178,8 +195,9 @@ case "$kind" in
       keep_updates=10
     fi ;;
   vaswani)
-    [ "$pair" = wmt14_en_de ] || die "the DropAttention paper trains translation on WMT En-De only"
-    data_dir=wmt14_en_de_bpe32k
+    [ "$pair" = wmt14_en_de ] || [ "$pair" = own ] \
+      || die "the DropAttention paper trains translation on WMT En-De only (PAIR own: your data, its settings)"
+    [ "$pair" = own ] || data_dir=wmt14_en_de_bpe32k
     lr=7e-4; dropout=0.1; paper_gpus=8; paper_accum=1; max_update=100000; patience=-1
     keep_updates=10; eval_opts=(--num-avg 5 --avg-by update --beam 4 --lenpen 0.6) ;;
 esac
@@ -371,6 +389,17 @@ settings=$(
   options_by_line "${run[@]:3}" ${settings_extra[@]+"${settings_extra[@]}"}
 )
 
+if ! is_on "${DRY_RUN:-}" && { [ ! -f "$DATA/dict.$src.txt" ] || [ ! -f "$DATA/dict.$tgt.txt" ]; }; then
+  case "$pair" in
+    iwslt14_de_en) how="bash examples/translation/prepare-iwslt14.sh" ;;
+    wmt14_en_de) how="bash examples/translation/prepare-wmt14en2de.sh"
+      [ "$kind" != vaswani ] || how+=" --bpe-tokens 32000 --dest-dir $DATA" ;;
+    wmt14_en_fr) how="bash examples/translation/prepare-wmt14en2fr.sh" ;;
+    wmt17_*) how="bash examples/translation/prepare-wmt17.sh $other" ;;
+    *) how="bash examples/translation/prepare-own.sh $src $tgt TEXT_DIR --dest-dir $DATA" ;;
+  esac
+  die "no prepared data in $DATA (dict.$src.txt, dict.$tgt.txt): run $how first, or set DATA=..."
+fi
 echo "[train] $family on $pair, seed $SEED -> $SAVE_DIR" >&2
 echo "[train] devices: $devices_text; precision: $precision" >&2
 echo "[train] effective batch: $eff_tokens tokens x $devices device(s) x update-freq $eff_freq = $effective tokens per update" \
@@ -421,6 +450,9 @@ $(diff <(grep -v '^#' "$record") <(echo "$settings") | grep '^[<>]' | sed 's/^</
     echo
     printf '%q ' "${cmd[@]}"; echo
   } >> "$SAVE_DIR/train.command"
+  for f in code sentencepiece.bpe.model; do  # the data's subword model, where fairseq's hub looks
+    if [ -f "$DATA/$f" ]; then cp "$DATA/$f" "$SAVE_DIR/"; fi
+  done
 fi
 "${cmd[@]}"
 echo "[train] done: $SAVE_DIR; evaluate with: $eval_hint" >&2
