@@ -535,6 +535,27 @@ def test_train_sh_refuses_cpu_without_cpu_1(env, tmp_path):
     assert not (tmp_path / "ck").exists()
 
 
+def test_train_sh_own_data_direction_and_settings(env, tmp_path):
+    """PAIR own: the direction from DATA's file names (or SRC/TGT), the family's IWSLT'14
+    settings, and a clear stop where DATA is missing or ambiguous."""
+    data = tmp_path / "own"
+    data.mkdir()
+    for name in ("train.xx-yy.xx.idx", "train.xx-yy.yy.idx", "dict.xx.txt", "dict.yy.txt"):
+        (data / name).write_text("a 1\n")
+    cmd, err = _dry(env, tmp_path, "pa_lite", "own", DATA=str(data))
+    assert f"{data} --user-dir" in cmd and "--source-lang xx --target-lang yy" in cmd
+    assert "--arch pa_transformer_lite" in cmd and "--lr 5e-4" in cmd and "--pa-alpha 0.1" in cmd
+    assert "--share-all-embeddings" in cmd  # the dictionaries are equal: one joined dictionary
+    assert f"evaluate.sh checkpoints/pa_lite.own {data} wmt" in err
+    cmd, _ = _dry(env, tmp_path, "ran_d", "own", DATA=str(data))
+    assert "--lr 1e-3 --lr-scheduler" in cmd and "--attention-dropout 0.2" in cmd and "--patience 5" in cmd
+    (data / "train.yy-xx.yy.idx").write_text("")
+    _, err = _dry(env, tmp_path, "ea_lite", "own", check=False, DATA=str(data))
+    assert "holds several directions (xx yy yy xx): give SRC=.. TGT=.." in err
+    cmd, _ = _dry(env, tmp_path, "ea_lite", "own", DATA=str(data), SRC="yy", TGT="xx")
+    assert "--source-lang yy --target-lang xx" in cmd
+
+
 def _evaluate(run_info, mode, env, *args):
     return run(["bash", RECIPES / "evaluate.sh", run_info["save"], run_info["data"], mode,
                 "--num-avg", "2", "--cpu", *args, "--", "--max-len-a", "0", "--max-len-b", "6"],
