@@ -54,6 +54,15 @@ def random_batch(dictionary, src_lengths, tgt_len, seed=0, left_pad=True, device
     return src.to(device), torch.tensor(src_lengths).to(device), prev.to(device)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cpu_accelerators_built():
+    """The CPU accelerators' C++ extension, compiled (first use in a checkout) or loaded once
+    before the first test, so that no test's duration includes the build."""
+    from ea_fairseq.accelerators.cpu.build import extension
+
+    return extension()
+
+
 @pytest.fixture
 def dictionary():
     return make_dictionary()
