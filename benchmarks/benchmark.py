@@ -24,7 +24,10 @@ Measured:
   1/32/128, incremental decoding, every hypothesis forced to the same length so all
   models decode the same number of steps; with a realistic vocabulary (10k joint BPE
   for Lite, 32k for base) and a small one;
-* scaling: time of one incremental decoding step as the prefix grows (t = 8 ... 256).
+* scaling: time of one incremental decoding step as the prefix grows (t = 8 ... 256);
+* attention path: which implementation each side's attentions ran in a training forward and
+  a decoding step (fairseq's call into torch's fused attention, or the unfused weights a
+  mechanism needs), detected on the device and in the precision of the run.
 
 Device and precision (``--device``, ``--dtype``; default CPU, float32):
 * models and batches live on the device; on CUDA every timed callable ends with
@@ -434,6 +437,83 @@ def bench_scaling(archs, vocab, steps_at, bsz, repeats, device=CPU, dtype="fp32"
     return out
 
 
+# -- attention paths ------------------------------------------------------------------------
+ROLES = (("encoder", "self_attn", "encoder self"), ("decoder", "self_attn", "decoder self"),
+         ("decoder", "encoder_attn", "decoder cross"))
+
+
+def attention_paths(model, data, device):
+    """Which implementation each attention ran, detected in one training forward (train
+    mode, autograd on, as in an update) and one incremental decoding step: per role
+    (encoder self, decoder self, decoder cross), ``fused`` where every layer's attention went
+    through ``F.multi_head_attention_forward`` (fairseq's call into torch's fused attention;
+    ``+ SDPA`` where that ran ``F.scaled_dot_product_attention``), ``unfused`` where none
+    did (the attention computed its weights itself), ``mixed`` otherwise."""
+    src, lengths, prev, _ = data
+    active, seen = [], {}  # the attention running now; (role, path) -> calls
+    roles = {}
+    for stack_name, slot, role in ROLES:
+        for layer in getattr(getattr(model, stack_name), "layers", ()):
+            module = getattr(layer, slot, None)
+            if module is not None:
+                roles[module] = role
+
+    def enter(module, args):
+        active.append(module)
+        seen.setdefault(roles[module], {"calls": 0, "fused": 0, "sdpa": 0})["calls"] += 1
+
+    def leave(module, args, output):
+        active.pop()
+
+    def counting(name, original):
+        def counted(*args, **kwargs):
+            if active:
+                seen[roles[active[-1]]][name] += 1
+            return original(*args, **kwargs)
+        return counted
+
+    patched = {"multi_head_attention_forward": "fused", "scaled_dot_product_attention": "sdpa"}
+    originals = {fn: getattr(F, fn) for fn in patched}
+    handles = [h for m in roles for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+    out = {}
+    try:
+        for fn, key in patched.items():
+            setattr(F, fn, counting(key, originals[fn]))
+        model.train()
+        model(src, lengths, prev)
+        out["training"], seen = dict(seen), {}
+        model.eval()
+        with torch.no_grad():
+            encoder_out = model.encoder(src, src_lengths=lengths)
+            model.decoder(prev[:, :1], encoder_out=encoder_out, incremental_state={})
+        out["decoding"] = dict(seen)
+    finally:
+        for fn, original in originals.items():
+            setattr(F, fn, original)
+        for h in handles:
+            h.remove()
+
+    def verdict(counts):
+        if counts["fused"] == 0:
+            return "unfused"
+        path = "fused" + (" + SDPA" if counts["sdpa"] == counts["fused"] else "")
+        return path if counts["fused"] == counts["calls"] else f"mixed ({counts['fused']}/{counts['calls']} fused)"
+
+    return {phase: {role: verdict(c) for role, c in roles_seen.items()} for phase, roles_seen in out.items()}
+
+
+def detect_attention_paths(arch, twin, vocab, device=CPU, dtype="fp32"):
+    """:func:`attention_paths` of ``arch`` and its twin, as placed for this run."""
+    paths = {}
+    for name in (arch, twin):
+        model, d = build(name, vocab)
+        model = place(model, device, dtype)
+        data = on(device, batch(d, sentences=4, lo=10, hi=13, seed=0))
+        paths[name] = attention_paths(model, data, device)
+        del model
+    return paths
+
+
 # -- reporting --------------------------------------------------------------------------
 def machine(device=CPU, dtype="fp32"):
     cpu = "unknown"
@@ -546,6 +626,17 @@ def markdown(report) -> str:
         if skipped:
             lines += ["Updates skipped for an fp16 gradient overflow (warm-up included): "
                       + ", ".join(skipped) + ".", ""]
+    if report.get("attention_paths"):
+        lines += ["### Attention path each side ran (detected in one training forward and one decoding step)", "",
+                  "fused: fairseq called `F.multi_head_attention_forward` (torch's fused attention; + SDPA: "
+                  "it ran `F.scaled_dot_product_attention`); unfused: the attention computed its weights itself.", "",
+                  "| model | training | decoding |", "| --- | --- | --- |"]
+        for arch, sides in report["attention_paths"].items():
+            for name, phases in sides.items():
+                cells = ["; ".join(f"{role}: {path}" for role, path in phases.get(phase, {}).items()) or "–"
+                         for phase in ("training", "decoding")]
+                lines.append(f"| {name}{'' if name == arch else f' (twin of {arch})'} | {cells[0]} | {cells[1]} |")
+        lines.append("")
     if report.get("generation"):
         lines += ["### Generation (fairseq SequenceGenerator, incremental, fixed output length)", "",
                   "| arch | vocab | beam | batch | arch sent/s | twin sent/s | speed ratio |",
@@ -626,7 +717,7 @@ def main():
     report = {"machine": {**machine(device, args.dtype), "freed_memory_kept": kept,
                           "fairseq_reorder": args.fairseq_reorder},
               "busy": busy_processes(),
-              "training": {}, "memory": {},
+              "attention_paths": {}, "training": {}, "memory": {},
               "generation": {}, "scaling": {}}
     for arch in archs:
         twin, family = PAIRS[arch]
@@ -635,6 +726,7 @@ def main():
         print(f"[bench] {arch} vs {twin} (vocab {vocab}, {args.device} {args.dtype})",
               file=sys.stderr, flush=True)
         on_device = {"device": device, "dtype": args.dtype}
+        report["attention_paths"][arch] = detect_attention_paths(arch, twin, vocab, **on_device)
         if "training" not in args.skip:
             report["training"][arch] = bench_training(arch, twin, vocab, tokens, updates=1,
                                                       repeats=2 if quick else args.training_repeats, **on_device)
@@ -670,7 +762,7 @@ def main():
         if mixed:
             sys.exit(f"--append: {path} holds runs on {mixed}, not {args.device} {args.dtype}; "
                      "give another --out, or run without --append")
-        for section in ("training", "memory", "scaling"):
+        for section in ("attention_paths", "training", "memory", "scaling"):
             report[section] = {**earlier.get(section, {}), **report[section]}
         generation = dict(earlier.get("generation", {}))
         for arch, rows in report["generation"].items():

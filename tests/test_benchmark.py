@@ -76,7 +76,19 @@ def test_benchmark_runs_and_appends(tmp_path):
     # the second run's scaling rows join the first's (read back from JSON)
     assert set(report["scaling"]) == {"ran_all_lite", "ea_transformer_lite", "transformer_lite"}
 
+    # detected, per side: fairseq's fused call for the twin's self-attentions in training,
+    # the unfused weights RAN needs in every attention
+    paths = report["attention_paths"]
+    assert set(paths) == {"ran_all_lite", "ea_transformer_lite"}
+    for arch in paths:
+        assert set(paths[arch][arch]) == {"training", "decoding"}
+    twin = paths["ran_all_lite"]["transformer_lite"]
+    assert twin["training"]["encoder self"].startswith("fused") and twin["training"]["decoder self"].startswith("fused")
+    assert twin["decoding"]["decoder self"] == "unfused"  # incremental: fairseq's own path
+    assert set(paths["ran_all_lite"]["ran_all_lite"]["training"].values()) == {"unfused"}
+
     md = (tmp_path / "benchmark.md").read_text()
+    assert "### Attention path each side ran" in md and "| transformer_lite (twin of ran_all_lite) | " in md
     assert "| ran_all_lite | transformer_lite |" in md
     assert "| ea_transformer_lite | 1000 | 1 | 2 |" in md
     assert md.count("Run of ") == 2
