@@ -321,13 +321,18 @@ def beam_search_equals_teacher_forcing(model, dictionary, tolerance, autocast_dt
         for i, sentence in enumerate(hypos):
             assert len(sentence) == 5
             n = lengths[i].item()
-            for h in sentence:
+            # the 5 hypotheses teacher-forced in one batch, targets right-padded as in training
+            width = max(len(h["tokens"]) for h in sentence)
+            tokens = torch.full((5, width), dictionary.pad(), dtype=torch.long, device=DEVICE)
+            for j, h in enumerate(sentence):
                 assert torch.isfinite(h["positional_scores"]).all()
-                tokens = h["tokens"].unsqueeze(0)
-                prev = torch.cat([tokens.new_tensor([[dictionary.eos()]]), tokens[:, :-1]], 1)
-                logits = model(src[i : i + 1, -n:], lengths[i : i + 1], prev)[0]
-                lprobs = F.log_softmax(logits.float(), -1).gather(-1, tokens.unsqueeze(-1))[0, :, 0]
-                assert (lprobs - h["positional_scores"]).abs().max().item() <= tolerance
+                tokens[j, : len(h["tokens"])] = h["tokens"]
+            prev = torch.cat([tokens.new_full((5, 1), dictionary.eos()), tokens[:, :-1]], 1)
+            logits = model(src[i : i + 1, -n:].expand(5, -1), lengths[i : i + 1].expand(5), prev)[0]
+            lprobs = F.log_softmax(logits.float(), -1).gather(-1, tokens.unsqueeze(-1))[..., 0]
+            for j, h in enumerate(sentence):
+                gap = (lprobs[j, : len(h["tokens"])] - h["positional_scores"]).abs().max().item()
+                assert gap <= tolerance, (j, gap)
                 checked += 1
     assert checked == 15
 
