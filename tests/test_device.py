@@ -393,18 +393,24 @@ def test_ea_map_convolution_is_one_public_conv2d_per_attention_and_step(dictiona
             monkeypatch.setattr(attention_map_conv, name, refuse(f"{name} (torch._C._nn)"))
 
     model = family_model("ea-lite", dtype)
-    active, calls = [], []  # the AttentionMapConv running now; F.conv2d's calls
+    # the map convolution of the attention running now (EA's operation convolves with the
+    # module's kernel without calling the module, so the attention owning it is watched)
+    active, calls = [], []
 
-    def enter(module, inputs):
-        active.append(module)
+    def watch(attention, conv):
+        def enter(module, inputs):
+            active.append(conv)
 
-    def leave(module, inputs, output):
-        active.pop()
+        def leave(module, inputs, output):
+            active.pop()
+
+        attention.register_forward_pre_hook(enter)
+        attention.register_forward_hook(leave)
 
     for m in model.modules():
-        if isinstance(m, AttentionMapConv):
-            m.register_forward_pre_hook(enter)
-            m.register_forward_hook(leave)
+        for child in m.children():
+            if isinstance(child, AttentionMapConv):
+                watch(m, child)
     public = F.conv2d
 
     def counted(input, weight, *args, **kwargs):
