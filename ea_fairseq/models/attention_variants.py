@@ -13,16 +13,19 @@ choices and the model's checks are derived from that registry.
 """
 import argparse
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Dict, List, Tuple
 
 from fairseq.modules import MultiheadAttention
 
 from ..modules.attention_maps import AttentionMechanism, LogitMapAttention
 from ..modules.drop_attention import MODES as DROP_MODES, RESCALES as DROP_RESCALES, DropAttention
+from ..modules import long_short_range_attention as lsra, value_residual
 from ..modules.evolving_attention import EvolvingAttention
 from ..modules.hard_coded_attention import HardCodedGaussianAttention
 from ..modules.predictive_attention import PredictiveAttention
 from ..modules.recurrent_attention import RecurrentAttention
+from ..modules.residual_attention import ResidualAttention
 from ..modules.synthesizer_attention import RandomSynthesizerAttention
 
 ROLES: Tuple[str, ...] = ("encoder", "decoder", "cross")
@@ -70,17 +73,27 @@ def needs_stack_pass(cfg, role: str) -> bool:
     """Does this role's attention read what its stack computes during one forward pass (so
     that a layer cannot be recomputed alone, as activation checkpointing does)?"""
     variant = VARIANTS.get(variant_of(cfg, role))
-    return variant is not None and variant.cross_layer(cfg, role)
+    return (variant is not None and variant.cross_layer(cfg, role)) or uses(cfg, "value_residual_on", role)
 
 
-def build_attention(role: str, fairseq_attention: Callable[[], MultiheadAttention], cfg,
-                    layer_index: int = 0):
-    """The attention module of ``role`` in layer ``layer_index``; ``fairseq_attention()``
-    builds fairseq's, for the variants that start from it."""
+def uses(cfg, option: str, role: str) -> bool:
+    """Does the per-role option ``option`` (a list of roles) name ``role``?"""
+    return role in (getattr(cfg, option, None) or ())
+
+
+def build_attention(role: str, fairseq_attention: Callable[[int], MultiheadAttention], embed_dim: int,
+                    cfg, layer_index: int = 0):
+    """The attention module of ``role`` in layer ``layer_index``, of width ``embed_dim``;
+    ``fairseq_attention(width)`` builds fairseq's, for the variants that start from it.
+    With LSRA (``--lsra-on``) the variant is built at half the width, beside a convolution."""
+    width = embed_dim // 2 if uses(cfg, "lsra_on", role) else embed_dim
+    if width != embed_dim and (embed_dim % 2 or width % cfg_heads(cfg, role)):
+        raise ValueError(f"--lsra-on {role}: LSRA gives half of the width ({embed_dim}) to an attention "
+                         f"of {cfg_heads(cfg, role)} heads; choose a width divisible by twice the heads")
     variant = variant_of(cfg, role)
     if variant == "ran" and layer_index == 0 and cfg.ran_first_layer_standard:
         variant = "vanilla"  # the authors' code can keep standard attention in layer 1
-    attn = _build_variant(variant, role, fairseq_attention, cfg, layer_index)
+    attn = _build_variant(variant, role, partial(fairseq_attention, width), cfg, layer_index)
     if role in (getattr(cfg, "drop_attention_on", None) or ()) and cfg.drop_attention != "none":
         if not isinstance(attn, AttentionMechanism):  # vanilla attention with DropAttention
             attn = LogitMapAttention.promote(attn)
@@ -88,7 +101,24 @@ def build_attention(role: str, fairseq_attention: Callable[[], MultiheadAttentio
             cfg.drop_attention, cfg.drop_attention_p, cfg.drop_attention_window,
             cfg.drop_attention_rescale,
         ))
+    if uses(cfg, "value_residual_on", role):
+        if not isinstance(attn, AttentionMechanism):  # fairseq's fused path skips v_proj
+            attn = LogitMapAttention.promote(attn)
+        value_residual.ValueResidualProjection.promote(attn.v_proj, SLOT[role], cfg.value_residual_lambdas)
+    if width != embed_dim:
+        if getattr(attn, "embed_dim", None) != width:
+            raise ValueError(f"--lsra-on {role}: the {variant} attention does not build at half the "
+                             "width; LSRA cannot put it beside a convolution")
+        sizes = cfg.lsra_kernel_sizes
+        attn = lsra.LongShortRangeAttention(attn, lsra.LightweightConvBranch(
+            embed_dim - width, sizes[min(layer_index, len(sizes) - 1)], cfg_heads(cfg, role),
+            causal=role == "decoder", weight_dropout=cfg.lsra_weight_dropout,
+        ))
     return attn
+
+
+def cfg_heads(cfg, role: str) -> int:
+    return getattr(cfg, "decoder" if role == "cross" else role).attention_heads
 
 
 def _build_variant(variant, role, fairseq_attention, cfg, layer_index):
@@ -142,6 +172,19 @@ def add_args(parser):
                        help="PA: 3x3 conv+ReLU layers of the prediction CNN; 0 = residual "
                             "connection only, the paper's 'Transformer with RC' (default 1)")
     add_drop_attention_args(group)
+    group.add_argument("--lsra-on", nargs="+", choices=lsra.ROLES, metavar="ROLE",
+                       help="LSRA (Lite Transformer; PA's Conv-Transformer): give half of the width of "
+                            "these self-attentions (encoder, decoder) to a lightweight convolution")
+    group.add_argument("--lsra-kernel-sizes", nargs="+", type=positive_int, metavar="K",
+                       help="LSRA: convolution kernel size per layer, the last repeated for deeper "
+                            "stacks (Lite Transformer: 3 7 15 31 31 31)")
+    group.add_argument("--lsra-weight-dropout", type=float, metavar="P",
+                       help="LSRA: dropout on the convolution's kernels (default: --attention-dropout)")
+    group.add_argument("--value-residual-on", nargs="+", choices=value_residual.ROLES, metavar="ROLE",
+                       help="value residual learning (ResFormer): these self-attentions (encoder, "
+                            "decoder) mix the first layer's values into every later layer's")
+    group.add_argument("--value-residual-lambdas", nargs=2, type=float, metavar=("L1", "L2"),
+                       help="value residual: V'_n = L1 * V_1 + L2 * V_n (paper: 0.5 0.5)")
     group.add_argument("--ran-max-positions", type=positive_int, metavar="L",
                        help="RAN: size L of the L x L initial attention matrices; longer "
                             "sentences are refused (paper: 256)")
@@ -281,6 +324,11 @@ def build_synthesizer_attention(fairseq_attention, cfg, role, layer_index):
                                       fixed=bool(cfg.synthesizer_fixed))
 
 
+@register_variant("realformer", roles=ROLES, cross_layer=True)
+def build_residual_attention(fairseq_attention, cfg, role, layer_index):
+    return ResidualAttention.promote(fairseq_attention(), slot=SLOT[role])
+
+
 def set_default(args, name: str, value) -> None:
     """fairseq's ``getattr(args, name, default)`` idiom, also for options stored as None."""
     if getattr(args, name, None) is None:
@@ -304,6 +352,11 @@ def fill_defaults(args) -> None:
     set_default(args, "drop_attention_rescale", "normalized")
     set_default(args, "drop_attention_on", list(ROLES))
     set_default(args, "ran_max_positions", 256)
+    set_default(args, "lsra_on", [])
+    set_default(args, "lsra_kernel_sizes", list(lsra.LITE_KERNEL_SIZES))
+    set_default(args, "lsra_weight_dropout", args.attention_dropout)
+    set_default(args, "value_residual_on", [])
+    set_default(args, "value_residual_lambdas", [0.5, 0.5])
     for flag in ("ran_fixed_init", "ran_no_layernorm", "ran_no_residual", "ran_first_layer_standard"):
         set_default(args, flag, False)
     set_default(args, "hcsa_std", 1.0)

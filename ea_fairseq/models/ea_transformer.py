@@ -28,6 +28,7 @@ from ..modules.attention_maps import AttentionMapCarrier, AttentionMechanism
 from ..modules.recurrent_attention import (RecurrentAttention, RecurrentAttentionMatrices,
                                             mixed_precision_caveats)
 from ..errors import OptionError, note_position_limit
+from ..modules.value_residual import ValueResidualProjection
 from . import attention_variants as variants
 from . import hydra_config
 from .fairseq_speedups import ListedStateHolders
@@ -42,8 +43,8 @@ class EATransformerEncoderLayer(TransformerEncoderLayerBase):
         super().__init__(cfg, return_fc=return_fc)
 
     def build_self_attention(self, embed_dim, cfg):
-        fairseq_attention = partial(super().build_self_attention, embed_dim, cfg)
-        return variants.build_attention("encoder", fairseq_attention, cfg, self.layer_index)
+        fairseq_attention = partial(super().build_self_attention, cfg=cfg)
+        return variants.build_attention("encoder", fairseq_attention, embed_dim, cfg, self.layer_index)
 
 
 class EATransformerDecoderLayer(TransformerDecoderLayerBase):
@@ -56,12 +57,13 @@ class EATransformerDecoderLayer(TransformerDecoderLayerBase):
         if (add_bias_kv or add_zero_attn) and variant in variants.POSITION_ONLY:
             raise ValueError(f"The {variant} attention has no keys, so no extra key column of "
                              "--add-bias-kv / --add-zero-attn; drop those options.")
-        fairseq_attention = partial(super().build_self_attention, embed_dim, cfg, add_bias_kv, add_zero_attn)
-        return variants.build_attention("decoder", fairseq_attention, cfg, self.layer_index)
+        fairseq_attention = partial(super().build_self_attention, cfg=cfg, add_bias_kv=add_bias_kv,
+                                    add_zero_attn=add_zero_attn)
+        return variants.build_attention("decoder", fairseq_attention, embed_dim, cfg, self.layer_index)
 
     def build_encoder_attention(self, embed_dim, cfg):
-        fairseq_attention = partial(super().build_encoder_attention, embed_dim, cfg)
-        return variants.build_attention("cross", fairseq_attention, cfg, self.layer_index)
+        fairseq_attention = partial(super().build_encoder_attention, cfg=cfg)
+        return variants.build_attention("cross", fairseq_attention, embed_dim, cfg, self.layer_index)
 
 
 def wrap_layer(layer, cfg):
@@ -81,7 +83,7 @@ class AttentionMapsMixin:
         self.attention_maps = AttentionMapCarrier()
         recurrent = []
         for module in self.modules():
-            if isinstance(module, AttentionMechanism):
+            if isinstance(module, (AttentionMechanism, ValueResidualProjection)):
                 module.attach(self.attention_maps)
             if isinstance(module, RecurrentAttention):
                 recurrent.append(module)
@@ -213,7 +215,8 @@ def check_options(args) -> None:
         raise OptionError(
             "--checkpoint-activations recomputes each layer on its own, outside the forward "
             "pass that hands attention maps between layers, which the "
-            f"{', '.join(carrying)} attention reads (EA with α > 0, PA, RAN). Drop "
+            f"{', '.join(carrying)} attention reads (EA with α > 0, PA, RAN, RealFormer, value "
+            "residual). Drop "
             "--checkpoint-activations/--offload-activations, or use --ea-alpha 0 / "
             "--ea-decoder-alpha 0 for EA."
         )
@@ -221,6 +224,9 @@ def check_options(args) -> None:
         option = POSITION_LIMITS.get(variants.variant_of(args, role))
         if option is not None and getattr(args, option) < 1:
             raise OptionError(f"--{option.replace('_', '-')} must be at least 1, got {getattr(args, option)}")
+    if getattr(args, "cross_self_attention", False) and variants.uses(args, "lsra_on", "decoder"):
+        raise OptionError("--cross-self-attention mixes source and target keys in one map, which the "
+                          "convolution of LSRA (--lsra-on decoder) does not define; drop one of them.")
     if getattr(args, "cross_self_attention", False) and variants.variant_of(args, "decoder") != "vanilla":
         raise OptionError(
             "--cross-self-attention mixes source and target keys in one map, which the "

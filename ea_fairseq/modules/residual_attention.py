@@ -1,0 +1,37 @@
+"""Residual attention (RealFormer), He et al. 2021, *RealFormer: Transformer Likes Residual
+Attention*, Eq. (2)–(3).
+
+Each layer adds the previous layer's pre-softmax attention scores to its own::
+
+    Prev^i    = Prev^(i-1) + Q K^T / sqrt(d)        (Prev^0 = 0)
+    A^i       = softmax(Prev^i)
+
+per attention kind of a stack (encoder self-attention; decoder self- and encoder-decoder
+attention each with their own chain). ``Prev^(i-1)`` -- the previous layer's scores, which
+already hold its own residual -- comes from the stack's
+:class:`~ea_fairseq.modules.attention_maps.AttentionMapCarrier`, and ``Prev^i`` is handed
+on to the next layer. The module has no parameters of its own: a RealFormer's parameters
+are exactly its Transformer's.
+
+Masked entries (padding keys, future positions) and padded query rows are zeros in both
+terms and in the map handed on, never ``-inf``; ``-inf`` is written only into the softmax's
+input. In a decoding step the previous layer hands on this step's row, the only row this
+layer reads, so decoding needs no cache of its own.
+"""
+from .attention_maps import LogitMapAttention, fill_masked, fill_masked_, neutral_entries
+
+
+class ResidualAttention(LogitMapAttention):
+    """``MultiheadAttention`` whose logits add the previous layer's (RealFormer)."""
+
+    def setup_mechanism(self, slot: str) -> None:
+        self.slot = slot
+
+    def transform_logits(self, logits, masked, query_padding_mask, incremental_state):
+        scores = fill_masked_(logits, neutral_entries(masked, query_padding_mask), 0.0)
+        previous = self.attention_maps.previous(self.slot)
+        if previous is not None:  # zero where ``scores`` is: the sum is too
+            scores = scores + previous
+        self.attention_maps.hand_on(self.slot, scores)
+        self.report_maps(lambda: {"dot_product": logits, "logits": scores}, masked)
+        return fill_masked(scores, masked, float("-inf"))

@@ -1,0 +1,51 @@
+"""Value residual learning (ResFormer), Zhou et al. 2024, *Value Residual Learning for
+Alleviating Attention Concentration in Transformers*, Eq. (5)::
+
+    V'_n = λ1 · V_1 + λ2 · V_n          (n ≥ 2; the first layer attends over V_1 itself)
+    U_n  = A_n V'_n
+
+``V_1`` is the first layer's value projection of its input, ``V_n`` layer n's; the paper's
+default is λ1 = λ2 = 0.5. :class:`ValueResidualProjection` is the attention's own value
+projection (an ``nn.Linear``, promoted in place: same parameters, same names in the state
+dict) that, in the first layer of its stack, hands its output on through the stack's
+:class:`~ea_fairseq.modules.attention_maps.AttentionMapCarrier` and, in the later ones,
+mixes it with that output. The mix is per position, so the values an attention caches for
+incremental decoding are the mixed ones, exactly those a full pass computes; a decoding step
+hands on the first layer's values of the step's own positions. The attention around it is
+whichever variant the role uses (fairseq's attention is routed through its unfused path,
+which calls ``v_proj``).
+"""
+import torch.nn as nn
+from torch import Tensor
+
+#: the roles value residual learning is defined for (self-attention, as in the paper)
+ROLES = ("encoder", "decoder")
+
+
+class ValueResidualProjection(nn.Linear):
+    """A value projection that mixes in the first layer's values (Eq. 5)."""
+
+    @classmethod
+    def promote(cls, linear: nn.Linear, slot: str, lambdas) -> "ValueResidualProjection":
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"expected the attention's nn.Linear value projection, got {type(linear).__name__}")
+        linear.__class__ = cls
+        linear.slot = f"{slot}:values"
+        linear.lambdas = (float(lambdas[0]), float(lambdas[1]))
+        linear.carrier = None  # set by attach()
+        return linear
+
+    def attach(self, carrier) -> None:
+        self.carrier = carrier
+
+    def forward(self, x: Tensor) -> Tensor:
+        values = super().forward(x)
+        first = self.carrier.previous(self.slot)
+        if first is None:  # the first layer of the stack: V_1
+            self.carrier.hand_on(self.slot, values)
+            return values
+        first_weight, own_weight = self.lambdas
+        return first_weight * first + own_weight * values
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", value_residual_lambdas={self.lambdas}"

@@ -1,0 +1,159 @@
+"""RealFormer (residual attention) and ResFormer (value residual learning): each held to its
+paper's equation, re-implemented here from the module's parameters, on models built by
+fairseq's path; reductions to the Transformer, causality, incremental decoding with beam
+reorders, batch invariance with left padding, parameter counts, refused options."""
+import pytest
+import torch
+from fairseq.modules import MultiheadAttention
+
+from conftest import (batch_invariance_gap, beam_reorder_gap, build_model, causality_gap,
+                      decoder_out, random_batch)
+from paper_equations import Calls, attend, dot_product_logits, heads, masked_softmax
+
+THREE = ("--encoder-layers", "3", "--decoder-layers", "3", "--dropout", "0.0", "--attention-dropout", "0.0")
+TINY = ("--encoder-layers", "2", "--decoder-layers", "2", "--dropout", "0.0", "--attention-dropout", "0.0")
+LENGTHS = [4, 9, 6]  # left-padded source batch
+
+
+def run_recorded(model, dictionary, attentions):
+    """One teacher-forced pass over a left-padded batch, recording ``attentions``' calls."""
+    src, lengths, prev = random_batch(dictionary, LENGTHS, 7)
+    calls = Calls(attentions)
+    decoder_out(model, src, lengths, prev)
+    calls.remove()
+    return calls, lengths
+
+
+def chains(model):
+    """(attention modules of one chain, causal, is cross-attention) per attention kind."""
+    return [
+        ([l.self_attn for l in model.encoder.layers], False, False),
+        ([l.self_attn for l in model.decoder.layers], True, False),
+        ([l.encoder_attn for l in model.decoder.layers], False, True),
+    ]
+
+
+def sentence(call, i, n, is_cross, is_encoder):
+    """Sentence i (n source tokens, left-padded) of a recorded call, alone and unpadded."""
+    crop = slice(-n, None)
+    query = call["query"][crop, i:i + 1] if is_encoder else call["query"][:, i:i + 1]
+    key = call["key"][crop, i:i + 1] if (is_encoder or is_cross) else call["key"][:, i:i + 1]
+    value = call["value"][crop, i:i + 1] if (is_encoder or is_cross) else call["value"][:, i:i + 1]
+    out = call["output"][crop, i:i + 1] if is_encoder else call["output"][:, i:i + 1]
+    return query, key, value, out
+
+
+def test_realformer_follows_its_equation_in_every_attention(dictionary):
+    """RealFormer Eq. (2)-(3): Prev^i = Prev^(i-1) + QK^T/sqrt(d), A^i = softmax(Prev^i),
+    per attention kind, each sentence computed alone (no padding at all)."""
+    model, _ = build_model("realformer_lite", *THREE)
+    model.double()
+    kinds = chains(model)
+    calls, lengths = run_recorded(model, dictionary, [a for c, _, _ in kinds for a in c])
+    worst = 0.0
+    for k, (chain, causal, is_cross) in enumerate(kinds):
+        for i, n in enumerate(lengths.tolist()):
+            prev = 0.0
+            for attn in chain:
+                query, key, value, out = sentence(calls.of(attn)[0], i, n, is_cross, k == 0)
+                scores = prev + dot_product_logits(attn, query, key)
+                prev = scores
+                expected = attend(attn, masked_softmax(scores, causal=causal),
+                                  heads(value, attn.v_proj, attn.num_heads))
+                worst = max(worst, (expected - out).abs().max().item())
+    assert worst <= 1e-12
+
+
+@pytest.mark.parametrize("lambdas", [("0.5", "0.5"), ("0.3", "0.9")])
+def test_resformer_follows_its_equation(dictionary, lambdas):
+    """Value residual Eq. (5): V'_n = λ1·V_1 + λ2·V_n for n ≥ 2 in encoder and decoder
+    self-attention, each sentence alone (encoder-decoder attention is fairseq's, unchanged)."""
+    l1, l2 = map(float, lambdas)
+    model, _ = build_model("resformer_lite", *THREE, "--value-residual-lambdas", *lambdas)
+    model.double()
+    kinds = chains(model)[:2]
+    assert all(type(l.encoder_attn) is MultiheadAttention for l in model.decoder.layers)
+    calls, lengths = run_recorded(model, dictionary, [a for c, _, _ in kinds for a in c])
+    worst = 0.0
+    for k, (chain, causal, is_cross) in enumerate(kinds):
+        for i, n in enumerate(lengths.tolist()):
+            first = None
+            for attn in chain:
+                query, key, value, out = sentence(calls.of(attn)[0], i, n, is_cross, k == 0)
+                v = heads(value, attn.v_proj, attn.num_heads)
+                if first is None:
+                    first = v
+                else:
+                    v = l1 * first + l2 * v
+                weights = masked_softmax(dot_product_logits(attn, query, key), causal=causal)
+                worst = max(worst, (attend(attn, weights, v) - out).abs().max().item())
+    assert worst <= 1e-12
+
+
+ONE_LAYER = ("--encoder-layers", "1", "--decoder-layers", "1")
+
+
+@pytest.mark.parametrize("arch, options, layers", [
+    ("realformer_lite", (), ONE_LAYER),
+    ("resformer_lite", ("--value-residual-lambdas", "0", "1"), ()),
+], ids=["realformer-one-layer", "resformer-lambdas-0-1"])
+def test_reduces_to_the_transformer(dictionary, arch, options, layers):
+    """A one-layer RealFormer has no previous scores; ResFormer with λ = (0, 1) keeps V_n."""
+    dims = ("--dropout", "0.0", "--encoder-layers", "2", "--decoder-layers", "2", *layers)
+    model, _ = build_model(arch, *dims, *options)
+    vanilla, _ = build_model("transformer_lite", *dims)
+    model.load_state_dict(vanilla.state_dict(), strict=True)
+    model.double(), vanilla.double()
+    src, lengths, prev = random_batch(dictionary, LENGTHS, 6)
+    assert (decoder_out(model, src, lengths, prev) - decoder_out(vanilla, src, lengths, prev)).abs().max() <= 1e-6
+
+
+@pytest.mark.parametrize("arch", ["realformer_lite", "resformer_lite", "realformer_base", "resformer_base"])
+def test_parameters_are_the_transformers(arch):
+    """Neither mechanism has parameters: the state dict is the Transformer's, name for name."""
+    model, _ = build_model(arch)
+    twin, _ = build_model("transformer_lite" if arch.endswith("lite") else "transformer")
+    ours, theirs = model.state_dict(), twin.state_dict()
+    assert list(ours) == list(theirs) and all(ours[k].shape == theirs[k].shape for k in ours)
+
+
+FAMILIES = {
+    "realformer": ("realformer_lite", ()),
+    "resformer": ("resformer_lite", ()),
+    "ea+resformer": ("ea_transformer_lite", ("--ea-decoder-alpha", "0.3", "--value-residual-on", "encoder", "decoder")),
+    "realformer-decoder+ran-encoder": ("ran_e_lite", ("--decoder-attention", "realformer", "--ran-max-positions", "32",
+                                                      "--value-residual-on", "encoder")),
+}
+
+
+# fairseq's own attention (the vanilla encoder-decoder attention of some families) takes its
+# softmax in float32 even in a float64 model: ~1e-7 between two ways of computing the same
+# logits; a caching or reorder bug moves them by ~1.
+GAP = 1e-6
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_decoding_causality_and_padding(dictionary, family):
+    arch, options = FAMILIES[family]
+    model, _ = build_model(arch, *TINY, *options)
+    model.double()
+    before, at = causality_gap(model, dictionary, 4)
+    assert before == 0.0 and at > 1e-3
+    assert beam_reorder_gap(model, dictionary, [1, 1, 3, 2]) <= GAP
+    assert beam_reorder_gap(model, dictionary, [3, 2]) <= GAP
+    assert batch_invariance_gap(model, dictionary) <= GAP
+
+
+@pytest.mark.parametrize("options", [("realformer_lite",), ("resformer_lite", "--value-residual-on", "decoder"),
+                                     ("ea_transformer_lite", "--ea-alpha", "0", "--value-residual-on", "encoder")])
+def test_checkpoint_activations_refused(options):
+    """Both read another layer's state in the same pass, which activation checkpointing
+    recomputes layer by layer."""
+    with pytest.raises(ValueError, match="--checkpoint-activations"):
+        build_model(*options, "--checkpoint-activations")
+
+
+def test_value_residual_is_for_self_attention(capsys):
+    with pytest.raises(SystemExit):
+        build_model("resformer_lite", "--value-residual-on", "cross")
+    assert "invalid choice" in capsys.readouterr().err
