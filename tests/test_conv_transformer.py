@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import batch_invariance_gap, beam_reorder_gap, build_model, causality_gap, decoder_out, random_batch
-from ea_fairseq.analysis.flops import non_embedding_params
+from ea_fairseq.analysis.flops import count_model, non_embedding_params
 from ea_fairseq.modules.long_short_range_attention import LITE_KERNEL_SIZES, LongShortRangeAttention
 from paper_equations import Calls, attend, dot_product_logits, heads, masked_softmax
 
@@ -102,6 +102,20 @@ def test_parameter_count_is_lite_transformers_formula(arch):
         expected += 5 * (h * h * 9 + h)
     assert non_embedding_params(model) == expected
     assert non_embedding_params(model) == (1_713_584 if arch == "conv_transformer_lite" else 1_714_324)
+
+
+@pytest.mark.parametrize("arch", ["conv_transformer_lite", "pa_conv_transformer_lite", "resformer_lite"])
+def test_flops_counter_covers_the_archs(arch):
+    """Every module with parameters is counted; the convolution branch is k MACs per channel
+    and position, its linears d/2 x d/2 each; ResFormer's mix two products per value element
+    in every layer but the first."""
+    full = count_model(build_model(arch)[0], 30, 30)
+    assert not full.uncounted
+    if arch == "resformer_lite":
+        plain = count_model(build_model("transformer_lite")[0], 30, 30)
+        assert full.total["elementwise"] - plain.total["elementwise"] == 2 * 5 * 2 * 30 * 160
+    else:
+        assert full.total["sequence_conv"] == 2 * 30 * 80 * sum(LITE_KERNEL_SIZES)
 
 
 FAMILIES = {

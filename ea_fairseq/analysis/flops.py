@@ -27,15 +27,19 @@ from fairseq.modules import LearnedPositionalEmbedding, MultiheadAttention, Sinu
 
 from ..modules.attention_map_conv import AttentionMapConv
 from ..modules.evolving_attention import EvolvingAttention
+from ..modules.long_short_range_attention import LightweightConvBranch
 from ..modules.predictive_attention import PredictiveAttention
 from ..modules.position_attention import PositionAttention
 from ..modules.recurrent_attention import RecurrentAttentionMatrices
+from ..modules.value_residual import ValueResidualProjection
 
 #: kinds of work a counter reports (all as multiply counts)
 CATEGORIES: Dict[str, str] = {
     "linear": "multiply-accumulates of linear layers (weights only; bias additions free)",
     "attention": "multiply-accumulates of the attention products QK^T and AV",
     "map_conv": "multiply-accumulates of convolutions over attention maps (full k x k kernel)",
+    "sequence_conv": "multiply-accumulates of convolutions over the sequence (LSRA's lightweight "
+                     "convolution: k per channel and position)",
     "elementwise": "elementwise multiplications (query scaling, embedding scale, map mixing)",
     "norm": "layer-norm elements (one multiply each)",
     "weights_mean": "attention weights averaged over heads (fairseq returns them from every "
@@ -62,14 +66,15 @@ class Convention:
 CONVENTIONS: Dict[str, Convention] = {
     "table5": Convention(
         "table5",
-        {k: 2.0 for k in ("linear", "attention", "map_conv", "elementwise", "norm", "weights_mean")},
-        "2 x multiplications: MACs of linear layers, attention products and map convolutions, "
+        {k: 2.0 for k in ("linear", "attention", "map_conv", "sequence_conv", "elementwise", "norm",
+                          "weights_mean")},
+        "2 x multiplications: MACs of linear layers, attention products, map and sequence convolutions, "
         "elementwise multiplications, layer-norm elements, head-averaged attention weights; "
         "no embeddings, no output projection, additions/softmax/activations free",
     ),
     "matmul": Convention(
         "matmul",
-        {k: 2.0 for k in ("linear", "attention", "map_conv")},
+        {k: 2.0 for k in ("linear", "attention", "map_conv", "sequence_conv")},
         "2 x MACs of matrix products and convolutions only (torch.utils.flop_counter's "
         "convention), no output projection",
     ),
@@ -181,7 +186,29 @@ def count_attention(module: MultiheadAttention, ctx: Context, walker: Walker) ->
     counts.add("elementwise", tgt * module.num_heads * module.head_dim)  # q *= scaling
     if module.encoder_decoder_attention:
         counts.add("weights_mean", tgt * src)
+    counts += count_value_residual(module.v_proj, src, ctx)
     return counts
+
+
+def count_value_residual(v_proj: nn.Module, tokens: int, ctx: Context) -> Counts:
+    """ResFormer's λ1·V_1 + λ2·V_n: two products per value element, from the second layer
+    of the stack on (the first hands its values on)."""
+    counts = Counts()
+    if isinstance(v_proj, ValueResidualProjection):
+        handed_on = ctx.state.setdefault("values_handed_on", set())
+        if v_proj.slot in handed_on:
+            counts.add("elementwise", 2 * tokens * v_proj.out_features)
+        handed_on.add(v_proj.slot)
+    return counts
+
+
+@register_counter(LightweightConvBranch)
+def count_lightweight_conv(module: LightweightConvBranch, ctx: Context, walker: Walker) -> Counts:
+    """LSRA's convolution branch: input and output linears, k taps per channel and position
+    (the kernel's softmax is over H·k weights, free)."""
+    counts = walker.visit(module.linear_in, ctx)
+    counts += walker.visit(module.linear_out, ctx)
+    return counts.add("sequence_conv", ctx.tokens * module.input_size * module.kernel_size)
 
 
 def count_map_conv(conv: AttentionMapConv, tgt: int, src: int) -> Counts:
@@ -215,6 +242,7 @@ def count_position_attention(module: PositionAttention, ctx: Context, walker: Wa
     for proj in (module.v_proj, module.out_proj):
         counts.add("linear", tgt * proj.in_features * proj.out_features)
     counts.add("attention", module.num_heads * tgt * src * module.head_dim)
+    counts += count_value_residual(module.v_proj, tgt, ctx)
     return counts
 
 
