@@ -21,6 +21,10 @@ CASES = {
     "ran_all_lite": [],
     "hcsa_lite": [],
     "syn_r_lite": [],
+    "conv_transformer_lite": [],
+    "pa_conv_transformer_lite": [],
+    "realformer_lite": [],
+    "resformer_lite": [],
 }
 
 

@@ -92,6 +92,10 @@ FAMILIES = {
         "--drop-attention", "element", "--drop-attention-p", "0.3", "--drop-attention-window", "3"), decoding=False),
     "hcsa-lite": Family("hcsa_lite"),
     "syn-r-lite": Family("syn_r_lite", ("--synthesizer-max-positions", "32")),
+    "realformer-lite": Family("realformer_lite"),
+    "resformer-lite": Family("resformer_lite", ("--value-residual-lambdas", "0.7", "0.6")),
+    "pa-conv-transformer-lite": Family("pa_conv_transformer_lite", ("--pa-alpha", "0.5",
+                                                                   "--lsra-weight-dropout", "0.0")),
     "ea-base": Family("ea_transformer_base", EA_ON, decoding=False),
 }
 DECODING = [name for name, family in FAMILIES.items() if family.decoding]

@@ -38,10 +38,14 @@ FAMILIES = {
     "hcsa": ("hcsa_lite", ()),
     "syn-r": ("syn_r_lite", SYN),
     "syn-r+dropattention": ("syn_r_lite", SYN + DROP),
+    "realformer": ("realformer_lite", ()),
+    "resformer": ("resformer_lite", ()),
+    "conv-transformer": ("conv_transformer_lite", ("--lsra-weight-dropout", "0.0")),
+    "pa-conv-transformer": ("pa_conv_transformer_lite", ("--lsra-weight-dropout", "0.0")),
 }
 # families whose decoder self-attention is one of the plugin's mechanisms
 DECODER_SIDE = ("ea", "ran-d", "ran-all", "ea+dropattention", "ran-all+dropattention", "hcsa", "syn-r",
-                "syn-r+dropattention")
+                "syn-r+dropattention", "realformer", "resformer", "conv-transformer")
 REORDERS = {"reorder": [1, 1, 3, 2], "sentence-finished": [3, 2]}
 
 # Largest |difference| allowed between two computations of the same log-probs or logits

@@ -498,6 +498,21 @@ def test_train_sh_baselines_take_their_papers_settings(env, tmp_path):
     assert "--arch hcsa_lite " in cmd and "--attention-dropout 0.0" in cmd and "--patience 5" in cmd
 
 
+def test_train_sh_conv_transformers_and_cross_layer_baselines(env, tmp_path):
+    """PA Table 1's Conv-Transformer rows take PA's settings; RealFormer and ResFormer (no
+    translation row in the papers) take EA's settings of their size."""
+    for family, arch in (("conv_lite_pa", "conv_transformer_lite"), ("pa_conv_lite", "pa_conv_transformer_lite")):
+        cmd, _ = _dry(env, tmp_path, family, "iwslt14_de_en")
+        assert f"--arch {arch} " in cmd and "--lr 5e-4" in cmd and "--dropout 0.2" in cmd
+        assert ("--pa-alpha 0.1" in cmd) == family.startswith("pa_")
+    _, err = _dry(env, tmp_path, "pa_conv_lite", "wmt14_en_de", check=False)
+    assert "IWSLT" in err
+    cmd, _ = _dry(env, tmp_path, "realformer_lite", "iwslt14_de_en")
+    assert "--arch realformer_lite " in cmd and "--lr 1e-3" in cmd and "--ea-alpha" not in cmd
+    cmd, _ = _dry(env, tmp_path, "resformer_base", "wmt14_en_de")
+    assert "--arch resformer_base " in cmd and "--dropout 0.3" in cmd
+
+
 def test_train_sh_devices_precision_and_batch(env, tmp_path):
     def dry(family, pair, check=True, **extra):
         return _dry(env, tmp_path, family, pair, check=check, **extra)

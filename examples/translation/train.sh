@@ -7,12 +7,16 @@
 #   EA      transformer_lite ea_lite              Transformer-Lite, EA-Transformer-Lite
 #           transformer_base ea_base              Transformer-Base, EA-Transformer-Base
 #   PA      transformer_lite_pa pa_lite           PA's Transformer (Lite dims), PA-Transformer
+#           conv_lite_pa pa_conv_lite             PA's Conv-Transformer, PA-Conv-Transformer
 #   RAN     transformer_ran                       RAN's Transformer baseline (TransF, Base dims)
 #           ran_e ran_d ran_all                   RAN (Transformer-Base dims)
 #           ran_e_lite ran_d_lite ran_all_lite    RAN with Transformer-Lite dims (EA's settings)
 #           hcsa syn_r                            RAN's baselines HC-SA, Syn-R (Transformer-Base dims)
 #           hcsa_lite syn_r_lite                  HC-SA, Syn-R with Transformer-Lite dims
 #   DropAttention  transformer_dropattn dropattn  Transformer-Base without / with DropAttention
+#   cross-layer baselines (no translation row in the papers; EA's settings of their size)
+#           realformer_lite realformer_base       RealFormer (residual attention)
+#           resformer_lite resformer_base         ResFormer (value residual learning)
 # PAIR    iwslt14_de_en wmt14_en_de wmt14_en_fr
 #         wmt17_en_lv wmt17_lv_en wmt17_en_fi wmt17_fi_en wmt17_en_tr wmt17_tr_en
 #         own: the data set in DATA (required; e.g. prepare-own.sh's output), its direction
@@ -56,8 +60,8 @@
 #   EA/Transformer Lite+Base: lr 1e-3; dropout 0.2 De-En / 0.3 En-De / 0.1 En-Fr; 1 GPU for
 #     De-En, 8 GPUs x 16 accumulation for En-De and En-Fr; alpha 0.1 (Lite) / 0.5 (Base),
 #     beta 0.1; early stopping with patience 5 (EA Table 10, Appendix A.3)
-#   PA-Lite and its Transformer (IWSLT'14 De-En only): lr 5e-4, dropout 0.2, alpha 0.1,
-#     patience 5 (PA §4.1.1, Appendix B.2.1)
+#   PA-Lite, (PA-)Conv-Transformer and its Transformer (IWSLT'14 De-En only): lr 5e-4,
+#     dropout 0.2, alpha 0.1, patience 5 (PA §4.1.1, Appendix B.2.1)
 #   RAN and its baselines (Transformer, HC-SA, Syn-R) on WMT: residual dropout 0.1, attention
 #     dropout 0.2 for RAN (not on En-Fr, not for the baselines), 250k updates on WMT'14, 150k
 #     on WMT'17, 8 GPUs (2 for En-Tr), best checkpoint on valid, beam 4, length penalty 0.6
@@ -144,6 +148,10 @@ case "$family" in
   ea_base)          arch=ea_transformer_base; kind=ea_base; alpha=0.5; beta=0.1 ;;
   transformer_lite_pa) arch=transformer_lite; kind=pa_lite ;;
   pa_lite)          arch=pa_transformer_lite; kind=pa_lite; pa_alpha=0.1 ;;
+  conv_lite_pa)     arch=conv_transformer_lite; kind=pa_lite ;;
+  pa_conv_lite)     arch=pa_conv_transformer_lite; kind=pa_lite; pa_alpha=0.1 ;;
+  realformer_lite|resformer_lite) arch="$family"; kind=ea_lite ;;
+  realformer_base|resformer_base) arch="$family"; kind=ea_base ;;
   transformer_ran)  arch=transformer; kind=ran ;;
   ran_e|ran_d|ran_all) arch="$family"; kind=ran ;;
   ran_e_lite|ran_d_lite|ran_all_lite) arch="$family"; kind=ran_lite ;;
