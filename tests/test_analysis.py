@@ -86,8 +86,9 @@ def test_layer_metrics_ignore_padding_and_identical_layers_have_zero_js():
 
 # -- capture on every architecture -------------------------------------------------------------
 LITE = ["transformer_lite", "ea_transformer_lite", "pa_transformer_lite", "ran_all_lite", "hcsa_lite",
-        "syn_r_lite"]
+        "syn_r_lite", "realformer_lite", "resformer_lite"]
 CARRIER_KINDS = {
+    "realformer_lite": {"dot_product", "logits"},
     "ea_transformer_lite": {"dot_product", "convolution", "logits"},
     "pa_transformer_lite": {"dot_product", "prediction", "logits"},
     "ran_all_lite": {"recurrent"},
@@ -96,7 +97,7 @@ CARRIER_KINDS = {
 }
 
 
-@pytest.mark.parametrize("arch", LITE)
+@pytest.mark.parametrize("arch", LITE + ["pa_conv_transformer_lite"])
 def test_capture_every_layer_and_head_without_changing_the_model(arch, dictionary):
     model, args = build_model(arch, "--encoder-layers", "3", "--decoder-layers", "2")
     model.eval()
@@ -121,7 +122,7 @@ def test_capture_every_layer_and_head_without_changing_the_model(arch, dictionar
     assert maps["decoder.self"]["weights"][0].triu(1).abs().max() == 0
     assert maps["encoder.self"]["weights"][0][1, :, :, :3].abs().max() == 0  # 3 pads on the left
     carried = {k for kinds in maps.values() for k in kinds} - {"weights"}
-    assert carried == CARRIER_KINDS.get(arch, set())
+    assert carried == CARRIER_KINDS.get(arch.replace("_conv", ""), set())
     if arch == "ea_transformer_lite":  # EA: weights = softmax(A_logit), A_logit from the parts
         enc = maps["encoder.self"]
         beta = model.encoder.layers[0].self_attn.beta
