@@ -160,3 +160,19 @@ def test_lsra_is_for_self_attention(capsys):
     with pytest.raises(SystemExit):
         build_model("conv_transformer_lite", "--lsra-on", "cross")
     assert "invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sizes", [[], [0, 3]])
+def test_a_checkpoints_kernel_sizes_are_checked(sizes):
+    """argparse refuses these; a checkpoint's configuration gets the same clear error."""
+    from types import SimpleNamespace
+
+    from fairseq.models import ARCH_MODEL_REGISTRY
+
+    from conftest import make_dictionary, parse
+
+    args = parse("conv_transformer_lite", "--encoder-layers", "1", "--decoder-layers", "1")
+    args.lsra_kernel_sizes = sizes
+    d = make_dictionary()
+    with pytest.raises(ValueError, match="--lsra-kernel-sizes must list positive sizes"):
+        ARCH_MODEL_REGISTRY[args.arch].build_model(args, SimpleNamespace(source_dictionary=d, target_dictionary=d))

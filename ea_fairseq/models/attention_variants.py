@@ -109,7 +109,9 @@ def build_attention(role: str, fairseq_attention: Callable[[int], MultiheadAtten
         if getattr(attn, "embed_dim", None) != width:
             raise ValueError(f"--lsra-on {role}: the {variant} attention does not build at half the "
                              "width; LSRA cannot put it beside a convolution")
-        sizes = cfg.lsra_kernel_sizes
+        sizes = list(cfg.lsra_kernel_sizes or ())
+        if not sizes or min(sizes) < 1:  # argparse refuses both; this is a checkpoint's value
+            raise ValueError(f"--lsra-kernel-sizes must list positive sizes, got {sizes}")
         attn = lsra.LongShortRangeAttention(attn, lsra.LightweightConvBranch(
             embed_dim - width, sizes[min(layer_index, len(sizes) - 1)], cfg_heads(cfg, role),
             causal=role == "decoder", weight_dropout=cfg.lsra_weight_dropout,
