@@ -1,6 +1,6 @@
-"""Independent re-implementations of attention equations, for the tests: written from the
-papers with plain tensor operations and a module's parameters only (never its forward), and
-a way to capture what fairseq's layers hand to a model's attention modules."""
+"""Batched pieces of multi-head attention written with plain tensor operations from a
+module's parameters only (never its forward), for the tests that recompute a layer from its
+paper's equation (with :func:`attention_calls.recorded_attention_calls`)."""
 import torch
 
 
@@ -36,27 +36,3 @@ def attend(attn, weights, values):
     t, b = out.shape[:2]
     out = out.reshape(t, b, -1)
     return out @ attn.out_proj.weight.T + attn.out_proj.bias
-
-
-class Calls:
-    """Records the inputs and outputs of every call of the given modules (forward hooks)."""
-
-    def __init__(self, modules):
-        self.calls = {id(m): [] for m in modules}
-        self.handles = [m.register_forward_hook(self._hook(m), with_kwargs=True) for m in modules]
-
-    def _hook(self, module):
-        def hook(mod, args, kwargs, output):
-            names = ("query", "key", "value", "key_padding_mask", "incremental_state")
-            call = dict(zip(names, args))
-            call.update(kwargs)
-            call["output"] = output[0] if isinstance(output, tuple) else output
-            self.calls[id(module)].append(call)
-        return hook
-
-    def of(self, module):
-        return self.calls[id(module)]
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from conftest import batch_invariance_gap, beam_reorder_gap, build_model, causality_gap, decoder_out, random_batch
 from ea_fairseq.analysis.flops import count_model, non_embedding_params
 from ea_fairseq.modules.long_short_range_attention import LITE_KERNEL_SIZES, LongShortRangeAttention
-from paper_equations import Calls, attend, dot_product_logits, heads, masked_softmax
+from attention_calls import recorded_attention_calls
+from paper_equations import attend, dot_product_logits, heads, masked_softmax
 
 TINY = ("--encoder-layers", "2", "--decoder-layers", "2", "--dropout", "0.0", "--attention-dropout", "0.0",
         "--lsra-weight-dropout", "0.0")
@@ -52,23 +53,22 @@ def test_blocks_follow_the_multi_branch_equation(dictionary, arch):
     previous block's logits (α = 0.1, the arch's default)."""
     model, _ = build_model(arch, *THREE)
     model.double()
-    stacks = [([l.self_attn for l in model.encoder.layers], False), ([l.self_attn for l in model.decoder.layers], True)]
-    blocks = [b for chain, _ in stacks for b in chain]
-    assert all(isinstance(b, LongShortRangeAttention) for b in blocks)
+    stacks = [("encoder.self", [l.self_attn for l in model.encoder.layers], False),
+              ("decoder.self", [l.self_attn for l in model.decoder.layers], True)]
+    assert all(isinstance(b, LongShortRangeAttention) for _, chain, _ in stacks for b in chain)
     src, lengths, prev = random_batch(dictionary, LENGTHS, 7)
-    calls = Calls(blocks)
-    decoder_out(model, src, lengths, prev)
-    calls.remove()
+    with recorded_attention_calls(model) as calls:
+        decoder_out(model, src, lengths, prev)
     pa = arch.startswith("pa_")
     worst = 0.0
-    for causal, (chain, _) in zip((False, True), stacks):
+    for kind, chain, causal in stacks:
         for i, n in enumerate(lengths.tolist()):
             previous = None
             for index, block in enumerate(chain):
                 assert block.conv.kernel_size == LITE_KERNEL_SIZES[index]
-                call = calls.of(block)[0]
+                query, _, _, output = calls[kind][index]
                 rows = slice(None) if causal else slice(-n, None)
-                x, out = call["query"][rows, i:i + 1], call["output"][rows, i:i + 1]
+                x, out = query[rows, i:i + 1], output[rows, i:i + 1]
                 half, attn = x.size(-1) // 2, block.attention
                 if pa and not causal:
                     logits = pa_logits(attn, x[..., :half], x[..., :half], previous, 0.1)

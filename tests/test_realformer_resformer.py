@@ -8,39 +8,38 @@ from fairseq.modules import MultiheadAttention
 
 from conftest import (batch_invariance_gap, beam_reorder_gap, build_model, causality_gap,
                       decoder_out, random_batch)
-from paper_equations import Calls, attend, dot_product_logits, heads, masked_softmax
+from attention_calls import recorded_attention_calls
+from paper_equations import attend, dot_product_logits, heads, masked_softmax
 
 THREE = ("--encoder-layers", "3", "--decoder-layers", "3", "--dropout", "0.0", "--attention-dropout", "0.0")
 TINY = ("--encoder-layers", "2", "--decoder-layers", "2", "--dropout", "0.0", "--attention-dropout", "0.0")
 LENGTHS = [4, 9, 6]  # left-padded source batch
 
 
-def run_recorded(model, dictionary, attentions):
-    """One teacher-forced pass over a left-padded batch, recording ``attentions``' calls."""
+def run_recorded(model, dictionary):
+    """One teacher-forced pass over a left-padded batch: every attention's calls, per kind."""
     src, lengths, prev = random_batch(dictionary, LENGTHS, 7)
-    calls = Calls(attentions)
-    decoder_out(model, src, lengths, prev)
-    calls.remove()
+    with recorded_attention_calls(model) as calls:
+        decoder_out(model, src, lengths, prev)
     return calls, lengths
 
 
 def chains(model):
-    """(attention modules of one chain, causal, is cross-attention) per attention kind."""
+    """(kind, attention modules of its chain, causal, is cross-attention)."""
     return [
-        ([l.self_attn for l in model.encoder.layers], False, False),
-        ([l.self_attn for l in model.decoder.layers], True, False),
-        ([l.encoder_attn for l in model.decoder.layers], False, True),
+        ("encoder.self", [l.self_attn for l in model.encoder.layers], False, False),
+        ("decoder.self", [l.self_attn for l in model.decoder.layers], True, False),
+        ("decoder.cross", [l.encoder_attn for l in model.decoder.layers], False, True),
     ]
 
 
 def sentence(call, i, n, is_cross, is_encoder):
-    """Sentence i (n source tokens, left-padded) of a recorded call, alone and unpadded."""
-    crop = slice(-n, None)
-    query = call["query"][crop, i:i + 1] if is_encoder else call["query"][:, i:i + 1]
-    key = call["key"][crop, i:i + 1] if (is_encoder or is_cross) else call["key"][:, i:i + 1]
-    value = call["value"][crop, i:i + 1] if (is_encoder or is_cross) else call["value"][:, i:i + 1]
-    out = call["output"][crop, i:i + 1] if is_encoder else call["output"][:, i:i + 1]
-    return query, key, value, out
+    """Sentence i (n source tokens, left-padded) of a recorded call (query, key, key padding,
+    output), alone and unpadded: (query, key = value, output)."""
+    query, key, _, output = call
+    crop = slice(-n, None) if is_encoder else slice(None)
+    key = key[slice(-n, None) if (is_encoder or is_cross) else slice(None), i:i + 1]
+    return query[crop, i:i + 1], key, output[crop, i:i + 1]
 
 
 def test_realformer_follows_its_equation_in_every_attention(dictionary):
@@ -48,14 +47,14 @@ def test_realformer_follows_its_equation_in_every_attention(dictionary):
     per attention kind, each sentence computed alone (no padding at all)."""
     model, _ = build_model("realformer_lite", *THREE)
     model.double()
-    kinds = chains(model)
-    calls, lengths = run_recorded(model, dictionary, [a for c, _, _ in kinds for a in c])
+    calls, lengths = run_recorded(model, dictionary)
     worst = 0.0
-    for k, (chain, causal, is_cross) in enumerate(kinds):
+    for kind, chain, causal, is_cross in chains(model):
         for i, n in enumerate(lengths.tolist()):
             prev = 0.0
-            for attn in chain:
-                query, key, value, out = sentence(calls.of(attn)[0], i, n, is_cross, k == 0)
+            for layer, attn in enumerate(chain):
+                query, value, out = sentence(calls[kind][layer], i, n, is_cross, kind == "encoder.self")
+                key = value
                 scores = prev + dot_product_logits(attn, query, key)
                 prev = scores
                 expected = attend(attn, masked_softmax(scores, causal=causal),
@@ -71,15 +70,15 @@ def test_resformer_follows_its_equation(dictionary, lambdas):
     l1, l2 = map(float, lambdas)
     model, _ = build_model("resformer_lite", *THREE, "--value-residual-lambdas", *lambdas)
     model.double()
-    kinds = chains(model)[:2]
     assert all(type(l.encoder_attn) is MultiheadAttention for l in model.decoder.layers)
-    calls, lengths = run_recorded(model, dictionary, [a for c, _, _ in kinds for a in c])
+    calls, lengths = run_recorded(model, dictionary)
     worst = 0.0
-    for k, (chain, causal, is_cross) in enumerate(kinds):
+    for kind, chain, causal, is_cross in chains(model)[:2]:
         for i, n in enumerate(lengths.tolist()):
             first = None
-            for attn in chain:
-                query, key, value, out = sentence(calls.of(attn)[0], i, n, is_cross, k == 0)
+            for layer, attn in enumerate(chain):
+                query, value, out = sentence(calls[kind][layer], i, n, is_cross, kind == "encoder.self")
+                key = value
                 v = heads(value, attn.v_proj, attn.num_heads)
                 if first is None:
                     first = v
