@@ -169,7 +169,7 @@ def test_overrides_on_the_command_line_change_the_model():
      r"model\.ea_alpah: not an option of --arch ea_transformer_lite \(did you mean model\.ea_alpha\?\)"),
     ("ea_transformer_lite_iwslt14", ["model.ea_alpha=abc"], r"argument --ea-alpha: invalid float value: 'abc'"),
     ("ea_transformer_lite_iwslt14", ["model.cross_attention=ran"],
-     r"argument --cross-attention: invalid choice: 'ran' \(choose from 'vanilla', 'ea'\)"),
+     r"argument --cross-attention: invalid choice: 'ran' \(choose from 'vanilla', 'ea', "),
     ("ea_transformer_lite_iwslt14", ["+model.ran_max_positions=0"], r"argument --ran-max-positions: must be at least 1"),
     ("ea_transformer_lite_iwslt14", ["+model.ea_no_encoder_conv=maybe"], r"model\.ea_no_encoder_conv: 'maybe': a flag takes true or false"),
     ("transformer_lite_iwslt14", ["+model.encoder_attention=ea"],

@@ -354,10 +354,8 @@ def fill_defaults(args) -> None:
     set_default(args, "drop_attention_rescale", "normalized")
     set_default(args, "drop_attention_on", list(ROLES))
     set_default(args, "ran_max_positions", 256)
-    set_default(args, "lsra_on", [])
     set_default(args, "lsra_kernel_sizes", list(lsra.LITE_KERNEL_SIZES))
     set_default(args, "lsra_weight_dropout", args.attention_dropout)
-    set_default(args, "value_residual_on", [])
     set_default(args, "value_residual_lambdas", [0.5, 0.5])
     for flag in ("ran_fixed_init", "ran_no_layernorm", "ran_no_residual", "ran_first_layer_standard"):
         set_default(args, flag, False)

@@ -58,7 +58,7 @@ def _tokens(action: argparse.Action, key: str, value) -> List[str]:
         if not isinstance(value, bool):
             raise ValueError(f"model.{key}: {value!r}: a flag takes true or false ({option})")
         return [option] if value == bool(action.const) else []
-    if action.nargs in ("+", "*"):
+    if action.nargs in ("+", "*") or isinstance(action.nargs, int):  # a list (nargs=2: a pair)
         values = value if isinstance(value, (list, tuple)) else [value]
         return [option, *map(str, values)]
     if isinstance(value, (list, tuple, dict)):
