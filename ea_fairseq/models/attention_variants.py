@@ -240,9 +240,10 @@ def add_drop_attention_args(group):
                        help="DropAttention: drop key columns (c) or elements (e) of the "
                             "attention weights in training, replacing --attention-dropout there")
     group.add_argument("--drop-attention-p", type=float, metavar="P",
-                       help="DropAttention drop rate p (MT best: 0.2 with window 2, element)")
+                       help="DropAttention drop rate p (default 0.1; the paper's MT best: 0.2 with "
+                            "window 2, element)")
     group.add_argument("--drop-attention-window", type=int, metavar="W",
-                       help="DropAttention window w: each drop covers w consecutive keys")
+                       help="DropAttention window w: each drop covers w consecutive keys (default 1)")
     group.add_argument("--drop-attention-rescale", choices=DROP_RESCALES,
                        help="DropAttention rescaling: re-normalise rows (the default, as the paper) or 1/(1-p)")
     group.add_argument("--drop-attention-on", nargs="+", choices=ROLES, metavar="ROLE",
