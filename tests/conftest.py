@@ -171,3 +171,14 @@ def batch_invariance_gap(model, dictionary, device="cpu") -> float:
         alone = decoder_out(model, src[i : i + 1, -n:], lengths[i : i + 1], prev[i : i + 1])
         gaps.append((alone - batch[i : i + 1]).abs().max().item())
     return max(gaps)
+
+
+def assert_decodes_consistently(model, dictionary, gap: float) -> None:
+    """Causal (a later target token moves nothing before it, and does move its own
+    position), incremental decoding with two beam-reorder patterns equal to the full pass,
+    and a sentence alone equal to it in a left-padded batch, all within ``gap``."""
+    before, at = causality_gap(model, dictionary, 4)
+    assert before == 0.0 and at > 1e-3
+    assert beam_reorder_gap(model, dictionary, [1, 1, 3, 2]) <= gap
+    assert beam_reorder_gap(model, dictionary, [3, 2]) <= gap
+    assert batch_invariance_gap(model, dictionary) <= gap

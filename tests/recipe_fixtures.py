@@ -196,3 +196,20 @@ def wmt17(raw: Path, lang: str, n_train: int = 60, n_eval: int = 5) -> dict:
         tests[f"{a}-{b}"] = (s, t)
     _tgz(raw / "test.tgz", members)
     return tests
+
+
+def write_scored_run(directory: Path, refs, hyps, segments=None) -> Path:
+    """An ``evaluate.sh`` output for given hypotheses: a ``fairseq-generate`` file scored by
+    ``ea-fairseq-bleu`` (iwslt mode) in ``directory/eval``, and optional segment scores
+    ``{metric: values}`` of a metric computed elsewhere; the ``eval`` directory."""
+    from ea_fairseq.tools import bleu
+
+    ev = directory / "eval"
+    ev.mkdir(parents=True)
+    gen = ev / "generate-test.de-en.txt"
+    gen.write_text("".join(f"S-{i}\tx\nT-{i}\t{r}\nH-{i}\t-0.1\t{h}\nD-{i}\t-0.1\t{h}\n"
+                           for i, (r, h) in enumerate(zip(refs, hyps))), encoding="utf-8")
+    assert bleu.main([str(gen), "--mode", "iwslt", "--out-prefix", str(ev / "test.de-en")]) == 0
+    for name, values in (segments or {}).items():
+        (ev / f"test.de-en.seg.{name}").write_text("".join(f"{float(v)!r}\n" for v in values))
+    return ev

@@ -3,7 +3,6 @@ fairseq-train (--user-dir) -> ea-fairseq-average-checkpoints -> fairseq-generate
 import os
 import re
 import subprocess
-import sys
 
 import pytest
 

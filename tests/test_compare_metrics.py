@@ -7,11 +7,11 @@ import random
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+import recipe_fixtures as fx
 from ea_fairseq.tools import bleu
 from ea_fairseq.tools import compare_systems as compare
 
@@ -27,20 +27,6 @@ def _corpus(n=120, seed=0):
 def _noisy(refs, p, seed):
     g = random.Random(seed)
     return [" ".join(w if g.random() > p else g.choice(VOCAB) for w in r.split()) for r in refs]
-
-
-def _run(directory: Path, refs, hyps, segments=None):
-    """An evaluate.sh output (a generate file scored by ea-fairseq-bleu) for given hypotheses,
-    with optional segment scores of a metric computed elsewhere."""
-    ev = directory / "eval"
-    ev.mkdir(parents=True)
-    gen = ev / "generate-test.de-en.txt"
-    gen.write_text("".join(f"S-{i}\tx\nT-{i}\t{r}\nH-{i}\t-0.1\t{h}\nD-{i}\t-0.1\t{h}\n"
-                           for i, (r, h) in enumerate(zip(refs, hyps))), encoding="utf-8")
-    assert bleu.main([str(gen), "--mode", "iwslt", "--out-prefix", str(ev / "test.de-en")]) == 0
-    for name, values in (segments or {}).items():
-        (ev / f"test.de-en.seg.{name}").write_text("".join(f"{float(v)!r}\n" for v in values))
-    return ev
 
 
 def _tables(out: str):
@@ -69,7 +55,7 @@ def _sacrebleu_cli(ref, base, system, *metric_args):
 def test_bleu_prints_chrf_and_chrf_plus_plus_with_signatures(tmp_path, capsys):
     refs = _corpus()
     hyps = _noisy(refs, 0.2, 1)
-    _run(tmp_path / "a", refs, hyps)
+    fx.write_scored_run(tmp_path / "a", refs, hyps)
     out = capsys.readouterr().out
     report = json.load(open(tmp_path / "a" / "eval" / "test.de-en.scores.json"))
     from sacrebleu.metrics import CHRF
@@ -89,8 +75,8 @@ def test_compare_equals_sacrebleu_command_line_for_each_metric(tmp_path, capsys,
     ``sacrebleu REF -i BASE SYS --paired-bs/-ar`` prints on the files evaluate.sh wrote."""
     refs = _corpus()
     base, system = _noisy(refs, 0.15, 1), _noisy(refs, 0.18, 2)
-    ev = _run(tmp_path / "base", refs, base)
-    _run(tmp_path / "sys", refs, system)
+    ev = fx.write_scored_run(tmp_path / "base", refs, base)
+    fx.write_scored_run(tmp_path / "sys", refs, system)
     capsys.readouterr()
     samples = ["--samples", "1000"] if test == "ar" else []  # (sacreBLEU's ar default is 10000)
     assert compare.main([str(tmp_path / "base"), str(tmp_path / "sys"), "--test", test, *samples]) == 0
@@ -115,9 +101,9 @@ def test_segment_scores_mean_std_and_paired_bootstrap(tmp_path, capsys):
     rng = np.random.default_rng(0)
     base_seg = rng.uniform(0.6, 0.9, size=80)
     seeds_seg = [base_seg + rng.normal(0.01, 0.05, size=80) for _ in range(3)]
-    _run(tmp_path / "base", refs, _noisy(refs, 0.1, 1), {"metricx": base_seg})
+    fx.write_scored_run(tmp_path / "base", refs, _noisy(refs, 0.1, 1), {"metricx": base_seg})
     for k, seg in enumerate(seeds_seg, 1):
-        _run(tmp_path / "sys" / f"seed{k}", refs, _noisy(refs, 0.1, 10 + k), {"metricx": seg})
+        fx.write_scored_run(tmp_path / "sys" / f"seed{k}", refs, _noisy(refs, 0.1, 10 + k), {"metricx": seg})
     capsys.readouterr()
     assert compare.main([str(tmp_path / "base"), str(tmp_path / "sys"), "--metric", "metricx", "chrf"]) == 0
     tables = _tables(capsys.readouterr().out)
@@ -137,7 +123,7 @@ def test_segment_scores_mean_std_and_paired_bootstrap(tmp_path, capsys):
     assert row[5] == f"{max(koehn(base_seg, s) for s in seeds_seg):.4f}"
     assert 0.001 < float(row[5]) < 1
     # a system identical to the baseline: p = 1
-    _run(tmp_path / "same", refs, _noisy(refs, 0.1, 1), {"metricx": base_seg})
+    fx.write_scored_run(tmp_path / "same", refs, _noisy(refs, 0.1, 1), {"metricx": base_seg})
     capsys.readouterr()
     assert compare.main([str(tmp_path / "base"), str(tmp_path / "same"), "--metric", "metricx", "tok"]) == 0
     tables = _tables(capsys.readouterr().out)
@@ -146,9 +132,9 @@ def test_segment_scores_mean_std_and_paired_bootstrap(tmp_path, capsys):
 
 def test_segment_scores_bad_files_are_refused(tmp_path):
     refs = _corpus(30)
-    _run(tmp_path / "base", refs, refs, {"comet": [0.5] * 30})
-    _run(tmp_path / "short", refs, refs, {"comet": [0.5] * 29})
-    ev = _run(tmp_path / "text", refs, refs, {"comet": [0.5] * 30})
+    fx.write_scored_run(tmp_path / "base", refs, refs, {"comet": [0.5] * 30})
+    fx.write_scored_run(tmp_path / "short", refs, refs, {"comet": [0.5] * 29})
+    ev = fx.write_scored_run(tmp_path / "text", refs, refs, {"comet": [0.5] * 30})
     (ev / "test.de-en.seg.comet").write_text("0.5\n" * 29 + "n/a\n")
     with pytest.raises(SystemExit, match="has 29 scores but the run translated 30"):
         compare.main([str(tmp_path / "base"), str(tmp_path / "short"), "--metric", "comet"])
@@ -160,9 +146,9 @@ def test_segment_scores_bad_files_are_refused(tmp_path):
 
 def test_agreement_thresholds_beside_each_delta(tmp_path, capsys):
     refs = _corpus()
-    _run(tmp_path / "base", refs, _noisy(refs, 0.1, 1), {"comet": [0.80] * len(refs)})
-    _run(tmp_path / "sys", refs, _noisy(refs, 0.4, 2), {"comet": [0.8025] * len(refs), "metricx": [1.0] * len(refs)})
-    _run(tmp_path / "base2", refs, _noisy(refs, 0.1, 1), {"metricx": [1.0] * len(refs)})
+    fx.write_scored_run(tmp_path / "base", refs, _noisy(refs, 0.1, 1), {"comet": [0.80] * len(refs)})
+    fx.write_scored_run(tmp_path / "sys", refs, _noisy(refs, 0.4, 2), {"comet": [0.8025] * len(refs), "metricx": [1.0] * len(refs)})
+    fx.write_scored_run(tmp_path / "base2", refs, _noisy(refs, 0.1, 1), {"metricx": [1.0] * len(refs)})
     capsys.readouterr()
     assert compare.main([str(tmp_path / "base"), str(tmp_path / "sys"), "--agreement"]) == 0
     out = capsys.readouterr().out
@@ -215,6 +201,6 @@ def test_comet_scores_through_unbabel_comet_api(tmp_path, capsys, monkeypatch):
 
 def test_comet_without_unbabel_comet_says_how(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "comet", None)  # import comet -> ImportError
-    ev = _run(tmp_path / "a", ["a b c"], ["a b c"])
+    ev = fx.write_scored_run(tmp_path / "a", ["a b c"], ["a b c"])
     with pytest.raises(SystemExit, match=r"needs unbabel-comet: pip install 'ea_fairseq\[comet\]'"):
         bleu.main([str(ev / "generate-test.de-en.txt"), "--mode", "iwslt", "--comet-model", "x.ckpt"])

@@ -673,16 +673,6 @@ def test_compound_split_conventions_on_a_known_example(tmp_path):
         assert scorer.result_string(4).startswith(f"BLEU4 = {scores[convention]:.2f},")
 
 
-def _fake_run(directory: Path, refs, hyps):
-    """An evaluate.sh output (generate file scored by bleu.py) for given hypotheses."""
-    ev = directory / "eval"
-    ev.mkdir(parents=True)
-    gen = ev / "generate-test.de-en.txt"
-    gen.write_text("".join(f"S-{i}\tx\nT-{i}\t{r}\nH-{i}\t-0.1\t{h}\nD-{i}\t-0.1\t{h}\n"
-                           for i, (r, h) in enumerate(zip(refs, hyps))), encoding="utf-8")
-    assert bleu.main([str(gen), "--mode", "iwslt", "--out-prefix", str(ev / "test.de-en")]) == 0
-
-
 def _table(out: str, metric: str = None):
     """The rows of ea-fairseq-compare's table of ``metric`` (default: the first table), by system."""
     tables = {}
@@ -707,11 +697,11 @@ def test_significance_on_known_different_and_identical_systems(tmp_path, capsys)
         return [" ".join(w if g.random() > p else g.choice(vocab) for w in r.split()) for r in refs]
 
     good, bad = noisy(0.1, 1), noisy(0.4, 2)
-    _fake_run(tmp_path / "base", refs, good)
-    _fake_run(tmp_path / "same", refs, good)
-    _fake_run(tmp_path / "worse", refs, bad)
+    fx.write_scored_run(tmp_path / "base", refs, good)
+    fx.write_scored_run(tmp_path / "same", refs, good)
+    fx.write_scored_run(tmp_path / "worse", refs, bad)
     for seed in (1, 2, 3):
-        _fake_run(tmp_path / "seeds" / f"seed{seed}", refs, noisy(0.1, 10 + seed))
+        fx.write_scored_run(tmp_path / "seeds" / f"seed{seed}", refs, noisy(0.1, 10 + seed))
     capsys.readouterr()
     assert compare.main([str(tmp_path / d) for d in ("base", "same", "worse", "seeds")]) == 0
     out = capsys.readouterr().out
@@ -726,7 +716,7 @@ def test_significance_on_known_different_and_identical_systems(tmp_path, capsys)
                       [refs], test_type="bs", n_samples=1000)
     assert f"{test()[1]['BLEU'][1].p_value:.4f}" == table["worse"][5]
     # systems scored on other references are not compared
-    _fake_run(tmp_path / "other", [r + " x" for r in refs], good)
+    fx.write_scored_run(tmp_path / "other", [r + " x" for r in refs], good)
     with pytest.raises(SystemExit, match="other references"):
         compare.main([str(tmp_path / "base"), str(tmp_path / "other")])
 

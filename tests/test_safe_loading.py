@@ -140,7 +140,7 @@ ATTACKS = {
     "cycle": (_cycle, "cfg.common.tensorboard_logdir[0]: it contains itself"),
     "legacy-args": (_legacy_args_layout, "args.adaptive_softmax_cutoff = "),
     "yaml-configuration": (_yaml_configuration, "cfg = '{"),
-    "lstm-family": (_lstm_family, f"cfg.model._name = 'lstm_luong_wmt_en_de'"),
+    "lstm-family": (_lstm_family, "cfg.model._name = 'lstm_luong_wmt_en_de'"),
     "pickled-callable": (_pickled_callable, "posix.system"),
     "stride-0-tensor": (_stride_zero_tensor, "['model']['encoder.layers.0.fc1.bias'] declares (1073741824,)"),
 }
