@@ -50,7 +50,10 @@ def hydra_config(name: str, *overrides: str):
     """``cfg`` as fairseq-hydra-train composes it (``--config-dir examples/translation/config
     --config-name name overrides...``) and hands it to fairseq's training."""
     hydra_init(name)
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+    # fairseq-hydra-train leaves hydra's version base unspecified (1.1 behaviour), and
+    # fairseq's own loader relies on it (hydra.experimental.initialize refuses to run once a
+    # base >= 1.2 was set in the process): compose with that base, as the command does
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.1"):
         cfg = compose(config_name=name, overrides=list(overrides))
     add_defaults(cfg)
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
