@@ -104,6 +104,32 @@ def _corrupt(path: str, cause: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"{path}: corrupt or not a checkpoint: {cause}")
 
 
+class _InterpolationDuringLoad(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _no_interpolation_resolved() -> Iterator[List[str]]:
+    """While a file is unpickled, omegaconf resolves no interpolation: an allow-listed class
+    called on an omegaconf container (``dict(DictConfig)``) would otherwise resolve its
+    ``${...}`` (environment variables, exponential string chains) inside ``torch.load``,
+    before the configuration is read. Yields the interpolations that were attempted."""
+    from omegaconf.base import Container
+
+    attempted: List[str] = []
+    original = Container._maybe_resolve_interpolation
+
+    def refuse(self, parent, key, value, *args, **kwargs):
+        attempted.append(str(getattr(value, "_value", lambda: value)()))
+        raise _InterpolationDuringLoad(attempted[-1])
+
+    Container._maybe_resolve_interpolation = refuse
+    try:
+        yield attempted
+    finally:
+        Container._maybe_resolve_interpolation = original
+
+
 def read_checkpoint(path: str, source: Optional[str] = None) -> Dict[str, Any]:
     """The state stored in the checkpoint file ``path``, read weights-only onto the CPU
     (``source``: the name used in messages). Not yet sanitized."""
@@ -130,12 +156,18 @@ def read_checkpoint(path: str, source: Optional[str] = None) -> Dict[str, Any]:
         if not head.startswith(b"\x80"):  # torch's legacy format is a pickle (protocol 2)
             raise _corrupt(source, f"not a torch checkpoint (neither a zip archive nor a pickle; it begins "
                                    f"with {head!r})")
-    with checkpoint_globals_allowed():
+    with checkpoint_globals_allowed(), _no_interpolation_resolved() as resolved:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except (FileNotFoundError, IsADirectoryError, PermissionError):
             raise
         except Exception as err:
+            if resolved:
+                raise UnsafeCheckpointError(
+                    f"{source}: refused: unpickling it reads the values of an omegaconf container "
+                    f"({_shown(resolved[0])}, ...), which resolves their interpolations; a checkpoint "
+                    "never does that (it calls an allow-listed class on a configuration while it is "
+                    "unpickled). Nothing in the checkpoint was run.") from None
             raise _classify_load_error(source, err) from err
     if not isinstance(state, dict):
         raise _corrupt(source, f"it holds a {type(state).__name__}, not a fairseq checkpoint (a dict)")
@@ -415,43 +447,60 @@ _SYNTAX = {ast.Call: "a function call", ast.Attribute: "an attribute access", as
            ast.Compare: "a comparison", ast.JoinedStr: "an f-string", ast.Set: "a set"}
 
 
-def _size(x) -> int:
-    return len(x) if type(x) in (str, list, tuple, dict) else 1
+LIMIT_INT = 10 ** 18  # an integer an evaluated field may hold
 
 
 def _value(node) -> Any:
+    return _weighed(node)[0]
+
+
+def _weighed(node) -> Tuple[Any, int]:
+    """``(value, size)`` of a literal node; ``size`` counts every item the value holds,
+    nested ones included and a string's characters, so ``[[0] * 10**5] * 10**5`` is refused
+    before it is built."""
     if isinstance(node, ast.Constant) and type(node.value) in _SCALARS:
-        return node.value
+        value = node.value
+        return value, _bounded(len(value) if type(value) is str else 1, value)
     if isinstance(node, (ast.List, ast.Tuple)):
-        items = [_value(e) for e in node.elts]
-        return items if isinstance(node, ast.List) else tuple(items)
+        items = [_weighed(e) for e in node.elts]
+        values = [v for v, _ in items]
+        return (values if isinstance(node, ast.List) else tuple(values)), _bounded(1 + sum(w for _, w in items))
     if isinstance(node, ast.Dict):
         if any(k is None for k in node.keys):
             raise _Refused("it unpacks a dict with '**' (code, not a literal)")
-        keys = [_value(k) for k in node.keys]
-        if any(type(k) not in _SCALARS for k in keys):
+        keys = [_weighed(k) for k in node.keys]
+        if any(type(k) not in _SCALARS for k, _ in keys):
             raise _Refused("it has a key that is not a plain value")
-        return dict(zip(keys, (_value(v) for v in node.values)))
+        values = [_weighed(v) for v in node.values]
+        return (dict(zip((k for k, _ in keys), (v for v, _ in values))),
+                _bounded(1 + sum(w for _, w in keys) + sum(w for _, w in values)))
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
-        operand = _value(node.operand)
+        operand, weight = _weighed(node.operand)
         if type(operand) in (int, float):
-            return -operand if isinstance(node.op, ast.USub) else operand
+            return (-operand if isinstance(node.op, ast.USub) else operand), weight
         raise _Refused("it puts a sign before something that is not a number")
     if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
-        left, right = _value(node.left), _value(node.right)
-        if isinstance(node.op, ast.Mult):
-            counts = [x for x in (left, right) if _is_int(x)]
-            seqs = [x for x in (left, right) if type(x) in (str, list, tuple)]
-            if seqs and counts and counts[0] * _size(seqs[0]) > LIMIT_ITEMS:
-                raise _Refused(f"its value would hold more than {LIMIT_ITEMS} items")
-        elif _size(left) + _size(right) > LIMIT_ITEMS:
-            raise _Refused(f"its value would hold more than {LIMIT_ITEMS} items")
+        (left, wl), (right, wr) = _weighed(node.left), _weighed(node.right)
+        if isinstance(node.op, ast.Mult) and (_is_int(left) != _is_int(right)):
+            count, weight = (left, wr) if _is_int(left) else (right, wl)
+            size = _bounded(max(count, 0) * weight)  # the sequence's size, repeated
+        else:
+            size = _bounded(wl + wr)
         try:
-            return left + right if isinstance(node.op, ast.Add) else left * right
+            value = left + right if isinstance(node.op, ast.Add) else left * right
         except TypeError:
             raise _Refused("it applies '+' or '*' to values that do not combine")
+        return value, _bounded(size, value)
     what = _SYNTAX.get(type(node), f"'{type(node).__name__}' syntax")
     raise _Refused(f"it contains {what}: code, not a literal")
+
+
+def _bounded(size: int, value: Any = None) -> int:
+    if size > LIMIT_ITEMS:
+        raise _Refused(f"its value would hold more than {LIMIT_ITEMS} items")
+    if _is_int(value) and abs(value) > LIMIT_INT:
+        raise _Refused(f"it holds an integer beyond {LIMIT_INT}")
+    return size
 
 
 def _evaluated_value(name: str, value: Any) -> Any:
@@ -512,8 +561,8 @@ def vouched_model_class(name: str):
     return None
 
 
-def _model_names(state: Mapping, source: str) -> List[Tuple[str, Any]]:
-    """``(path, name)`` of every model name fairseq may build from (none: no model config)."""
+def _model_sections(state: Mapping, source: str = "") -> List[Tuple[str, Any]]:
+    """``(path, section)`` of the model configurations fairseq may build from."""
     sections = []
     if state.get("args") is not None:
         sections.append(("args", state["args"]))
@@ -524,11 +573,17 @@ def _model_names(state: Mapping, source: str) -> List[Tuple[str, Any]]:
                                         "(a dict of sections). Nothing in the checkpoint was run.")
         if cfg.get("model") is not None:
             sections.append(("cfg.model", cfg["model"]))
-    names = []
     for where, section in sections:
         if type(section) not in (dict, argparse.Namespace):
             raise UnsafeCheckpointError(f"{source}: refused: {where} = {_shown(section)}: not a model "
                                         "configuration (a Namespace or dict). Nothing in the checkpoint was run.")
+    return sections
+
+
+def _model_names(state: Mapping, source: str) -> List[Tuple[str, Any]]:
+    """``(path, name)`` of every model name fairseq may build from (none: no model config)."""
+    names = []
+    for where, section in _model_sections(state, source):
         fields = vars(section) if type(section) is argparse.Namespace else section
         for field in ("_name", "arch"):
             if fields.get(field) is not None:
@@ -550,9 +605,47 @@ def _check_family(state: Mapping, source: str) -> None:
             f"these checks, set {TRUST_SWITCH}=1.")
 
 
+LIMIT_MODEL_SIZE = 1 << 16  # a dimension, head count or position limit beyond the weights'
+_LAYERS = re.compile(r"(encoder|decoder)\.layers\.(\d+)\.")
+
+
+def _check_model_sizes(state: Mapping, source: str) -> None:
+    """The model configuration may not ask fairseq to build more than the weights describe:
+    ``encoder_layers``/``decoder_layers`` at most the layers the weights hold, and every
+    ``*_dim``, ``*_heads`` and ``*_positions`` at most the largest tensor dimension of the
+    weights (or :data:`LIMIT_MODEL_SIZE`), so that a small file cannot make fairseq allocate
+    a huge model before it compares the weights."""
+    weights = state.get("model")
+    if not isinstance(weights, Mapping):  # (an OrderedDict, as torch saves a state dict)
+        return
+    layers: Dict[str, set] = {"encoder": set(), "decoder": set()}
+    largest = LIMIT_MODEL_SIZE
+    for key, value in weights.items():
+        found = _LAYERS.match(key) if type(key) is str else None
+        if found:
+            layers[found.group(1)].add(int(found.group(2)))
+        if torch.is_tensor(value) and value.dim():
+            largest = max(largest, *value.shape)
+    for where, section in _model_sections(state, source):
+        fields = vars(section) if type(section) is argparse.Namespace else section
+        for name, value in fields.items():
+            if not _is_int(value):
+                continue
+            side = name[: -len("_layers")] if name in ("encoder_layers", "decoder_layers") else None
+            limit = len(layers[side]) if side else (
+                largest if type(name) is str and name.endswith(("_dim", "_heads", "_positions")) else None)
+            if limit is not None and value > limit:
+                what = f"the {len(layers[side])} {side} layers its weights hold" if side else (
+                    f"the largest dimension of its weights ({largest})")
+                raise UnsafeCheckpointError(
+                    f"{source}: refused: {where}.{name} = {value}: more than {what}; fairseq would "
+                    "build (and allocate) that model before comparing it with the weights. Nothing "
+                    "in the checkpoint was run.")
+
+
 def trusted() -> bool:
     """Whether the user switched the configuration checks off (:data:`TRUST_SWITCH`)."""
-    return os.environ.get(TRUST_SWITCH, "") not in ("", "0")
+    return os.environ.get(TRUST_SWITCH, "") == "1"  # only the documented value: "false" is not "1"
 
 
 def sanitize(state: Dict[str, Any], source: str) -> Dict[str, Any]:
@@ -577,6 +670,7 @@ def sanitize(state: Dict[str, Any], source: str) -> Dict[str, Any]:
     for root in config_roots:
         out[root] = walk.plain(state[root], root)[0]
     _check_family(out, source)
+    _check_model_sizes(out, source)
     for root in config_roots:
         _rewrite_evaluated(out[root], root, source)
     return out

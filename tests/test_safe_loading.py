@@ -128,6 +128,45 @@ def _stride_zero_tensor(state, marker):
     state["model"]["encoder.layers.0.fc1.bias"] = torch.zeros(1).expand(1 << 30)
 
 
+def _nested_repetition(state, marker):
+    state["cfg"]["model"].encoder_xformers_att_config = "{'a': [[0] * 100000] * 100000}"
+
+
+def _long_string_repetition(state, marker):
+    state["cfg"]["model"].encoder_xformers_att_config = "{'a': ['x' * 100000] * 100000}"
+
+
+class _ReadValues:
+    """Pickled as a call of the allow-listed ``dict`` on an omegaconf container: unpickling
+    it would read (and resolve) the container's values inside ``torch.load``."""
+
+    def __init__(self, container):
+        self.container = container
+
+    def __reduce__(self):
+        return dict, (self.container,)
+
+
+def _resolved_while_unpickled(state, marker):
+    chain = {"a0": "x" * 16}
+    for i in range(1, 40):  # 16 * 2^39 characters once resolved
+        chain[f"a{i}"] = "${a%d}${a%d}" % (i - 1, i - 1)
+    state["cfg"]["common_eval"] = _ReadValues(OmegaConf.create(chain))
+
+
+def _environment_read_while_unpickled(state, marker):
+    task = dict(state["cfg"]["task"], target_lang="${oc.env:HOME}")
+    state["cfg"]["task"] = _ReadValues(OmegaConf.create({k: v for k, v in task.items() if v is not None}))
+
+
+def _model_larger_than_its_weights(state, marker):
+    state["cfg"]["model"].encoder_ffn_embed_dim = 500_000_000  # 32 GB for fc1 alone
+
+
+def _more_layers_than_its_weights(state, marker):
+    state["cfg"]["model"].encoder_layers = 1_000_000
+
+
 ATTACKS = {
     "bytes-in-fconv": (_bytes_in_fconv, "cfg.model.encoder_layers: a bytes value"),
     "bytearray-in-transformer": (_bytes_in_transformer, "cfg.model.adaptive_softmax_cutoff: a bytearray value"),
@@ -143,6 +182,15 @@ ATTACKS = {
     "lstm-family": (_lstm_family, "cfg.model._name = 'lstm_luong_wmt_en_de'"),
     "pickled-callable": (_pickled_callable, "posix.system"),
     "stride-0-tensor": (_stride_zero_tensor, "['model']['encoder.layers.0.fc1.bias'] declares (1073741824,)"),
+    "nested-repetition": (_nested_repetition, "would hold more than 100000 items"),
+    "long-string-repetition": (_long_string_repetition, "would hold more than 100000 items"),
+    "resolved-while-unpickled": (_resolved_while_unpickled, "reads the values of an omegaconf container"),
+    "environment-read-while-unpickled": (_environment_read_while_unpickled,
+                                         "reads the values of an omegaconf container"),
+    "model-larger-than-its-weights": (_model_larger_than_its_weights,
+                                      "cfg.model.encoder_ffn_embed_dim = 500000000: more than the largest"),
+    "more-layers-than-its-weights": (_more_layers_than_its_weights,
+                                     "cfg.model.encoder_layers = 1000000: more than the 2 encoder layers"),
 }
 
 
@@ -323,6 +371,16 @@ def test_other_families_load_with_the_trust_switch_and_a_warning(tmp_path, check
         path = crafted(checkpoints["vanilla"], tmp_path / "c.pt", attack, tmp_path / "pwned")
         with pytest.raises(safety.UnsafeCheckpointError, match=re.escape(ATTACKS[attack][1])):
             checkpoint_utils.load_checkpoint_to_cpu(str(path))
+
+
+@pytest.mark.parametrize("value", ["0", "false", "no", "off", "False", "true", "yes", " 1"])
+def test_only_the_documented_value_switches_the_checks_off(tmp_path, checkpoints, monkeypatch, value):
+    marker = tmp_path / "pwned"
+    path = crafted(checkpoints["vanilla"], tmp_path / "c.pt", "code-in-evaluated-field", marker)
+    monkeypatch.setenv(safety.TRUST_SWITCH, value)
+    with pytest.raises(safety.UnsafeCheckpointError, match="adaptive_softmax_cutoff"):
+        checkpoint_utils.load_checkpoint_to_cpu(str(path))
+    assert not marker.exists()
 
 
 def test_compressed_records_are_refused(tmp_path, checkpoints):
