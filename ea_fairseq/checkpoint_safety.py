@@ -17,7 +17,8 @@ only after :func:`sanitize` has rebuilt it from what it may contain:
    omegaconf node of another kind, ...) and any string holding an omegaconf interpolation
    (``${``) is refused with the field's path; ``cfg`` must be a dict of sections (omegaconf
    would parse a string as YAML). Omegaconf containers are read from their stored content,
-   nothing resolved. The rest of the state (weights, optimizer state) is
+   nothing resolved, and no omegaconf value is read while the file is unpickled
+   (:func:`_no_interpolation_resolved`). The rest of the state (weights, optimizer state) is
    walked with the same bounds, and every tensor must fit in its storage (an expanded or
    stride-0 view declaring more elements than the file holds is refused).
 3. **Families vouched for.** The model configuration must name an architecture of this
@@ -25,7 +26,9 @@ only after :func:`sanitize` has rebuilt it from what it may contain:
    those is known. Every configuration string fairseq passes to ``eval()`` or
    ``ast.literal_eval()`` (:data:`EVALUATED_FIELDS`, in any section) must be a literal of the
    form fairseq expects, and is replaced by ``repr()`` of the parsed value: fairseq
-   only ever evaluates text written here from a validated literal. Any other model family
+   only ever evaluates text written here from a validated literal (its size counted through
+   its nesting). The model configuration may not describe a model larger than its weights
+   (:func:`_check_model_sizes`). Any other model family
    (fconv, LSTM, wav2vec, ...) is refused; ``EA_FAIRSEQ_TRUST_CHECKPOINTS=1`` loads a
    checkpoint one trusts with its configuration unchecked (:data:`TRUST_SWITCH`, logged).
 
