@@ -314,18 +314,22 @@ class LogitMapAttention(AttentionMechanism, MultiheadAttention):
             (incremental_state is None or static_kv) and key_padding_mask is not None
             and key is not None and key_padding_mask.shape == (bsz, key.size(0))
         )
-        logits, v = super().forward(
-            query,
-            key,
-            value,
-            key_padding_mask=None if own_padding else key_padding_mask,
-            incremental_state=incremental_state,
-            need_weights=False,
-            static_kv=static_kv,
-            attn_mask=attn_mask,
-            before_softmax=True,
-        )
-        logits = logits.view(bsz, self.num_heads, tgt_len, -1)
+        if incremental_state is None and not (self.encoder_decoder_attention and self.beam_size > 1):
+            # a full pass: the logits computed here, masks left to the mechanism
+            logits, v = self.full_pass_logits(query, key, value)
+        else:
+            logits, v = super().forward(
+                query,
+                key,
+                value,
+                key_padding_mask=None if own_padding else key_padding_mask,
+                incremental_state=incremental_state,
+                need_weights=False,
+                static_kv=static_kv,
+                attn_mask=attn_mask,
+                before_softmax=True,
+            )
+            logits = logits.view(bsz, self.num_heads, tgt_len, -1)
         masked = masked_entries(logits, key_padding_mask, attn_mask, self.attention_maps)
         query_padding_mask = None
         if self.self_attention and incremental_state is None and key_padding_mask is not None:
@@ -335,6 +339,23 @@ class LogitMapAttention(AttentionMechanism, MultiheadAttention):
             return logits.view(bsz * self.num_heads, tgt_len, -1), v
         return self.attend_logits(logits, masked, query_padding_mask, v, incremental_state,
                                   bsz, tgt_len, need_weights, need_head_weights)
+
+    def full_pass_logits(self, query: Tensor, key: Optional[Tensor], value: Optional[Tensor]):
+        """``(QK^T / sqrt(d) as (B, H, T, S), V as (B * H, S, head_dim))`` of a full pass, with
+        fairseq's projections and scaling, and no mask: every entry is finite. (fairseq's
+        own path scales the queries in place, on a view of their projection; autograd
+        then copies the whole projection back in the backward pass.)"""
+        tgt_len, bsz, _ = query.size()
+        heads, head_dim = self.num_heads, self.head_dim
+        if self.self_attention:
+            key = value = query
+        q = self.q_proj(query) * self.scaling
+        k, v = self.k_proj(key), self.v_proj(value)
+        q = q.view(tgt_len, bsz * heads, head_dim).transpose(0, 1)
+        k = k.view(-1, bsz * heads, head_dim).transpose(0, 1)
+        v = v.view(-1, bsz * heads, head_dim).transpose(0, 1)
+        logits = torch.bmm(q, k.transpose(1, 2))
+        return logits.view(bsz, heads, tgt_len, -1), v
 
     def reorder_incremental_state(self, incremental_state, new_order: Tensor):
         """Reorder fairseq's key/value cache, then the mechanism's own cache.
@@ -363,17 +384,17 @@ def value_product(probs: Tensor, v: Tensor, bsz: int, tgt_len: int) -> Tensor:
     ``probs`` is (B, H, T, S), ``v`` (B_kv * H, S, head_dim)."""
     heads, src_len = probs.size(1), probs.size(-1)
     kv_bsz, head_dim = v.size(0) // heads, v.size(-1)
-    v = v.view(kv_bsz, heads, src_len, head_dim)
     if kv_bsz != bsz:
         # beam search shares the encoder's keys/values across a sentence's beams: the
         # beams' rows go into one matmul per sentence and head (a broadcasting matmul
         # would copy v once per beam)
         beams = bsz // kv_bsz
         rows = probs.view(kv_bsz, beams, heads, tgt_len, src_len).transpose(1, 2)
-        out = torch.matmul(rows.reshape(kv_bsz, heads, beams * tgt_len, src_len), v)
+        out = torch.bmm(rows.reshape(kv_bsz * heads, beams * tgt_len, src_len), v)
         out = out.view(kv_bsz, heads, beams, tgt_len, head_dim).permute(3, 0, 2, 1, 4)
     else:
-        out = torch.matmul(probs, v).permute(2, 0, 1, 3)  # (T, B, H, head_dim)
+        out = torch.bmm(probs.view(bsz * heads, tgt_len, src_len), v)
+        out = out.view(bsz, heads, tgt_len, head_dim).permute(2, 0, 1, 3)  # (T, B, H, head_dim)
     return out.reshape(tgt_len, bsz, heads * head_dim)
 
 
@@ -435,7 +456,11 @@ def fill_masked(values: Tensor, mask: Optional[Tensor], fill: float) -> Tensor:
 
 def fill_masked_(values: Tensor, mask: Optional[Tensor], fill: float) -> Tensor:
     """In-place :func:`fill_masked`."""
-    return values if mask is None else values.masked_fill_(mask, fill)
+    if mask is None:
+        return values
+    if values.requires_grad and values._base is not None:
+        return values.masked_fill(mask, fill)
+    return values.masked_fill_(mask, fill)
 
 
 def pad_rows_to(rows: Tensor, width: int) -> Tensor:
