@@ -10,6 +10,7 @@ from fairseq.modules import MultiheadAttention
 from conftest import (randomize_convs, batch_invariance_gap, beam_reorder_gap, build_model, decoder_out,
                       incremental_logprobs, random_batch)
 from ea_fairseq.modules import AttentionMapConv, EvolvingAttention
+from ea_fairseq.modules.attention_maps import LogitMapAttention
 from ea_fairseq.modules.evolving_attention import (ConvRowCache, EvolvingAttentionParams,
                                                    evolving_attention_reference)
 from ea_fairseq import accelerators
@@ -227,3 +228,35 @@ def test_one_step_convolution_equals_the_full_map_row(layout):
             assert (conv(maps) - full).abs().max() > 1e-3
             full = conv(maps)
             assert (decoded() - F.relu(full)).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("beam_shared_keys", [False, True], ids=["keys-per-hypothesis", "beam-shared-keys"])
+def test_decoding_steps_equal_fairseqs_own_step_path(dictionary, beam_shared_keys, monkeypatch):
+    """A decoding step's logits come from the attention's joined, scale-folded projections
+    (made once per run) into fairseq's key/value cache; with a hook on the projections the
+    step falls back to fairseq's own path. Both decode alike, beam reorders included."""
+    model, _ = build_model("ea_transformer_lite", *SMALL, *STRONG)
+    randomize_convs(model)
+    src, lengths, _ = random_batch(dictionary, [5, 9, 5, 9], 8)
+    _, _, prev = random_batch(dictionary, [5, 9, 5, 9], 6, seed=7)
+    order = torch.tensor([1, 0, 3, 2])
+    if beam_shared_keys:
+        src, lengths = src[[0, 0, 2, 2]], lengths[[0, 0, 2, 2]]
+        model.decoder.set_beam_size(2)
+    taken = []
+    step_logits = LogitMapAttention.step_logits
+    monkeypatch.setattr(LogitMapAttention, "step_logits",
+                        lambda self, *a: taken.append(step_logits(self, *a)) or taken[-1])
+    joined, _ = incremental_logprobs(model, src, lengths, prev, 3, order)
+    assert taken and all(t is not None for t in taken)
+    taken.clear()
+    hooks = [m.q_proj.register_forward_hook(lambda *a: None) for m in ea_modules(model)]
+    try:
+        own, _ = incremental_logprobs(model, src, lengths, prev, 3, order)
+    finally:
+        for h in hooks:
+            h.remove()
+        model.decoder.set_beam_size(1)
+    assert taken and all(t is None for t in taken)
+    assert (joined - own).abs().max() <= 1e-5
+    assert not torch.equal(joined[:, 0], joined[:, 1])  # the steps differ: a real comparison

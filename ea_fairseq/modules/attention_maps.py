@@ -34,6 +34,7 @@ from contextlib import contextmanager
 from typing import Callable, Dict, List, Optional, Tuple, TypeVar
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from fairseq.modules import MultiheadAttention
 from torch import Tensor
@@ -314,9 +315,16 @@ class LogitMapAttention(AttentionMechanism, MultiheadAttention):
             (incremental_state is None or static_kv) and key_padding_mask is not None
             and key is not None and key_padding_mask.shape == (bsz, key.size(0))
         )
-        if incremental_state is None and not (self.encoder_decoder_attention and self.beam_size > 1):
-            # a full pass: the logits computed here, masks left to the mechanism
-            logits, v = self.full_pass_logits(query, key, value)
+        computed = None
+        plain_masks = attn_mask is None or attn_mask.shape == (tgt_len, query.size(0) if key is None else key.size(0))
+        if incremental_state is None:
+            if plain_masks and not (self.encoder_decoder_attention and self.beam_size > 1):
+                # a full pass: the logits computed here, masks left to the mechanism
+                computed = self.full_pass_logits(query, key, value)
+        elif attn_mask is None and (key_padding_mask is None or own_padding):
+            computed = self.step_logits(query, key, key_padding_mask, incremental_state, static_kv)
+        if computed is not None:
+            logits, v = computed
         else:
             logits, v = super().forward(
                 query,
@@ -356,6 +364,87 @@ class LogitMapAttention(AttentionMechanism, MultiheadAttention):
         v = v.view(-1, bsz * heads, head_dim).transpose(0, 1)
         logits = torch.bmm(q, k.transpose(1, 2))
         return logits.view(bsz, heads, tgt_len, -1), v
+
+    def step_logits(self, query: Tensor, key: Optional[Tensor], key_padding_mask: Optional[Tensor],
+                    incremental_state, static_kv: bool):
+        """What :meth:`full_pass_logits` returns, for a decoding step, reading and writing
+        fairseq's key/value cache (the same entries in the same layout, so that fairseq's
+        reorder and its own path read them alike). Per decoding run, the queries' scaling
+        is folded into their projection and a self-attention's three projections are
+        joined into one (:meth:`step_projections`). None where fairseq's path must run:
+        a self-attention's key padding, a projection of another kind."""
+        projections = self.step_projections(incremental_state)
+        if projections is None:
+            return None
+        saved = self._get_input_buffer(incremental_state)
+        tgt_len, bsz, _ = query.size()
+        heads, head_dim = self.num_heads, self.head_dim
+        if self.self_attention:
+            if key_padding_mask is not None or saved.get("prev_key_padding_mask") is not None:
+                return None
+            qkv = F.linear(query, *projections).view(tgt_len, bsz * heads, 3, head_dim)
+            q, k, v = (x.transpose(0, 1) for x in qkv.unbind(2))
+            if "prev_key" in saved:
+                k = torch.cat([saved["prev_key"].view(bsz * heads, -1, head_dim), k], dim=1)
+                v = torch.cat([saved["prev_value"].view(bsz * heads, -1, head_dim), v], dim=1)
+            kv_bsz = bsz
+        elif self.encoder_decoder_attention and static_kv:
+            q = F.linear(query, *projections).view(tgt_len, bsz * heads, head_dim).transpose(0, 1)
+            if "prev_key" in saved:
+                k, v = saved["prev_key"], saved["prev_value"]
+                kv_bsz = k.size(0)
+                k, v = k.view(kv_bsz * heads, -1, head_dim), v.view(kv_bsz * heads, -1, head_dim)
+            else:
+                if self.beam_size > 1 and bsz == key.size(1):  # fairseq's beam-shared keys
+                    key = key.view(key.size(0), -1, self.beam_size, key.size(2))[:, :, 0, :]
+                    if key_padding_mask is not None:
+                        key_padding_mask = key_padding_mask.view(-1, self.beam_size, key_padding_mask.size(1))[:, 0, :]
+                kv_bsz = key.size(1)
+                k = self.k_proj(key).view(-1, kv_bsz * heads, head_dim).transpose(0, 1)
+                v = self.v_proj(key).view(-1, kv_bsz * heads, head_dim).transpose(0, 1)
+        else:
+            return None
+        saved["prev_key"] = k.view(kv_bsz, heads, -1, head_dim)
+        saved["prev_value"] = v.view(kv_bsz, heads, -1, head_dim)
+        saved["prev_key_padding_mask"] = MultiheadAttention._append_prev_key_padding_mask(
+            key_padding_mask if self.encoder_decoder_attention else None,
+            saved.get("prev_key_padding_mask"), kv_bsz, k.size(1), static_kv)
+        self._set_input_buffer(incremental_state, saved)
+        if kv_bsz != bsz:  # beams of a sentence share its keys
+            logits = torch.einsum("bxhtd,bhsd->bxhts", q.view(kv_bsz, -1, heads, tgt_len, head_dim),
+                                  k.view(kv_bsz, heads, -1, head_dim))
+        else:
+            logits = torch.bmm(q, k.transpose(1, 2))
+        return logits.reshape(bsz, heads, tgt_len, -1), v
+
+    def step_projections(self, incremental_state) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
+        """``(weight, bias)`` of a decoding step's query projection -- with a self-attention
+        also its key and value projections, interleaved per head (head h's query, key and
+        value rows together) -- with the scaling folded in; made once per decoding run
+        (every step where autograd records). None for projections other than a plain
+        ``nn.Linear`` without hooks (quantization noise, value residual), which only their
+        own ``forward`` computes."""
+        names = ("q_proj", "k_proj", "v_proj") if self.self_attention else ("q_proj",)
+        modules = [getattr(self, name) for name in names]
+        if any(type(m) is not nn.Linear or m._forward_hooks or m._forward_pre_hooks for m in modules):
+            return None
+        grad = torch.is_grad_enabled()
+        memo = None if grad else self.get_incremental_state(incremental_state, "step_projections")
+        if memo is not None:
+            return memo["weight"], memo.get("bias")
+        heads, head_dim = self.num_heads, self.head_dim
+        weights = [m.weight * self.scaling if i == 0 else m.weight for i, m in enumerate(modules)]
+        biases = [m.bias * self.scaling if i == 0 else m.bias for i, m in enumerate(modules)]
+        weight = torch.stack([w.view(heads, head_dim, -1) for w in weights], 1).flatten(0, 2)
+        bias = None
+        if all(b is not None for b in biases):
+            bias = torch.stack([b.view(heads, head_dim) for b in biases], 1).flatten()
+        elif any(b is not None for b in biases):
+            return None
+        if not grad:
+            self.set_incremental_state(incremental_state, "step_projections",
+                                       {"weight": weight} if bias is None else {"weight": weight, "bias": bias})
+        return weight, bias
 
     def reorder_incremental_state(self, incremental_state, new_order: Tensor):
         """Reorder fairseq's key/value cache, then the mechanism's own cache.
