@@ -350,31 +350,72 @@ class LogitMapAttention(AttentionMechanism, MultiheadAttention):
 
     def full_pass_logits(self, query: Tensor, key: Optional[Tensor], value: Optional[Tensor]):
         """``(QK^T / sqrt(d) as (B, H, T, S), V as (B * H, S, head_dim))`` of a full pass, with
-        fairseq's projections and scaling, and no mask: every entry is finite. (fairseq's
-        own path scales the queries in place, on a view of their projection; autograd
-        then copies the whole projection back in the backward pass.)"""
+        no mask: every entry is finite. fairseq's projections and scaling, the projections
+        that read the same input in one matmul (:meth:`joined_projection`); the queries are
+        scaled out of place (fairseq scales them in place, on a view of their projection,
+        which makes autograd copy the whole projection back in the backward pass)."""
         tgt_len, bsz, _ = query.size()
-        heads, head_dim = self.num_heads, self.head_dim
         if self.self_attention:
-            key = value = query
-        q = self.q_proj(query) * self.scaling
-        k, v = self.k_proj(key), self.v_proj(value)
-        q = q.view(tgt_len, bsz * heads, head_dim).transpose(0, 1)
-        k = k.view(-1, bsz * heads, head_dim).transpose(0, 1)
-        v = v.view(-1, bsz * heads, head_dim).transpose(0, 1)
-        logits = torch.bmm(q, k.transpose(1, 2))
-        return logits.view(bsz, heads, tgt_len, -1), v
+            q, k, v = self.project(query, ("q_proj", "k_proj", "v_proj"))
+        else:
+            (q,) = self.project(query, ("q_proj",))
+            k, v = self.project(key, ("k_proj", "v_proj")) if key is value else self.project(value, ("v_proj",), key)
+        q = (q * self.scaling).transpose(0, 1)
+        logits = torch.bmm(q, k.transpose(0, 1).transpose(1, 2))
+        return logits.view(bsz, self.num_heads, tgt_len, -1), v.transpose(0, 1)
+
+    def project(self, x: Tensor, names: Tuple[str, ...], key: Optional[Tensor] = None,
+                joined: Optional[Tuple[Tensor, Optional[Tensor]]] = None) -> List[Tensor]:
+        """The projections ``names`` of ``x`` (T, B, C), each as (T, B * H, head_dim):
+        in one matmul where :meth:`joined_projection` (or ``joined``) joins them, else
+        each by its module. ``key``: project it by ``k_proj`` first (a key and a value
+        that are different tensors)."""
+        length, bsz = x.size(0), x.size(1)
+        heads, head_dim = self.num_heads, self.head_dim
+        if key is not None:
+            return self.project(key, ("k_proj",)) + self.project(x, names)
+        if joined is None and len(names) > 1:
+            joined = self.joined_projection(names)
+        if joined is not None:
+            return list(F.linear(x, *joined).view(length, bsz * heads, len(names), head_dim).unbind(2))
+        return [getattr(self, n)(x).view(length, bsz * heads, head_dim) for n in names]
+
+    def joined_projection(self, names: Tuple[str, ...], scaled: bool = False
+                          ) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
+        """``(weight, bias)`` of the projections ``names`` in one, their rows interleaved per
+        head (head h's rows of each projection together, so that each projection's output
+        is a view of the joined one's); with ``scaled`` the query projection's (the first)
+        times fairseq's scaling. None for a projection other than a plain ``nn.Linear``
+        without hooks (quantization noise, value residual), which only its own ``forward``
+        computes, or a mix of biased and unbiased projections."""
+        modules = [getattr(self, name) for name in names]
+        if any(type(m) is not nn.Linear or m._forward_hooks or m._forward_pre_hooks for m in modules):
+            return None
+        biases = [m.bias for m in modules]
+        if any(b is None for b in biases) and any(b is not None for b in biases):
+            return None
+        factor = [self.scaling if scaled and i == 0 else None for i in range(len(modules))]
+
+        def joined(tensors):
+            parts = [t if f is None else t * f for t, f in zip(tensors, factor)]
+            if len(parts) == 1:
+                return parts[0]
+            shape = (self.num_heads, self.head_dim) + parts[0].shape[1:]
+            return torch.stack([t.view(shape) for t in parts], 1).flatten(0, 2)
+
+        return joined([m.weight for m in modules]), None if biases[0] is None else joined(biases)
 
     def step_logits(self, query: Tensor, key: Optional[Tensor], key_padding_mask: Optional[Tensor],
                     incremental_state, static_kv: bool):
         """What :meth:`full_pass_logits` returns, for a decoding step, reading and writing
         fairseq's key/value cache (the same entries in the same layout, so that fairseq's
-        reorder and its own path read them alike). Per decoding run, the queries' scaling
-        is folded into their projection and a self-attention's three projections are
-        joined into one (:meth:`step_projections`). None where fairseq's path must run:
-        a self-attention's key padding, a projection of another kind."""
-        projections = self.step_projections(incremental_state)
-        if projections is None:
+        reorder and its own path read them alike). The queries' projection with the
+        scaling folded in -- joined with the key and value projections in a self-attention
+        -- is made once per decoding run (:meth:`step_projection`). None where fairseq's
+        path must run: a self-attention's key padding, a projection of another kind."""
+        names = ("q_proj", "k_proj", "v_proj") if self.self_attention else ("q_proj",)
+        projection = self.step_projection(incremental_state, names)
+        if projection is None:
             return None
         saved = self._get_input_buffer(incremental_state)
         tgt_len, bsz, _ = query.size()
@@ -382,14 +423,13 @@ class LogitMapAttention(AttentionMechanism, MultiheadAttention):
         if self.self_attention:
             if key_padding_mask is not None or saved.get("prev_key_padding_mask") is not None:
                 return None
-            qkv = F.linear(query, *projections).view(tgt_len, bsz * heads, 3, head_dim)
-            q, k, v = (x.transpose(0, 1) for x in qkv.unbind(2))
+            q, k, v = (x.transpose(0, 1) for x in self.project(query, names, joined=projection))
             if "prev_key" in saved:
                 k = torch.cat([saved["prev_key"].view(bsz * heads, -1, head_dim), k], dim=1)
                 v = torch.cat([saved["prev_value"].view(bsz * heads, -1, head_dim), v], dim=1)
             kv_bsz = bsz
         elif self.encoder_decoder_attention and static_kv:
-            q = F.linear(query, *projections).view(tgt_len, bsz * heads, head_dim).transpose(0, 1)
+            q = self.project(query, names, joined=projection)[0].transpose(0, 1)
             if "prev_key" in saved:
                 k, v = saved["prev_key"], saved["prev_value"]
                 kv_bsz = k.size(0)
@@ -400,8 +440,7 @@ class LogitMapAttention(AttentionMechanism, MultiheadAttention):
                     if key_padding_mask is not None:
                         key_padding_mask = key_padding_mask.view(-1, self.beam_size, key_padding_mask.size(1))[:, 0, :]
                 kv_bsz = key.size(1)
-                k = self.k_proj(key).view(-1, kv_bsz * heads, head_dim).transpose(0, 1)
-                v = self.v_proj(key).view(-1, kv_bsz * heads, head_dim).transpose(0, 1)
+                k, v = (x.transpose(0, 1) for x in self.project(key, ("k_proj", "v_proj")))
         else:
             return None
         saved["prev_key"] = k.view(kv_bsz, heads, -1, head_dim)
@@ -417,34 +456,21 @@ class LogitMapAttention(AttentionMechanism, MultiheadAttention):
             logits = torch.bmm(q, k.transpose(1, 2))
         return logits.reshape(bsz, heads, tgt_len, -1), v
 
-    def step_projections(self, incremental_state) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
-        """``(weight, bias)`` of a decoding step's query projection -- with a self-attention
-        also its key and value projections, interleaved per head (head h's query, key and
-        value rows together) -- with the scaling folded in; made once per decoding run
-        (every step where autograd records). None for projections other than a plain
-        ``nn.Linear`` without hooks (quantization noise, value residual), which only their
-        own ``forward`` computes."""
-        names = ("q_proj", "k_proj", "v_proj") if self.self_attention else ("q_proj",)
-        modules = [getattr(self, name) for name in names]
-        if any(type(m) is not nn.Linear or m._forward_hooks or m._forward_pre_hooks for m in modules):
-            return None
-        grad = torch.is_grad_enabled()
-        memo = None if grad else self.get_incremental_state(incremental_state, "step_projections")
+    def step_projection(self, incremental_state, names: Tuple[str, ...]
+                        ) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
+        """:meth:`joined_projection` of ``names``, scaled: once per decoding run (every
+        step where autograd records)."""
+        if torch.is_grad_enabled():
+            return self.joined_projection(names, scaled=True)
+        memo = self.get_incremental_state(incremental_state, "step_projection")
         if memo is not None:
             return memo["weight"], memo.get("bias")
-        heads, head_dim = self.num_heads, self.head_dim
-        weights = [m.weight * self.scaling if i == 0 else m.weight for i, m in enumerate(modules)]
-        biases = [m.bias * self.scaling if i == 0 else m.bias for i, m in enumerate(modules)]
-        weight = torch.stack([w.view(heads, head_dim, -1) for w in weights], 1).flatten(0, 2)
-        bias = None
-        if all(b is not None for b in biases):
-            bias = torch.stack([b.view(heads, head_dim) for b in biases], 1).flatten()
-        elif any(b is not None for b in biases):
-            return None
-        if not grad:
-            self.set_incremental_state(incremental_state, "step_projections",
+        projection = self.joined_projection(names, scaled=True)
+        if projection is not None:
+            weight, bias = projection
+            self.set_incremental_state(incremental_state, "step_projection",
                                        {"weight": weight} if bias is None else {"weight": weight, "bias": bias})
-        return weight, bias
+        return projection
 
     def reorder_incremental_state(self, incremental_state, new_order: Tensor):
         """Reorder fairseq's key/value cache, then the mechanism's own cache.

@@ -47,30 +47,46 @@ def full_precision(device: torch.device):
     return contextlib.nullcontext()
 
 
-def sentence_logits(square: Tensor, padding_mask: Tensor, positions: Optional[Tensor] = None) -> Tensor:
+def sentence_one_hot(padding_mask: Tensor, positions: Tensor, dtype: torch.dtype) -> Tensor:
+    """``P`` (B, T, T) in ``dtype``: ``P[b, i, k] = 1`` where slot ``i`` of sentence ``b`` is a
+    real token at position ``k`` (:func:`sentence_positions` gives ``positions``); zero rows
+    for padding."""
+    length = positions.size(-1)
+    real = ~padding_mask.to(torch.bool)[:, :, None]
+    return ((positions[:, :, None] == torch.arange(length, device=positions.device)) & real).to(dtype)
+
+
+def sentence_logits(square: Tensor, padding_mask: Tensor, positions: Optional[Tensor] = None,
+                    one_hot: Optional[Tensor] = None) -> Tensor:
     """``A[pos_i, pos_j]`` at ``(i, j)`` of each sentence (B, H, T, T) from ``square`` = the
     first T rows and columns of ``A`` (H, T, T), with positions counted per sentence
     (:func:`sentence_positions`); zero at padded slots' rows and columns.
 
-    With ``P`` (B, T, T) mapping each real slot to its position (one-hot rows, zero rows
-    for padding) this is ``P A P^T``: exact (``P`` is 0/1, ``A`` finite, float32 matmuls
-    without TF32, PyTorch's default), computed without autocast, and its backward is two
-    matrix products per sentence -- the sum over the batch in ``A``'s dtype, no scatter.
-    ``positions``: :func:`sentence_positions` of ``padding_mask`` where already counted.
+    With ``P`` (B, T, T) mapping each real slot to its position (:func:`sentence_one_hot`)
+    this is ``P A P^T``: exact (``P`` is 0/1, ``A`` finite, float32 matmuls without TF32,
+    PyTorch's default), computed without autocast, as one matrix product with every head's
+    ``A`` side by side and one batched product per sentence (nothing broadcast and copied
+    per sentence); its backward is one product of each kind -- the sum over the batch in
+    ``A``'s dtype, no scatter. ``positions``, ``one_hot``: :func:`sentence_positions` of
+    ``padding_mask`` and ``P`` in ``square``'s dtype, where already made (once per pass of
+    a stack).
     """
-    length = square.size(-1)
-    if positions is None:
-        positions = sentence_positions(padding_mask, length, square.device)
-    slots_to_positions = (
-        positions[:, :, None] == torch.arange(length, device=square.device)
-    ) & ~padding_mask.to(torch.bool)[:, :, None]
-    p = slots_to_positions.to(square.dtype).unsqueeze(1)  # (B, 1, T, T)
+    heads, length = square.size(0), square.size(-1)
+    bsz = padding_mask.size(0)
+    if one_hot is None:
+        if positions is None:
+            positions = sentence_positions(padding_mask, length, square.device)
+        one_hot = sentence_one_hot(padding_mask, positions, square.dtype)
     with full_precision(square.device):
-        return torch.matmul(torch.matmul(p, square), p.transpose(-1, -2))
+        # (P A_h)[b, i, k] for every head, as (B, T, H, T): A's heads side by side
+        left = torch.mm(one_hot.view(bsz * length, length), square.transpose(0, 1).reshape(length, heads * length))
+        # ... times P_b^T per sentence, (B, T * H, T) -> (B, H, T, T)
+        both = torch.bmm(left.view(bsz, length * heads, length), one_hot.transpose(1, 2))
+    return both.view(bsz, length, heads, length).transpose(1, 2)
 
 
 def matrix_logits(matrix: Tensor, tgt_len: int, src_len: int, padding_mask: Optional[Tensor],
-                  start: int = 0, positions: Optional[Tensor] = None) -> Tensor:
+                  start: int = 0, positions: Optional[Tensor] = None, one_hot: Optional[Tensor] = None) -> Tensor:
     """``matrix[h, pos_i, pos_j]`` (B or 1, H, T, S) for a logit matrix ``matrix`` (H, R, L)
     indexed by positions: a full pass's tokens (T = S, positions per sentence,
     :func:`sentence_logits` where padded), or a decoding run's queries ``start .. start +
@@ -79,7 +95,7 @@ def matrix_logits(matrix: Tensor, tgt_len: int, src_len: int, padding_mask: Opti
         # every token's position is its index: a plain slice (whose backward, after the
         # broadcast over the batch, is a sum over the batch)
         return matrix[:, start : start + tgt_len, :src_len].unsqueeze(0)
-    return sentence_logits(matrix[:, :tgt_len, :tgt_len], padding_mask, positions)
+    return sentence_logits(matrix[:, :tgt_len, :tgt_len], padding_mask, positions, one_hot)
 
 
 @with_incremental_state
@@ -150,6 +166,11 @@ class PositionAttention(AttentionMechanism, nn.Module):
         self.set_mechanism_state(incremental_state, state)
         return v, start, key_padding_mask
 
+    def pass_one_hot(self, padding_mask: Tensor, positions: Tensor, dtype: torch.dtype) -> Tensor:
+        """:func:`sentence_one_hot`, made once per pass of the stack (every layer alike)."""
+        return shared_in_pass(self.attention_maps, f"one_hot:{dtype}", (padding_mask, positions),
+                              lambda: sentence_one_hot(padding_mask, positions, dtype))
+
     def position_logits(self, query_positions: Tensor, key_positions: Tensor,
                         padding_mask: Optional[Tensor], start: int, dtype: torch.dtype) -> Tensor:
         """The logits ``A[h, pos_i, pos_j]``, (B or 1, H, T, S) in ``dtype``, for queries at
@@ -179,7 +200,7 @@ class PositionAttention(AttentionMechanism, nn.Module):
                 out = torch.matmul(weights, v)  # one set of weights for the batch
                 return self.out_proj(out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, self.embed_dim)), None
         # softmax in at least float32; float64 stays float64
-        dtype = torch.promote_types(v.dtype, torch.float32)
+        dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
         if incremental_state is None:
             # the same for every layer of the pass: counted once
             q_pos = k_pos = shared_in_pass(self.attention_maps, "positions", (key_padding_mask,),

@@ -225,8 +225,10 @@ class RecurrentAttention(PositionAttention):
 
     def position_logits(self, query_positions, key_positions, padding_mask, start, dtype):
         """``A_l[pos_i, pos_j]`` of this layer's matrix (float32 or wider)."""
-        return matrix_logits(self.matrices.layer(self.ran_index), query_positions.size(-1),
-                             key_positions.size(-1), padding_mask, start, query_positions)
+        matrix = self.matrices.layer(self.ran_index)
+        one_hot = None if padding_mask is None else self.pass_one_hot(padding_mask, query_positions, matrix.dtype)
+        return matrix_logits(matrix, query_positions.size(-1), key_positions.size(-1), padding_mask, start,
+                             query_positions, one_hot)
 
     def decoding_step_weights(self, start: int, tgt_len: int, src_len: int, incremental_state,
                               dtype: torch.dtype) -> Tensor:

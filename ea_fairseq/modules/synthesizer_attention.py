@@ -51,4 +51,6 @@ class RandomSynthesizerAttention(PositionAttention):
                 "--max-source-positions / --max-target-positions."
             )
         rows = self.logits[:, start : start + tgt_len, :src_len]  # only the rows this call needs
-        return matrix_logits(rows.to(dtype), tgt_len, src_len, padding_mask, positions=query_positions)
+        one_hot = None if padding_mask is None else self.pass_one_hot(padding_mask, query_positions, dtype)
+        return matrix_logits(rows.to(dtype), tgt_len, src_len, padding_mask, positions=query_positions,
+                             one_hot=one_hot)
