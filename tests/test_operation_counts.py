@@ -5,8 +5,9 @@ aten operations a step dispatches is a faithful, machine-independent proxy for i
 They are counted here with ``TorchDispatchMode`` on the reference path (accelerators off):
 one beam-search decoding step (beam 5, one sentence: the decoder's forward for the newest
 token and the beam reorder of its caches) and one training forward + backward, for every
-family against ``transformer_lite`` (fairseq's own attention, computed unfused here as on
-the mechanisms' path). ``python tests/test_operation_counts.py`` prints the table.
+family against ``transformer_lite`` (fairseq's own attention: its fused
+``scaled_dot_product_attention`` in training, its unfused path in decoding steps).
+``python tests/test_operation_counts.py`` prints the table (benchmarks/operation_counts.md).
 """
 import sys
 

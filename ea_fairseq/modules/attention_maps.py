@@ -5,9 +5,16 @@ Every mechanism in this plugin works on the pre-softmax attention map of a fairs
 connections to the previous layer's map), DropAttention drops entries of the softmax
 output. :class:`LogitMapAttention` is the one place where that map is exposed:
 
-* ``super().forward(..., before_softmax=True)`` lets fairseq do everything up to the
-  logits -- projections, key/value caching for incremental decoding, beam-shared
-  encoder keys, the causal mask, and in decoding steps the key padding (all ``-inf``);
+* :meth:`LogitMapAttention.forward` computes the logits ``QK^T / sqrt(d)`` with
+  fairseq's projections and into fairseq's key/value cache, in fewer kernels than
+  fairseq's unfused path (which is the only one that exposes them): the projections that
+  read the same input in one matmul, a decoding run's query scaling folded into its
+  projection, no in-place scaling on a view for autograd to copy back
+  (:meth:`LogitMapAttention.full_pass_logits`, :meth:`LogitMapAttention.step_logits`).
+  Where the masks do not describe the whole map (a self-attention's key padding in a
+  decoding step, other mask shapes) or a projection has hooks (quantization noise, value
+  residual), ``super().forward(..., before_softmax=True)`` lets fairseq compute them,
+  with its ``-inf`` where it masked;
 * :meth:`LogitMapAttention.transform_logits` is the hook a mechanism overrides; it
   masks (padded keys are masked there, once, in place, wherever the padding mask covers
   every key: full passes, and the encoder's keys in a decoding step); a mechanism reports
@@ -262,11 +269,10 @@ class LogitMapAttention(AttentionMechanism, MultiheadAttention):
 
         ``masked`` marks the masked entries (padding keys, future positions), broadcastable
         to ``logits``, or is None when nothing is masked. In ``logits`` they hold ``-inf``
-        where fairseq masked them (future positions; padded keys in decoding steps) and the
-        raw scores otherwise (padded keys in a full pass, see :meth:`forward`); in the
-        result they must hold ``-inf``, written right before the softmax (a mechanism does
-        no arithmetic on ``-inf``).
-        ``logits`` is fairseq's fresh score tensor, which autograd does not keep: it may be
+        where fairseq's path masked them (see :meth:`forward`) and the raw scores otherwise;
+        in the result they must hold ``-inf``, written right before the softmax (a mechanism
+        does no arithmetic on ``-inf``).
+        ``logits`` is a fresh score tensor, which autograd does not keep: it may be
         changed in place. ``query_padding_mask`` (batch, tgt) marks padded query rows
         (self-attention in a full forward pass only). Here: just the masking.
         """
@@ -315,14 +321,19 @@ class LogitMapAttention(AttentionMechanism, MultiheadAttention):
             (incremental_state is None or static_kv) and key_padding_mask is not None
             and key is not None and key_padding_mask.shape == (bsz, key.size(0))
         )
+        # The logits are computed here (no mask in them: the mechanism masks) where the
+        # masks describe the whole map: a key padding mask over every key, a (T, S) future
+        # mask; fairseq's own path otherwise, and for fairseq's beam-shared encoder keys in
+        # a full pass.
         computed = None
-        plain_masks = attn_mask is None or attn_mask.shape == (tgt_len, query.size(0) if key is None else key.size(0))
-        if incremental_state is None:
-            if plain_masks and not (self.encoder_decoder_attention and self.beam_size > 1):
-                # a full pass: the logits computed here, masks left to the mechanism
-                computed = self.full_pass_logits(query, key, value)
-        elif attn_mask is None and (key_padding_mask is None or own_padding):
-            computed = self.step_logits(query, key, key_padding_mask, incremental_state, static_kv)
+        if key_padding_mask is None or own_padding:
+            if incremental_state is None:
+                src_len = tgt_len if key is None else key.size(0)
+                if ((attn_mask is None or attn_mask.shape == (tgt_len, src_len))
+                        and not (self.encoder_decoder_attention and self.beam_size > 1)):
+                    computed = self.full_pass_logits(query, key, value)
+            elif attn_mask is None:
+                computed = self.step_logits(query, key, key_padding_mask, incremental_state, static_kv)
         if computed is not None:
             logits, v = computed
         else:
