@@ -30,6 +30,8 @@ FAMILIES = {
                                "--ea-no-decoder-conv", "--ea-no-cross-conv"),
     "PA-Lite": ("pa_transformer_lite",),
     "RAN-ALL-Lite": ("ran_all_lite",),
+    # the same attention dropout as transformer_lite's (none; RAN's paper setting is 0.2)
+    "RAN-ALL-Lite, attention dropout 0": ("ran_all_lite", "--attention-dropout", "0"),
     "RAN-E-Lite": ("ran_e_lite",),
     "RAN-D-Lite": ("ran_d_lite",),
     "HC-SA-Lite": ("hcsa_lite",),
@@ -173,6 +175,14 @@ def test_logit_map_attention_path_no_dearer_than_fairseqs():
 @pytest.mark.parametrize("family", ["RAN-ALL-Lite", "RAN-D-Lite", "RAN-E-Lite", "PA-Lite"])
 def test_decoding_steps_no_dearer_than_transformer_lite(family):
     assert counts(family)[0].count <= counts("transformer_lite")[0].count, ratios(family)
+
+
+def test_ran_all_no_dearer_than_transformer_lite():
+    """Per decoding step, and per training update at transformer_lite's attention dropout
+    (none): RAN's paper setting, 0.2, adds the dropout's own operations on RAN's weights."""
+    (step, train), (base_step, base_train) = counts("RAN-ALL-Lite, attention dropout 0"), counts("transformer_lite")
+    assert step.count <= base_step.count and step.all <= base_step.all, ratios("RAN-ALL-Lite")
+    assert train.all <= base_train.all, ratios("RAN-ALL-Lite")
 
 
 def test_mechanisms_compute_stack_constants_once_per_pass():
