@@ -451,7 +451,8 @@ class LogitMapAttention(AttentionMechanism, MultiheadAttention):
                     if key_padding_mask is not None:
                         key_padding_mask = key_padding_mask.view(-1, self.beam_size, key_padding_mask.size(1))[:, 0, :]
                 kv_bsz = key.size(1)
-                k, v = (x.transpose(0, 1) for x in self.project(key, ("k_proj", "v_proj")))
+                # kept for the whole run and read at every step: contiguous, once
+                k, v = (x.transpose(0, 1).contiguous() for x in self.project(key, ("k_proj", "v_proj")))
         else:
             return None
         saved["prev_key"] = k.view(kv_bsz, heads, -1, head_dim)

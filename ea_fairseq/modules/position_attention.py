@@ -98,6 +98,19 @@ def matrix_logits(matrix: Tensor, tgt_len: int, src_len: int, padding_mask: Opti
     return sentence_logits(matrix[:, :tgt_len, :tgt_len], padding_mask, positions, one_hot)
 
 
+def additive_mask(key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor],
+                  dtype: torch.dtype) -> Optional[Tensor]:
+    """fairseq's additive future mask (T, S) plus ``-inf`` at padded keys, broadcastable to
+    (B, H, T, S) logits in ``dtype``; None without either. Added to the logits, its backward
+    costs nothing (a masked fill's is another fill)."""
+    mask = None if attn_mask is None else attn_mask.to(dtype)
+    if key_padding_mask is not None:
+        padded = torch.zeros(key_padding_mask.shape, dtype=dtype, device=key_padding_mask.device)
+        padded = padded.masked_fill_(key_padding_mask.to(torch.bool), float("-inf"))[:, None, None, :]
+        mask = padded if mask is None else mask + padded
+    return mask
+
+
 @with_incremental_state
 class PositionAttention(AttentionMechanism, nn.Module):
     """Self-attention ``softmax(A) V`` with logits ``A`` that depend on positions only.
@@ -190,8 +203,12 @@ class PositionAttention(AttentionMechanism, nn.Module):
                 need_weights: bool = True, static_kv: bool = False, attn_mask=None,
                 before_softmax: bool = False, need_head_weights: bool = False):
         tgt_len, bsz, _ = query.size()
-        v, start, key_padding_mask = self.cached_values(query, incremental_state, key_padding_mask)
-        src_len = v.size(2)
+        if incremental_state is None:  # (B * H, T, head_dim), as the value product reads them
+            v = self.v_proj(query).view(tgt_len, bsz * self.num_heads, self.head_dim).transpose(0, 1)
+            start, src_len = 0, tgt_len
+        else:
+            v, start, key_padding_mask = self.cached_values(query, incremental_state, key_padding_mask)
+            src_len = v.size(2)
         if (incremental_state is not None and self.causal and key_padding_mask is None
                 and not torch.is_grad_enabled() and not self.drops_weights()
                 and not (need_weights or need_head_weights or before_softmax)):
@@ -206,8 +223,11 @@ class PositionAttention(AttentionMechanism, nn.Module):
             q_pos = k_pos = shared_in_pass(self.attention_maps, "positions", (key_padding_mask,),
                                            lambda: sentence_positions(key_padding_mask, tgt_len, query.device))
             logits = self.position_logits(q_pos, k_pos, key_padding_mask, 0, dtype)
-            if attn_mask is not None:  # fairseq's future mask for the decoder (-inf above)
-                logits = logits + attn_mask.to(logits.dtype)
+            # fairseq's future mask (decoder) and the key padding, one additive mask per pass
+            masks = shared_in_pass(self.attention_maps, f"additive_mask:{dtype}", (key_padding_mask, attn_mask),
+                                   lambda: additive_mask(key_padding_mask, attn_mask, dtype))
+            if masks is not None:
+                logits = logits + masks
         else:
             k_pos = torch.arange(src_len, device=query.device).unsqueeze(0)
             q_pos = k_pos[:, start : start + tgt_len]
@@ -215,11 +235,13 @@ class PositionAttention(AttentionMechanism, nn.Module):
             if self.causal and tgt_len > 1:
                 future = k_pos[:, None, :] > q_pos[:, :, None]
                 logits = logits.masked_fill(future.unsqueeze(1), float("-inf"))
-        if key_padding_mask is not None:
-            logits = logits.masked_fill(key_padding_mask.to(torch.bool)[:, None, None, :], float("-inf"))
-        logits = logits.expand(bsz, -1, -1, -1)
+            if key_padding_mask is not None:
+                logits = logits.masked_fill(key_padding_mask.to(torch.bool)[:, None, None, :], float("-inf"))
+        if logits.size(0) != bsz:
+            logits = logits.expand(bsz, -1, -1, -1)
         self.report_maps(lambda: {self.map_name: logits.masked_fill(torch.isneginf(logits), 0.0)}, None)
-        v = v.reshape(bsz * self.num_heads, src_len, self.head_dim)
+        if incremental_state is not None:
+            v = v.reshape(bsz * self.num_heads, src_len, self.head_dim)
         if before_softmax:
             return logits.reshape(bsz * self.num_heads, tgt_len, src_len), v
         return self.attend_with(logits, v, bsz, tgt_len, need_weights, need_head_weights)
