@@ -370,21 +370,21 @@ class LogitMapAttention(AttentionMechanism, MultiheadAttention):
             q, k, v = self.project(query, ("q_proj", "k_proj", "v_proj"))
         else:
             (q,) = self.project(query, ("q_proj",))
-            k, v = self.project(key, ("k_proj", "v_proj")) if key is value else self.project(value, ("v_proj",), key)
+            if key is value:
+                k, v = self.project(key, ("k_proj", "v_proj"))
+            else:
+                (k,), (v,) = self.project(key, ("k_proj",)), self.project(value, ("v_proj",))
         q = (q * self.scaling).transpose(0, 1)
         logits = torch.bmm(q, k.transpose(0, 1).transpose(1, 2))
         return logits.view(bsz, self.num_heads, tgt_len, -1), v.transpose(0, 1)
 
-    def project(self, x: Tensor, names: Tuple[str, ...], key: Optional[Tensor] = None,
+    def project(self, x: Tensor, names: Tuple[str, ...],
                 joined: Optional[Tuple[Tensor, Optional[Tensor]]] = None) -> List[Tensor]:
         """The projections ``names`` of ``x`` (T, B, C), each as (T, B * H, head_dim):
         in one matmul where :meth:`joined_projection` (or ``joined``) joins them, else
-        each by its module. ``key``: project it by ``k_proj`` first (a key and a value
-        that are different tensors)."""
+        each by its module."""
         length, bsz = x.size(0), x.size(1)
         heads, head_dim = self.num_heads, self.head_dim
-        if key is not None:
-            return self.project(key, ("k_proj",)) + self.project(x, names)
         if joined is None and len(names) > 1:
             joined = self.joined_projection(names)
         if joined is not None:
@@ -424,22 +424,25 @@ class LogitMapAttention(AttentionMechanism, MultiheadAttention):
         scaling folded in -- joined with the key and value projections in a self-attention
         -- is made once per decoding run (:meth:`step_projection`). None where fairseq's
         path must run: a self-attention's key padding, a projection of another kind."""
+        saved = self._get_input_buffer(incremental_state)
+        if self.self_attention:
+            if key_padding_mask is not None or saved.get("prev_key_padding_mask") is not None:
+                return None
+        elif not (self.encoder_decoder_attention and static_kv):
+            return None
         names = ("q_proj", "k_proj", "v_proj") if self.self_attention else ("q_proj",)
         projection = self.step_projection(incremental_state, names)
         if projection is None:
             return None
-        saved = self._get_input_buffer(incremental_state)
         tgt_len, bsz, _ = query.size()
         heads, head_dim = self.num_heads, self.head_dim
         if self.self_attention:
-            if key_padding_mask is not None or saved.get("prev_key_padding_mask") is not None:
-                return None
             q, k, v = (x.transpose(0, 1) for x in self.project(query, names, joined=projection))
             if "prev_key" in saved:
                 k = torch.cat([saved["prev_key"].view(bsz * heads, -1, head_dim), k], dim=1)
                 v = torch.cat([saved["prev_value"].view(bsz * heads, -1, head_dim), v], dim=1)
             kv_bsz = bsz
-        elif self.encoder_decoder_attention and static_kv:
+        else:  # encoder-decoder attention
             q = self.project(query, names, joined=projection)[0].transpose(0, 1)
             if "prev_key" in saved:
                 k, v = saved["prev_key"], saved["prev_value"]
@@ -453,8 +456,6 @@ class LogitMapAttention(AttentionMechanism, MultiheadAttention):
                 kv_bsz = key.size(1)
                 # kept for the whole run and read at every step: contiguous, once
                 k, v = (x.transpose(0, 1).contiguous() for x in self.project(key, ("k_proj", "v_proj")))
-        else:
-            return None
         saved["prev_key"] = k.view(kv_bsz, heads, -1, head_dim)
         saved["prev_value"] = v.view(kv_bsz, heads, -1, head_dim)
         saved["prev_key_padding_mask"] = MultiheadAttention._append_prev_key_padding_mask(

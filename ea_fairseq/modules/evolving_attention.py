@@ -129,7 +129,7 @@ def evolving_attention(logits: Tensor, previous: Optional[Tensor], masked: Optio
                        hand_on: bool = False, return_maps: bool = False) -> EvolvingAttentionOutput:
     """EA Eq. (4) on this layer's logit map, by the first backend that takes the call.
 
-    ``logits``: ``Attention(X)_logit`` (B, H, T, S), fairseq's fresh score tensor, which
+    ``logits``: ``Attention(X)_logit`` (B, H, T, S), a fresh score tensor, which
     autograd does not keep (it may be changed in place); ``previous``: the previous layer's
     finite ``A_logit`` or None; ``masked``: the entries the softmax must not see (``-inf``
     in the result), ``neutral``: those entering Eq. (4) as zeros (``masked`` and padded

@@ -155,14 +155,12 @@ class PositionAttention(AttentionMechanism, nn.Module):
 
     def cached_values(self, query: Tensor, incremental_state,
                       key_padding_mask: Optional[Tensor] = None) -> Tuple[Tensor, int, Optional[Tensor]]:
-        """``(v, start, key_padding_mask)``: the values (B, H, S, head_dim) of this call's
-        tokens, after those of the earlier steps of a decoding run (kept in its incremental
+        """In a decoding run, ``(v, start, key_padding_mask)``: the values (B, H, S, head_dim)
+        of this call's tokens, after those of the run's earlier steps (kept in its incremental
         state, batch first: beam reorders reorder them); ``start``, the position of this
         call's first token; the padding mask of all ``S`` keys (None if nothing is padded)."""
         tgt_len, bsz, _ = query.size()
         v = self.v_proj(query).view(tgt_len, bsz, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
-        if incremental_state is None:
-            return v, 0, key_padding_mask
         state = self.get_mechanism_state(incremental_state)
         earlier, earlier_padding = state.get("prev_value"), state.get("prev_key_padding_mask")
         start = 0 if earlier is None else earlier.size(2)
