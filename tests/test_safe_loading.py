@@ -305,29 +305,38 @@ def test_warm_start_refuses(tmp_path, checkpoints, capsys):
 
 
 @pytest.mark.parametrize("field,value,why", [
-    ("adaptive_softmax_cutoff", "[1000, 'x']", "not an integer or a list of integers"),
+    ("adaptive_softmax_cutoff", "[1000, 'x']", "the text 'x' where fairseq declares int"),
     ("adaptive_softmax_cutoff", "[0] * 1000000000", "more than 100000 items"),
     ("adaptive_softmax_cutoff", "(lambda: 1)()", "function call"),
     ("adaptive_softmax_cutoff", "{1, 2}", "a set"),
     ("adam_betas", "().__class__", "attribute access"),
     ("adam_betas", "(0.9, 1e999)", "not a number or a list of numbers"),  # repr(inf) is not a literal
-    ("xformers_att_config", "{**{}}", "unpacks a dict"),
-    ("left_pad_source", "__debug__", "a name"),
+    ("encoder_xformers_att_config", "{**{}}", "unpacks a dict"),
+    ("encoder_xformers_att_config", "{'a': 1}", "do not use xFormers attention"),
+    ("left_pad_source", "__debug__", "the text '__debug__' where fairseq declares bool"),
+    ("encoder_layers", "'\\x24{common.user_dir}'", "where fairseq declares int"),
 ])
 def test_errors_say_what_is_wrong(field, value, why):
-    state = {"cfg": {"model": argparse.Namespace(arch="transformer", **{field: value})}}
+    """Each value is refused in the section where fairseq reads it."""
+    section = {"adam_betas": "optimizer", "left_pad_source": "task"}.get(field, "model")
+    named = {"model": {"arch": "transformer"}, "optimizer": {"_name": "adam"}, "task": {"_name": "translation"}}
+    state = {"cfg": {section: dict(named[section], **{field: value})}}
+    state["cfg"]["model"] = argparse.Namespace(**state["cfg"].get("model", named["model"]))
     with pytest.raises(safety.UnsafeCheckpointError, match=why.replace("(", r"\(")):
         safety.sanitize(state, "x.pt")
 
 
-def test_evaluated_fields_are_handed_over_as_text_written_from_their_literal(tmp_path, checkpoints, tiny_data_bin):
-    """fairseq evaluates ``repr()`` of the parsed literal, not the checkpoint's string."""
+def test_evaluated_fields_are_handed_over_as_typed_values_or_text_written_from_their_literal(
+        tmp_path, checkpoints, tiny_data_bin):
+    """fairseq receives the parsed literal converted to the field's declared type (a list of
+    ints), or ``repr()`` of it where fairseq declares text (``adam_betas``), never the
+    checkpoint's string."""
     state = trusted_state(checkpoints["vanilla"])
     state["cfg"]["model"].adaptive_softmax_cutoff = " [10] + [5 * 4]"
     state["cfg"]["optimizer"]["adam_betas"] = "(0.9, 0.98)"
     torch.save(state, tmp_path / "c.pt")
     loaded = checkpoint_utils.load_checkpoint_to_cpu(str(tmp_path / "c.pt"), arg_overrides={"data": tiny_data_bin})
-    assert loaded["cfg"].model.adaptive_softmax_cutoff == "[10, 20]"
+    assert list(loaded["cfg"].model.adaptive_softmax_cutoff) == [10, 20]  # fairseq's declared List[int]
     assert loaded["cfg"].optimizer.adam_betas == "(0.9, 0.98)"
     model = tasks.setup_task(loaded["cfg"].task).build_model(loaded["cfg"].model)
     assert model.decoder.adaptive_softmax.cutoff[:2] == [10, 20]

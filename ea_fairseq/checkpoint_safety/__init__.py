@@ -1,0 +1,49 @@
+"""Load fairseq checkpoints without letting them run code, read files or hang.
+
+A checkpoint is input. It is read once and handed to fairseq only after the configuration
+fairseq receives has been generated here from it:
+
+1. **Reading** (:mod:`.reading`): torch's weights-only unpickler, never switched off; the
+   classes of a fairseq configuration allow-listed only while a checkpoint is read; no
+   omegaconf value resolved while the file is unpickled; compressed records refused; a file
+   that is empty, truncated or not a torch checkpoint reported as such
+   (:class:`CorruptCheckpointError`), not as a refusal.
+2. **Plain data** (:mod:`.plain`): the configuration rebuilt from ``None``, booleans, numbers,
+   strings and lists, dicts and Namespaces of them, walked once with depth and size bounded;
+   no string holding ``${``; every tensor within its storage.
+3. **Families** (:mod:`.bounds`): the model must be an architecture of this plugin or of
+   fairseq's ``TransformerModel``; any other family is refused, unless
+   ``EA_FAIRSEQ_TRUST_CHECKPOINTS=1`` (:data:`TRUST_SWITCH`, logged).
+4. **A generated configuration** (:mod:`.schema`, :mod:`.model`): every section built field by
+   field from fairseq's dataclasses and the model's option table, each value converted to the
+   field's declared type, unknown fields dropped, the legacy ``args`` layout converted into the
+   same form (fairseq never converts it itself); evaluated fields (:data:`EVALUATED_FIELDS`)
+   written here as ``repr()`` of a checked literal (:mod:`.literals`); the result checked as
+   fairseq receives it (``OmegaConf.create``): no interpolation anywhere.
+5. **Load-time effects**: the checkpoint's ``generation`` section is not applied (fairseq's
+   defaults plus the caller's options; what was dropped is logged), paths fairseq would open
+   while loading (:data:`PATH_FIELDS`) are not honoured (logged), and the model may not be
+   larger than its weights for any field fairseq reads (nested sections, aliases,
+   ``*_layers_to_keep``; :func:`~.bounds.check_model_sizes`).
+
+:func:`install` (run when the plugin is imported) puts this in front of
+``fairseq.checkpoint_utils.load_checkpoint_to_cpu``, through which fairseq's command-line
+tools, ``--restore-file``/``--finetune-from-model`` and the hub read a checkpoint;
+:func:`load_checkpoint` does the same for the plugin's own tools.
+"""
+from .bounds import LIMIT_POSITIONS, check_model_sizes, vouched_model_class
+from .hook import install, load_checkpoint, nonfinite_weights, sanitize, trusted
+from .literals import EVALUATED_FIELDS, UNUSED_FIELDS, Form
+from .plain import (LIMIT_AMPLIFICATION, LIMIT_CHARS, LIMIT_CONFIG_NODES, LIMIT_DEPTH, LIMIT_ITEMS,
+                    LIMIT_STATE_NODES)
+from .reading import (TRUST_SWITCH, CheckpointError, CorruptCheckpointError, UnsafeCheckpointError,
+                      checkpoint_globals_allowed, fairseq_checkpoint_globals, read_checkpoint)
+from .schema import PATH_FIELDS, Generator
+
+__all__ = [
+    "CheckpointError", "CorruptCheckpointError", "EVALUATED_FIELDS", "Form", "Generator", "LIMIT_AMPLIFICATION",
+    "LIMIT_CHARS", "LIMIT_CONFIG_NODES", "LIMIT_DEPTH", "LIMIT_ITEMS", "LIMIT_POSITIONS", "LIMIT_STATE_NODES",
+    "PATH_FIELDS", "TRUST_SWITCH", "UNUSED_FIELDS", "UnsafeCheckpointError", "check_model_sizes",
+    "checkpoint_globals_allowed", "fairseq_checkpoint_globals", "install", "load_checkpoint",
+    "nonfinite_weights", "read_checkpoint", "sanitize", "trusted", "vouched_model_class",
+]

@@ -1,0 +1,147 @@
+"""The plugin's checkpoint loader (:func:`sanitize`, :func:`load_checkpoint`) and the fairseq
+hook that puts it in front of ``fairseq.checkpoint_utils.load_checkpoint_to_cpu``
+(:func:`install`)."""
+import argparse
+import functools
+import logging
+import os
+from typing import Any, Dict, List, Mapping
+
+import torch
+
+from .bounds import _check_family, check_model_sizes
+from .plain import LIMIT_AMPLIFICATION, _Walk
+from .reading import TRUST_SWITCH, CheckpointError, UnsafeCheckpointError, _shown, read_checkpoint
+from .schema import Generator
+
+logger = logging.getLogger(__name__)
+
+
+def trusted() -> bool:
+    """Whether the user switched the configuration checks off (:data:`TRUST_SWITCH`)."""
+    return os.environ.get(TRUST_SWITCH, "") == "1"  # only the documented value: "false" is not "1"
+
+
+def sanitize(state: Dict[str, Any], source: str) -> Dict[str, Any]:
+    """``state`` with the configuration fairseq receives generated from the checkpoint's
+    (:class:`~.schema.Generator`; ``args`` None, ``cfg`` a dict of typed sections), the
+    model's sizes bounded by its weights, the rest bounded; or :class:`CheckpointError`."""
+    walk = _Walk(source)
+    out = dict(state)
+    config_roots = [root for root in ("args", "cfg") if state.get(root) is not None]
+    for key, value in state.items():
+        if key not in config_roots:
+            walk.check(value, f"[{key!r}]")
+    stored = sum(walk.storages.values())
+    if walk.tensor_bytes > LIMIT_AMPLIFICATION * stored + (1 << 20):
+        raise UnsafeCheckpointError(
+            f"{source}: refused: its tensors declare {walk.tensor_bytes} bytes over {stored} bytes of "
+            "stored data (many views of the same storage). Nothing in the checkpoint was run.")
+    if trusted():
+        logger.warning("%s=1: loading %s with its configuration unchecked; a checkpoint's "
+                       "configuration can run code, load only checkpoints you trust this way",
+                       TRUST_SWITCH, source)
+        return out
+    for root in config_roots:
+        out[root] = walk.plain(state[root], root)[0]
+    _check_family(out, source)
+    if not config_roots:
+        return out
+    generator = Generator(source)
+    out["cfg"] = generator.generate(out.get("cfg"), out.get("args"))
+    model = out["cfg"]["model"]
+    if model is not None:
+        fields = vars(model) if type(model) is argparse.Namespace else model
+        check_model_sizes(fields, out.get("model"), "args" if out.get("args") is not None else "cfg.model", source)
+    out["args"] = None
+    _check_received(out["cfg"], source)
+    generator.log()
+    return out
+
+
+def _check_received(cfg: Dict[str, Any], source: str) -> None:
+    """The configuration as fairseq receives it (``OmegaConf.create``, as fairseq's loader
+    calls it) holds no interpolation: nothing in it is resolved when fairseq reads it."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    def walk(node, path):
+        if isinstance(node, (DictConfig, ListConfig)):
+            keys = node.keys() if isinstance(node, DictConfig) else range(len(node))
+            for key in keys:
+                child = node._get_node(key)
+                if child._is_interpolation():
+                    raise UnsafeCheckpointError(f"{source}: refused: {path}.{key} = {_shown(child._value())}: "
+                                                "an omegaconf interpolation. Nothing in the checkpoint was run.")
+                walk(child if isinstance(child, (DictConfig, ListConfig)) else child._value(), f"{path}.{key}")
+        elif type(node) is argparse.Namespace:
+            walk(OmegaConf.create(vars(node), flags={"allow_objects": True}), path)
+        elif type(node) is str and "${" in node:
+            raise UnsafeCheckpointError(f"{source}: refused: {path} = {_shown(node)}: an omegaconf "
+                                        "interpolation. Nothing in the checkpoint was run.")
+
+    walk(OmegaConf.create(cfg, flags={"allow_objects": True}), "cfg")
+
+
+def load_checkpoint(path: str) -> Dict[str, Any]:
+    """A fairseq checkpoint read onto the CPU, weights-only, and sanitized (:func:`sanitize`)."""
+    return sanitize(read_checkpoint(path), str(path))
+
+
+def nonfinite_weights(model_state: Mapping[str, Any]) -> List[str]:
+    """Names of the floating-point tensors of ``model_state`` holding NaN or infinity."""
+    return [name for name, value in model_state.items()
+            if torch.is_tensor(value) and value.is_floating_point() and not bool(torch.isfinite(value).all())]
+
+
+# -- fairseq's loader -------------------------------------------------------------------
+class _ReadOnce:
+    """fairseq's ``checkpoint_utils.torch`` during one load: ``torch.load`` returns the state
+    read and sanitized here (once); everything else is torch's."""
+
+    def __init__(self, state):
+        self._state = [state]
+
+    def load(self, *args, **kwargs):
+        if not self._state:
+            raise CheckpointError("fairseq read a second file in one load_checkpoint_to_cpu call")
+        return self._state.pop()
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def install() -> None:
+    """Read every checkpoint ``fairseq.checkpoint_utils.load_checkpoint_to_cpu`` loads here.
+
+    fairseq's tools, its trainer and ``load_model_ensemble_and_task`` (hence the hub) call
+    that function through its module, so wrapping it there reaches them all. The wrapper
+    reads the file (:func:`read_checkpoint`), sanitizes it (:func:`sanitize`) and runs
+    fairseq's own function on that state: its ``torch.load`` returns the sanitized state
+    instead of reading the file again (:class:`_ReadOnce`), so fairseq's conversions and
+    overrides apply to what was checked, and nothing else.
+
+    Not through here: in multi-process training, fairseq's trainer reads a checkpoint on rank
+    0 and sends it to the other ranks with ``distributed_utils.broadcast_object``, which
+    unpickles with ``torch.load``; torch's weights-only default refuses fairseq's own
+    ``_TensorPlaceholder`` there (with or without this plugin), so such a resume stops on
+    the other ranks. ``--load-checkpoint-on-all-dp-ranks`` makes every rank read the file
+    through this loader instead.
+    """
+    from fairseq import checkpoint_utils
+    from fairseq.file_io import PathManager
+
+    original = checkpoint_utils.load_checkpoint_to_cpu
+    if getattr(original, "ea_fairseq_validates", False):
+        return
+
+    @functools.wraps(original)
+    def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
+        state = sanitize(read_checkpoint(PathManager.get_local_path(path), str(path)), str(path))
+        reading, checkpoint_utils.torch = checkpoint_utils.torch, _ReadOnce(state)
+        try:
+            return original(path, arg_overrides, load_on_all_ranks)
+        finally:
+            checkpoint_utils.torch = reading
+
+    load_checkpoint_to_cpu.ea_fairseq_validates = True
+    checkpoint_utils.load_checkpoint_to_cpu = load_checkpoint_to_cpu

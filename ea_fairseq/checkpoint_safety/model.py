@@ -1,0 +1,149 @@
+"""The model section fairseq receives, generated from the model's option table.
+
+The plugin's models and fairseq's ``TransformerModel`` are configured by argparse options
+(``add_args``); those options, typed by fairseq's ``TransformerConfig`` where it declares the
+field and by the option itself otherwise (a flag is a bool, ``choices`` are an enum, ``nargs``
+a list), are the fields the section may hold. fairseq's ``TransformerConfig.from_namespace``
+also reads nested ``encoder``/``decoder``/``quant_noise`` sections (in place of the flat fields,
+with the dataclass defaults for the rest) and un-prefixed aliases (``layers`` for both
+``encoder_layers`` and ``decoder_layers``): they are read here into the flat fields, as fairseq
+would read them, and then checked and bounded like them
+(:func:`~ea_fairseq.checkpoint_safety.bounds.check_model_sizes`).
+"""
+import argparse
+import dataclasses
+import functools
+from typing import Any, Dict, List, Optional
+
+from .literals import EVALUATED_FIELDS, UNUSED_FIELDS
+from .plain import _Refused
+from .schema import PATH_FIELDS, _fields, defaults, typed
+
+_NESTED = ("encoder", "decoder", "quant_noise")
+
+
+@functools.lru_cache(maxsize=None)
+def _transformer_types() -> Dict[str, Any]:
+    """``{flat option name: declared type}`` of fairseq's ``TransformerConfig``."""
+    from fairseq.models.transformer.transformer_config import TransformerConfig
+
+    types = {}
+    for field in dataclasses.fields(TransformerConfig):
+        if field.name in _NESTED:
+            for sub in dataclasses.fields(field.type):
+                types[f"{field.name}_{sub.name}"] = sub.type
+        elif not field.name.startswith("_"):
+            types[field.name] = field.type
+    return types
+
+
+@functools.lru_cache(maxsize=None)
+def _nested_fields() -> Dict[str, Dict[str, Any]]:
+    """``{section: {field: default}}`` of ``TransformerConfig``'s nested sections."""
+    from fairseq.models.transformer.transformer_config import TransformerConfig
+
+    out = {}
+    for field in dataclasses.fields(TransformerConfig):
+        if field.name in _NESTED:
+            out[field.name] = {k: v for k, v in defaults(field.type).items() if not k.startswith("_")}
+    return out
+
+
+def _option_type(action: argparse.Action) -> Any:
+    """The declared type of an option of the plugin (not declared by ``TransformerConfig``)."""
+    if action.nargs == 0:
+        return bool
+    many = action.nargs in ("+", "*") or isinstance(action.nargs, int)
+    if action.choices is not None:
+        return ("choices", tuple(action.choices), many)
+    kind = action.type if action.type in (int, float, str) else (
+        int if getattr(action.type, "__module__", "").startswith("ea_fairseq") else None)
+    if action.type is not None and kind is None:
+        return None  # an option whose type this table cannot state: refused if a checkpoint sets it
+    kind = kind or str
+    return List[kind] if many else kind
+
+
+@functools.lru_cache(maxsize=None)
+def option_table(model_class) -> Dict[str, Any]:
+    """``{field: declared type}`` of the options of ``model_class``."""
+    from ..models.hydra_config import option_actions
+
+    transformer = _transformer_types()
+    return {dest: transformer.get(dest) or _option_type(action)
+            for dest, action in option_actions(model_class).items() if dest != "help"}
+
+
+def _flat_fields(fields: Dict[str, Any], path: str, table: Dict[str, Any]) -> Dict[str, Any]:
+    """``fields`` with nested sections and un-prefixed aliases read into the flat fields, as
+    fairseq's ``TransformerConfig.from_namespace`` reads them."""
+    flat = dict(fields)
+    for section, known in _nested_fields().items():
+        nested = flat.pop(section, None)
+        if nested is not None:
+            sub = _fields(nested)
+            for key in sub:
+                if key not in known and key != "_name":
+                    raise _Refused(f"{path}.{section}.{key}: not a field of fairseq's {section} section")
+            for key, default in known.items():  # fairseq builds the section from these alone
+                flat[f"{section}_{key}"] = sub.get(key, default)
+        else:
+            for key in known:  # an un-prefixed alias overrides the prefixed field
+                if key in fields and key not in table:
+                    flat[f"{section}_{key}"] = fields[key]
+    for section in _NESTED:
+        for key in _nested_fields()[section]:
+            if key not in table:
+                flat.pop(key, None)
+    return flat
+
+
+def model_section(gen, given: Any, path: str, legacy: bool):
+    """The model section of the generated configuration (a Namespace where fairseq would
+    hand the model one, else a dict), from the checkpoint's ``given`` section."""
+    from fairseq.models import ARCH_MODEL_REGISTRY, MODEL_REGISTRY
+
+    fields = _fields(given)
+    name = fields.get("_name") or fields.get("arch")
+    model_class = ARCH_MODEL_REGISTRY.get(name) or MODEL_REGISTRY.get(name)
+    table = option_table(model_class)
+    try:
+        flat = _flat_fields(fields, path, table)
+    except _Refused as why:
+        raise gen.refuse(path, given, why) from None
+    out: Dict[str, Any] = {}
+    for key, value in flat.items():
+        here = f"{path}.{key}"
+        if key in ("_name", "arch"):
+            out[key] = value
+            continue
+        if key not in table:
+            if not legacy and type(given) is dict:
+                gen.dropped.append(here)
+            if key in UNUSED_FIELDS and value is not None:
+                raise gen.refuse(here, value, UNUSED_FIELDS[key])
+            continue
+        if key in PATH_FIELDS:
+            if value is not None:
+                gen.paths.append(f"{here}={value!r}")
+            out[key] = None
+            continue
+        declared = table[key]
+        try:
+            if declared is None and key not in EVALUATED_FIELDS:
+                raise _Refused("an option whose type the plugin's option table does not state")
+            if type(declared) is tuple:  # ("choices", choices, a list of them)
+                values = value if declared[2] and type(value) in (list, tuple) else [value]
+                if value is not None and any(type(v) not in (str, int, float) or v not in declared[1]
+                                             for v in values):
+                    raise _Refused(f"not {'a list of ' if declared[2] else ''}one of {list(declared[1])}")
+                out[key] = list(values) if declared[2] and value is not None else value
+            else:
+                declared = Any if declared is None else declared
+                out[key] = typed(value, declared if value is not None else Optional[declared], key)
+        except _Refused as why:
+            raise gen.refuse(here, value, why) from None
+    if legacy or type(given) is argparse.Namespace:
+        return argparse.Namespace(**out)
+    return out
+

@@ -1,0 +1,176 @@
+"""Plain data only: a checkpoint's configuration rebuilt from ``None``, ``bool``, ``int``,
+``float``, ``str`` and lists, tuples, dicts and Namespaces of them, walked once (each container
+visited once however often it is referred to, its size counted as often as it is referred to),
+depth and size bounded; the rest of the state walked with the same bounds, every tensor
+within its storage. Omegaconf containers are read from their stored content, nothing resolved."""
+import argparse
+import collections
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+from .reading import UnsafeCheckpointError, _shown
+
+LIMIT_DEPTH = 64  # nesting of containers
+LIMIT_CONFIG_NODES = 200_000  # values in the configuration, counted as often as referred to
+LIMIT_STATE_NODES = 20_000_000  # ... and in the rest of the state
+LIMIT_AMPLIFICATION = 16  # bytes all tensors declare / bytes of their distinct storages
+LIMIT_CHARS = 10_000  # an evaluated string longer than this is refused unread
+LIMIT_ITEMS = 100_000  # ... or one whose value would hold more items than this
+
+_SCALARS = (type(None), bool, int, float, str)
+
+
+class _Refused(Exception):
+    pass
+
+
+def _omegaconf_classes():
+    from omegaconf import DictConfig, ListConfig, nodes
+
+    return DictConfig, ListConfig, nodes.AnyNode
+
+
+class _Walk:
+    """One walk over a state: every container visited once (memo by ``id``), cycles and
+    excess refused. ``plain`` rebuilds the configuration; ``check`` bounds the rest."""
+
+    def __init__(self, source: str):
+        self.source = source
+        self.memo: Dict[int, Tuple[Any, int]] = {}  # id -> (rebuilt value, expanded size)
+        self.sizes: Dict[int, int] = {}  # id -> expanded size, outside the configuration
+        self.keep: List[Any] = []  # the originals stay alive, so their ids stay theirs
+        self.active: set = set()
+        self.storages: Dict[Tuple[int, int], int] = {}
+        self.tensor_bytes = 0
+        self.dict_config, self.list_config, self.any_node = _omegaconf_classes()
+
+    def refuse(self, path: str, why: str, config: bool = True) -> UnsafeCheckpointError:
+        what = ("A checkpoint's configuration may only hold None, booleans, numbers, strings and "
+                "lists/dicts of them" if config else "Outside its configuration a checkpoint holds tensors "
+                "and plain data, nested at most {LIMIT_DEPTH} deep".format(LIMIT_DEPTH=LIMIT_DEPTH))
+        path = path if len(path) <= 160 else f"{path[:80]}...{path[-60:]}"
+        return UnsafeCheckpointError(f"{self.source}: refused: {path}: {why}. {what}. Nothing in the checkpoint was run.")
+
+    def _children(self, node, path: str):
+        """``(kind, [(key, child)])`` of a container, or None for a leaf."""
+        kind = type(node)
+        if kind in (list, tuple):
+            return kind, list(enumerate(node))
+        if kind in (dict, collections.OrderedDict, collections.defaultdict):
+            return dict, list(node.items())
+        if kind is argparse.Namespace:
+            return argparse.Namespace, list(vars(node).items())
+        if kind is self.dict_config or kind is self.list_config:
+            content = vars(node).get("_content")  # stored content, no interpolation resolved
+            if content is None or isinstance(content, str):
+                return "value", [(None, content)]
+            if kind is self.dict_config and type(content) is dict:
+                return dict, list(content.items())
+            if kind is self.list_config and type(content) is list:
+                return list, list(enumerate(content))
+            raise self.refuse(path, f"an omegaconf container holding a {type(content).__name__}")
+        if kind is self.any_node:
+            return "value", [(None, vars(node).get("_val"))]
+        return None
+
+    def plain(self, node, path: str, depth: int = 0) -> Tuple[Any, int]:
+        """(the plain value of ``node``, its size counted as often as referred to)."""
+        kind = type(node)
+        if kind in _SCALARS:
+            if kind is str and "${" in node:
+                raise self.refuse(path, f"{_shown(node)} holds an omegaconf interpolation ('${{'), "
+                                        "which fairseq would resolve when the field is read")
+            return node, 1
+        if depth > LIMIT_DEPTH:
+            raise self.refuse(path, f"nested more than {LIMIT_DEPTH} deep")
+        key = id(node)
+        if key in self.memo:
+            return self.memo[key]
+        if key in self.active:
+            raise self.refuse(path, "it contains itself (a cycle)")
+        children = self._children(node, path)
+        if children is None:
+            raise self.refuse(path, f"a {kind.__module__}.{kind.__qualname__} value"
+                                    if kind.__module__ != "builtins" else f"a {kind.__name__} value")
+        self.active.add(key)
+        shape, items = children
+        size, values = 1, []
+        for name, child in items:
+            if shape in (dict, argparse.Namespace):
+                if type(name) not in (_SCALARS if shape is dict else (str,)) or (type(name) is str and "${" in name):
+                    raise self.refuse(f"{path}[{_shown(name)}]", "a key that is not a plain name")
+                child_path = f"{path}.{name}" if type(name) is str else f"{path}[{name!r}]"
+            elif shape == "value":
+                child_path = path
+            else:
+                child_path = f"{path}[{name}]"
+            value, n = self.plain(child, child_path, depth + 1)
+            size += n
+            if size > LIMIT_CONFIG_NODES:
+                raise self.refuse(path, f"it holds more than {LIMIT_CONFIG_NODES} values (counting "
+                                        "every reference to a shared list or dict)")
+            values.append((name, value))
+        self.active.discard(key)
+        if shape == "value":
+            value = values[0][1]
+        elif shape is dict:
+            value = dict(values)
+        elif shape is argparse.Namespace:
+            value = argparse.Namespace(**{k: v for k, v in values})
+        else:
+            value = shape(v for _, v in values)
+        self.memo[key] = (value, size)
+        self.keep.append(node)
+        return value, size
+
+    def check(self, node, path: str, depth: int = 0) -> int:
+        """Bound the part of the state that is not configuration; its size."""
+        if torch.is_tensor(node):
+            self.tensor(node, path)
+            return 1
+        if type(node) in _SCALARS:
+            return 1
+        if depth > LIMIT_DEPTH:
+            raise self.refuse(path, f"nested more than {LIMIT_DEPTH} deep", config=False)
+        key = id(node)
+        if key in self.sizes:
+            return self.sizes[key]
+        if key in self.active:
+            raise self.refuse(path, "it contains itself (a cycle)", config=False)
+        if type(node) in (self.dict_config, self.list_config, self.any_node):
+            raise self.refuse(path, "an omegaconf container outside the configuration", config=False)
+        children = self._children(node, path)
+        if children is None:
+            if isinstance(node, (torch.Size, torch.dtype, torch.device, torch.memory_format, bytes)):
+                return 1
+            raise self.refuse(path, f"a {type(node).__qualname__} value", config=False)
+        self.active.add(key)
+        size = 1
+        for name, child in children[1]:
+            size += self.check(child, f"{path}[{name!r}]", depth + 1)
+            if size > LIMIT_STATE_NODES:
+                raise self.refuse(path, f"it holds more than {LIMIT_STATE_NODES} values (counting every "
+                                        "reference to a shared container)", config=False)
+        self.active.discard(key)
+        self.sizes[key] = size
+        self.keep.append(node)
+        return size
+
+    def tensor(self, t: torch.Tensor, path: str) -> None:
+        if t.layout is not torch.strided or t.is_quantized:
+            raise self.refuse(path, f"a {t.layout} tensor{' (quantized)' if t.is_quantized else ''}; "
+                                    "fairseq checkpoints hold dense tensors", config=False)
+        storage = t.untyped_storage()
+        available = storage.nbytes() - t.storage_offset() * t.element_size()
+        declared = t.numel() * t.element_size()
+        if declared > available:
+            raise UnsafeCheckpointError(
+                f"{self.source}: refused: tensor {path} declares {tuple(t.shape)} {t.dtype} "
+                f"({declared} bytes) over {max(available, 0)} bytes of stored data (an expanded or "
+                "overlapping view): copying or averaging it would allocate far more than the file "
+                "holds. Nothing in the checkpoint was run.")
+        self.storages[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
+        self.tensor_bytes += declared
+
+

@@ -1,0 +1,156 @@
+"""Reading a checkpoint file: torch's weights-only unpickler, the classes of a fairseq
+configuration allow-listed only while a checkpoint is read, no omegaconf value resolved while
+the file is unpickled, compressed records refused; damaged files reported as such."""
+import argparse
+import collections
+import contextlib
+import os
+import re
+import typing
+import zipfile
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+
+TRUST_SWITCH = "EA_FAIRSEQ_TRUST_CHECKPOINTS"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that does not load; nothing in it was run."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint refused for safety: it holds something other than plain data of the
+    expected form, or a model family whose loading this plugin has not checked."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A file that is empty, truncated, damaged or not a torch checkpoint at all."""
+
+
+def fairseq_checkpoint_globals() -> List[Any]:
+    """The classes a fairseq checkpoint's configuration is made of.
+
+    ``fairseq-train`` writes its options as an ``argparse.Namespace``; checkpoints written
+    through hydra or by older fairseq keep omegaconf containers, whose node classes are
+    listed too. None of them runs code when unpickled, and :func:`sanitize` reads their
+    stored content without calling any of their methods.
+    """
+    from omegaconf import DictConfig, ListConfig, nodes
+    from omegaconf.base import ContainerMetadata, Metadata
+
+    return [argparse.Namespace, DictConfig, ListConfig, ContainerMetadata, Metadata, nodes.AnyNode,
+            typing.Any, collections.defaultdict, dict, list, int, str, float, bool]  # builtins: omegaconf metadata
+
+
+@contextlib.contextmanager
+def checkpoint_globals_allowed() -> Iterator[None]:
+    """Allow-list :func:`fairseq_checkpoint_globals` for weights-only loads in this block."""
+    scoped = getattr(torch.serialization, "safe_globals", None)
+    if scoped is not None:  # adds them to torch's (per-process) list, removes them on exit
+        with scoped(fairseq_checkpoint_globals()):
+            yield
+        return
+    add = getattr(torch.serialization, "add_safe_globals", None)
+    if add is not None:
+        # torch 2.4 has the allow-list but no context manager to scope it: there the
+        # classes stay allow-listed for the process (torch < 2.4 has no allow-list).
+        add(fairseq_checkpoint_globals())
+    yield
+
+
+def _corrupt(path: str, cause: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{path}: corrupt or not a checkpoint: {cause}")
+
+
+class _InterpolationDuringLoad(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _no_interpolation_resolved() -> Iterator[List[str]]:
+    """While a file is unpickled, omegaconf resolves no interpolation: an allow-listed class
+    called on an omegaconf container (``dict(DictConfig)``) would otherwise resolve its
+    ``${...}`` (environment variables, exponential string chains) inside ``torch.load``,
+    before the configuration is read. Yields the interpolations that were attempted."""
+    from omegaconf.base import Container
+
+    attempted: List[str] = []
+    original = Container._maybe_resolve_interpolation
+
+    def refuse(self, parent, key, value, *args, **kwargs):
+        attempted.append(str(getattr(value, "_value", lambda: value)()))
+        raise _InterpolationDuringLoad(attempted[-1])
+
+    Container._maybe_resolve_interpolation = refuse
+    try:
+        yield attempted
+    finally:
+        Container._maybe_resolve_interpolation = original
+
+
+def read_checkpoint(path: str, source: Optional[str] = None) -> Dict[str, Any]:
+    """The state stored in the checkpoint file ``path``, read weights-only onto the CPU
+    (``source``: the name used in messages). Not yet sanitized."""
+    source = source or str(path)
+    size = os.path.getsize(path)  # FileNotFoundError / IsADirectoryError as they are
+    if size == 0:
+        raise _corrupt(source, "the file is empty (0 bytes; a run that stopped while saving leaves one)")
+    if zipfile.is_zipfile(path):
+        try:
+            with zipfile.ZipFile(path) as archive:
+                packed = [i.filename for i in archive.infolist() if i.compress_type != zipfile.ZIP_STORED]
+        except (zipfile.BadZipFile, OSError, ValueError) as err:
+            raise _corrupt(source, f"a damaged zip archive ({err})") from err
+        if packed:  # torch stores records uncompressed: a record can never outgrow the file
+            raise UnsafeCheckpointError(
+                f"{source}: refused: it holds compressed records ({packed[0]}, ...), which torch.save "
+                "never writes; a compressed record could expand far beyond the file's size.")
+    else:
+        with open(path, "rb") as f:
+            head = f.read(16)
+        if head.startswith(b"PK"):
+            raise _corrupt(source, "a zip archive without its central directory (truncated: the file "
+                                   "was cut short or is still being written)")
+        if not head.startswith(b"\x80"):  # torch's legacy format is a pickle (protocol 2)
+            raise _corrupt(source, f"not a torch checkpoint (neither a zip archive nor a pickle; it begins "
+                                   f"with {head!r})")
+    with checkpoint_globals_allowed(), _no_interpolation_resolved() as resolved:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except (FileNotFoundError, IsADirectoryError, PermissionError):
+            raise
+        except Exception as err:
+            if resolved:
+                raise UnsafeCheckpointError(
+                    f"{source}: refused: unpickling it reads the values of an omegaconf container "
+                    f"({_shown(resolved[0])}, ...), which resolves their interpolations; a checkpoint "
+                    "never does that (it calls an allow-listed class on a configuration while it is "
+                    "unpickled). Nothing in the checkpoint was run.") from None
+            raise _classify_load_error(source, err) from err
+    if not isinstance(state, dict):
+        raise _corrupt(source, f"it holds a {type(state).__name__}, not a fairseq checkpoint (a dict)")
+    return state
+
+
+def _classify_load_error(source: str, err: Exception) -> CheckpointError:
+    text = str(err)
+    found = re.search(r"GLOBAL ([\w.]+)", text)
+    if found:  # the unpickler met a class it does not allow: a refusal, not damage
+        return UnsafeCheckpointError(
+            f"{source}: refused: the file holds an object of {found.group(1)}, which torch's "
+            "weights-only loader does not unpickle (a checkpoint is read as tensors and a fairseq "
+            "configuration only, so that loading it cannot run code). Nothing in it was run.")
+    detail = re.search(r"WeightsUnpickler error:\s*(.*?)(?:\n\n|$)", text, re.S)
+    cause = detail.group(1).strip() if detail else text.split(". This is an internal")[0].strip()
+    cause = f"{type(err).__name__}: {cause}" if cause else type(err).__name__
+    if isinstance(err, EOFError):
+        cause = "the file ends early (EOFError)"
+    return _corrupt(source, cause[:300])
+
+
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 100 else text[:97] + "..."
