@@ -155,6 +155,7 @@ def test_legacy_layout_loads_in_the_same_typed_form(tmp_path, vanilla, tiny_data
 
 # -- 4. sizes read from every field fairseq reads ------------------------------------------
 def nested_layers(state):
+    del state["cfg"]["model"].encoder_layers  # (a flat field overrides the nested one)
     state["cfg"]["model"].encoder = {"layers": 100_000, "embed_dim": 32}
     return state
 
@@ -194,7 +195,7 @@ def test_fairseq_reads_nested_sections_and_aliases():
     un-prefixed alias over the flat fields (so bounding only the flat ones lets them through)."""
     from fairseq.models.transformer.transformer_config import TransformerConfig
 
-    nested = TransformerConfig.from_namespace(argparse.Namespace(encoder_layers=2, encoder={"layers": 7}))
+    nested = TransformerConfig.from_namespace(argparse.Namespace(decoder_layers=2, encoder={"layers": 7}))
     alias = TransformerConfig.from_namespace(argparse.Namespace(encoder_layers=2, decoder_layers=2, layers=9))
     assert nested.encoder.layers == 7 and alias.encoder.layers == 9 and alias.decoder.layers == 9
 

@@ -4,8 +4,8 @@ The plugin's models and fairseq's ``TransformerModel`` are configured by argpars
 (``add_args``); those options, typed by fairseq's ``TransformerConfig`` where it declares the
 field and by the option itself otherwise (a flag is a bool, ``choices`` are an enum, ``nargs``
 a list), are the fields the section may hold. fairseq's ``TransformerConfig.from_namespace``
-also reads nested ``encoder``/``decoder``/``quant_noise`` sections (in place of the flat fields,
-with the dataclass defaults for the rest) and un-prefixed aliases (``layers`` for both
+also reads nested ``encoder``/``decoder``/``quant_noise`` sections (where no flat field is
+given, with the dataclass defaults for the rest) and un-prefixed aliases (``layers`` for both
 ``encoder_layers`` and ``decoder_layers``): they are read here into the flat fields, as fairseq
 would read them, and then checked and bounded like them
 (:func:`~ea_fairseq.checkpoint_safety.bounds.check_model_sizes`).
@@ -85,8 +85,8 @@ def _flat_fields(fields: Dict[str, Any], path: str, table: Dict[str, Any]) -> Di
             for key in sub:
                 if key not in known and key != "_name":
                     raise _Refused(f"{path}.{section}.{key}: not a field of fairseq's {section} section")
-            for key, default in known.items():  # fairseq builds the section from these alone
-                flat[f"{section}_{key}"] = sub.get(key, default)
+            for key, default in known.items():  # fairseq builds the section from these, and
+                flat.setdefault(f"{section}_{key}", sub.get(key, default))  # flat fields override them
         else:
             for key in known:  # an un-prefixed alias overrides the prefixed field
                 if key in fields and key not in table:
