@@ -1,7 +1,7 @@
 """The model section fairseq receives, generated from the model's option table.
 
 The plugin's models and fairseq's ``TransformerModel`` are configured by argparse options
-(``add_args``); those options, typed by fairseq's ``TransformerConfig`` where it declares the
+(``add_args``) and the fields its architecture function fills in; those, typed by fairseq's ``TransformerConfig`` where it declares the
 field and by the option itself otherwise (a flag is a bool, ``choices`` are an enum, ``nargs``
 a list), are the fields the section may hold. fairseq's ``TransformerConfig.from_namespace``
 also reads nested ``encoder``/``decoder``/``quant_noise`` sections (where no flat field is
@@ -74,6 +74,15 @@ def option_table(model_class) -> Dict[str, Any]:
             for dest, action in option_actions(model_class).items() if dest != "help"}
 
 
+@functools.lru_cache(maxsize=None)
+def _arch_keys(name: str) -> tuple:
+    from fairseq.models import ARCH_CONFIG_REGISTRY
+
+    from ..models.hydra_config import arch_keys
+
+    return tuple(arch_keys(name)) if name in ARCH_CONFIG_REGISTRY else ()
+
+
 def _flat_fields(fields: Dict[str, Any], path: str, table: Dict[str, Any]) -> Dict[str, Any]:
     """``fields`` with nested sections and un-prefixed aliases read into the flat fields, as
     fairseq's ``TransformerConfig.from_namespace`` reads them."""
@@ -106,7 +115,9 @@ def model_section(gen, given: Any, path: str, legacy: bool):
     fields = _fields(given)
     name = fields.get("_name") or fields.get("arch")
     model_class = ARCH_MODEL_REGISTRY.get(name) or MODEL_REGISTRY.get(name)
-    table = option_table(model_class)
+    table = dict(option_table(model_class))
+    for key in _arch_keys(name):  # fields the architecture fills in that no option gives
+        table.setdefault(key, _transformer_types().get(key))
     try:
         flat = _flat_fields(fields, path, table)
     except _Refused as why:

@@ -19,8 +19,10 @@ the fields naming files fairseq would open while loading (:data:`PATH_FIELDS`) t
 defaults (None), logged.
 """
 import argparse
+import copy
 import dataclasses
 import enum
+import functools
 import logging
 import math
 import re
@@ -137,6 +139,11 @@ def declared(dataclass_type) -> Dict[str, Any]:
 def defaults(dataclass_type) -> Dict[str, Any]:
     """fairseq's defaults for ``dataclass_type`` (``${...}``: fairseq's own references, resolved
     in :func:`_resolve_references`; ``'???'``: no default)."""
+    return copy.deepcopy(_defaults(dataclass_type))
+
+
+@functools.lru_cache(maxsize=None)
+def _defaults(dataclass_type) -> Dict[str, Any]:
     from omegaconf import OmegaConf
 
     return OmegaConf.to_container(OmegaConf.structured(dataclass_type), resolve=False, enum_to_str=True)
