@@ -6,7 +6,8 @@ where argparse sees them, but combinations (EA with ``--checkpoint-activations``
 values that reach a model another way (hydra, a checkpoint) are checked when the model is
 built, deep inside fairseq. Those checks raise :class:`OptionError`, and
 :func:`install_excepthook` prints an uncaught one as a single line, as argparse would (the
-process still exits with status 1). Every other exception goes to the previous hook
+process still exits with status 1), and so a checkpoint the plugin refuses or finds damaged
+(an exception class with ``one_line = True``). Every other exception goes to the previous hook
 unchanged, except fairseq's refusal of an over-long input when a model built in this
 process limits positions itself (:func:`note_position_limit`): that one gets a note saying
 which option sets the limit and how to go on.
@@ -32,7 +33,7 @@ def note_position_limit(note: str) -> None:
 
 def excepthook(kind, value, tb, previous=None) -> None:
     previous = previous or sys.__excepthook__
-    if isinstance(value, OptionError):
+    if isinstance(value, OptionError) or getattr(kind, "one_line", False):  # (checkpoint refusals too)
         print(f"{os.path.basename(sys.argv[0]) or 'python'}: error: {value}", file=sys.stderr)
         return
     if _position_limits and _SIZE_ERROR.search(str(value)) and hasattr(value, "add_note"):

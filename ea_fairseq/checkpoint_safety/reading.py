@@ -18,6 +18,8 @@ TRUST_SWITCH = "EA_FAIRSEQ_TRUST_CHECKPOINTS"
 class CheckpointError(RuntimeError):
     """A checkpoint that does not load; nothing in it was run."""
 
+    one_line = True  # its message says it all: the command-line tools print it as one line
+
 
 class UnsafeCheckpointError(CheckpointError):
     """A checkpoint refused for safety: it holds something other than plain data of the
