@@ -68,6 +68,7 @@ for _names, _use, _kind in (
     (("xformers_att_config", "encoder_xformers_att_config", "decoder_xformers_att_config"),
      "utils.eval_str_dict() in MultiheadAttention", _DICT),
     (("optimizer_overrides",), "ast.literal_eval() when training resumes", _DICT),
+    (("model_overrides",), "eval() in fairseq-generate, fairseq-interactive and fairseq-validate", _DICT),
     (("adam_betas", "adamax_betas", "lamb_betas", "adafactor_eps"), "eval() when the optimizer is built", _NUMBERS),
     (("left_pad_source", "left_pad_target"), "utils.eval_bool() in the multilingual tasks", _BOOL),
     (("wer_args",), "eval() in the CTC criterion", _DATA),

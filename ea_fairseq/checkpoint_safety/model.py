@@ -1,9 +1,9 @@
 """The model section fairseq receives, generated from the model's option table.
 
 The plugin's models and fairseq's ``TransformerModel`` are configured by argparse options
-(``add_args``) and the fields its architecture function fills in; those, typed by fairseq's ``TransformerConfig`` where it declares the
-field and by the option itself otherwise (a flag is a bool, ``choices`` are an enum, ``nargs``
-a list), are the fields the section may hold. fairseq's ``TransformerConfig.from_namespace``
+(``add_args``) and the fields their architecture functions fill in; those, typed by fairseq's
+``TransformerConfig`` where it declares the field and by the option itself otherwise (a flag
+is a bool, ``choices`` an enum, ``nargs`` a list), are the fields the section may hold. fairseq's ``TransformerConfig.from_namespace``
 also reads nested ``encoder``/``decoder``/``quant_noise`` sections (where no flat field is
 given, with the dataclass defaults for the rest) and un-prefixed aliases (``layers`` for both
 ``encoder_layers`` and ``decoder_layers``): they are read here into the flat fields, as fairseq

@@ -204,8 +204,8 @@ class Generator:
         dataclasses_ = TASK_DATACLASS_REGISTRY if kind == "task" else REGISTRIES[kind]["dataclass_registry"]
         if type(name) is not str or name not in dataclasses_:
             if kind == "task":
-                raise self.refuse("args.task" if legacy is not None else "cfg.task._name", name, "not a task fairseq or this plugin registers with "
-                                                             "a configuration dataclass")
+                raise self.refuse("args.task" if legacy is not None else "cfg.task._name", name,
+                                  "not a task fairseq or this plugin registers with a configuration dataclass")
             self.dropped.append(f"cfg.{kind} ({name!r}: no configuration dataclass registered)")
             return None
         return self.section(dataclasses_[name], fields, "args" if legacy is not None else f"cfg.{kind}", name=name)
