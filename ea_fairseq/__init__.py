@@ -40,7 +40,7 @@ def load_plugin() -> None:
         from ._compat import check_fairseq
 
         check_fairseq()
-        from . import checkpoint_safety, errors
+        from . import archives, checkpoint_safety, errors
         from . import models  # noqa: F401  (registers models and architectures)
         from . import tasks  # noqa: F401  (registers translation_lines)
     finally:
@@ -48,6 +48,7 @@ def load_plugin() -> None:
             logging.disable(disabled)
             root.setLevel(level)
     checkpoint_safety.install()
+    archives.install()  # the hub extracts model and data archives safely (ea_fairseq.archives)
     errors.install_excepthook()  # the plugin's option errors as one line on the command line
     _loaded = True
 
