@@ -42,9 +42,13 @@ def _refusal(source: str, member: str, why: str) -> ArchiveError:
         "and pass its directory")
 
 
+def _absolute(name: str) -> bool:
+    return name.startswith(("/", "\\")) or (len(name) > 1 and name[1] == ":")
+
+
 def _inside(name: str) -> Optional[str]:
     """``name`` normalised, or None if it is absolute or climbs out (``..``)."""
-    if not name or name.startswith(("/", "\\")) or (len(name) > 1 and name[1] == ":"):
+    if not name or _absolute(name):
         return None
     parts = name.replace("\\", "/").split("/")
     if ".." in parts:
@@ -58,7 +62,8 @@ def check_members(archive: tarfile.TarFile, source: str) -> List[tarfile.TarInfo
     for m in members:
         name = _inside(m.name)
         if name is None:
-            raise _refusal(source, m.name, "has an absolute name or climbs out with '..'")
+            raise _refusal(source, m.name, "has an absolute name" if _absolute(m.name) else
+                           "climbs out of the archive's folder with '..'")
         if m.isreg():
             files.add(name)
         elif m.isdir():
