@@ -13,7 +13,7 @@ import sys as _sys
 __version__ = "0.1.0"
 
 _TOOLS = ("ea-fairseq-average-checkpoints", "ea-fairseq-bleu", "ea-fairseq-compare", "ea-fairseq-analysis")
-_TOOL_MODULES = ("ea_fairseq.tools.", "ea_fairseq.analysis")
+_TOOL_MODULES = ("ea_fairseq.tools.", "ea_fairseq.analysis", "ea_fairseq.warm_start")
 _loaded = False
 
 
