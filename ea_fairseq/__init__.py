@@ -40,7 +40,7 @@ def load_plugin() -> None:
         from ._compat import check_fairseq
 
         check_fairseq()
-        from . import archives, checkpoint_safety, errors
+        from . import archives, checkpoint_safety, data_files, errors
         from . import models  # noqa: F401  (registers models and architectures)
         from . import tasks  # noqa: F401  (registers translation_lines)
     finally:
@@ -49,6 +49,7 @@ def load_plugin() -> None:
             root.setLevel(level)
     checkpoint_safety.install()
     archives.install()  # the hub extracts model and data archives safely (ea_fairseq.archives)
+    data_files.install()  # binary data files checked against their sizes before fairseq reads them
     errors.install_excepthook()  # the plugin's option errors as one line on the command line
     _loaded = True
 
