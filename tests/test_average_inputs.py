@@ -21,8 +21,9 @@ def vanilla(tmp_path_factory, tiny_data_bin):
     return family_checkpoints(tmp_path_factory, tiny_data_bin)["vanilla"]
 
 
-def variant(vanilla, path, model=None, task=None, seed=0):
-    """A copy of ``vanilla`` with other weights and the given configuration changes."""
+def variant(vanilla, path, model=None, task=None, seed=0, legacy=False):
+    """A copy of ``vanilla`` with other weights and the given configuration changes (with
+    ``legacy``, in the layout of fairseq before hydra: ``args`` and no ``cfg``)."""
     state = torch.load(vanilla, weights_only=False)  # a file the tests wrote
     g = torch.Generator().manual_seed(seed)
     for key, value in state["model"].items():
@@ -31,6 +32,10 @@ def variant(vanilla, path, model=None, task=None, seed=0):
     for name, value in (model or {}).items():
         setattr(state["cfg"]["model"], name, value)
     state["cfg"]["task"].update(task or {})
+    if legacy:  # the full Namespace of fairseq-train's options, task ones included
+        state["args"], state["cfg"] = state["cfg"]["model"], None
+        for name, value in (task or {}).items():
+            setattr(state["args"], name, value)
     torch.save(state, path)
     return path
 
@@ -44,14 +49,16 @@ MODEL_CHANGES = {  # every one keeps every weight's shape
     "heads": ({"encoder_attention_heads": 2}, "--encoder-attention-heads is 2 there, 4 in"),
     "pre-norm": ({"decoder_normalize_before": True}, "--decoder-normalize-before is True there, False in"),
     "dropout": ({"attention_dropout": 0.3}, "--attention-dropout is 0.3 there, 0.0 in"),
+    "arch": ({"arch": "transformer_iwslt_de_en"}, "--arch is 'transformer_iwslt_de_en' there, 'transformer_lite' in"),
 }
 
 
+@pytest.mark.parametrize("legacy", [False, True], ids=["cfg", "legacy-args"])
 @pytest.mark.parametrize("change", sorted(MODEL_CHANGES))
-def test_another_model_of_the_same_shapes_is_refused(tmp_path, vanilla, change, capsys):
+def test_another_model_of_the_same_shapes_is_refused(tmp_path, vanilla, change, legacy, capsys):
     fields, shown = MODEL_CHANGES[change]
-    a = variant(vanilla, tmp_path / "a.pt", seed=1)
-    b = variant(vanilla, tmp_path / "b.pt", model=fields, seed=2)
+    a = variant(vanilla, tmp_path / "a.pt", seed=1, legacy=legacy)
+    b = variant(vanilla, tmp_path / "b.pt", model=fields, seed=2, legacy=legacy)
     assert avg.main(["--inputs", str(a), str(b), "--output", str(tmp_path / "avg.pt")]) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err == (f"average_checkpoints: error: {b} holds another model than {a}: {shown} {a}; "
