@@ -86,9 +86,19 @@ def dictionaries(directory, source, swap=False):
     return str(directory)
 
 
-def test_other_data_is_refused_unless_the_dictionaries_are_shown_equal(tmp_path, vanilla, tiny_data_bin, capsys):
-    a = variant(vanilla, tmp_path / "a.pt", seed=1)
-    b = variant(vanilla, tmp_path / "b.pt", task={"data": "/elsewhere/bin"}, seed=2)
+def test_the_legacy_layout_records_the_same_task_and_data(tmp_path, vanilla):
+    from ea_fairseq.tools.average_inputs import data_record
+
+    state = torch.load(vanilla, weights_only=False)
+    legacy = torch.load(variant(vanilla, tmp_path / "l.pt", legacy=True), weights_only=False)
+    assert data_record(legacy) == data_record(state) and data_record(state)["task"] == "translation"
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["cfg", "legacy-args"])
+def test_other_data_is_refused_unless_the_dictionaries_are_shown_equal(tmp_path, vanilla, tiny_data_bin, capsys,
+                                                                      legacy):
+    a = variant(vanilla, tmp_path / "a.pt", seed=1, legacy=legacy)
+    b = variant(vanilla, tmp_path / "b.pt", task={"data": "/elsewhere/bin"}, seed=2, legacy=legacy)
     out = tmp_path / "avg.pt"
     assert avg.main(["--inputs", str(a), str(b), "--output", str(out)]) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
@@ -109,7 +119,7 @@ def test_other_data_is_refused_unless_the_dictionaries_are_shown_equal(tmp_path,
     assert avg.main(["--inputs", str(a), str(b), "--output", str(out), "--data-dirs", tiny_data_bin, fifo_dir]) == 1
     assert "not a regular dictionary file" in capsys.readouterr().err
 
-    c = variant(vanilla, tmp_path / "c.pt", task={"source_lang": "de"}, seed=3)
+    c = variant(vanilla, tmp_path / "c.pt", task={"source_lang": "de"}, seed=3, legacy=legacy)
     assert avg.main(["--inputs", str(a), str(c), "--output", str(out), "--data-dirs", tiny_data_bin, same]) == 1
     assert "--source-lang is 'de' there, None in" in capsys.readouterr().err
 

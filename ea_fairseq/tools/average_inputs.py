@@ -69,9 +69,12 @@ def model_options(state: Mapping, path: str) -> Optional[Dict[str, Any]]:
 def data_record(state: Mapping) -> Dict[str, Any]:
     """The task, data directory and languages the checkpoint records."""
     task = _section(state, "task")
-    get = task.get if isinstance(task, Mapping) else (lambda k, d=None: getattr(task, k, d))
-    return {"task": get("_name", None) or get("task", None), "data": get("data", None),
-            "source_lang": get("source_lang", None), "target_lang": get("target_lang", None)}
+    if isinstance(task, Mapping):  # cfg.task
+        name, get = task.get("_name"), task.get
+    else:  # the legacy args: every option of fairseq-train, the task's name in ``task``
+        name, get = getattr(task, "task", None), (lambda key: getattr(task, key, None))
+    return {"task": name, "data": get("data"), "source_lang": get("source_lang"),
+            "target_lang": get("target_lang")}
 
 
 def _differences(mine: Mapping, theirs: Mapping) -> List[str]:
