@@ -15,6 +15,8 @@ import textwrap
 
 import pytest
 from fairseq.models.transformer import TransformerModel
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from ea_fairseq import archives
 from trained_checkpoints import ENV, USER_DIR, family_checkpoints
@@ -180,3 +182,51 @@ def test_a_module_planted_in_a_user_dirs_models_runs_only_without_the_plugin(tmp
         assert not marker.exists() and not (plugin / "models" / "evil.py").exists()
         assert path.is_file() and os.listdir(tmp_path / "tmp") == []
         assert proc.stdout.strip().startswith(f"ArchiveError: {path}: refused: member "), proc.stdout + proc.stderr
+
+
+SEGMENTS = ["model"] * 4 + ["a"] * 2 + ["model.pt"] * 3 + ["..", ".", ""]  # mostly sound names
+KINDS = [tarfile.REGTYPE] * 3 + [tarfile.DIRTYPE, tarfile.SYMTYPE, tarfile.LNKTYPE, tarfile.FIFOTYPE]
+
+
+@st.composite
+def hostile_archives(draw):
+    def name():
+        lead = draw(st.sampled_from(["", "", "", "/", "./"]))
+        return lead + "/".join(draw(st.lists(st.sampled_from(SEGMENTS), min_size=1, max_size=4)))
+
+    return [(name(), draw(st.sampled_from(KINDS)), draw(st.one_of(st.just("OUTSIDE"), st.just(""), st.builds(
+        lambda: name())))) for _ in range(draw(st.integers(1, 6)))]
+
+
+@settings(max_examples=150, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(members=hostile_archives())
+def test_any_archive_is_refused_or_extracted_inside_a_fresh_folder(tmp_path_factory, members):
+    """Names of '..', '.', '' and absolute parts, links and FIFOs in any order: either one
+    refusal with nothing written, or every path created lies inside the fresh folder."""
+    root = tmp_path_factory.mktemp("any")
+    (root / "tmp").mkdir()
+    path = root / "a.tar"
+    with tarfile.open(path, "w") as tar:
+        for name, kind, link in members:
+            add(tar, name, b"x", kind, str(root) if link == "OUTSIDE" else link)
+    before = listing(root)
+    old, tempfile.tempdir = tempfile.tempdir, str(root / "tmp")
+    try:
+        folder = archives.extract(str(path))
+    except archives.ArchiveError as err:
+        event("refused")
+        assert "\n" not in str(err) and listing(root) == before
+        return
+    finally:
+        tempfile.tempdir = old
+    event("extracted")
+    [fresh] = os.listdir(root / "tmp")
+    fresh = os.path.realpath(root / "tmp" / fresh)
+    assert os.path.realpath(folder).startswith(fresh)
+    assert [p for p in listing(root) if not p.startswith("tmp" + os.sep)] == before
+    for directory, dirs, files in os.walk(fresh):
+        for entry in dirs + files:
+            full = os.path.join(directory, entry)
+            assert os.path.realpath(full).startswith(fresh + os.sep), full
+            assert stat.S_ISREG(os.lstat(full).st_mode) or os.path.isdir(full) or os.path.islink(full)
