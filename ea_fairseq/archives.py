@@ -11,7 +11,8 @@ deletes the user's archive and moves the extracted directory to its name.
 is written (:func:`check_members`): only regular files, directories and links to an earlier
 regular file of the archive, no absolute name, no ``..``; then the archive is extracted with
 tarfile's ``data`` filter into a fresh directory (``tempfile.mkdtemp``, removed at exit). The
-archive is left in place. A refused archive raises :class:`ArchiveError`, one line naming
+archive is left in place. An archive whose files would not fit in the temporary directory's
+free space is refused too (a small ``.tar.gz`` can expand to any size). A refused archive raises :class:`ArchiveError`, one line naming
 the member, with nothing extracted.
 
 Why a module function and not a method of the plugin's models: users load every model of
@@ -112,6 +113,10 @@ def extract(path: str, source: Optional[str] = None) -> str:
             members = check_members(archive, source)
         except tarfile.TarError as err:
             raise ArchiveError(f"{source}: corrupt tar archive ({err})") from None
+        total, free = sum(m.size for m in members if m.isreg()), shutil.disk_usage(tempfile.gettempdir()).free
+        if total > free:
+            raise ArchiveError(f"{source}: its files hold {total:,} bytes, more than the {free:,} free "
+                               f"in {tempfile.gettempdir()}; nothing was extracted")
         destination = tempfile.mkdtemp(prefix="ea_fairseq_archive_")
         _remove_at_exit(destination)
         try:

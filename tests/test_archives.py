@@ -6,6 +6,7 @@ the plugin, a ``.py`` planted in a ``user_dir``'s ``models/`` runs in the same c
 import hashlib
 import io
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -140,6 +141,17 @@ def test_a_sound_archive_loads_and_translates_as_its_directory(tmp_path_factory,
         extracted = outside / "tmp" / folder / "ea_model"
         assert (extracted / "best.pt").read_bytes() == (extracted / "sub" / "last.pt").read_bytes() \
             == checkpoint.read_bytes()
+
+
+def test_an_archive_larger_than_the_free_space_is_refused_unwritten(outside, monkeypatch):
+    """(A .tar.gz of kilobytes can hold gigabytes of zeros.) The free space is made small here."""
+    path = archive(outside / "bomb.tar.gz", ("model/zeros.bin", bytes(100_000)))
+    assert path.stat().st_size < 1000
+    usage = shutil.disk_usage(outside)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage._replace(free=50_000))
+    with pytest.raises(archives.ArchiveError, match=r"hold 100,008 bytes, more than the 50,000 free in "):
+        TransformerModel.from_pretrained(str(path), user_dir=USER_DIR)
+    assert os.listdir(outside / "tmp") == []
 
 
 def test_a_file_that_is_not_an_archive_is_one_line(outside):
