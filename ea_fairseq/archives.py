@@ -27,6 +27,7 @@ import atexit
 import os
 import posixpath
 import shutil
+import stat
 import tarfile
 import tempfile
 from typing import List, Optional
@@ -57,10 +58,16 @@ def _inside(name: str) -> Optional[str]:
     return posixpath.normpath("/".join(parts))
 
 
+LIMIT_MEMBERS = 10_000  # a model archive holds a few files; headers alone compress to nothing
+
+
 def check_members(archive: tarfile.TarFile, source: str) -> List[tarfile.TarInfo]:
     """The archive's members, each checked before anything is extracted."""
-    members, files = archive.getmembers(), set()
-    for m in members:
+    members, files = [], set()
+    for m in archive:
+        if len(members) == LIMIT_MEMBERS:
+            raise ArchiveError(f"{source}: refused: more than {LIMIT_MEMBERS:,} members; nothing was extracted")
+        members.append(m)
         name = _inside(m.name)
         if name is None:
             raise _refusal(source, m.name, "has an absolute name" if _absolute(m.name) else
@@ -101,6 +108,8 @@ def _remove_at_exit(directory: str) -> None:
 def extract(path: str, source: Optional[str] = None) -> str:
     """Extract the tar archive ``path`` into a fresh directory; returns its top folder."""
     source = source or path
+    if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block tarfile's open()
+        raise ArchiveError(f"{source}: not a model directory nor a regular file")
     try:
         archive = tarfile.open(path, "r:*")
     except tarfile.TarError:

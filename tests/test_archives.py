@@ -154,6 +154,16 @@ def test_an_archive_larger_than_the_free_space_is_refused_unwritten(outside, mon
     assert os.listdir(outside / "tmp") == []
 
 
+def test_a_fifo_or_too_many_members_are_refused_unread(outside):
+    os.mkfifo(outside / "fifo.tar.gz")  # tarfile would wait in open() for a writer
+    with pytest.raises(archives.ArchiveError, match="not a model directory nor a regular file"):
+        TransformerModel.from_pretrained(str(outside / "fifo.tar.gz"), user_dir=USER_DIR)
+    path = archive(outside / "many.tar.gz", *((f"model/{i}", b"") for i in range(archives.LIMIT_MEMBERS)))
+    with pytest.raises(archives.ArchiveError, match="more than 10,000 members; nothing was extracted"):
+        TransformerModel.from_pretrained(str(path), user_dir=USER_DIR)
+    assert os.listdir(outside / "tmp") == []
+
+
 def test_a_file_that_is_not_an_archive_is_one_line(outside):
     (outside / "model.pt").write_bytes(b"\x80\x02not a tar")
     with pytest.raises(archives.ArchiveError, match=r"not a model directory nor a tar archive") as err:

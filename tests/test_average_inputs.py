@@ -153,6 +153,15 @@ def test_console_tool_writes_through_no_planted_link(tmp_path, vanilla):
     assert not (tmp_path / "no.pt").exists()
 
 
+def test_an_output_that_cannot_be_written_is_one_line(tmp_path, vanilla, capsys):
+    a = variant(vanilla, tmp_path / "a.pt", seed=1)
+    (tmp_path / "dir.pt").mkdir()
+    assert avg.main(["--inputs", str(a), str(a), "--output", str(tmp_path / "dir.pt")]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"average_checkpoints: error: --output {tmp_path / 'dir.pt'}: Is a directory")
+    assert sorted(os.listdir(tmp_path)) == ["a.pt", "dir.pt"]  # no temporary file left
+
+
 def test_negative_control_a_plain_save_follows_the_planted_link(tmp_path, vanilla):
     """What writing to OUTPUT.tmp by name does: the input it points at is overwritten."""
     a = tmp_path / "a.pt"

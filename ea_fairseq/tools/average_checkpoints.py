@@ -190,7 +190,11 @@ def main(argv=None) -> int:
     except (AverageError, InputMismatch, CheckpointError) as err:
         print(f"average_checkpoints: error: {err}", file=sys.stderr)
         return 1
-    atomic_save.save(state, args.output)  # never through a planted OUTPUT.tmp link
+    try:
+        atomic_save.save(state, args.output)  # never through a planted OUTPUT.tmp link
+    except OSError as err:
+        print(f"average_checkpoints: error: --output {args.output}: {err.strerror or err}", file=sys.stderr)
+        return 1
     print(f"wrote {args.output}", file=sys.stderr)
     return 0
 
