@@ -12,8 +12,9 @@ is written (:func:`check_members`): only regular files, directories and links to
 regular file of the archive, no absolute name, no ``..``; then the archive is extracted with
 tarfile's ``data`` filter into a fresh directory (``tempfile.mkdtemp``, removed at exit). The
 archive is left in place. An archive whose files would not fit in the temporary directory's
-free space is refused too (a small ``.tar.gz`` can expand to any size). A refused archive raises :class:`ArchiveError`, one line naming
-the member, with nothing extracted.
+free space (a small ``.tar.gz`` can expand to any size), of more than :data:`LIMIT_MEMBERS`
+members, or a path that is not a regular file (a FIFO blocks ``open()``) is refused too. A
+refusal raises :class:`ArchiveError`, one line naming the member, with nothing extracted.
 
 Why a module function and not a method of the plugin's models: users load every model of
 the plugin through fairseq's own ``TransformerModel.from_pretrained`` (the arch in the

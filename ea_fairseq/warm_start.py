@@ -275,7 +275,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"warm_start: error: {err}", file=sys.stderr)
         return 1
     command = shell_command(command[:-1] + [args.output])
-    atomic_save.save(state, args.output)  # never through a planted OUTPUT.tmp link
+    try:
+        atomic_save.save(state, args.output)  # never through a planted OUTPUT.tmp link
+    except OSError as err:
+        print(f"warm_start: error: --output {args.output}: {err.strerror or err}", file=sys.stderr)
+        return 1
     print(format_report(report, args.vanilla, args.arch))
     print(f"wrote {args.output}; fine-tune it with:\n  {command}")
     return 0

@@ -60,7 +60,8 @@ def hostile(outside):
 
 
 ATTACKS = ["dotdot", "absolute", "symlink-out", "hardlink-out", "fifo", "device"]
-SHOWN = {"dotdot": "climbs out of the archive's folder with '..'", "absolute": "absolute name", "symlink-out": "a symbolic link",
+SHOWN = {"dotdot": "climbs out of the archive's folder with '..'", "absolute": "absolute name",
+         "symlink-out": "a symbolic link",
          "hardlink-out": "a hard link", "fifo": "a FIFO", "device": "a character device"}
 
 
