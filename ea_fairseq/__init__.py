@@ -3,7 +3,8 @@
 ``fairseq-train DATA --user-dir ea_fairseq --arch ea_transformer_lite ...``
 
 Importing the package loads the plugin (:func:`load_plugin`: fairseq, the models and tasks,
-checkpoint validation). The plugin's own command-line tools (``ea-fairseq-*``) parse their
+checkpoint validation, safe archive extraction, data file checks). The plugin's own
+command-line tools (``ea-fairseq-*``, ``python -m ea_fairseq.warm_start``) parse their
 arguments first and call :func:`load_plugin` only for a command that needs fairseq, so that
 ``--help`` and the metric tools answer without importing torch.
 """
@@ -13,15 +14,17 @@ import sys as _sys
 __version__ = "0.1.0"
 
 _TOOLS = ("ea-fairseq-average-checkpoints", "ea-fairseq-bleu", "ea-fairseq-compare", "ea-fairseq-analysis")
-_TOOL_MODULES = ("ea_fairseq.tools.", "ea_fairseq.analysis")
+_TOOL_MODULES = ("ea_fairseq.tools.", "ea_fairseq.analysis", "ea_fairseq.warm_start")
 _loaded = False
 
 
 def load_plugin() -> None:
     """Import fairseq and register the plugin's models, architectures and tasks; every
     checkpoint fairseq reads in this process is sanitized before fairseq converts or evaluates
-    any of it (:mod:`ea_fairseq.checkpoint_safety`), and the plugin's option errors print as
-    one line (:mod:`ea_fairseq.errors`). Idempotent.
+    any of it (:mod:`ea_fairseq.checkpoint_safety`), the hub's archives are extracted only
+    inside a fresh folder (:mod:`ea_fairseq.archives`), binary data files are checked against
+    their sizes before fairseq opens them (:mod:`ea_fairseq.data_files`), and the plugin's
+    option errors print as one line (:mod:`ea_fairseq.errors`). Idempotent.
 
     fairseq's import sets the root logger to DEBUG (``logging.basicConfig`` in
     ``fairseq.models.wav2vec``) and logs a tensorboardX hint at INFO: the root level is put
@@ -40,7 +43,7 @@ def load_plugin() -> None:
         from ._compat import check_fairseq
 
         check_fairseq()
-        from . import checkpoint_safety, errors
+        from . import archives, checkpoint_safety, data_files, errors
         from . import models  # noqa: F401  (registers models and architectures)
         from . import tasks  # noqa: F401  (registers translation_lines)
     finally:
@@ -48,6 +51,8 @@ def load_plugin() -> None:
             logging.disable(disabled)
             root.setLevel(level)
     checkpoint_safety.install()
+    archives.install()  # the hub extracts model and data archives safely (ea_fairseq.archives)
+    data_files.install()  # binary data files checked against their sizes before fairseq reads them
     errors.install_excepthook()  # the plugin's option errors as one line on the command line
     _loaded = True
 

@@ -23,13 +23,12 @@ import collections
 import copy
 import os
 import re
+import shlex
 import sys
 from types import SimpleNamespace
 from typing import Dict, List, NamedTuple, Optional, Sequence
 
-import torch
-
-from .checkpoint_safety import CheckpointError, load_checkpoint, nonfinite_weights
+# torch, fairseq and the plugin are imported where they are used: ``--help`` answers without them
 
 # options that decide the shapes or the computation shared with the vanilla model
 STRUCTURE = (
@@ -117,8 +116,15 @@ def _grouped(keys: Sequence[str]) -> List[str]:
     return [f"{k} (x{n})" if n > 1 else k for k, n in counts.items()]
 
 
-def _finetune_command(arch: str, args: argparse.Namespace, given: argparse.Namespace, output: str) -> str:
-    """A fairseq-train command that rebuilds this model (options differing from --arch's)."""
+def _words(flag: str, value) -> List[str]:
+    if value is True:
+        return [flag]
+    return [flag, *map(str, value)] if isinstance(value, (list, tuple)) else [flag, str(value)]
+
+
+def _finetune_command(arch: str, args: argparse.Namespace, given: argparse.Namespace, output: str) -> List[str]:
+    """A fairseq-train command line (its words) that rebuilds this model (the options that
+    differ from --arch's)."""
     from fairseq import options
 
     default = options.parse_args_and_arch(options.get_training_parser(), ["DATA", "--arch", arch])
@@ -131,24 +137,32 @@ def _finetune_command(arch: str, args: argparse.Namespace, given: argparse.Names
             continue  # fairseq's default
         if value == base or (value in (None, False) and base in (None, False)):
             continue
-        flags.append(_flag(name) if value is True else f"{_flag(name)} {value}")
+        flags += _words(_flag(name), value)
     for name, value in vars(given).items():
         if name not in STRUCTURE:
-            shown = " ".join(map(str, value)) if isinstance(value, list) else value
-            flags.append(_flag(name) if value is True else f"{_flag(name)} {shown}")
-    return (f"fairseq-train DATA --user-dir ea_fairseq --arch {arch} {' '.join(flags)} "
-            f"--finetune-from-model {output} ...").replace("  ", " ")
+            flags += _words(_flag(name), value)
+    return ["fairseq-train", "DATA", "--user-dir", "ea_fairseq", "--arch", arch, *flags,
+            "--finetune-from-model", output]
+
+
+def shell_command(words: Sequence[str]) -> str:
+    """``words`` as one shell command line, every word quoted where the shell would read it
+    otherwise, then `` ...`` (the rest of the run's options)."""
+    return shlex.join(words) + " ..."
 
 
 class WarmStart(NamedTuple):
     state: dict  # the checkpoint to save
     report: Dict[str, List[str]]  # copied / new / unused (vanilla tensors with no place) -> keys
-    finetune: str  # a fairseq-train command that rebuilds this model (OUT.pt for the file)
+    finetune: List[str]  # the words of a fairseq-train command that rebuilds this model (OUT.pt: the file)
 
 
 def warm_start(vanilla_path: str, arch: str, options: Sequence[str] = (), seed: int = 1) -> WarmStart:
     """Start ``arch`` (with ``options``, command-line style) from ``vanilla_path``."""
+    import torch
     from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY
+
+    from .checkpoint_safety import CheckpointError, load_checkpoint, nonfinite_weights
 
     try:
         vanilla = load_checkpoint(vanilla_path)
@@ -250,17 +264,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--seed", type=int, default=1,
                         help="seed for the new parameters (fairseq-train's --seed; default 1)")
     args, model_options = parser.parse_known_args(argv)
-    import ea_fairseq  # noqa: F401  (registers the architectures)
+    from . import load_plugin  # fairseq and torch, after the arguments (a fast --help)
+
+    load_plugin()  # registers the architectures
+    from . import atomic_save
 
     try:
         state, report, command = warm_start(args.vanilla, args.arch, model_options, seed=args.seed)
     except (WarmStartError, FileNotFoundError) as err:
         print(f"warm_start: error: {err}", file=sys.stderr)
         return 1
-    command = command.replace("OUT.pt", args.output)
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    torch.save(state, args.output + ".tmp")
-    os.replace(args.output + ".tmp", args.output)
+    command = shell_command(command[:-1] + [args.output])
+    try:
+        atomic_save.save(state, args.output)  # never through a planted OUTPUT.tmp link
+    except OSError as err:
+        print(f"warm_start: error: --output {args.output}: {err.strerror or err}", file=sys.stderr)
+        return 1
     print(format_report(report, args.vanilla, args.arch))
     print(f"wrote {args.output}; fine-tune it with:\n  {command}")
     return 0

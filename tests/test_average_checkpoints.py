@@ -118,7 +118,9 @@ def test_errors_name_the_problem(tmp_path, capsys):
     ref = tmp_path / "checkpoint1.pt"
     fake_checkpoint(tmp_path / "extra.pt", seed=3, extra_key="decoder.new")
     assert "'decoder.new'" in error("--inputs", ref, tmp_path / "extra.pt", "--output", out)
-    torch.save({"model": {k: v for k, v in load(ref)["model"].items() if k != "encoder.h"}}, tmp_path / "lack.pt")
+    lacking = load(ref)
+    lacking["model"] = {k: v for k, v in lacking["model"].items() if k != "encoder.h"}
+    torch.save(lacking, tmp_path / "lack.pt")
     assert "lacks ['encoder.h']" in error("--inputs", ref, tmp_path / "lack.pt", "--output", out)
     fake_checkpoint(tmp_path / "shape.pt", seed=4, shape=(4, 3))
     err = error("--inputs", ref, tmp_path / "shape.pt", "--output", out)

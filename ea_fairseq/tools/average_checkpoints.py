@@ -17,8 +17,13 @@ checkpoint. ``fairseq-generate --path`` loads the output like any checkpoint.
 
 Inputs are read as fairseq reads them with the plugin (``ea_fairseq.checkpoint_safety``):
 weights-only, the configuration rebuilt as plain data, the model family vouched for, every
-tensor within its storage. An input refused there, one holding NaN or infinite weights, or an
-``--output`` that is one of the inputs stops the run before anything is written.
+tensor within its storage. They must hold one model trained on the same data
+(:mod:`ea_fairseq.tools.average_inputs`: architecture, every model option, task, data
+directory and languages; ``--data-dirs`` compares the dictionaries' checksums). An input
+refused there, one of another model or data, one holding NaN or infinite weights, or an
+``--output`` that is one of the inputs stops the run before anything is written. The output
+is written to a new temporary file in its directory and renamed (:mod:`ea_fairseq.atomic_save`):
+no existing file or link is written through.
 """
 import argparse
 import collections
@@ -74,9 +79,13 @@ def _weights(path: str) -> Dict[str, Any]:
     return state
 
 
-def average(paths: List[str]) -> Dict[str, Any]:
-    """Average ``state['model']`` over ``paths``; the rest of the state is ``paths[0]``'s."""
+def average(paths: List[str], data_checked: bool = False) -> Dict[str, Any]:
+    """Average ``state['model']`` over ``paths``; the rest of the state is ``paths[0]``'s.
+    The inputs must hold the same model, trained on the same data (recorded names, or with
+    ``data_checked`` the dictionaries' checksums compared by the caller)."""
     import torch
+
+    from .average_inputs import check_same
 
     if not paths:
         raise AverageError("no checkpoints to average")
@@ -87,7 +96,9 @@ def average(paths: List[str]) -> Dict[str, Any]:
         if torch.is_tensor(value) and value.is_floating_point():
             sums[key] = value.detach().to(torch.float64).clone()
     for path in paths[1:]:
-        model = _weights(path)["model"]
+        state = _weights(path)
+        check_same(path, state, paths[0], first, data_checked)
+        model = state["model"]
         missing = [k for k in reference if k not in model]
         extra = [k for k in model if k not in reference]
         if missing or extra:
@@ -115,7 +126,7 @@ def average(paths: List[str]) -> Dict[str, Any]:
                                        f"{path}; only floating-point tensors are averaged")
             elif value != ref:
                 raise AverageError(f"key {key!r} (non-tensor) differs between {paths[0]} and {path}")
-        del model
+        del model, state
     averaged = collections.OrderedDict()
     for key, ref in reference.items():
         if key in sums:
@@ -139,13 +150,16 @@ def main(argv=None) -> int:
                       help="average the last N checkpoint_E_U.pt in the --inputs directory")
     parser.add_argument("--checkpoint-upper-bound", type=int, metavar="K",
                         help="with --num-*-checkpoints: ignore checkpoints after epoch/update K")
+    parser.add_argument("--data-dirs", nargs="+", metavar="DIR",
+                        help="each input's data directory, in the inputs' order: their dict.*.txt "
+                             "must be equal; then the data directories the inputs record may differ")
     args = parser.parse_args(argv)
     from .. import load_plugin  # fairseq and torch, after the arguments (a fast --help)
 
     load_plugin()
-    import torch
-
+    from .. import atomic_save
     from ..checkpoint_safety import CheckpointError
+    from .average_inputs import InputMismatch, check_dictionaries
 
     try:
         n = args.num_epoch_checkpoints or args.num_update_checkpoints
@@ -169,16 +183,18 @@ def main(argv=None) -> int:
                     os.path.exists(args.output) and os.path.samefile(path, args.output)):
                 raise AverageError(f"--output {args.output} is one of the inputs ({path}); "
                                    "write the average to another file")
+        if args.data_dirs:
+            check_dictionaries(paths, args.data_dirs)
         print(f"averaging {len(paths)} checkpoints: {', '.join(paths)}", file=sys.stderr)
-        state = average(paths)
-    except (AverageError, CheckpointError) as err:
+        state = average(paths, data_checked=bool(args.data_dirs))
+    except (AverageError, InputMismatch, CheckpointError) as err:
         print(f"average_checkpoints: error: {err}", file=sys.stderr)
         return 1
-    out_dir = os.path.dirname(os.path.abspath(args.output))
-    os.makedirs(out_dir, exist_ok=True)
-    tmp = args.output + ".tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, args.output)
+    try:
+        atomic_save.save(state, args.output)  # never through a planted OUTPUT.tmp link
+    except OSError as err:
+        print(f"average_checkpoints: error: --output {args.output}: {err.strerror or err}", file=sys.stderr)
+        return 1
     print(f"wrote {args.output}", file=sys.stderr)
     return 0
 

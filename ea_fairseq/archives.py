@@ -1,0 +1,166 @@
+"""Model and data archives for fairseq's hub, extracted only where they belong.
+
+``from_pretrained("model.tar.gz")`` (and a ``data_name_or_path`` archive) goes through
+``fairseq.file_utils.load_archive_file``, which runs ``tarfile.extractall()`` without a
+filter: a member named ``../x`` or ``/x`` is written anywhere the process may write (e.g. a
+``.py`` into a ``--user-dir`` package's ``models/``, which fairseq imports in the same call),
+a symbolic link leads later members outside, and a device or FIFO member is created. It then
+deletes the user's archive and moves the extracted directory to its name.
+
+:func:`load_archive_file` replaces that function: every member is checked before anything
+is written (:func:`check_members`): only regular files, directories and links to an earlier
+regular file of the archive, no absolute name, no ``..``; then the archive is extracted with
+tarfile's ``data`` filter into a fresh directory (``tempfile.mkdtemp``, removed at exit). The
+archive is left in place. An archive whose files would not fit in the temporary directory's
+free space (a small ``.tar.gz`` can expand to any size), of more than :data:`LIMIT_MEMBERS`
+members, or a path that is not a regular file (a FIFO blocks ``open()``) is refused too. A
+refusal raises :class:`ArchiveError`, one line naming the member, with nothing extracted.
+
+Why a module function and not a method of the plugin's models: users load every model of
+the plugin through fairseq's own ``TransformerModel.from_pretrained`` (the arch in the
+checkpoint chooses the class), and fairseq's hub resolves archives before it imports a
+``user_dir``; its only hook, ``hub_models()``, is a class method of fairseq's classes. The
+hub looks ``load_archive_file`` up on its module at every call, so :func:`install` replaces
+it there once, for good (no swap and restore, so no race between threads); the replacement
+never calls fairseq's extraction.
+"""
+import atexit
+import os
+import posixpath
+import shutil
+import stat
+import tarfile
+import tempfile
+from typing import List, Optional
+
+
+class ArchiveError(ValueError):
+    """An archive the plugin refuses to extract; nothing of it was written."""
+
+
+def _refusal(source: str, member: str, why: str) -> ArchiveError:
+    return ArchiveError(
+        f"{source}: refused: member {member!r} {why}; nothing was extracted. A model archive "
+        "holds regular files and directories below one folder: extract one you trust yourself "
+        "and pass its directory")
+
+
+def _absolute(name: str) -> bool:
+    return name.startswith(("/", "\\")) or (len(name) > 1 and name[1] == ":")
+
+
+def _inside(name: str) -> Optional[str]:
+    """``name`` normalised, or None if it is absolute or climbs out (``..``)."""
+    if not name or _absolute(name):
+        return None
+    parts = name.replace("\\", "/").split("/")
+    if ".." in parts:
+        return None
+    return posixpath.normpath("/".join(parts))
+
+
+LIMIT_MEMBERS = 10_000  # a model archive holds a few files; headers alone compress to nothing
+
+
+def check_members(archive: tarfile.TarFile, source: str) -> List[tarfile.TarInfo]:
+    """The archive's members, each checked before anything is extracted."""
+    members, files = [], set()
+    for m in archive:
+        if len(members) == LIMIT_MEMBERS:
+            raise ArchiveError(f"{source}: refused: more than {LIMIT_MEMBERS:,} members; nothing was extracted")
+        members.append(m)
+        name = _inside(m.name)
+        if name is None:
+            raise _refusal(source, m.name, "has an absolute name" if _absolute(m.name) else
+                           "climbs out of the archive's folder with '..'")
+        if m.isreg():
+            files.add(name)
+        elif m.isdir():
+            continue
+        elif m.issym() or m.islnk():
+            target = m.linkname if m.islnk() else posixpath.join(posixpath.dirname(name), m.linkname)
+            resolved = _inside(posixpath.normpath(target)) if not m.linkname.startswith("/") else None
+            if resolved not in files:
+                kind = "a symbolic link" if m.issym() else "a hard link"
+                raise _refusal(source, m.name, f"is {kind} to {m.linkname!r}, not to a file stored "
+                                               "before it in the archive")
+        else:
+            kind = ("a FIFO" if m.isfifo() else "a character device" if m.ischr() else
+                    "a block device" if m.isblk() else f"of tar type {m.type!r}")
+            raise _refusal(source, m.name, f"is {kind}, not a file or directory")
+    return members
+
+
+def _top(members: List[tarfile.TarInfo]) -> str:
+    """The one folder every member lies in (fairseq's archives' layout), or ''."""
+    firsts = {_inside(m.name).split("/")[0] for m in members}
+    if len(firsts) != 1:
+        return ""
+    top = firsts.pop()
+    if top in (".", "") or any(m.name.rstrip("/") == top and not m.isdir() for m in members):
+        return ""
+    return top
+
+
+def _remove_at_exit(directory: str) -> None:
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+
+
+def extract(path: str, source: Optional[str] = None) -> str:
+    """Extract the tar archive ``path`` into a fresh directory; returns its top folder."""
+    source = source or path
+    if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block tarfile's open()
+        raise ArchiveError(f"{source}: not a model directory nor a regular file")
+    try:
+        archive = tarfile.open(path, "r:*")
+    except tarfile.TarError:
+        raise ArchiveError(f"{source}: not a model directory nor a tar archive (plain, gzip, bzip2 "
+                           "or xz): give from_pretrained the folder holding the checkpoint") from None
+    except OSError as err:
+        raise ArchiveError(f"{source}: cannot be read ({err.strerror})") from None
+    with archive:
+        try:
+            members = check_members(archive, source)
+        except tarfile.TarError as err:
+            raise ArchiveError(f"{source}: corrupt tar archive ({err})") from None
+        total, free = sum(m.size for m in members if m.isreg()), shutil.disk_usage(tempfile.gettempdir()).free
+        if total > free:
+            raise ArchiveError(f"{source}: its files hold {total:,} bytes, more than the {free:,} free "
+                               f"in {tempfile.gettempdir()}; nothing was extracted")
+        destination = tempfile.mkdtemp(prefix="ea_fairseq_archive_")
+        _remove_at_exit(destination)
+        try:
+            archive.extractall(destination, members=members, filter="data")
+        except (tarfile.TarError, OSError) as err:
+            shutil.rmtree(destination, ignore_errors=True)
+            raise ArchiveError(f"{source}: could not be extracted ({err})") from None
+    return os.path.join(destination, _top(members))
+
+
+def load_archive_file(archive_file):
+    """fairseq's ``file_utils.load_archive_file``, with :func:`extract` for archives: a
+    directory (or URL already cached as one) is returned as is, a missing path as fairseq
+    reports it (None, logged)."""
+    from fairseq import file_utils
+
+    try:
+        resolved = file_utils.cached_path(archive_file, cache_dir=None)
+    except EnvironmentError:
+        resolved = None
+    if resolved is None or os.path.isdir(resolved):
+        return _fairseq_load_archive_file(archive_file)  # no extraction on these paths
+    return extract(resolved, str(archive_file))
+
+
+_fairseq_load_archive_file = None
+
+
+def install() -> None:
+    """Make fairseq's hub extract archives with :func:`load_archive_file` (idempotent)."""
+    global _fairseq_load_archive_file
+    from fairseq import file_utils
+
+    if file_utils.load_archive_file is load_archive_file:
+        return
+    _fairseq_load_archive_file = file_utils.load_archive_file
+    file_utils.load_archive_file = load_archive_file

@@ -1,0 +1,150 @@
+"""Binary data files whose index declares more than the files hold (a 2^40 item count, items
+past the end of the data file), FIFOs and devices are refused before fairseq allocates or
+opens anything, by fairseq-train and fairseq-generate in one line naming the file and with
+bounded memory; fairseq's own readers, unguarded, try the 8 TiB allocation or wait forever."""
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+from fairseq.data import Dictionary, data_utils, indexed_dataset
+
+from conftest import cli
+from ea_fairseq.data_files import DataFileError
+from trained_checkpoints import ENV, TINY, USER_DIR, family_checkpoints
+
+HUGE = 2 ** 40
+SPLIT = "test.src-tgt.src"
+
+
+@pytest.fixture
+def data(tmp_path, tiny_data_bin):
+    """A copy of the tiny data-bin (mmap format, as fairseq-preprocess writes it)."""
+    return shutil.copytree(tiny_data_bin, tmp_path / "bin")
+
+
+def legacy_copy(prefix_from, prefix_to):
+    """The same split in fairseq's legacy IndexedDataset format (IndexedDatasetBuilder)."""
+    source = indexed_dataset.MMapIndexedDataset(str(prefix_from))
+    builder = indexed_dataset.IndexedDatasetBuilder(str(prefix_to) + ".bin", dtype=np.int32)
+    for i in range(len(source)):
+        builder.add_item(source[i])
+    builder.finalize(str(prefix_to) + ".idx")
+    return [source[i].tolist() for i in range(len(source))]
+
+
+def craft(prefix, attack):
+    idx, bin_ = str(prefix) + ".idx", str(prefix) + ".bin"
+    if attack == "legacy-2^40-items":
+        with open(idx, "wb") as f:
+            f.write(struct.pack("<8sQQQQQ", b"TNTIDX\x00\x00", 1, 4, 4, HUGE, HUGE))
+        return idx, "declares 1,099,511,627,776 items and 1,099,511,627,776 sizes"
+    if attack == "mmap-2^40-items":
+        with open(idx, "wb") as f:
+            f.write(struct.pack("<9sQBQ", b"MMIDIDX\x00\x00", 1, 4, HUGE))
+        return idx, "declares 1,099,511,627,776 items"
+    if attack in ("legacy-past-the-data", "mmap-past-the-data"):
+        if attack.startswith("legacy"):
+            legacy_copy(prefix, str(prefix) + ".legacy")
+            os.replace(str(prefix) + ".legacy.idx", idx)
+            os.replace(str(prefix) + ".legacy.bin", bin_)
+        os.truncate(bin_, os.path.getsize(bin_) // 2)
+        return idx, "items that end at byte"
+    if attack == "legacy-element-size":
+        legacy_copy(prefix, str(prefix) + ".legacy")
+        raw = bytearray(open(str(prefix) + ".legacy.idx", "rb").read())
+        raw[24:32] = struct.pack("<Q", 1)  # int32 items read as bytes
+        open(idx, "wb").write(raw)
+        return idx, "element size 1"
+    if attack == "fifo-index":
+        os.unlink(idx)
+        os.mkfifo(idx)
+        return idx, "is a FIFO, not a regular file"
+    if attack == "dev-zero-data":
+        os.unlink(bin_)
+        os.symlink("/dev/zero", bin_)
+        return bin_, "is a device, not a regular file"
+    raise KeyError(attack)
+
+
+ATTACKS = ["legacy-2^40-items", "mmap-2^40-items", "legacy-past-the-data", "mmap-past-the-data",
+           "legacy-element-size", "fifo-index", "dev-zero-data"]
+
+
+@pytest.mark.parametrize("attack", ATTACKS)
+def test_refused_where_fairseqs_tasks_load_data(data, attack):
+    """fairseq's translation task loads every split through data_utils.load_indexed_dataset."""
+    named, shown = craft(data / SPLIT, attack)
+    start = time.perf_counter()
+    with pytest.raises(DataFileError) as refusal:
+        data_utils.load_indexed_dataset(str(data / SPLIT), Dictionary.load(str(data / "dict.src.txt")))
+    assert time.perf_counter() - start < 5
+    message = str(refusal.value)
+    assert message.startswith(f"{named}: ") and shown in message and "\n" not in message
+    assert message.endswith("rebuild the data directory with fairseq-preprocess")
+
+
+def test_sound_files_load_as_before_in_both_formats(data):
+    items = legacy_copy(data / SPLIT, data / "legacy")
+    for prefix, impl in ((data / SPLIT, None), (data / "legacy", "lazy")):
+        dataset = data_utils.load_indexed_dataset(str(prefix), None, dataset_impl=impl)
+        assert [dataset[i].tolist() for i in range(len(dataset))] == items
+    empty = indexed_dataset.IndexedDatasetBuilder(str(data / "empty.bin"))
+    empty.finalize(str(data / "empty.idx"))
+    assert len(data_utils.load_indexed_dataset(str(data / "empty"), None)) == 0
+
+
+def test_negative_control_fairseqs_own_readers(data):
+    """Unguarded: the legacy reader attempts the 8 TiB allocation; the index of a FIFO blocks."""
+    original = data_utils.load_indexed_dataset.__wrapped__
+    craft(data / SPLIT, "legacy-2^40-items")
+    with pytest.raises(MemoryError, match="8.00 TiB"):
+        original(str(data / SPLIT), None)
+    craft(data / "test.src-tgt.tgt", "fifo-index")
+    reader = threading.Thread(target=indexed_dataset.infer_dataset_impl, args=(str(data / "test.src-tgt.tgt"),),
+                              daemon=True)
+    reader.start()
+    reader.join(1.0)
+    assert reader.is_alive()  # waiting in open() for a writer that never comes
+    with open(data / "test.src-tgt.tgt.idx", "wb"):
+        pass  # let it go
+    reader.join(5.0)
+    assert not reader.is_alive()
+
+
+MAXRSS = ("import resource, subprocess, sys; code = subprocess.run(sys.argv[1:]).returncode; "
+          "print('maxrss_kb', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); "
+          "sys.exit(code)")
+
+
+def run_measured(cmd, cwd):
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", MAXRSS, *map(str, cmd)], capture_output=True, text=True,
+                          env=ENV, cwd=cwd, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    return proc.returncode, lines[:-1], int(lines[-1].split()[1]) * 1024, time.perf_counter() - start
+
+
+def test_fairseq_train_fails_fast_in_one_line(tmp_path, data):
+    named, shown = craft(data / "train.src-tgt.src", "legacy-2^40-items")
+    code, lines, rss, seconds = run_measured(
+        [cli("fairseq-train"), data, "--user-dir", USER_DIR, "--arch", "transformer_lite", *TINY,
+         "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "600", "--max-update", "1", "--save-dir",
+         tmp_path / "ck", "--cpu", "--disable-validation", "--num-workers", "0"], tmp_path)
+    assert code == 1 and lines[-1].startswith(f"fairseq-train: error: {named}: {shown}"), "\n".join(lines[-20:])
+    assert rss < 2 * 2 ** 30 and seconds < 120, (rss, seconds)
+
+
+def test_fairseq_generate_fails_fast_in_one_line(tmp_path, data, tmp_path_factory, tiny_data_bin):
+    checkpoint = family_checkpoints(tmp_path_factory, tiny_data_bin)["vanilla"]
+    named, shown = craft(data / SPLIT, "mmap-2^40-items")
+    code, lines, rss, seconds = run_measured(
+        [cli("fairseq-generate"), data, "--user-dir", USER_DIR, "--path", checkpoint, "--gen-subset", "test",
+         "--beam", "2", "--cpu", "--required-batch-size-multiple", "1"], tmp_path)
+    assert code == 1 and lines[-1].startswith(f"fairseq-generate: error: {named}: {shown}"), "\n".join(lines[-20:])
+    assert rss < 2 * 2 ** 30 and seconds < 120, (rss, seconds)
