@@ -47,6 +47,8 @@ from fairseq.modules import MultiheadAttention
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
+from .masked_softmax import attention_weights, fully_masked_rows  # noqa: F401  (one softmax for all)
+
 T = TypeVar("T")
 
 
@@ -159,15 +161,23 @@ class AttentionMechanism:
         return self.dropout_module(probs)
 
     def attend_with(self, logits: Tensor, v: Tensor, bsz: int, tgt_len: int,
-                    need_weights: bool, need_head_weights: bool):
+                    need_weights: bool, need_head_weights: bool, empty: Optional[Tensor] = None):
         """softmax, dropout on the weights, values and output projection.
 
-        ``logits`` is (B, H, T, S) with -inf where masked; ``v`` is (B_kv * H, S, head_dim).
-        Returns fairseq's ``(attn, weights)`` pair.
+        ``logits`` is (B, H, T, S) with -inf where masked; ``v`` is (B_kv * H, S, head_dim);
+        ``empty``: the rows where every key is masked (:meth:`empty_rows`), which get zero
+        weights. Returns fairseq's ``(attn, weights)`` pair.
         """
-        probs_float, probs = attention_weights(logits, v.dtype)
+        probs_float, probs = attention_weights(logits, v.dtype, empty)
         context = value_product(self.drop_weights(probs), v, bsz, tgt_len)
         return self.out_proj(context), fairseq_weights(probs_float, need_weights, need_head_weights)
+
+    def empty_rows(self, masked: Optional[Tensor]) -> Optional[Tensor]:
+        """:func:`~ea_fairseq.modules.masked_softmax.fully_masked_rows` of ``masked``, once
+        per pass of the stack (every layer gets the same masks)."""
+        if masked is None:
+            return None
+        return shared_in_pass(self.attention_maps, "empty_rows", (masked,), lambda: fully_masked_rows(masked))
 
     # -- incremental state of a mechanism ----------------------------------------------
     def get_mechanism_state(self, incremental_state) -> Dict[str, Optional[Tensor]]:
@@ -286,7 +296,8 @@ class LogitMapAttention(AttentionMechanism, MultiheadAttention):
         (:meth:`attend_with`); a mechanism that computes the weights and the value product
         itself overrides this."""
         logits = self.transform_logits(logits, masked, query_padding_mask, incremental_state)
-        return self.attend_with(logits, v, bsz, tgt_len, need_weights, need_head_weights)
+        return self.attend_with(logits, v, bsz, tgt_len, need_weights, need_head_weights,
+                                self.empty_rows(masked))
 
     def neutral_entries(self, masked: Optional[Tensor], query_padding_mask: Optional[Tensor]):
         """:func:`neutral_entries`, computed once per pass of the stack."""
@@ -494,17 +505,6 @@ class LogitMapAttention(AttentionMechanism, MultiheadAttention):
         """
         incremental_state = MultiheadAttention.reorder_incremental_state(self, incremental_state, new_order)
         return super().reorder_incremental_state(incremental_state, new_order)
-
-
-def attention_weights(logits: Tensor, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
-    """``(softmax in at least float32, the same in dtype)`` of logits with -inf where
-    masked: fp16/bf16 logits upcast as fairseq does, double stays double; the weights meet
-    the values in the values' ``dtype``."""
-    if logits.dtype in (torch.float32, torch.float64):
-        probs_float = logits.softmax(-1)
-    else:
-        probs_float = logits.softmax(-1, dtype=torch.float32)
-    return probs_float, probs_float if probs_float.dtype == dtype else probs_float.to(dtype)
 
 
 def value_product(probs: Tensor, v: Tensor, bsz: int, tgt_len: int) -> Tensor:
