@@ -290,14 +290,14 @@ class LogitMapAttention(AttentionMechanism, MultiheadAttention):
 
     def attend_logits(self, logits: Tensor, masked: Optional[Tensor],
                       query_padding_mask: Optional[Tensor], v: Tensor, incremental_state,
-                      bsz: int, tgt_len: int, need_weights: bool, need_head_weights: bool):
+                      bsz: int, tgt_len: int, need_weights: bool, need_head_weights: bool,
+                      empty: Optional[Tensor] = None):
         """Everything after QK^T: fairseq's ``(attn, weights)`` pair. Here
-        :meth:`transform_logits`, then softmax, dropout, values and output projection
-        (:meth:`attend_with`); a mechanism that computes the weights and the value product
-        itself overrides this."""
+        :meth:`transform_logits`, then softmax (zero weights in the rows ``empty`` marks),
+        dropout, values and output projection (:meth:`attend_with`); a mechanism that
+        computes the weights and the value product itself overrides this."""
         logits = self.transform_logits(logits, masked, query_padding_mask, incremental_state)
-        return self.attend_with(logits, v, bsz, tgt_len, need_weights, need_head_weights,
-                                self.empty_rows(masked))
+        return self.attend_with(logits, v, bsz, tgt_len, need_weights, need_head_weights, empty)
 
     def neutral_entries(self, masked: Optional[Tensor], query_padding_mask: Optional[Tensor]):
         """:func:`neutral_entries`, computed once per pass of the stack."""
@@ -361,6 +361,14 @@ class LogitMapAttention(AttentionMechanism, MultiheadAttention):
             )
             logits = logits.view(bsz, self.num_heads, tgt_len, -1)
         masked = masked_entries(logits, key_padding_mask, attn_mask, self.attention_maps)
+        # Rows with every key masked: where the key padding meets a future mask (a full pass
+        # of a decoder fed left-padded targets) or the cached keys of a decoding step (a
+        # left-padded prefix). Key padding alone empties a row only for a sentence that is
+        # all padding, which fairseq never batches: no per-layer cost for it.
+        empty = None
+        if key_padding_mask is not None and (attn_mask is not None or (
+                self.self_attention and incremental_state is not None)):
+            empty = self.empty_rows(masked)
         query_padding_mask = None
         if self.self_attention and incremental_state is None and key_padding_mask is not None:
             query_padding_mask = key_padding_mask.to(torch.bool)
@@ -368,7 +376,7 @@ class LogitMapAttention(AttentionMechanism, MultiheadAttention):
             logits = self.transform_logits(logits, masked, query_padding_mask, incremental_state)
             return logits.view(bsz * self.num_heads, tgt_len, -1), v
         return self.attend_logits(logits, masked, query_padding_mask, v, incremental_state,
-                                  bsz, tgt_len, need_weights, need_head_weights)
+                                  bsz, tgt_len, need_weights, need_head_weights, empty)
 
     def full_pass_logits(self, query: Tensor, key: Optional[Tensor], value: Optional[Tensor]):
         """``(QK^T / sqrt(d) as (B, H, T, S), V as (B * H, S, head_dim))`` of a full pass, with

@@ -243,7 +243,7 @@ class EvolvingAttention(LogitMapAttention):
             return EvolvingAttentionParams(self.alpha, self.beta, None, None, "full")
         return EvolvingAttentionParams(self.alpha, self.beta, conv.weight, conv.bias, conv.layout)
 
-    def evolve(self, logits, masked, query_padding_mask, incremental_state, values=None):
+    def evolve(self, logits, masked, query_padding_mask, incremental_state, values=None, empty=None):
         """The one call of :func:`evolving_attention` of this attention."""
         carrier = self.attention_maps
         previous = carrier.previous(self.slot) if self.alpha > 0.0 and carrier is not None else None
@@ -256,7 +256,7 @@ class EvolvingAttention(LogitMapAttention):
         hand_on = self.hand_on_maps and carrier is not None
         out = evolving_attention(logits, previous, masked, self.neutral_entries(masked, query_padding_mask),
                                  self.params(), cache=cache, values=values,
-                                 empty=None if values is None else self.empty_rows(masked),
+                                 empty=empty,
                                  hand_on=hand_on, return_maps=bool(self._map_hooks))
         if hand_on:  # the next layer's A_logit(i-1)
             carrier.hand_on(self.slot, out.carried)
@@ -268,13 +268,13 @@ class EvolvingAttention(LogitMapAttention):
         return self.evolve(logits, masked, query_padding_mask, incremental_state).logits
 
     def attend_logits(self, logits, masked, query_padding_mask, v, incremental_state, bsz, tgt_len,
-                      need_weights, need_head_weights):
+                      need_weights, need_head_weights, empty=None):
         """Eq. (4), softmax and value product in one operation where no dropout acts on
         the weights (a backend may fuse them: the CPU accelerator's decoding step)."""
         if self.drops_weights():
             return super().attend_logits(logits, masked, query_padding_mask, v, incremental_state,
-                                         bsz, tgt_len, need_weights, need_head_weights)
-        out = self.evolve(logits, masked, query_padding_mask, incremental_state, values=v)
+                                         bsz, tgt_len, need_weights, need_head_weights, empty)
+        out = self.evolve(logits, masked, query_padding_mask, incremental_state, values=v, empty=empty)
         return self.out_proj(out.context), fairseq_weights(out.probs, need_weights, need_head_weights)
 
     def reorder_mechanism_state(self, state, new_order):

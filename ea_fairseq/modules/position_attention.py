@@ -218,10 +218,12 @@ class PositionAttention(AttentionMechanism, nn.Module):
         # softmax in at least float32; float64 stays float64
         dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
         # rows whose every key is masked (a left-padded target's leading positions) get zero
-        # weights; only key padding can empty a row (a causal row sees its own position)
+        # weights: where the key padding meets the future mask or a decoding run's cached
+        # keys (key padding alone empties a row only for a sentence that is all padding,
+        # which fairseq never batches)
         empty = None
         if incremental_state is None:
-            if key_padding_mask is not None:
+            if key_padding_mask is not None and attn_mask is not None:
                 empty = shared_in_pass(
                     self.attention_maps, "empty_rows", (key_padding_mask, attn_mask),
                     lambda: fully_masked_rows(_masked_from(key_padding_mask, attn_mask)))
