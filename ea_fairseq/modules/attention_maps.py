@@ -360,6 +360,11 @@ class LogitMapAttention(AttentionMechanism, MultiheadAttention):
                 before_softmax=True,
             )
             logits = logits.view(bsz, self.num_heads, tgt_len, -1)
+            if self.self_attention and incremental_state is not None:
+                # a decoding step: fairseq masked the cached keys' padding too (a step without
+                # padding of its own after padded ones); its saved mask covers every key
+                key_padding_mask = self._get_input_buffer(incremental_state).get(
+                    "prev_key_padding_mask", key_padding_mask)
         masked = masked_entries(logits, key_padding_mask, attn_mask, self.attention_maps)
         # Rows with every key masked: where the key padding meets a future mask (a full pass
         # of a decoder fed left-padded targets) or the cached keys of a decoding step (a
