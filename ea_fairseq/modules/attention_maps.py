@@ -20,8 +20,9 @@ output. :class:`LogitMapAttention` is the one place where that map is exposed:
   every key: full passes, and the encoder's keys in a decoding step); a mechanism reports
   its intermediate maps to whoever registered a hook for them
   (:meth:`LogitMapAttention.register_map_hook`: the analysis tool), at no cost otherwise;
-* softmax, :meth:`drop_weights` (attention dropout), the value product and the output
-  projection follow, as in fairseq. A mechanism that computes the weights and the value
+* softmax (:mod:`~ea_fairseq.modules.masked_softmax`: zero weights in a row whose every
+  key is masked, as torch's fused attention gives), :meth:`drop_weights` (attention
+  dropout), the value product and the output projection follow, as in fairseq. A mechanism that computes the weights and the value
   product itself overrides :meth:`LogitMapAttention.attend_logits` (everything after QK^T)
   instead.
 
