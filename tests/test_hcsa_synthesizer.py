@@ -1,6 +1,7 @@
 """RAN's baselines HC-SA (You et al. 2020) and Syn-R (Tay et al. 2020): their equations
 recomputed in float64, causality, incremental decoding, batch invariance, sizes, options."""
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,9 +19,11 @@ ARCHS = ["hcsa_lite", "syn_r_lite"]
 ENCODER_CENTRES, DECODER_CENTRES, STD = (-1, +1), (-1, 0), 1.0  # You et al. 2020, RAN §Settings
 
 
-def hcsa_weights(heads, positions, centres, causal, normalised=True):
-    """You et al.: head h's weights at query position i are N(j; i + o_h, σ²) over the keys j
-    it may see, normalised (the first half of the heads takes the first centre)."""
+def hcsa_weights(heads, positions, centres, causal, normalised=False):
+    """You et al.: head h's weights at query position i are the density N(j; i + o_h, σ²)
+    at the keys j it may see (their code, fallcat/stupidNMT: unnormalised); ``normalised``:
+    divided by their sum over those keys (the first half of the heads takes the first
+    centre)."""
     n = len(positions)
     w = torch.zeros(heads, n, n, dtype=torch.float64)
     for h in range(heads):
@@ -55,44 +58,58 @@ def largest_gap(model, calls, bsz, weights_of):
     return max(gaps)
 
 
-def weights_for(arch, mutated=False):
+def weights_for(arch, mutated=False, normalize="none"):
     """The reference weights of ``arch`` for a sentence at ``slots`` of the batch; positions
-    count from the sentence's first token. ``mutated``: HC-SA's densities left unnormalised
-    (the authors' code), Syn-R's positions counted from the batch's first slot."""
+    count from the sentence's first token. ``mutated``: HC-SA's densities normalised the
+    other way (``normalize``: "none", the density itself, or "visible", over the visible
+    keys), Syn-R's positions counted from the batch's first slot."""
     if arch == "hcsa_lite":
         return lambda module, slots, causal: hcsa_weights(
             module.num_heads, list(range(len(slots))), DECODER_CENTRES if causal else ENCODER_CENTRES,
-            causal, normalised=not mutated)
+            causal, normalised=(normalize == "visible") != mutated)
     return lambda module, slots, causal: synthesizer_weights(
         module, slots.tolist() if mutated else list(range(len(slots))), causal)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_equation_in_float64_on_a_left_padded_batch(dictionary, arch):
-    model, _ = build_model(arch, *SMALL)
+@pytest.mark.parametrize("arch,normalize", [("hcsa_lite", "none"), ("hcsa_lite", "visible"),
+                                            ("syn_r_lite", None)])
+def test_equation_in_float64_on_a_left_padded_batch(dictionary, arch, normalize):
+    model, _ = build_model(arch, *SMALL, *(("--hcsa-normalize", normalize) if normalize else ()))
     model.double()
     src, lengths, prev = random_batch(dictionary, [5, 9, 3], 7)
     with recorded_attention_calls(model) as calls:
         decoder_out(model, src, lengths, prev)
     assert len(calls["encoder.self"]) == len(calls["decoder.self"]) == 2
-    assert largest_gap(model, calls, 3, weights_for(arch)) <= 1e-12
-    assert largest_gap(model, calls, 3, weights_for(arch, mutated=True)) > 1e-3
+    assert largest_gap(model, calls, 3, weights_for(arch, normalize=normalize)) <= 1e-12
+    assert largest_gap(model, calls, 3, weights_for(arch, mutated=True, normalize=normalize)) > 1e-3
 
 
-def test_hcsa_weights_are_the_papers_gaussians(dictionary):
+@pytest.mark.parametrize("normalize", ["none", "visible"])
+def test_hcsa_weights_are_the_papers_gaussians(dictionary, normalize):
     """The weights themselves (need_head_weights): centred on i-1 / i+1 (encoder) and i-1 / i
-    (decoder), σ = 1: e.g. for a 7-token sentence, an interior encoder query gives its centre
-    exp(0)/(1 + 2e^-1/2 + 2e^-2 + ...)."""
-    model, _ = build_model("hcsa_lite", *SMALL)
+    (decoder), σ = 1. "none": the density, 1/sqrt(2π) = 0.3989 at the centre, a decoder row
+    summing to Σ_k≥0 N(k) = 0.6993 (centre i) and N(1) + Σ_k≥0 N(k) = 0.9413 (centre i-1) at
+    every position past the first few; "visible": every row sums to 1."""
+    model, _ = build_model("hcsa_lite", *SMALL, "--hcsa-normalize", normalize)
     model.double()
     x = torch.randn(7, 1, 160, dtype=torch.float64)
     for module, centres, causal in ((model.encoder.layers[0].self_attn, ENCODER_CENTRES, False),
                                     (model.decoder.layers[0].self_attn, DECODER_CENTRES, True)):
         mask = torch.full((7, 7), float("-inf"), dtype=torch.float64).triu(1) if causal else None
         _, weights = module(x, x, x, attn_mask=mask, need_head_weights=True)
-        expected = hcsa_weights(4, list(range(7)), centres, causal)
+        expected = hcsa_weights(4, list(range(7)), centres, causal, normalised=normalize == "visible")
         assert (weights[:, 0] - expected).abs().max() <= 1e-15
         assert weights[0, 0, 3].argmax() == 2 and weights[-1, 0, 3].argmax() == (4 if not causal else 3)
+        sums = weights[:, 0, 4:].sum(-1)  # positions 4..6, every head
+        if normalize == "visible":
+            torch.testing.assert_close(sums, torch.ones_like(sums), rtol=0, atol=1e-12)
+        elif causal:
+            assert sums[0].sub(0.9413).abs().max() < 1e-3 and sums[-1].sub(0.6993).abs().max() < 1e-3
+        if normalize == "none":  # the first heads' centre i-1: the density's peak
+            assert weights[0, 0, 6, 5].item() == pytest.approx(1 / math.sqrt(2 * math.pi), rel=1e-12)
+    biased = [m.v_proj.bias is not None and m.out_proj.bias is not None
+              for m in (model.encoder.layers[0].self_attn, model.decoder.layers[0].self_attn)]
+    assert biased == [normalize == "visible"] * 2  # the authors' projections have no biases
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -137,14 +154,14 @@ def total(model):
 
 
 @pytest.mark.parametrize("arch,twin,d,heads,layers,per_layer_extra", [
-    ("hcsa", "transformer", 512, 8, 6, lambda heads, L: 0),
+    ("hcsa", "transformer", 512, 8, 6, lambda heads, L: -2 * 512),  # no projection biases
     ("syn_r", "transformer", 512, 8, 6, lambda heads, L: heads * L * L),
-    ("hcsa_lite", "transformer_lite", 160, 4, 6, lambda heads, L: 0),
+    ("hcsa_lite", "transformer_lite", 160, 4, 6, lambda heads, L: -2 * 160),
     ("syn_r_lite", "transformer_lite", 160, 4, 6, lambda heads, L: heads * L * L),
 ])
 def test_parameter_counts_follow_the_papers(arch, twin, d, heads, layers, per_layer_extra):
     """Per replaced self-attention (encoder and decoder): no query/key projections,
-    -2(d^2 + d); Syn-R adds its h x L x L logits per layer (RAN §2: "h x L attention
+    -2(d^2 + d); HC-SA (the authors' bias-free projections) -2d more; Syn-R adds its h x L x L logits per layer (RAN §2: "h x L attention
     matrices" for L layers), L = 256."""
     dictionary = make_dictionary(104)
     model, _ = build_model(arch, dictionary=dictionary)
@@ -192,3 +209,29 @@ def test_options_and_composition(dictionary):
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in mixed.parameters() if p.requires_grad)
     with pytest.raises(SystemExit):
         build_model("ea_transformer_lite", "--cross-attention", "hcsa")
+
+
+def test_checkpoint_from_before_hcsa_normalize_loads_as_trained(tmp_path, dictionary):
+    """A checkpoint whose configuration predates --hcsa-normalize (the plugin's other
+    defaults filled in, that one absent) was trained normalised over the visible keys, with
+    projection biases: through fairseq's checkpoint loader it builds that way again and gives
+    the same output; a new build without the option is the authors' unnormalised HC-SA."""
+    from fairseq import checkpoint_utils
+
+    old, args = build_model("hcsa_lite", *SMALL, "--hcsa-normalize", "visible", dictionary=dictionary)
+    del args.hcsa_normalize
+    path = str(tmp_path / "old.pt")
+    torch.save({"args": args, "model": old.state_dict(), "optimizer_history": [{"criterion_name": "CrossEntropyCriterion",
+                                                       "lr_scheduler_state": {"best": None}, "num_updates": 0}],
+                "extra_state": {},
+                "last_optimizer_state": None}, path)
+    state = checkpoint_utils.load_checkpoint_to_cpu(path)
+    loaded = type(old).build_model(state["cfg"].model, SimpleNamespace(source_dictionary=dictionary,
+                                                                        target_dictionary=dictionary))
+    loaded.load_state_dict(state["model"], strict=True)
+    assert loaded.encoder.layers[0].self_attn.normalize == "visible"
+    src, lengths, prev = random_batch(dictionary, [5, 9, 3], 7)
+    torch.testing.assert_close(decoder_out(loaded.eval(), src, lengths, prev),
+                               decoder_out(old.eval(), src, lengths, prev), rtol=0, atol=0)
+    new, _ = build_model("hcsa_lite", *SMALL, dictionary=dictionary)
+    assert new.encoder.layers[0].self_attn.normalize == "none"

@@ -209,6 +209,12 @@ def add_args(parser):
                        help="HC-SA: centres i+O of the decoder heads' Gaussians, at most 0 (the "
                             "decoder cannot see later tokens), split evenly over the heads "
                             "(You et al. 2020: -1 0)")
+    group.add_argument("--hcsa-normalize", choices=HCSA_NORMALIZE,
+                       help="HC-SA: 'none' attends with the Gaussian density itself, unnormalised, "
+                            "and value/output projections without biases (You et al.'s code, which "
+                            "RAN's HC-SA baseline follows; the default); 'visible' renormalises each "
+                            "row over the keys the query sees (a softmax of the log-density) and keeps "
+                            "fairseq's projection biases")
     group.add_argument("--synthesizer-max-positions", type=positive_int, metavar="L",
                        help="Random Synthesizer: size L of each head's L x L attention logits; "
                             "longer sentences are refused (default 256, RAN's longest sentence)")
@@ -317,7 +323,8 @@ def build_hard_coded_attention(fairseq_attention, cfg, role, layer_index):
         raise ValueError(f"--hcsa-decoder-offsets {' '.join(map(str, offsets))}: a decoder head "
                          "cannot centre on a later token; use offsets of at most 0")
     return HardCodedGaussianAttention(**position_attention_options(cfg, role, "HC-SA"),
-                                      offsets=offsets, std=float(cfg.hcsa_std))
+                                      offsets=offsets, std=float(cfg.hcsa_std),
+                                      normalize=cfg.hcsa_normalize)
 
 
 @register_variant("synthesizer", roles=("encoder", "decoder"))
@@ -332,6 +339,14 @@ def build_residual_attention(fairseq_attention, cfg, role, layer_index):
     return ResidualAttention.promote(fairseq_attention(), slot=SLOT[role])
 
 
+#: --hcsa-normalize: see the option's help and :mod:`~ea_fairseq.modules.hard_coded_attention`
+HCSA_NORMALIZE = ("none", "visible")
+#: options fill_defaults has set on every model since before --hcsa-normalize: all present
+#: and hcsa_normalize absent means a configuration (checkpoint) written before it
+FILLED_BEFORE_HCSA_NORMALIZE = ("hcsa_std", "hcsa_encoder_offsets", "hcsa_decoder_offsets",
+                                "synthesizer_max_positions", "ran_max_positions", "drop_attention_p")
+
+
 def set_default(args, name: str, value) -> None:
     """fairseq's ``getattr(args, name, default)`` idiom, also for options stored as None."""
     if getattr(args, name, None) is None:
@@ -340,6 +355,8 @@ def set_default(args, name: str, value) -> None:
 
 def fill_defaults(args) -> None:
     """Defaults shared by every architecture of the plugin: everything off."""
+    filled_before_hcsa_normalize = getattr(args, "hcsa_normalize", None) is None and all(
+        getattr(args, name, None) is not None for name in FILLED_BEFORE_HCSA_NORMALIZE)
     for role in ROLES:
         set_default(args, f"{role}_attention", "vanilla")
         set_default(args, f"ea_no_{role}_conv", False)
@@ -363,6 +380,10 @@ def fill_defaults(args) -> None:
     set_default(args, "hcsa_std", 1.0)
     set_default(args, "hcsa_encoder_offsets", [-1, 1])
     set_default(args, "hcsa_decoder_offsets", [-1, 0])
+    # a configuration the plugin filled in before --hcsa-normalize existed (a checkpoint: it
+    # holds the defaults set above, but not this one) was built with HC-SA normalised over
+    # the visible keys, with projection biases: it loads as it was trained
+    set_default(args, "hcsa_normalize", "visible" if filled_before_hcsa_normalize else "none")
     set_default(args, "synthesizer_max_positions", 256)
     set_default(args, "synthesizer_fixed", False)
     for flag in POSITIONAL_EMBEDDING_OPTIONS:

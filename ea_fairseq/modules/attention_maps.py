@@ -20,8 +20,9 @@ output. :class:`LogitMapAttention` is the one place where that map is exposed:
   every key: full passes, and the encoder's keys in a decoding step); a mechanism reports
   its intermediate maps to whoever registered a hook for them
   (:meth:`LogitMapAttention.register_map_hook`: the analysis tool), at no cost otherwise;
-* softmax, :meth:`drop_weights` (attention dropout), the value product and the output
-  projection follow, as in fairseq. A mechanism that computes the weights and the value
+* softmax (:mod:`~ea_fairseq.modules.masked_softmax`: zero weights in a row whose every
+  key is masked, as torch's fused attention gives), :meth:`drop_weights` (attention
+  dropout), the value product and the output projection follow, as in fairseq. A mechanism that computes the weights and the value
   product itself overrides :meth:`LogitMapAttention.attend_logits` (everything after QK^T)
   instead.
 
@@ -46,6 +47,8 @@ import torch.nn.functional as F
 from fairseq.modules import MultiheadAttention
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
+
+from .masked_softmax import attention_weights, fully_masked_rows  # noqa: F401  (one softmax for all)
 
 T = TypeVar("T")
 
@@ -159,15 +162,23 @@ class AttentionMechanism:
         return self.dropout_module(probs)
 
     def attend_with(self, logits: Tensor, v: Tensor, bsz: int, tgt_len: int,
-                    need_weights: bool, need_head_weights: bool):
+                    need_weights: bool, need_head_weights: bool, empty: Optional[Tensor] = None):
         """softmax, dropout on the weights, values and output projection.
 
-        ``logits`` is (B, H, T, S) with -inf where masked; ``v`` is (B_kv * H, S, head_dim).
-        Returns fairseq's ``(attn, weights)`` pair.
+        ``logits`` is (B, H, T, S) with -inf where masked; ``v`` is (B_kv * H, S, head_dim);
+        ``empty``: the rows where every key is masked (:meth:`empty_rows`), which get zero
+        weights. Returns fairseq's ``(attn, weights)`` pair.
         """
-        probs_float, probs = attention_weights(logits, v.dtype)
+        probs_float, probs = attention_weights(logits, v.dtype, empty)
         context = value_product(self.drop_weights(probs), v, bsz, tgt_len)
         return self.out_proj(context), fairseq_weights(probs_float, need_weights, need_head_weights)
+
+    def empty_rows(self, masked: Optional[Tensor]) -> Optional[Tensor]:
+        """:func:`~ea_fairseq.modules.masked_softmax.fully_masked_rows` of ``masked``, once
+        per pass of the stack (every layer gets the same masks)."""
+        if masked is None:
+            return None
+        return shared_in_pass(self.attention_maps, "empty_rows", (masked,), lambda: fully_masked_rows(masked))
 
     # -- incremental state of a mechanism ----------------------------------------------
     def get_mechanism_state(self, incremental_state) -> Dict[str, Optional[Tensor]]:
@@ -280,13 +291,14 @@ class LogitMapAttention(AttentionMechanism, MultiheadAttention):
 
     def attend_logits(self, logits: Tensor, masked: Optional[Tensor],
                       query_padding_mask: Optional[Tensor], v: Tensor, incremental_state,
-                      bsz: int, tgt_len: int, need_weights: bool, need_head_weights: bool):
+                      bsz: int, tgt_len: int, need_weights: bool, need_head_weights: bool,
+                      empty: Optional[Tensor] = None):
         """Everything after QK^T: fairseq's ``(attn, weights)`` pair. Here
-        :meth:`transform_logits`, then softmax, dropout, values and output projection
-        (:meth:`attend_with`); a mechanism that computes the weights and the value product
-        itself overrides this."""
+        :meth:`transform_logits`, then softmax (zero weights in the rows ``empty`` marks),
+        dropout, values and output projection (:meth:`attend_with`); a mechanism that
+        computes the weights and the value product itself overrides this."""
         logits = self.transform_logits(logits, masked, query_padding_mask, incremental_state)
-        return self.attend_with(logits, v, bsz, tgt_len, need_weights, need_head_weights)
+        return self.attend_with(logits, v, bsz, tgt_len, need_weights, need_head_weights, empty)
 
     def neutral_entries(self, masked: Optional[Tensor], query_padding_mask: Optional[Tensor]):
         """:func:`neutral_entries`, computed once per pass of the stack."""
@@ -349,7 +361,20 @@ class LogitMapAttention(AttentionMechanism, MultiheadAttention):
                 before_softmax=True,
             )
             logits = logits.view(bsz, self.num_heads, tgt_len, -1)
+            if self.self_attention and incremental_state is not None:
+                # a decoding step: fairseq masked the cached keys' padding too (a step without
+                # padding of its own after padded ones); its saved mask covers every key
+                key_padding_mask = self._get_input_buffer(incremental_state).get(
+                    "prev_key_padding_mask", key_padding_mask)
         masked = masked_entries(logits, key_padding_mask, attn_mask, self.attention_maps)
+        # Rows with every key masked: where the key padding meets a future mask (a full pass
+        # of a decoder fed left-padded targets) or the cached keys of a decoding step (a
+        # left-padded prefix). Key padding alone empties a row only for a sentence that is
+        # all padding, which fairseq never batches: no per-layer cost for it.
+        empty = None
+        if key_padding_mask is not None and (attn_mask is not None or (
+                self.self_attention and incremental_state is not None)):
+            empty = self.empty_rows(masked)
         query_padding_mask = None
         if self.self_attention and incremental_state is None and key_padding_mask is not None:
             query_padding_mask = key_padding_mask.to(torch.bool)
@@ -357,7 +382,7 @@ class LogitMapAttention(AttentionMechanism, MultiheadAttention):
             logits = self.transform_logits(logits, masked, query_padding_mask, incremental_state)
             return logits.view(bsz * self.num_heads, tgt_len, -1), v
         return self.attend_logits(logits, masked, query_padding_mask, v, incremental_state,
-                                  bsz, tgt_len, need_weights, need_head_weights)
+                                  bsz, tgt_len, need_weights, need_head_weights, empty)
 
     def full_pass_logits(self, query: Tensor, key: Optional[Tensor], value: Optional[Tensor]):
         """``(QK^T / sqrt(d) as (B, H, T, S), V as (B * H, S, head_dim))`` of a full pass, with
@@ -494,17 +519,6 @@ class LogitMapAttention(AttentionMechanism, MultiheadAttention):
         """
         incremental_state = MultiheadAttention.reorder_incremental_state(self, incremental_state, new_order)
         return super().reorder_incremental_state(incremental_state, new_order)
-
-
-def attention_weights(logits: Tensor, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
-    """``(softmax in at least float32, the same in dtype)`` of logits with -inf where
-    masked: fp16/bf16 logits upcast as fairseq does, double stays double; the weights meet
-    the values in the values' ``dtype``."""
-    if logits.dtype in (torch.float32, torch.float64):
-        probs_float = logits.softmax(-1)
-    else:
-        probs_float = logits.softmax(-1, dtype=torch.float32)
-    return probs_float, probs_float if probs_float.dtype == dtype else probs_float.to(dtype)
 
 
 def value_product(probs: Tensor, v: Tensor, bsz: int, tgt_len: int) -> Tensor:

@@ -126,7 +126,8 @@ class ConvRowCache:
 def evolving_attention(logits: Tensor, previous: Optional[Tensor], masked: Optional[Tensor],
                        neutral: Optional[Tensor], params: EvolvingAttentionParams, *,
                        cache: Optional[ConvRowCache] = None, values: Optional[Tensor] = None,
-                       hand_on: bool = False, return_maps: bool = False) -> EvolvingAttentionOutput:
+                       empty: Optional[Tensor] = None, hand_on: bool = False,
+                       return_maps: bool = False) -> EvolvingAttentionOutput:
     """EA Eq. (4) on this layer's logit map, by the first backend that takes the call.
 
     ``logits``: ``Attention(X)_logit`` (B, H, T, S), a fresh score tensor, which
@@ -136,22 +137,26 @@ def evolving_attention(logits: Tensor, previous: Optional[Tensor], masked: Optio
     query rows), both broadcastable bool or None; ``params``: α, β and the convolution;
     ``cache``: a decoding run's :class:`ConvRowCache` (``logits`` are the new rows), or None
     for a full pass; ``values`` (B_kv * H, S, head_dim), when given: the weights' softmax and
-    value product are computed too (no dropout on the weights); ``hand_on``: also return the
+    value product are computed too (no dropout on the weights), with zero weights in the rows
+    ``empty`` marks (every key masked, :func:`~ea_fairseq.modules.masked_softmax.fully_masked_rows`
+    of ``masked``; None where no row can be); ``hand_on``: also return the
     finite ``A_logit``; ``return_maps``: also return the intermediate maps (for analysis).
     """
     if not return_maps:
         backend = accelerators.lookup("evolving_attention", logits)
         if backend is not None:
             out = backend(logits, previous, masked, neutral, params, cache=cache, values=values,
-                          hand_on=hand_on)
+                          empty=empty, hand_on=hand_on)
             if out is not NotImplemented:
                 return out
     return evolving_attention_reference(logits, previous, masked, neutral, params, cache=cache,
-                                        values=values, hand_on=hand_on, return_maps=return_maps)
+                                        values=values, empty=empty, hand_on=hand_on,
+                                        return_maps=return_maps)
 
 
 def evolving_attention_reference(logits, previous, masked, neutral, params, *, cache=None,
-                                 values=None, hand_on=False, return_maps=False) -> EvolvingAttentionOutput:
+                                 values=None, empty=None, hand_on=False,
+                                 return_maps=False) -> EvolvingAttentionOutput:
     """EA Eq. (4) in PyTorch operations: the reference every backend is held to
     (:func:`evolving_attention` documents the arguments)."""
     a_input = fill_masked_(logits, neutral, 0.0)
@@ -169,19 +174,19 @@ def evolving_attention_reference(logits, previous, masked, neutral, params, *, c
         maps = {"dot_product": dot_product,
                 "convolution": params.beta * conv if conv is not None else torch.zeros_like(a_logit),
                 "logits": a_logit.clone()}
-    return finish(a_logit, masked, hand_on, values, maps)
+    return finish(a_logit, masked, hand_on, values, maps, empty)
 
 
 def finish(a_logit: Tensor, masked: Optional[Tensor], hand_on: bool, values: Optional[Tensor],
-           maps: Optional[Dict[str, Tensor]] = None) -> EvolvingAttentionOutput:
+           maps: Optional[Dict[str, Tensor]] = None, empty: Optional[Tensor] = None) -> EvolvingAttentionOutput:
     """The output of :func:`evolving_attention` from the finite ``A_logit`` (changed in
     place unless it is handed on): ``-inf`` where ``masked``, then with ``values`` the
-    softmax and value product."""
+    softmax (zero weights in ``empty`` rows) and value product."""
     carried = a_logit if hand_on else None
     a_logit = (fill_masked if hand_on else fill_masked_)(a_logit, masked, float("-inf"))
     if values is None:
         return EvolvingAttentionOutput(a_logit, carried, maps=maps)
-    probs_float, probs = attention_weights(a_logit, values.dtype)
+    probs_float, probs = attention_weights(a_logit, values.dtype, empty)
     context = value_product(probs, values, a_logit.size(0), a_logit.size(2))
     return EvolvingAttentionOutput(None, carried, probs_float, context, maps)
 
@@ -238,7 +243,7 @@ class EvolvingAttention(LogitMapAttention):
             return EvolvingAttentionParams(self.alpha, self.beta, None, None, "full")
         return EvolvingAttentionParams(self.alpha, self.beta, conv.weight, conv.bias, conv.layout)
 
-    def evolve(self, logits, masked, query_padding_mask, incremental_state, values=None):
+    def evolve(self, logits, masked, query_padding_mask, incremental_state, values=None, empty=None):
         """The one call of :func:`evolving_attention` of this attention."""
         carrier = self.attention_maps
         previous = carrier.previous(self.slot) if self.alpha > 0.0 and carrier is not None else None
@@ -250,8 +255,9 @@ class EvolvingAttention(LogitMapAttention):
             cache = ConvRowCache(state)
         hand_on = self.hand_on_maps and carrier is not None
         out = evolving_attention(logits, previous, masked, self.neutral_entries(masked, query_padding_mask),
-                                 self.params(), cache=cache, values=values, hand_on=hand_on,
-                                 return_maps=bool(self._map_hooks))
+                                 self.params(), cache=cache, values=values,
+                                 empty=empty,
+                                 hand_on=hand_on, return_maps=bool(self._map_hooks))
         if hand_on:  # the next layer's A_logit(i-1)
             carrier.hand_on(self.slot, out.carried)
         if out.maps is not None:
@@ -262,13 +268,13 @@ class EvolvingAttention(LogitMapAttention):
         return self.evolve(logits, masked, query_padding_mask, incremental_state).logits
 
     def attend_logits(self, logits, masked, query_padding_mask, v, incremental_state, bsz, tgt_len,
-                      need_weights, need_head_weights):
+                      need_weights, need_head_weights, empty=None):
         """Eq. (4), softmax and value product in one operation where no dropout acts on
         the weights (a backend may fuse them: the CPU accelerator's decoding step)."""
         if self.drops_weights():
             return super().attend_logits(logits, masked, query_padding_mask, v, incremental_state,
-                                         bsz, tgt_len, need_weights, need_head_weights)
-        out = self.evolve(logits, masked, query_padding_mask, incremental_state, values=v)
+                                         bsz, tgt_len, need_weights, need_head_weights, empty)
+        out = self.evolve(logits, masked, query_padding_mask, incremental_state, values=v, empty=empty)
         return self.out_proj(out.context), fairseq_weights(out.probs, need_weights, need_head_weights)
 
     def reorder_mechanism_state(self, state, new_order):

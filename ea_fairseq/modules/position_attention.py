@@ -25,7 +25,8 @@ from fairseq.modules.fairseq_dropout import FairseqDropout
 from fairseq.modules.quant_noise import quant_noise
 from torch import Tensor
 
-from .attention_maps import AttentionMechanism, shared_in_pass
+from .attention_maps import AttentionMechanism, _masked_from, shared_in_pass
+from .masked_softmax import fully_masked_rows
 
 
 def sentence_positions(padding_mask: Optional[Tensor], length: int, device) -> Tensor:
@@ -216,7 +217,16 @@ class PositionAttention(AttentionMechanism, nn.Module):
                 return self.out_proj(out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, self.embed_dim)), None
         # softmax in at least float32; float64 stays float64
         dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
+        # rows whose every key is masked (a left-padded target's leading positions) get zero
+        # weights: where the key padding meets the future mask or a decoding run's cached
+        # keys (key padding alone empties a row only for a sentence that is all padding,
+        # which fairseq never batches)
+        empty = None
         if incremental_state is None:
+            if key_padding_mask is not None and attn_mask is not None:
+                empty = shared_in_pass(
+                    self.attention_maps, "empty_rows", (key_padding_mask, attn_mask),
+                    lambda: fully_masked_rows(_masked_from(key_padding_mask, attn_mask)))
             # the same for every layer of the pass: counted once
             q_pos = k_pos = shared_in_pass(self.attention_maps, "positions", (key_padding_mask,),
                                            lambda: sentence_positions(key_padding_mask, tgt_len, query.device))
@@ -230,11 +240,14 @@ class PositionAttention(AttentionMechanism, nn.Module):
             k_pos = torch.arange(src_len, device=query.device).unsqueeze(0)
             q_pos = k_pos[:, start : start + tgt_len]
             logits = self.position_logits(q_pos, k_pos, None, start, dtype)
+            future = None
             if self.causal and tgt_len > 1:
-                future = k_pos[:, None, :] > q_pos[:, :, None]
-                logits = logits.masked_fill(future.unsqueeze(1), float("-inf"))
+                future = (k_pos[:, None, :] > q_pos[:, :, None]).unsqueeze(1)
+                logits = logits.masked_fill(future, float("-inf"))
             if key_padding_mask is not None:
-                logits = logits.masked_fill(key_padding_mask.to(torch.bool)[:, None, None, :], float("-inf"))
+                padded = key_padding_mask.to(torch.bool)[:, None, None, :]
+                logits = logits.masked_fill(padded, float("-inf"))
+                empty = fully_masked_rows(padded if future is None else padded | future)
         if logits.size(0) != bsz:
             logits = logits.expand(bsz, -1, -1, -1)
         self.report_maps(lambda: {self.map_name: logits.masked_fill(torch.isneginf(logits), 0.0)}, None)
@@ -242,4 +255,4 @@ class PositionAttention(AttentionMechanism, nn.Module):
             v = v.reshape(bsz * self.num_heads, src_len, self.head_dim)
         if before_softmax:
             return logits.reshape(bsz * self.num_heads, tgt_len, src_len), v
-        return self.attend_with(logits, v, bsz, tgt_len, need_weights, need_head_weights)
+        return self.attend_with(logits, v, bsz, tgt_len, need_weights, need_head_weights, empty)

@@ -81,14 +81,14 @@ class EvolvingAttentionCPU(Accelerator):
         return extension() is not None
 
     def __call__(self, logits, previous, masked, neutral, params, *, cache=None, values=None,
-                 hand_on=False):
+                 empty=None, hand_on=False):
         if params.weight is None:
             return NotImplemented
         if cache is None:
-            return self.full_pass(logits, previous, masked, neutral, params, values, hand_on)
-        return self.step(logits, previous, masked, neutral, params, cache, values, hand_on)
+            return self.full_pass(logits, previous, masked, neutral, params, values, empty, hand_on)
+        return self.step(logits, previous, masked, neutral, params, cache, values, empty, hand_on)
 
-    def full_pass(self, logits, previous, masked, neutral, params, values, hand_on):
+    def full_pass(self, logits, previous, masked, neutral, params, values, empty, hand_on):
         """Whole maps (B, H, T, S): one fused pass before the convolution, one after it."""
         if neutral is not None:
             neutral = neutral.expand(logits.shape)
@@ -102,12 +102,14 @@ class EvolvingAttentionCPU(Accelerator):
         conv_out = F.conv2d(a_input, weight, params.bias, padding=(rows, cols))
         written = None if (hand_on or masked is None) else masked.expand(logits.shape)
         a_logit = ConvolutionResidual.apply(a_input, conv_out, written, float(params.beta))
-        return finish(a_logit, masked if hand_on else None, hand_on, values)
+        return finish(a_logit, masked if hand_on else None, hand_on, values, empty=empty)
 
-    def step(self, logits, previous, masked, neutral, params, cache, values, hand_on):
+    def step(self, logits, previous, masked, neutral, params, cache, values, empty, hand_on):
         """One query row per hypothesis, in place of ``logits`` (B, H, 1, S): the whole of
         Eq. (4) in one call, reading the cached rows in beam search's order -- and where
-        no later layer reads ``A_logit``, the softmax and the value product too. Not taken
+        no later layer reads ``A_logit``, the softmax and the value product too (a row whose
+        every key is masked gets zero weights, as in
+        :func:`~ea_fairseq.modules.masked_softmax.masked_softmax`). Not taken
         with autograd on, several rows, a mask per head, ``k = 1``, or the ``full`` layout;
         encoder values it computes slower than torch (:data:`STEP_VALUES_MAX_BATCH`) go to
         torch's softmax and batched matmul."""
@@ -132,4 +134,4 @@ class EvolvingAttentionCPU(Accelerator):
         cache.store(rows_out)
         if fused_values:
             return EvolvingAttentionOutput(probs=out, context=context)
-        return finish(out, masked, hand_on, values)
+        return finish(out, masked, hand_on, values, empty=empty)

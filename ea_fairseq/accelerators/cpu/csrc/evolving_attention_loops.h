@@ -57,7 +57,8 @@ inline float exp_nonpositive(float x) {
 inline double exp_nonpositive(double x) { return std::exp(x); }
 
 // One finished row of the step's map: in place, its softmax over the keys, as
-// torch.softmax (masked keys weigh 0; a row with every key masked is NaN, as in torch);
+// torch.softmax (masked keys weigh 0; a row with every key masked gets zero weights and a
+// zero context, as ea_fairseq.modules.masked_softmax gives it);
 // then context[0:D] = sum over keys of weight * values[key][0:D].
 template <typename scalar_t>
 inline __attribute__((always_inline)) void attend_row(scalar_t* x, int64_t n, const scalar_t* values,
@@ -65,8 +66,8 @@ inline __attribute__((always_inline)) void attend_row(scalar_t* x, int64_t n, co
   scalar_t top = -std::numeric_limits<scalar_t>::infinity();
   for (int64_t s = 0; s < n; ++s) top = x[s] > top ? x[s] : top;
   if (top == -std::numeric_limits<scalar_t>::infinity()) {
-    std::fill(x, x + n, std::numeric_limits<scalar_t>::quiet_NaN());
-    std::fill(context, context + D, std::numeric_limits<scalar_t>::quiet_NaN());
+    std::fill(x, x + n, scalar_t(0));
+    std::fill(context, context + D, scalar_t(0));
     return;
   }
   for (int64_t s = 0; s < n; ++s) x[s] = exp_nonpositive(x[s] - top);
