@@ -19,41 +19,43 @@ DPI = 110  # plots._save
 MAX_PX = (plots.MAX_FIGURE[0] * DPI, plots.MAX_FIGURE[1] * DPI)
 
 
-def write_dump(path: Path, n_src: int, n_tgt: int, layers: int = 6, heads: int = 4) -> dict:
+def write_dump(path: Path, n_src: int, n_tgt: int, layers: int = 6, heads: int = 4, more=()) -> dict:
     """A dump as ``ea-fairseq-analysis dump`` writes it: decoder.cross weights, and EA's
-    convolution term growing tenfold per layer."""
+    convolution term growing tenfold per layer; sentence 0 of ``n_src``/``n_tgt`` tokens, then one
+    per ``(n_src, n_tgt)`` of ``more``."""
     rng = np.random.default_rng(0)
-    logits = rng.normal(size=(layers, heads, n_tgt, n_src))
-    weights = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
-    conv = np.stack([rng.normal(size=(heads, n_tgt, n_src)) * 10.0 ** (l - 3) for l in range(layers)])
-    source = [f"src{i}" for i in range(n_src)]
-    target = [f"tgt{i}" for i in range(n_tgt)]
     meta = {"format": "ea_fairseq.analysis dump v1", "arch": "ea_transformer_lite",
-            "checkpoint": "/runs/iwslt/ea_seed1/checkpoint_best.pt",
-            "sentences": [{"id": 0, "source": source, "target": target, "decoder_input": ["</s>"] + target[:-1],
-                           "maps": {"decoder.cross": ["weights", "convolution", "logits"]}}]}
-    np.savez_compressed(path, **{META_KEY: np.array(json.dumps(meta)),
-                                 "0/decoder.cross/weights": weights.astype(np.float32),
-                                 "0/decoder.cross/convolution": conv.astype(np.float32),
-                                 "0/decoder.cross/logits": logits.astype(np.float32)})
+            "checkpoint": "/runs/iwslt/ea_seed1/checkpoint_best.pt", "sentences": []}
+    arrays = {}
+    for sid, (ns, nt) in enumerate([(n_src, n_tgt), *more]):
+        logits = rng.normal(size=(layers, heads, nt, ns))
+        weights = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+        conv = np.stack([rng.normal(size=(heads, nt, ns)) * 10.0 ** (l - 3) for l in range(layers)])
+        target = [f"tgt{i}" for i in range(nt)]
+        meta["sentences"].append({"id": sid, "source": [f"src{i}" for i in range(ns)], "target": target,
+                                  "decoder_input": ["</s>"] + target[:-1],
+                                  "maps": {"decoder.cross": ["weights", "convolution", "logits"]}})
+        arrays.update({f"{sid}/decoder.cross/weights": weights.astype(np.float32),
+                       f"{sid}/decoder.cross/convolution": conv.astype(np.float32),
+                       f"{sid}/decoder.cross/logits": logits.astype(np.float32)})
+    np.savez_compressed(path, **{META_KEY: np.array(json.dumps(meta)), **arrays})
     return meta
 
 
-def plot(tmp_path, what, *args):
-    proc = subprocess.run([str(BIN / "ea-fairseq-analysis"), "plot", what, str(tmp_path / "maps.npz"),
-                           "--out-dir", str(tmp_path / "fig"), *args], capture_output=True, text=True, timeout=300)
+def test_maps_figures_are_bounded_and_say_what_they_crop(tmp_path):
+    """35- and 200-token sentences through ``ea-fairseq-analysis plot maps``: at most
+    MAX_FIGURE at 110 dpi, and the log names the crop."""
+    write_dump(tmp_path / "maps.npz", 35, 33, more=[(200, 198)])
+    proc = subprocess.run([str(BIN / "ea-fairseq-analysis"), "plot", "maps", str(tmp_path / "maps.npz"),
+                           "--out-dir", str(tmp_path / "fig")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (line,) = [l for l in proc.stdout.splitlines() if l.startswith("wrote ")]
-    return line[len("wrote "):], proc.stderr
-
-
-@pytest.mark.parametrize("tokens", [35, 200])
-def test_maps_figure_is_bounded_and_says_what_it_crops(tmp_path, tokens):
-    write_dump(tmp_path / "maps.npz", tokens, tokens - 2)
-    png, log = plot(tmp_path, "maps", "--attention", "decoder.cross")
-    height, width = matplotlib.image.imread(png).shape[:2]
-    assert width <= MAX_PX[0] and height <= MAX_PX[1]
-    assert f"queries 1-" in log and f"of {tokens - 2}, keys 1-" in log and f"of {tokens} (--window-start N" in log
+    pngs = [line[len("wrote "):] for line in proc.stdout.splitlines() if line.startswith("wrote ")]
+    assert [Path(p).name for p in pngs] == ["s0_decoder.cross_weights.png", "s1_decoder.cross_weights.png"]
+    for png in pngs:
+        height, width = matplotlib.image.imread(png).shape[:2]
+        assert width <= MAX_PX[0] and height <= MAX_PX[1]
+    for tokens in (35, 200):
+        assert f"of {tokens - 2}, keys 1-" in proc.stderr and f"of {tokens} (--window-start N" in proc.stderr
 
 
 @pytest.mark.parametrize("tokens", [35, 200])
