@@ -121,3 +121,27 @@ def test_real_unbabel_comet_from_the_pinned_set(tmp_path):
     res = _bleu(venv_bin, tmp_path, "--comet-model", "Unbabel/wmt22-comet-da")
     last = _assert_bleu_then_comet_line(res, tmp_path)
     assert "cannot be downloaded here" in last and "does not import" not in last
+
+    # a real COMET model (tiny, random, made here) scored end to end, offline
+    model = tmp_path / "tiny-comet"
+    made = subprocess.run([str(venv_bin / "python"), str(Path(__file__).parent / "drivers" / "tiny_comet_model.py"),
+                           str(model)], capture_output=True, text=True, timeout=600)
+    assert made.returncode == 0, made.stderr[-3000:]
+    res = _bleu(venv_bin, tmp_path, "--comet-model", str(model))  # the model's directory
+    assert res.returncode == 0, res.stderr[-3000:]
+    segments = [float(x) for x in (tmp_path / "test.de-en.seg.comet").read_text().split()]
+    assert len(segments) == len(REFS)
+    # independently: unbabel-comet's own API on the same triples (sources: the detokenized S lines)
+    direct = subprocess.run([str(venv_bin / "python"), "-W", "ignore", "-c", (
+        "import json, sys\n"
+        "from comet import load_from_checkpoint\n"
+        "m = load_from_checkpoint(sys.argv[1])\n"
+        "data = json.loads(sys.argv[2])\n"
+        "print(json.dumps([float(x) for x in m.predict(data, batch_size=16, gpus=0, progress_bar=False).scores]))"),
+        str(model / "checkpoints" / "model.ckpt"),
+        json.dumps([{"src": f"die katze {i}", "mt": h, "ref": r} for i, (h, r) in enumerate(zip(HYPS, REFS))])],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert direct.returncode == 0, direct.stderr[-3000:]
+    assert segments == pytest.approx(json.loads(direct.stdout.splitlines()[-1]), abs=1e-6)
+    mean = sum(segments) / len(segments)
+    assert res.stdout.splitlines()[-1] == f"COMET ({model}, mean of segment scores): {mean:.4f}"
