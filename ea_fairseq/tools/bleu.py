@@ -172,7 +172,7 @@ def detokenize(lines: List[str], lang: str) -> List[str]:
 
 
 COMET_INSTALL = ("bash scripts/setup_comet_env.sh (a venv of its own: unbabel-comet needs numpy<2; "
-                 "constraints-comet.txt), then .venv-comet/bin/ea-fairseq-bleu")
+                 "constraints-comet.txt), then score with .venv-comet/bin/ea-fairseq-bleu")
 COMET_HOW = (f"{COMET_INSTALL} --comet-model PATH (a downloaded checkpoint, e.g. wmt22-comet-da's "
              "checkpoints/model.ckpt)")
 COMET_UNAVAILABLE = 3  # exit status: BLEU/chrF printed and written, the COMET asked for not scored
@@ -215,7 +215,7 @@ def resolve_comet_model(comet, name: str) -> str:
         return os.path.join(name, "checkpoints", "model.ckpt")
     if os.path.isfile(name):
         return name
-    if os.path.exists(name) or name.count("/") != 1 or name.startswith((".", "/")):
+    if os.path.exists(name) or name.count("/") != 1 or name.startswith((".", "/")) or name.endswith(".ckpt"):
         raise CometUnavailable(f"COMET model {name} is not a checkpoint file (nor a directory with "
                                "checkpoints/model.ckpt, nor a model id such as Unbabel/wmt22-comet-da)")
     try:
