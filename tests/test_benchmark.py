@@ -95,15 +95,41 @@ def test_benchmark_runs_and_appends(tmp_path):
     assert md.count("(`--fairseq-reorder`)") == 1
 
 
-def benchmark_module():
-    spec = importlib.util.spec_from_file_location("benchmark", REPO / "benchmarks" / "benchmark.py")
+def benchmark_module(name="benchmark"):
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
     benchmark = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(benchmark)
     return benchmark
 
 
+def _imported_after(*argv):
+    """Which of torch/fairseq the benchmark's command line imported, and its output."""
+    code = ("import runpy, sys\n"
+            f"sys.argv = ['benchmark.py', *{list(argv)!r}]\n"
+            "try:\n"
+            f"    runpy.run_path({str(REPO / 'benchmarks' / 'benchmark.py')!r}, run_name='__main__')\n"
+            "except SystemExit as exc:\n"
+            "    print('exit', exc.code)\n"
+            "print('imported', [m for m in ('torch', 'fairseq', 'ea_fairseq') if m in sys.modules])\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    return proc.stdout.splitlines()[-1], proc
+
+
+def test_help_answers_without_importing_torch():
+    last, proc = _imported_after("--help")
+    assert last == "imported []", proc.stderr
+    assert "--device {cpu,cuda}" in proc.stdout and "exit 0" in proc.stdout
+    # a bad option is refused by the parser, before anything heavy is loaded
+    last, proc = _imported_after("--only", "no_such_arch")
+    assert last == "imported []" and "exit 2" in proc.stdout and "invalid choice" in proc.stderr
+    # negative control: a command that measures loads torch and the plugin
+    last, proc = _imported_after("--device", "cuda", "--out", "/nonexistent") if not torch.cuda.is_available() \
+        else ("imported ['torch', 'fairseq', 'ea_fairseq']", None)
+    assert last == "imported ['torch', 'fairseq', 'ea_fairseq']"
+
+
 def test_interleaved_runs_alternate_which_side_goes_first():
-    benchmark = benchmark_module()
+    benchmark = benchmark_module("measure")
     calls = []
     times = benchmark.interleaved({"arch": lambda: calls.append("a"), "twin": lambda: calls.append("t")},
                                   repeats=4, warmup=0)

@@ -144,23 +144,80 @@ def test_segment_scores_bad_files_are_refused(tmp_path):
         compare.main([str(tmp_path / "base"), str(tmp_path / "text"), "--metric", "bleurt"])
 
 
-def test_agreement_thresholds_beside_each_delta(tmp_path, capsys):
+def _wmt_run(directory, refs, hyps, comet=None, model=compare.COMET22):
+    """A run scored in --mode wmt (detokenized sacreBLEU and chrF on raw references), with COMET
+    segment scores and the model ea-fairseq-bleu records for them."""
+    ev = directory / "eval"
+    ev.mkdir(parents=True)
+    gen = ev / "generate-test.de-en.txt"
+    gen.write_text("".join(f"S-{i}\tx\nT-{i}\t{r}\nH-{i}\t-0.1\t{h}\n" for i, (r, h) in enumerate(zip(refs, hyps))))
+    (ev / "raw.en").write_text("".join(r + "\n" for r in refs))
+    assert bleu.main([str(gen), "--mode", "wmt", "--target-lang", "en", "--raw-ref", str(ev / "raw.en"),
+                      "--out-prefix", str(ev / "test.de-en")]) == 0
+    if comet is not None:
+        (ev / "test.de-en.seg.comet").write_text("".join(f"{v!r}\n" for v in comet))
+        path = ev / "test.de-en.scores.json"
+        report = json.loads(path.read_text())
+        report["metrics"]["comet"] = {"label": "COMET", "score": float(np.mean(comet)), "model": model}
+        path.write_text(json.dumps(report))
+
+
+def test_agreement_only_for_the_variants_the_thresholds_were_fitted_on(tmp_path, capsys):
+    """sacreBLEU's detokenized BLEU and chrF, COMET-22: thresholds, and the label names the system
+    humans would prefer by the sign of Δ. Tokenized BLEU, chrF on tokenized text, chrF++ and COMET of
+    another model: none, with the reason under the table."""
     refs = _corpus()
-    fx.write_scored_run(tmp_path / "base", refs, _noisy(refs, 0.1, 1), {"comet": [0.80] * len(refs)})
-    fx.write_scored_run(tmp_path / "sys", refs, _noisy(refs, 0.4, 2), {"comet": [0.8025] * len(refs), "metricx": [1.0] * len(refs)})
-    fx.write_scored_run(tmp_path / "base2", refs, _noisy(refs, 0.1, 1), {"metricx": [1.0] * len(refs)})
+    n = len(refs)
+    _wmt_run(tmp_path / "base", refs, _noisy(refs, 0.1, 1), [0.80] * n)
+    _wmt_run(tmp_path / "worse", refs, _noisy(refs, 0.4, 2), [0.7975] * n)
     capsys.readouterr()
-    assert compare.main([str(tmp_path / "base"), str(tmp_path / "sys"), "--agreement"]) == 0
+    assert compare.main(["base=" + str(tmp_path / "base"), "worse=" + str(tmp_path / "worse"), "--agreement"]) == 0
     out = capsys.readouterr().out
     tables = _tables(out)
-    assert list(tables) == ["tok", "chrf", "chrf++", "comet"]  # the segment files every run has
-    assert tables["tok"]["head"][-1].endswith("(55% / 70% at BLEU 0.52 / 1.39)") and tables["tok"]["sys"][-1] == "70% or more"
+    assert list(tables) == ["tok", "sacrebleu", "chrf", "chrf++", "comet"]
+    assert tables["sacrebleu"]["head"][-1].endswith("(55% / 70% at BLEU 0.52 / 1.39)")
+    delta = float(tables["sacrebleu"]["worse"][4])
+    assert delta < -1.39  # worse is worse: humans would prefer the baseline, not "worse"
+    assert tables["sacrebleu"]["worse"][-1] == "70% or more: humans would prefer base"
     assert tables["chrf"]["head"][-1].endswith("(55% / 70% at chrF 0.33 / 1)")
-    assert len(tables["chrf++"]["head"]) == 6  # no published thresholds: no column
-    # COMET on its 0-1 scale: the 0-100 thresholds divided by 100; +0.0025 is below 55%
+    assert tables["chrf"]["worse"][-1] == "70% or more: humans would prefer base"
+    # COMET-22 on its 0-1 scale: the 0-100 thresholds divided by 100; -0.0025 is 55% to 70%
     assert tables["comet"]["head"][-1].endswith("(55% / 70% at COMET-22 0.001 / 0.0035, scores on a 0-1 scale)")
-    assert tables["comet"]["sys"][2:5] == ["0.8025", "0.8025", "+0.0025"] and tables["comet"]["sys"][-1] == "55% to 70%"
-    assert "Kocmi et al. (2024)" in out
+    assert tables["comet"]["worse"][4] == "-0.0025" and tables["comet"]["worse"][-1] == "55% to 70%: humans would prefer base"
+    for name in ("tok", "chrf++"):
+        assert len(tables[name]["head"]) == 6, name  # no column
+    assert "(no human-agreement thresholds: tokenized BLEU;" in out
+    assert "Kocmi et al. (2024) give no thresholds for it" in out
+    # the other direction: the system is better, the label names it
+    capsys.readouterr()
+    assert compare.main(["worse=" + str(tmp_path / "worse"), "base=" + str(tmp_path / "base"), "--agreement",
+                         "--metric", "sacrebleu", "comet"]) == 0
+    tables = _tables(capsys.readouterr().out)
+    assert tables["sacrebleu"]["base"][-1] == "70% or more: humans would prefer base"
+    assert tables["comet"]["base"][4] == "+0.0025"
+
+    # COMET of another model, chrF on tokenized text (iwslt): no thresholds
+    _wmt_run(tmp_path / "b2", refs, _noisy(refs, 0.1, 1), [0.8] * n, model="Unbabel/wmt20-comet-da")
+    _wmt_run(tmp_path / "s2", refs, _noisy(refs, 0.4, 2), [0.9] * n, model="Unbabel/wmt20-comet-da")
+    fx.write_scored_run(tmp_path / "i1", refs, _noisy(refs, 0.1, 1))
+    fx.write_scored_run(tmp_path / "i2", refs, _noisy(refs, 0.4, 2))
+    capsys.readouterr()
+    assert compare.main([str(tmp_path / "b2"), str(tmp_path / "s2"), "--agreement", "--metric", "comet"]) == 0
+    out = capsys.readouterr().out
+    assert len(_tables(out)["comet"]["head"]) == 6
+    assert "(no human-agreement thresholds: the COMET model (Unbabel/wmt20-comet-da) is not Unbabel/wmt22-comet-da" in out
+    assert compare.main([str(tmp_path / "i1"), str(tmp_path / "i2"), "--agreement", "--metric", "chrf"]) == 0
+    out = capsys.readouterr().out
+    assert len(_tables(out)["chrf"]["head"]) == 6 and "chrF on tokenized text (--mode iwslt)" in out
+
+
+def test_agreement_label_follows_the_sign():
+    t = compare.AGREEMENT["BLEU"]
+    assert compare.agreement_label(+2.0, t, "sys", "base") == "70% or more: humans would prefer sys"
+    assert compare.agreement_label(-2.0, t, "sys", "base") == "70% or more: humans would prefer base"
+    assert compare.agreement_label(-1.0, t, "sys", "base") == "55% to 70%: humans would prefer base"
+    assert compare.agreement_label(0.3, t, "sys", "base").startswith("below 55%")
+    assert compare.agreement_label(0.0, t, "sys", "base") == "no difference"
 
 
 def test_comet_scores_through_unbabel_comet_api(tmp_path, capsys, monkeypatch):
@@ -195,12 +252,8 @@ def test_comet_scores_through_unbabel_comet_api(tmp_path, capsys, monkeypatch):
     assert f": {np.mean(expected):.4f}" in capsys.readouterr().out.splitlines()[-1]
     report = json.load(open(ev / "test.de-en.scores.json"))
     assert report["metrics"]["comet"]["score"] == pytest.approx(np.mean(expected))
-    with pytest.raises(SystemExit, match="COMET model .* not found"):
-        bleu.main([str(gen), "--mode", "iwslt", "--comet-model", str(tmp_path / "missing.ckpt")])
+    capsys.readouterr()
+    assert bleu.main([str(gen), "--mode", "iwslt", "--comet-model", str(tmp_path / "missing.ckpt")]) == 3
+    assert capsys.readouterr().out.splitlines()[-1].startswith(
+        f"COMET: not scored: COMET model {tmp_path / 'missing.ckpt'} is not a checkpoint file")
 
-
-def test_comet_without_unbabel_comet_says_how(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "comet", None)  # import comet -> ImportError
-    ev = fx.write_scored_run(tmp_path / "a", ["a b c"], ["a b c"])
-    with pytest.raises(SystemExit, match=r"needs unbabel-comet: pip install 'ea_fairseq\[comet\]'"):
-        bleu.main([str(ev / "generate-test.de-en.txt"), "--mode", "iwslt", "--comet-model", "x.ckpt"])

@@ -155,14 +155,14 @@ def cmd_plot(args) -> int:
                     for head in args.heads or [1]:
                         out = os.path.join(args.out_dir, f"s{sid}_{attention}_head{head}.png")
                         written.append(plots.plot_kinds(dump, sid, attention, head, args.kind,
-                                                        out, args.layers))
+                                                        out, args.layers, args.window_start))
                     continue
                 for kind in kinds:
                     if "all" not in args.kind and kind not in args.kind:
                         continue
                     out = os.path.join(args.out_dir, f"s{sid}_{attention}_{kind}.png")
                     written.append(plots.plot_maps(dump, sid, attention, kind, out,
-                                                   args.layers, args.heads, args.scale))
+                                                   args.layers, args.heads, args.scale, args.window_start))
     elif args.what == "entropy":
         written.append(plots.plot_entropy(_read_metrics(args.metrics), args.out, args.metric))
     elif args.what == "curves":
@@ -277,14 +277,19 @@ def build_parser() -> argparse.ArgumentParser:
             q.add_argument("--kind", nargs="+", default=["weights"],
                            help="weights (default), a mechanism's maps (dot_product, convolution, "
                                 "logits, prediction, recurrent ...) or all")
-            q.add_argument("--scale", choices=("figure", "panel"), default="figure",
-                           help="one colour scale fitted to every panel (figure, default) or one per "
-                                "panel (panel); weights on a square-root scale from 0 to the largest shown")
+            q.add_argument("--scale", choices=("auto", "figure", "layer", "panel"), default="auto",
+                           help="one colour scale fitted to every panel (figure), one per layer (layer), one "
+                                "per panel (panel), or auto (default): layer where a signed map's layers "
+                                "differ in magnitude more than threefold, else figure; weights on a square-root scale "
+                                "from 0 to the largest shown")
         else:
             q.add_argument("--kind", nargs="+", help="kinds to show (default: all in the dump)")
         q.add_argument("--layers", type=int, nargs="+", help="1-based layers (default all)")
         q.add_argument("--heads", type=int, nargs="+",
                        help="1-based heads (default: all for maps, head 1 for kinds)")
+        q.add_argument("--window-start", type=int, default=1, metavar="N",
+                       help="a sentence longer than a figure can label readably is cropped to the tokens "
+                            "that fit (the title says which): show them from token N on (default 1)")
         q.add_argument("--out-dir", required=True)
         q.set_defaults(func=cmd_plot)
     q = plot.add_parser("entropy", help="per-layer metric of several models (metrics JSON files)")

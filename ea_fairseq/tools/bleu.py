@@ -30,9 +30,13 @@ BLEU variants (they are not comparable with each other):
 In every mode also **chrF** and **chrF++** (sacreBLEU's ``CHRF``, defaults: character 6-grams,
 beta 2; chrF++ adds word bigrams), with their signatures, on the detokenized hypotheses and
 raw references where the mode has them (wmt14-en-de, wmt), else on generate's tokenized H/T
-lines (iwslt). **COMET** when ``--comet-model`` names a checkpoint and unbabel-comet is
-installed (``pip install 'ea_fairseq[comet]'``): the mean of its segment scores, which go to
-``PREFIX.seg.comet``; otherwise one line says how to get it.
+lines (iwslt). **COMET** when ``--comet-model`` names a checkpoint (or a model id in the local
+Hugging Face cache) and unbabel-comet is installed: the mean of its segment scores, which go to
+``PREFIX.seg.comet``. unbabel-comet needs numpy<2, so it has a venv of its own with a tested
+set (``bash scripts/setup_comet_env.sh``: ``pip install -c constraints-comet.txt -e '.[comet]'``
+from this repository, which is on no package index). BLEU and chrF are printed and written
+first; when the COMET asked for cannot be scored (not installed, not importable, the model not
+here: offline, a model id cannot be downloaded) one line says why and the exit status is 3.
 
 With ``--out-prefix`` the hypotheses and references each metric was computed on are written
 as ``PREFIX.hyp.NAME`` / ``PREFIX.ref.NAME`` and the scores as ``PREFIX.scores.json``,
@@ -167,27 +171,96 @@ def detokenize(lines: List[str], lang: str) -> List[str]:
     return [detok.detokenize(line.split()) for line in lines]
 
 
-COMET_HOW = "pip install 'ea_fairseq[comet]' (unbabel-comet), then give --comet-model PATH (e.g. wmt22-comet-da's checkpoints/model.ckpt)"
+COMET_INSTALL = ("bash scripts/setup_comet_env.sh (a venv of its own: unbabel-comet needs numpy<2; "
+                 "constraints-comet.txt), then score with .venv-comet/bin/ea-fairseq-bleu")
+COMET_HOW = (f"{COMET_INSTALL} --comet-model PATH (a downloaded checkpoint, e.g. wmt22-comet-da's "
+             "checkpoints/model.ckpt)")
+COMET_UNAVAILABLE = 3  # exit status: BLEU/chrF printed and written, the COMET asked for not scored
+
+
+class CometUnavailable(Exception):
+    """COMET was asked for and cannot be scored here; the message is one line that says why
+    and what to do."""
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def import_comet():
+    """unbabel-comet's ``comet`` module, or :class:`CometUnavailable` with the real reason: not
+    installed, or installed and failing to import (its own error, one line)."""
+    import importlib.util
+    import warnings
+
+    if importlib.util.find_spec("comet") is None:
+        raise CometUnavailable(f"unbabel-comet is not installed in this Python ({sys.executable}): "
+                               f"{COMET_INSTALL}")
+    try:
+        with warnings.catch_warnings():  # torchmetrics 0.10's pkg_resources deprecation warning
+            warnings.simplefilter("ignore")
+            import comet
+    except Exception as exc:  # a broken dependency raises anything, not only ImportError
+        raise CometUnavailable(f"unbabel-comet is installed but does not import ({_first_line(exc)}): "
+                               f"install the tested set, {COMET_INSTALL}") from None
+    return comet
+
+
+def resolve_comet_model(comet, name: str) -> str:
+    """A COMET checkpoint path: NAME itself when it is a file, ``NAME/checkpoints/model.ckpt`` for
+    a downloaded model's directory, else NAME as a Hugging Face model id (``Unbabel/...``), from
+    the local cache or downloaded. Offline a model cannot be downloaded: one line says so."""
+    if os.path.isdir(name) and os.path.isfile(os.path.join(name, "checkpoints", "model.ckpt")):
+        return os.path.join(name, "checkpoints", "model.ckpt")
+    if os.path.isfile(name):
+        return name
+    if os.path.exists(name) or name.count("/") != 1 or name.startswith((".", "/")) or name.endswith(".ckpt"):
+        raise CometUnavailable(f"COMET model {name} is not a checkpoint file (nor a directory with "
+                               "checkpoints/model.ckpt, nor a model id such as Unbabel/wmt22-comet-da)")
+    try:
+        return comet.download_model(name, local_files_only=True)
+    except Exception:
+        pass
+    try:
+        return comet.download_model(name)
+    except Exception:
+        raise CometUnavailable(
+            f"COMET model {name} is not in the local Hugging Face cache and cannot be downloaded here "
+            f"(offline?): download it where there is network (python -c \"from comet import download_model; "
+            f"print(download_model('{name}'))\") and give --comet-model PATH/checkpoints/model.ckpt") from None
 
 
 def comet_scores(model_path: str, sources: List[str], hyps: List[str], refs: List[str],
                  batch_size: int = 16, gpus: Optional[int] = None) -> List[float]:
-    """Segment-level COMET scores (unbabel-comet's ``load_from_checkpoint`` and ``predict``)."""
-    try:
-        from comet import load_from_checkpoint
-    except ImportError:
-        raise SystemExit(f"ea-fairseq-bleu: --comet-model needs unbabel-comet: {COMET_HOW}") from None
-    if not os.path.exists(model_path):
-        raise SystemExit(f"ea-fairseq-bleu: COMET model {model_path} not found: give the path of a downloaded "
-                         "checkpoint (comet.download_model('Unbabel/wmt22-comet-da') returns it)")
+    """Segment-level COMET scores (unbabel-comet's ``load_from_checkpoint`` and ``predict``);
+    :class:`CometUnavailable` (one line) when COMET or the model cannot be had."""
+    comet = import_comet()
+    path = resolve_comet_model(comet, model_path)
     if gpus is None:
         import torch
 
         gpus = 1 if torch.cuda.is_available() else 0
-    model = load_from_checkpoint(model_path)
+    try:
+        model = comet.load_from_checkpoint(path)
+    except Exception as exc:  # e.g. offline: the checkpoint's encoder config/tokenizer (xlm-roberta-large)
+        raise CometUnavailable(
+            f"COMET could not load {path} ({_first_line(exc)}); offline, the encoder it names in its "
+            "hparams.yaml (e.g. xlm-roberta-large) must already be in the Hugging Face cache "
+            "(HF_HUB_OFFLINE=1)") from None
     data = [{"src": s, "mt": h, "ref": r} for s, h, r in zip(sources, hyps, refs)]
     out = model.predict(data, batch_size=batch_size, gpus=gpus)
     return [float(x) for x in out.scores]
+
+
+def comet_model_name(path: str) -> Optional[str]:
+    """The Hugging Face id of a COMET checkpoint as ``comet.download_model`` lays it out
+    (``.../models--Unbabel--wmt22-comet-da/snapshots/HASH/checkpoints/model.ckpt``) or as given
+    (``Unbabel/wmt22-comet-da``); None when the path does not say."""
+    m = re.search(r"models--([^/\\]+?)--([^/\\]+)", path)
+    if m:
+        return f"{m.group(1)}/{m.group(2)}"
+    return path if re.fullmatch(r"[\w.-]+/[\w.-]+", path) and not os.path.exists(path) else None
 
 
 def _write(path: str, lines: List[str]) -> None:
@@ -208,8 +281,12 @@ def main(argv=None) -> int:
                         "saying so in every label")
     p.add_argument("--out-prefix", help="also write PREFIX.{hyp,ref}.METRIC and PREFIX.scores.json")
     p.add_argument("--comet-model", metavar="PATH",
-                   help="also score with this COMET checkpoint (needs the comet extra, unbabel-comet); "
-                        "segment scores go to PREFIX.seg.comet")
+                   help="also score with this COMET checkpoint (a model.ckpt, the model's directory, or a "
+                        "Hugging Face id such as Unbabel/wmt22-comet-da, from the cache or downloaded; needs "
+                        "the comet extra: bash scripts/setup_comet_env.sh); segment scores go to PREFIX.seg.comet")
+    p.add_argument("--comet-name", metavar="ID",
+                   help="the COMET model's Hugging Face id, recorded in scores.json (ea-fairseq-compare "
+                        "--agreement needs it) [read from PATH when it is comet.download_model's layout]")
     p.add_argument("--raw-src", help="untokenized sources for COMET (default: generate's S lines, detokenized)")
     p.add_argument("--source-lang", help="language of the sources (detokenizer rules for COMET's sources)")
     p.add_argument("--comet-batch-size", type=int, default=16)
@@ -292,35 +369,49 @@ def main(argv=None) -> int:
             entry.update(hyp=os.path.basename(f"{args.out_prefix}.hyp.{text}"),
                          ref=os.path.basename(f"{args.out_prefix}.ref.{text}"))
         report["metrics"][name] = entry
-    if args.comet_model:
-        if args.raw_src:
-            with open(args.raw_src, encoding="utf-8") as f:
-                raw_src = [line.rstrip("\n") for line in f]
-            sources = [raw_src[i] if i < len(raw_src) else "" for i in ids]
-        else:
-            sources = detokenize([gen["S"].get(i, "") for i in ids], args.source_lang or "en")
-        comet_hyps, comet_refs = texts["sacrebleu"] if raw is not None else texts["tok"]
-        print(f"ea-fairseq-bleu: COMET ({args.comet_model}) on {len(ids)} sentences ...", file=sys.stderr)
-        segments = comet_scores(args.comet_model, sources, comet_hyps, comet_refs,
-                                args.comet_batch_size, args.comet_gpus)
-        score = float(np.mean(segments))
-        label = f"COMET ({os.path.basename(os.path.normpath(args.comet_model))}, mean of segment scores)"
-        results.append(f"{label}{coverage}: {score:.4f}")
-        report["metrics"]["comet"] = {"label": label, "score": score, "model": os.path.abspath(args.comet_model)}
-        if args.out_prefix:
-            _write(f"{args.out_prefix}.seg.comet", [repr(x) for x in segments])
-            report["metrics"]["comet"]["segments"] = os.path.basename(f"{args.out_prefix}.seg.comet")
-    else:
+    # BLEU and chrF are printed and written before COMET runs: COMET may be unavailable or slow
+    print("\n".join(results), flush=True)
+    _write_report(args.out_prefix, report)
+    if not args.comet_model:
         import importlib.util
 
         installed = importlib.util.find_spec("comet") is not None
-        results.append("COMET: not scored (give --comet-model PATH)" if installed
-                       else f"COMET: not scored ({COMET_HOW})")
+        print("COMET: not scored (give --comet-model PATH)" if installed else f"COMET: not scored ({COMET_HOW})")
+        return 0
+    if args.raw_src:
+        with open(args.raw_src, encoding="utf-8") as f:
+            raw_src = [line.rstrip("\n") for line in f]
+        sources = [raw_src[i] if i < len(raw_src) else "" for i in ids]
+    else:
+        sources = detokenize([gen["S"].get(i, "") for i in ids], args.source_lang or "en")
+    comet_hyps, comet_refs = texts["sacrebleu"] if raw is not None else texts["tok"]
+    print(f"ea-fairseq-bleu: COMET ({args.comet_model}) on {len(ids)} sentences ...", file=sys.stderr)
+    try:
+        segments = comet_scores(args.comet_model, sources, comet_hyps, comet_refs,
+                                args.comet_batch_size, args.comet_gpus)
+    except CometUnavailable as exc:
+        print(f"COMET: not scored: {exc}")
+        report["comet_unavailable"] = str(exc)
+        _write_report(args.out_prefix, report)
+        return COMET_UNAVAILABLE
+    score = float(np.mean(segments))
+    model = args.comet_name or comet_model_name(args.comet_model)
+    label = f"COMET ({model or args.comet_model}, mean of segment scores)"
+    print(f"{label}{coverage}: {score:.4f}")
+    report["metrics"]["comet"] = {"label": label, "score": score, "model": model,
+                                  "checkpoint": os.path.abspath(args.comet_model)
+                                  if os.path.exists(args.comet_model) else args.comet_model}
     if args.out_prefix:
-        with open(f"{args.out_prefix}.scores.json", "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=1)
-    print("\n".join(results))
+        _write(f"{args.out_prefix}.seg.comet", [repr(x) for x in segments])
+        report["metrics"]["comet"]["segments"] = os.path.basename(f"{args.out_prefix}.seg.comet")
+    _write_report(args.out_prefix, report)
     return 0
+
+
+def _write_report(prefix: Optional[str], report: dict) -> None:
+    if prefix:
+        with open(f"{prefix}.scores.json", "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -34,11 +34,18 @@ it is so for every pair of runs); with one run each, the p-value is sacreBLEU's.
 outputs get p = 1 (sacreBLEU's bootstrap would give 1/(samples+1)). The resampling measures
 the test set's sampling noise, not the spread between training runs: read it with the std.
 
-``--agreement``: beside each difference, the deltas at which a metric agrees with human
-judgements of which system is better on 55% and 70% of system pairs (Kocmi et al., 2024,
-"Navigating the Metrics Maze: Reconciling Score Magnitudes and Accuracies", ACL): BLEU 0.52 /
-1.39, chrF 0.33 / 1.00, COMET-22 0.10 / 0.35 (on COMET's 0-100 scale); shown for the metrics
-with published thresholds only.
+``--agreement``: beside each difference, how often a difference of that size agrees with human
+judgements on which of two systems is better, and which system that is (the sign of Δ): the
+deltas of 55% and 70% pairwise accuracy of Kocmi et al., 2024, "Navigating the Metrics Maze:
+Reconciling Score Magnitudes and Accuracies", ACL (Table 1; the MT-Thresholds tool): BLEU 0.52 /
+1.39, chrF 0.33 / 1.00, COMET-22 0.10 / 0.35 (on COMET's 0-100 scale). They were fitted on
+sacreBLEU's BLEU and chrF with its default settings on detokenized text and on COMET-22
+(``Unbabel/wmt22-comet-da``), so they are shown only for those: ``sacrebleu`` with sacreBLEU's
+default signature, ``chrf`` where ea-fairseq-bleu scored detokenized text against raw
+references (``--mode wmt14-en-de``/``wmt``, not ``iwslt``), and ``comet`` where every run's
+scores.json names ``Unbabel/wmt22-comet-da`` (ea-fairseq-bleu records it). Tokenized and
+compound-split BLEU, chrF on tokenized text, chrF++ and COMET of any other model get no
+thresholds; a line under their table says why.
 """
 import argparse
 import glob
@@ -56,9 +63,52 @@ from . import bleu as bleu_script
 
 # Kocmi et al. (2024), Table 1: metric delta for 55% / 70% pairwise accuracy with humans
 AGREEMENT = {"BLEU": (0.52, 1.39), "chrF": (0.33, 1.00), "COMET-22": (0.10, 0.35)}
-AGREEMENT_OF = {"tok": "BLEU", "split-fairseq": "BLEU", "split-t2t": "BLEU", "sacrebleu": "BLEU",
-                "chrf": "chrF", "comet22": "COMET-22", "comet": "COMET-22"}
+COMET22 = "Unbabel/wmt22-comet-da"  # the COMET-22 of Kocmi et al.
 SEGMENTS = re.compile(r"^(?P<prefix>.+)\.seg\.(?P<name>[^/]+)$")
+
+
+def _unversioned(signature: str) -> str:
+    return "|".join(part for part in str(signature).split("|") if not part.startswith("version:"))
+
+
+def agreement_of(metric: str, runs: List["Run"]) -> Tuple[Optional[str], str]:
+    """The Kocmi et al. (2024) metric whose thresholds apply to ``metric`` as these runs computed
+    it, or None and why not: the thresholds hold for the variant they were fitted on only."""
+    if metric == "sacrebleu" or metric == "chrf":
+        cls = "BLEU" if metric == "sacrebleu" else "chrF"
+        default_metric = bleu_script.sacrebleu_metric(metric)
+        default_metric.corpus_score(["x"], [["x"]])  # (a signature names the number of references)
+        default = _unversioned(default_metric.get_signature())
+        if any(_unversioned(r.report["metrics"][metric]["signature"]) != default for r in runs):
+            return None, f"not sacreBLEU's default {cls} signature, which the thresholds were fitted on"
+        if metric == "chrf" and any("sacrebleu" not in bleu_script.MODE_METRICS.get(r.report["mode"], [])
+                                    for r in runs):
+            return None, ("chrF on tokenized text (--mode iwslt); the thresholds were fitted on detokenized "
+                          "text against raw references")
+        return cls, ""
+    if metric == "comet":
+        models = {(r.report["metrics"].get("comet") or {}).get("model") for r in runs}
+        if models == {COMET22}:
+            return "COMET-22", ""
+        named = ", ".join(sorted(str(m) for m in models if m)) or "not recorded in scores.json"
+        return None, (f"the COMET model ({named}) is not {COMET22} (COMET-22), which the thresholds "
+                      "were fitted on")
+    if metric in ("tok", "split-fairseq", "split-t2t"):
+        return None, ("tokenized BLEU; the thresholds were fitted on sacreBLEU's BLEU of detokenized text "
+                      "(metric sacrebleu)")
+    return None, "Kocmi et al. (2024) give no thresholds for it"
+
+
+def agreement_label(diff: float, thresholds: Tuple[float, float], system: str, baseline: str) -> str:
+    """How often humans agree with a difference this large, and on which system: the better one
+    by the sign of ``diff`` (system minus baseline; every thresholded metric is higher-better)."""
+    if diff == 0:
+        return "no difference"
+    better = system if diff > 0 else baseline
+    if abs(diff) < thresholds[0]:
+        return f"below 55% (humans may prefer either; {better} scores higher)"
+    share = "55% to 70%" if abs(diff) < thresholds[1] else "70% or more"
+    return f"{share}: humans would prefer {better}"
 
 
 def _seed_key(path: str):
@@ -223,8 +273,9 @@ def main(argv=None) -> int:
                    help="bootstrap resamples / randomisation trials [sacreBLEU's: 1000 for bs, 10000 for ar]")
     p.add_argument("--seed", type=int, default=12345, help="seed of the resampling [12345, sacreBLEU's]")
     p.add_argument("--agreement", action="store_true",
-                   help="show the deltas of 55%% / 70%% agreement with humans (Kocmi et al., 2024) "
-                        "beside each difference, for BLEU, chrF and COMET-22")
+                   help="beside each difference, how often humans agree on which system is better "
+                        "(Kocmi et al., 2024): for sacreBLEU's detokenized BLEU and chrF and for COMET-22 "
+                        "(Unbabel/wmt22-comet-da) only, the variants the thresholds were fitted on")
     p.add_argument("-s", "--source-lang")
     p.add_argument("-t", "--target-lang")
     p.add_argument("--subset", default="test")
@@ -295,7 +346,8 @@ def main(argv=None) -> int:
                                  segment_test(b, s, args.test, samples, args.seed)
                                  for b in segs[names[0]] for s in segs[n])
             title = f"{metric}: mean of the segment scores in {first.prefix}.seg.{metric} (and each run's)"
-        thresholds = AGREEMENT.get(AGREEMENT_OF.get(metric, "")) if args.agreement else None
+        agreed, why_not = agreement_of(metric, runs) if args.agreement else (None, "")
+        thresholds = AGREEMENT[agreed] if agreed else None
         small = all(np.abs(x).max() <= 1.5 for x in scores.values())  # e.g. COMET's 0-1 scale
         digits = 4 if small else 2
         head = ["system", "runs", f"{metric} of each run", "mean ± std", "Δ mean", "p"]
@@ -303,7 +355,7 @@ def main(argv=None) -> int:
             scale = ""
             if metric in segment and small:
                 thresholds, scale = (thresholds[0] / 100, thresholds[1] / 100), ", scores on a 0-1 scale"
-            head.append(f"human agreement of Δ (55% / 70% at {AGREEMENT_OF[metric]} "
+            head.append(f"human agreement of Δ (55% / 70% at {agreed} "
                         f"{thresholds[0]:.4g} / {thresholds[1]:.4g}{scale})")
         rows = []
         base_mean = scores[names[0]].mean()
@@ -318,12 +370,13 @@ def main(argv=None) -> int:
                 diff = s.mean() - base_mean
                 row += [f"{diff:+.{digits}f}", f"{pvalues[n]:.4f}"]
                 if thresholds:
-                    row.append("below 55%" if abs(diff) < thresholds[0] else
-                               "55% to 70%" if abs(diff) < thresholds[1] else "70% or more")
+                    row.append(agreement_label(diff, thresholds, n, names[0]))
             rows.append(row)
         print()
         print(title)
         print("\n".join(_table(rows, head)))
+        if why_not:
+            print(f"(no human-agreement thresholds: {why_not})")
     if args.agreement:
         print("\nhuman agreement: Kocmi et al. (2024), Navigating the Metrics Maze, ACL; "
               "the pairwise accuracy a metric difference of that size reaches against human judgements")
