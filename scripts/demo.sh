@@ -83,6 +83,10 @@ source "$repo/examples/translation/common.sh"  # ea_is_name, ea_quiet: shared wi
 prefix() { local line; while IFS= read -r line; do printf '[%s] %s\n' "$1" "$line"; done; }
 trap 'rc=$?; [ $rc -eq 0 ] || printf "[demo] FAILED (exit %d) in the stage above; logs are in %s\n" $rc "$work" >&2' EXIT
 
+read -r -a arch_list <<< "$archs"
+for arch in ${arch_list[@]+"${arch_list[@]}"}; do  # names, checked before any use
+  ea_is_name "$arch" || die "DEMO_ARCHS holds $(ea_shown "$arch"), not an architecture name ([A-Za-z0-9_-]+)"
+done
 if [ -n "$max_minutes" ]; then [[ "$max_minutes" =~ ^[0-9]+([.][0-9]+)?$ ]] || die "DEMO_MAX_MINUTES must be a number of minutes"; fi
 for split in train valid test; do
   for l in $src $tgt; do
@@ -184,12 +188,8 @@ fi
 # 2-core machine): on CPU this beats training them one after the other with all cores,
 # since a small model does not scale across threads, and an OpenMP thread pool slows down
 # badly when a core is shared. Both runs see the same conditions, so their times compare.
-read -r -a arch_list <<< "$archs"
 n_arch=${#arch_list[@]}
 [ "$n_arch" -gt 0 ] || die "DEMO_ARCHS is empty"
-for arch in "${arch_list[@]}"; do
-  ea_is_name "$arch" || die "DEMO_ARCHS holds $(ea_shown "$arch"), not an architecture name ([A-Za-z0-9_-]+)"
-done
 if [ -n "${DEMO_PARALLEL:-}" ]; then n_par="$DEMO_PARALLEL"
 elif [ "$device" = cuda ]; then n_par=$(( n_arch < n_gpu ? n_arch : n_gpu ))  # one model per GPU
 else n_par=$n_arch; fi
