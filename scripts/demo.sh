@@ -81,12 +81,12 @@ info() { printf '[demo] %s\n' "$*" >&2; }
 die() { printf '[demo] ERROR: %s\n' "$*" >&2; exit 1; }
 source "$repo/examples/translation/common.sh"  # ea_is_name, ea_quiet: shared with the recipes
 prefix() { local line; while IFS= read -r line; do printf '[%s] %s\n' "$1" "$line"; done; }
-trap 'rc=$?; [ $rc -eq 0 ] || printf "[demo] FAILED (exit %d) in the stage above; logs are in %s\n" $rc "$work" >&2' EXIT
-
 read -r -a arch_list <<< "$archs"
 for arch in ${arch_list[@]+"${arch_list[@]}"}; do  # names, checked before any use
   ea_is_name "$arch" || die "DEMO_ARCHS holds $(ea_shown "$arch"), not an architecture name ([A-Za-z0-9_-]+)"
 done
+trap 'rc=$?; [ $rc -eq 0 ] || printf "[demo] FAILED (exit %d) in the stage above; logs are in %s\n" $rc "$work" >&2' EXIT
+
 if [ -n "$max_minutes" ]; then [[ "$max_minutes" =~ ^[0-9]+([.][0-9]+)?$ ]] || die "DEMO_MAX_MINUTES must be a number of minutes"; fi
 for split in train valid test; do
   for l in $src $tgt; do
