@@ -151,7 +151,10 @@ class RunChecks(Callback):
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
         run_dir = OmegaConf.select(config, "hydra.run.dir")
         self.run_dir_existed = run_dir is None or os.path.exists(str(run_dir))
-        cfg = job_config(config)
+        try:
+            cfg = job_config(config)
+        except Exception:  # noqa: BLE001  (e.g. a ${hydra:...} value not resolvable yet: no checks)
+            return
         check_model(cfg)
         check_devices(cfg)
 

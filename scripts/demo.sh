@@ -85,6 +85,10 @@ read -r -a arch_list <<< "$archs"
 for arch in ${arch_list[@]+"${arch_list[@]}"}; do  # names, checked before any use
   ea_is_name "$arch" || die "DEMO_ARCHS holds $(ea_shown "$arch"), not an architecture name ([A-Za-z0-9_-]+)"
 done
+for v in DEMO_UPDATES DEMO_MAX_TOKENS DEMO_WARMUP DEMO_SEED DEMO_BPE_MERGES DEMO_AVG DEMO_SAVE_EVERY \
+         DEMO_PATIENCE DEMO_VALIDATE_EVERY DEMO_PARALLEL DEMO_THREADS DEMO_PLOT_SENTENCE; do
+  [ -z "${!v:-}" ] || [[ "${!v}" =~ ^[0-9]+$ ]] || die "$v must be a whole number (got $(ea_shown "${!v}"))"
+done  # (counts reach bash arithmetic, which would evaluate any other text as code)
 trap 'rc=$?; [ $rc -eq 0 ] || printf "[demo] FAILED (exit %d) in the stage above; logs are in %s\n" $rc "$work" >&2' EXIT
 
 if [ -n "$max_minutes" ]; then [[ "$max_minutes" =~ ^[0-9]+([.][0-9]+)?$ ]] || die "DEMO_MAX_MINUTES must be a number of minutes"; fi

@@ -933,6 +933,33 @@ def test_hostile_names_are_refused_in_one_line_not_run(env, tmp_path):
     assert not (tmp_path / "demo").exists()
 
 
+# bash evaluates array subscripts in arithmetic, so a count pasted into $((...)) or [[ -gt ]] runs code
+ARITHMETIC = "a[$(touch pwned)]"
+
+
+def test_hostile_counts_are_refused_before_bash_arithmetic(env, tmp_path):
+    """Counts the recipes compute with (NGPUS, --max-tokens after PAIR, --num-avg,
+    DEMO_UPDATES) are whole numbers or a one-line refusal; bash's arithmetic would run the
+    command in the text otherwise (the negative control)."""
+    marker = tmp_path / "pwned"
+    subprocess.run(["bash", "-c", 'echo $(( x + 1 ))'], env=dict(env, x=ARITHMETIC), cwd=tmp_path, capture_output=True)
+    assert marker.exists()
+    marker.unlink()
+    dry = dict(env, DRY_RUN="1", PYTHON="true")
+    cases = [
+        (["bash", RECIPES / "train.sh", "ea_lite", "wmt14_en_de"], dict(dry, NGPUS=ARITHMETIC)),
+        (["bash", RECIPES / "train.sh", "ea_lite", "wmt14_en_de"], dict(dry, UPDATE_FREQ=ARITHMETIC)),
+        (["bash", RECIPES / "train.sh", "ea_lite", "wmt14_en_de", "--max-tokens", ARITHMETIC], dry),
+        (["bash", RECIPES / "evaluate.sh", tmp_path, tmp_path, "wmt", "--num-avg", ARITHMETIC], env),
+        (["bash", REPO / "scripts" / "demo.sh"], dict(env, DEMO_DIR=str(tmp_path / "demo"), DEMO_UPDATES=ARITHMETIC)),
+    ]
+    for cmd, cmd_env in cases:
+        proc = run(cmd, cmd_env, tmp_path, check=False)
+        assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1, (cmd, proc.stderr)
+        assert "\\$\\(touch\\ pwned\\)" in proc.stderr, proc.stderr  # the value shown quoted
+        assert not marker.exists(), cmd
+
+
 # ------------------------------------------------------------ output and feedback
 KNOWN_WARNINGS = """\
 /v/hydra/experimental/initialize.py:45: Hydra14MigrationWarning: 

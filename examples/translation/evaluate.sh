@@ -91,6 +91,8 @@ while [ $# -gt 0 ]; do
   esac
 done
 case "$avg_by" in epoch|update) ;; *) die "--avg-by must be epoch or update" ;; esac
+[[ "$num_avg" =~ ^[1-9][0-9]*$ ]] || die "--num-avg (NUM_AVG) takes a number of checkpoints, not $(ea_shown "$num_avg")"
+[ -z "$upper" ] || [[ "$upper" =~ ^[0-9]+$ ]] || die "--checkpoint-upper-bound takes an epoch or update number, not $(ea_shown "$upper")"
 ea_is_name "$subset" || die "--subset takes a split name ([A-Za-z0-9_-]+), not $(ea_shown "$subset")"
 for l in "$src" "$tgt"; do
   [ -z "$l" ] || ea_is_name "$l" || die "-s/-t take a language code ([A-Za-z0-9_-]+), not $(ea_shown "$l")"

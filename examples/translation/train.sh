@@ -243,7 +243,11 @@ KEEP_LAST_EPOCHS="${KEEP_LAST_EPOCHS:-10}"; SEED="${SEED:-1}"; WEIGHT_DECAY="${W
 DROP_ATTENTION="${DROP_ATTENTION:-$drop_default}"
 USER_DIR="${USER_DIR:-$repo/ea_fairseq}"; FAIRSEQ_TRAIN="${FAIRSEQ_TRAIN:-fairseq-train}"
 PYTHON="${PYTHON:-python3}"
-[[ "$SEED" =~ ^[0-9]+$ ]] || die "SEED must be an integer (got '$SEED')"
+[[ "$SEED" =~ ^[0-9]+$ ]] || die "SEED must be an integer (got $(ea_shown "$SEED"))"
+# counts that reach bash arithmetic, which would evaluate any other text as code
+for v in NGPUS UPDATE_FREQ MAX_TOKENS; do
+  [ -z "${!v:-}" ] || [[ "${!v}" =~ ^[0-9]+$ ]] || die "$v must be a whole number (got $(ea_shown "${!v}"))"
+done
 
 # options after PAIR that train.sh must know about (the batch they change is printed; those
 # with a variable of their own must be given that way, so the run's record stays true)
@@ -259,6 +263,10 @@ for ((i = 0; i < ${#extra[@]}; i++)); do
     --fp16|--bf16|--amp|--memory-efficient-fp16|--memory-efficient-bf16) die "precision is FP16=1 / FP16=0 / BF16=1, not $a" ;;
     --cpu) die "training on CPU is CPU=1, not --cpu" ;;
   esac
+done
+
+for v in "$extra_tokens" "$extra_freq"; do
+  [ -z "$v" ] || [[ "$v" =~ ^[1-9][0-9]*$ ]] || die "--max-tokens and --update-freq take one whole number here (got $(ea_shown "$v"))"
 done
 
 # ---------------------------------------------------------------- devices and precision
