@@ -2,14 +2,14 @@
 # The README's demo: Transformer-Lite vs EA-Transformer-Lite on a small, real, offline
 # Spanish->English corpus (the Bible, examples/translation/bible-es-en), on CPU.
 #
-#   bash scripts/demo.sh                      # ~19 min on an idle 2-core CPU (+1.5 min setup)
+#   bash scripts/demo.sh                      # about 22 min on a 2-core CPU, creating the venv included
 #   DEMO_UPDATES=300 bash scripts/demo.sh     # quicker (and weaker) run
 #
-# Reference run (idle 2-core Intel Xeon VM, venv already set up: 18 min 45 s in all):
-#   copy source 0.10, transformer_lite 11.93, ea_transformer_lite 14.23 detokenized sacreBLEU
+# Reference run (2-core AMD EPYC VM, torch 2.13, creating the venv included: 22 min 15 s):
+#   copy source 0.10, transformer_lite 10.63, ea_transformer_lite 14.71 detokenized sacreBLEU
 # after 1200 updates (~2 epochs, one seed): a check of the whole pipeline, not a benchmark.
 # The same machine and seed print the same table again; another CPU prints other digits
-# (a 2-core AMD EPYC: 10.63 and 14.51), see the README.
+# (README.md, "The two commands").
 #
 # Stages: (1) the pinned environment (scripts/setup_env.sh, reused when up to date);
 # (2) data: decompress the shipped corpus, Moses-normalize and -tokenize as the recipes do
@@ -51,6 +51,8 @@
 #   DEMO_FRESH=1      redo every stage (by default finished stages of an identical
 #                     configuration in DEMO_DIR are reused)
 #   EA_FAIRSEQ_VENV   the virtualenv scripts/setup_env.sh creates/uses [.venv in the repository]
+#   EA_FAIRSEQ_SHOW_WARNINGS=1  show the warnings of fairseq's stack (hydra deprecations,
+#                     torch FutureWarnings, ...) that the demo and the recipes filter out
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -77,6 +79,16 @@ t_start=$SECONDS
 stage() { printf '\n[demo %s +%dm%02ds] %s\n' "$(date +%H:%M:%S)" $(( (SECONDS - t_start) / 60 )) $(( (SECONDS - t_start) % 60 )) "$*" >&2; }
 info() { printf '[demo] %s\n' "$*" >&2; }
 die() { printf '[demo] ERROR: %s\n' "$*" >&2; exit 1; }
+source "$repo/examples/translation/common.sh"  # ea_is_name, ea_quiet: shared with the recipes
+prefix() { local line; while IFS= read -r line; do printf '[%s] %s\n' "$1" "$line"; done; }
+read -r -a arch_list <<< "$archs"
+for arch in ${arch_list[@]+"${arch_list[@]}"}; do  # names, checked before any use
+  ea_is_name "$arch" || die "DEMO_ARCHS holds $(ea_shown "$arch"), not an architecture name ([A-Za-z0-9_-]+)"
+done
+for v in DEMO_UPDATES DEMO_MAX_TOKENS DEMO_WARMUP DEMO_SEED DEMO_BPE_MERGES DEMO_AVG DEMO_SAVE_EVERY \
+         DEMO_PATIENCE DEMO_VALIDATE_EVERY DEMO_PARALLEL DEMO_THREADS DEMO_PLOT_SENTENCE; do
+  [ -z "${!v:-}" ] || [[ "${!v}" =~ ^[0-9]+$ ]] || die "$v must be a whole number (got $(ea_shown "${!v}"))"
+done  # (counts reach bash arithmetic, which would evaluate any other text as code)
 trap 'rc=$?; [ $rc -eq 0 ] || printf "[demo] FAILED (exit %d) in the stage above; logs are in %s\n" $rc "$work" >&2' EXIT
 
 if [ -n "$max_minutes" ]; then [[ "$max_minutes" =~ ^[0-9]+([.][0-9]+)?$ ]] || die "DEMO_MAX_MINUTES must be a number of minutes"; fi
@@ -96,7 +108,9 @@ for tool in python fairseq-preprocess fairseq-train fairseq-generate subword-nmt
   [ -x "$venv/bin/$tool" ] || die "$venv/bin/$tool not found: the environment is incomplete (remove $venv and rerun)"
 done
 "$py" -c "import sacrebleu, sacremoses, subword_nmt" 2>/dev/null || die "sacrebleu/sacremoses/subword-nmt missing in $venv"
-export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}"  # torchaudio's missing C extension etc.
+if [ -z "${EA_FAIRSEQ_SHOW_WARNINGS:-}" ] || [ "$EA_FAIRSEQ_SHOW_WARNINGS" = 0 ]; then
+  export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}"  # torchaudio's missing C extension etc.
+fi
 
 device="${DEMO_DEVICE:-auto}"
 gpu_info=$("$py" -c 'import torch
@@ -178,7 +192,6 @@ fi
 # 2-core machine): on CPU this beats training them one after the other with all cores,
 # since a small model does not scale across threads, and an OpenMP thread pool slows down
 # badly when a core is shared. Both runs see the same conditions, so their times compare.
-read -r -a arch_list <<< "$archs"
 n_arch=${#arch_list[@]}
 [ "$n_arch" -gt 0 ] || die "DEMO_ARCHS is empty"
 if [ -n "${DEMO_PARALLEL:-}" ]; then n_par="$DEMO_PARALLEL"
@@ -205,9 +218,10 @@ if [ "$device" = cuda ]; then  # validate every $validate_every updates (not per
 else
   train_args+=(--disable-validation --cpu)
 fi
-[ -z "$max_minutes" ] || train_args+=(--stop-time-hours "$(awk "BEGIN{print $max_minutes/60}")")
-# fairseq's log, minus Python warnings (torchaudio's missing C extension, hydra deprecations)
-quiet() { grep --line-buffered -vE "Warning|warn\(|deprecat|torchaudio|tensorboardX|^\s*$|^  " || true; }
+[ -z "$max_minutes" ] || train_args+=(--stop-time-hours "$(awk -v m="$max_minutes" 'BEGIN { print m / 60 }')")
+# fairseq's log, minus the known warnings of its stack (ea_quiet, shared with the recipes),
+# blank lines and the model's printout (its indented lines)
+quiet() { ea_quiet | { grep --line-buffered -vE "^\s*$|^  " || true; }; }
 
 declare -A gpu_of
 k=0
@@ -221,7 +235,7 @@ train_one() {  # arch -> trains into train/$arch, logs there and (prefixed) to s
   rm -rf "$run" && mkdir -p "$run"
   set +e
   on_device "$arch" "$venv/bin/fairseq-train" "${train_args[@]}" --arch "$arch" --save-dir "$run" 2>&1 \
-    | quiet | tee "$run/train.log" | sed -u "s/^/[$arch] /" >&2
+    | quiet | tee "$run/train.log" | prefix "$arch" >&2
   local rc=${PIPESTATUS[0]}
   set -e
   [ "$rc" -eq 0 ] || { echo "[demo] ERROR: fairseq-train failed for $arch (exit $rc, log: $work/$run/train.log)" >&2; return "$rc"; }
@@ -275,7 +289,7 @@ eval_one() {  # arch -> train/$arch/eval/{averaged.pt,generate.out}
   local arch=$1 run="train/$1" t0=$SECONDS
   rm -rf "$run/eval" && mkdir -p "$run/eval"
   "$venv/bin/ea-fairseq-average-checkpoints" --inputs "$run" --num-update-checkpoints "$n_avg" \
-    --output "$run/eval/averaged.pt" 2>&1 | sed "s/^/[$arch] /" >&2
+    --output "$run/eval/averaged.pt" 2>&1 | prefix "$arch" >&2
   [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "[demo] ERROR: ea-fairseq-average-checkpoints failed for $arch" >&2; return 1; }
   if ! on_device "$arch" "$venv/bin/fairseq-generate" data/bin --user-dir "$repo/ea_fairseq" --path "$run/eval/averaged.pt" \
       "${gen_args[@]}" > "$run/eval/generate.out" 2> "$run/eval/generate.log"; then

@@ -229,3 +229,110 @@ def test_fairseq_hydra_train_trains_and_its_checkpoint_reloads(tiny_data_bin, tm
     )
     assert gen.returncode == 0, gen.stderr[-3000:]
     assert len(re.findall(r"^H-\d+", gen.stdout, re.M)) == 40
+
+
+# ------------------------------------------------------------ refusals through fairseq-hydra-train
+HYDRA_TRAIN_SH = os.path.join(REPO, "examples", "translation", "hydra-train.sh")
+NO_CUDA = not torch.cuda.is_available()
+TORCH_SEEN = f"torch sees 0 here (torch {torch.__version__}, built for CUDA: {torch.version.cuda or 'none'})"
+
+
+def hydra_train(name, data, save, *overrides, script=False, env=None):
+    """fairseq-hydra-train on a recipe config (or examples/translation/hydra-train.sh with
+    ``script``), the tiny data as the task's, every other value the config's."""
+    base = ([cli("fairseq-hydra-train"), "--config-dir", CONFIG_DIR, "--config-name", name]
+            if not script else ["bash", HYDRA_TRAIN_SH, name])
+    run_env = {k: v for k, v in os.environ.items() if k != "EA_FAIRSEQ_SHOW_WARNINGS"}
+    run_env.update(PATH=f"{os.path.dirname(cli('python'))}{os.pathsep}{os.environ['PATH']}",
+                   OMP_NUM_THREADS="1", **(env or {}))
+    return subprocess.run(
+        [*base, f"task.data={data}", "task.source_lang=src", "task.target_lang=tgt",
+         f"common.user_dir={os.path.join(REPO, 'ea_fairseq')}", f"checkpoint.save_dir={save}",
+         "dataset.num_workers=0", *overrides],
+        cwd=os.path.dirname(str(save)), capture_output=True, text=True, env=run_env, timeout=300)
+
+
+# the README's example (examples/translation/README.md), as printed
+ALPAH = ("fairseq-hydra-train: error: model.ea_alpah: not an option of --arch ea_transformer_lite (did you "
+         "mean model.ea_alpha?); its options are those of `fairseq-train --arch ea_transformer_lite --help`, "
+         "with '_' for '-'")
+
+
+@pytest.mark.parametrize("name, overrides, message", [
+    ("ea_transformer_lite_iwslt14", ["+model.ea_alpah=0.5"], ALPAH),
+    ("ea_transformer_lite_iwslt14", ["model.ea_alpha=2"],
+     "fairseq-hydra-train: error: --ea-alpha must lie in [0, 1], got 2.0"),
+    pytest.param("ea_transformer_lite_iwslt14", [],
+                 f"fairseq-hydra-train: error: common.fp16=true needs a CUDA GPU, and {TORCH_SEEN}: run with "
+                 "common.fp16=false, or on a CUDA GPU",
+                 marks=pytest.mark.skipif(not NO_CUDA, reason="a CUDA GPU is visible")),
+    pytest.param("ran_d_wmt14_en_de", ["common.fp16=false"],
+                 "fairseq-hydra-train: error: distributed_training.distributed_world_size=8 needs 8 CUDA GPUs, "
+                 f"and {TORCH_SEEN}: run with distributed_training.distributed_world_size=1 "
+                 "(optimization.update_freq=[8] keeps the config's batch), or on 8 CUDA GPUs",
+                 marks=pytest.mark.skipif(not NO_CUDA, reason="a CUDA GPU is visible")),
+    ("ea_transformer_lite_iwslt14", ["common.cpu=true"],
+     "fairseq-hydra-train: error: common.fp16=true needs a CUDA GPU, and common.cpu=true trains on the CPU: "
+     "run with common.fp16=false, or on a CUDA GPU"),
+])
+def test_fairseq_hydra_train_refuses_in_one_line_before_writing(name, overrides, message, tiny_data_bin, tmp_path):
+    """The plugin's config errors and the CPU cases (fp16, a world size above the GPUs here):
+    the last line of stderr is the one-line refusal naming the override, no traceback, exit
+    status 1, and no checkpoint directory made."""
+    save = tmp_path / "ckpt"
+    proc = hydra_train(name, tiny_data_bin, save, *overrides)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stderr.rstrip("\n").splitlines()[-1] == message, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "Error executing job" not in proc.stderr
+    assert not save.exists()
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="a CUDA GPU is visible: the config runs")
+def test_without_the_checks_fairseq_asserts_and_leaves_a_directory(tiny_data_bin, tmp_path):
+    """Negative control: the same config with the plugin's callback removed from it reaches
+    fairseq's own assertion (a traceback), after hydra made the run directory."""
+    save = tmp_path / "ckpt"
+    proc = hydra_train("ran_d_wmt14_en_de", tiny_data_bin, save, "common.fp16=false", "~hydra.callbacks.ea_fairseq")
+    assert proc.returncode == 1
+    assert "world size is 8 but have 0 available devices" in proc.stderr and "Traceback" in proc.stderr
+    assert save.is_dir() and not any(p.name.startswith("checkpoint") for p in save.iterdir())
+
+
+def test_a_failed_run_leaves_no_directory_and_the_script_prints_only_the_refusal(tiny_data_bin, tmp_path):
+    """hydra-train.sh: hydra's and torch's known warnings filtered, so a refusal is the only
+    line on stderr (EA_FAIRSEQ_SHOW_WARNINGS=1 shows them again); a job that fails inside
+    fairseq (no data) leaves no directory holding only hydra's files, and the filter keeps
+    its traceback."""
+    save = tmp_path / "ckpt"
+    proc = hydra_train("ea_transformer_lite_iwslt14", tiny_data_bin, save, "+model.ea_alpah=0.5", script=True)
+    assert proc.returncode == 1 and proc.stderr.splitlines() == [ALPAH], proc.stderr[-3000:]
+    shown = hydra_train("ea_transformer_lite_iwslt14", tiny_data_bin, save, "+model.ea_alpah=0.5", script=True,
+                        env={"EA_FAIRSEQ_SHOW_WARNINGS": "1"})
+    assert "Hydra14MigrationWarning" in shown.stderr and shown.stderr.splitlines()[-1] == ALPAH
+    missing = hydra_train("ea_transformer_lite_iwslt14", str(tmp_path / "no-data"), save, "common.fp16=false",
+                          "common.cpu=true", script=True)
+    assert missing.returncode == 1 and "No such file or directory" in missing.stderr
+    assert "Traceback" in missing.stderr and "Warning" not in missing.stderr
+    assert not save.exists()
+
+
+def test_the_readme_examples_print_what_the_readme_shows():
+    """examples/translation/README.md's two hydra-train.sh examples, run as written from the
+    repository root: stderr is exactly the line the README shows (torch's version as
+    installed), and nothing is written."""
+    readme = open(os.path.join(REPO, "examples", "translation", "README.md"), encoding="utf-8").read()
+    command = re.search(r"```bash\n(bash examples/translation/hydra-train\.sh [^\n]*)\n```\n\n```\n([^\n]*)\n```",
+                        readme)
+    cpu = re.search(r"without a CUDA GPU, `(bash examples/translation/hydra-train\.sh [^`]*)`\nprints[^\n]*\n\n```\n"
+                    r"([^\n]*)\n```", readme)
+    examples = [(command.group(1), command.group(2))]
+    if NO_CUDA:
+        examples.append((cpu.group(1), re.sub(r"\(torch [^,]*, built for CUDA: [^)]*\)", TORCH_SEEN[len("torch sees 0 here "):],
+                                              cpu.group(2))))
+    before = set(os.listdir(REPO))
+    env = {k: v for k, v in os.environ.items() if k != "EA_FAIRSEQ_SHOW_WARNINGS"}
+    env["PATH"] = f"{os.path.dirname(cli('python'))}{os.pathsep}{env['PATH']}"
+    for line, shown in examples:
+        proc = subprocess.run(["bash", "-c", line], cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
+        assert proc.returncode == 1 and proc.stderr.splitlines() == [shown], (line, proc.stderr[-3000:])
+    assert set(os.listdir(REPO)) == before

@@ -10,7 +10,8 @@ a ``DictConfig``, so the plugin's options would be dropped there and every atten
 vanilla. :func:`namespace_from_config` turns the ``DictConfig`` into the ``Namespace``
 ``fairseq-train`` would have built, after checking it against the model's own option
 definitions: a key no option of the model defines, or a value its option refuses, stops the
-build with a message naming it.
+build with a message naming it (:class:`~ea_fairseq.errors.OptionError`, one line under
+``fairseq-hydra-train``: :mod:`ea_fairseq.hydra_checks`).
 """
 import argparse
 import difflib
@@ -20,10 +21,12 @@ from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY
 from fairseq.models.transformer import TransformerModel
 from omegaconf import OmegaConf, open_dict
 
+from ..errors import OptionError
+
 
 class _RaisingParser(argparse.ArgumentParser):
     def error(self, message):
-        raise ValueError(message)
+        raise OptionError(message)
 
 
 def option_parser(model_class) -> argparse.ArgumentParser:
@@ -56,13 +59,13 @@ def _tokens(action: argparse.Action, key: str, value) -> List[str]:
     option = action.option_strings[0]
     if action.nargs == 0:  # a flag: store_true / store_false
         if not isinstance(value, bool):
-            raise ValueError(f"model.{key}: {value!r}: a flag takes true or false ({option})")
+            raise OptionError(f"model.{key}: {value!r}: a flag takes true or false ({option})")
         return [option] if value == bool(action.const) else []
     if action.nargs in ("+", "*") or isinstance(action.nargs, int):  # a list (nargs=2: a pair)
         values = value if isinstance(value, (list, tuple)) else [value]
         return [option, *map(str, values)]
     if isinstance(value, (list, tuple, dict)):
-        raise ValueError(f"model.{key}: {value!r}: {option} takes one value")
+        raise OptionError(f"model.{key}: {value!r}: {option} takes one value")
     return [f"{option}={value}"]
 
 
@@ -88,18 +91,18 @@ def namespace_from_config(cfg, model_class) -> argparse.Namespace:
     """The ``Namespace`` ``fairseq-train`` would hand ``model_class`` for the hydra model
     configuration ``cfg`` (a ``DictConfig``, or the ``dict`` a checkpoint saves it as; its
     ``_name`` the architecture), its plugin options checked and
-    typed by their own argparse definitions; ``ValueError`` names a key no option of the
-    model defines or a value its option refuses."""
+    typed by their own argparse definitions; ``OptionError`` (a ``ValueError``) names a key
+    no option of the model defines or a value its option refuses."""
     values = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
     arch = values.pop("_name", None) or values.get("arch")
     if arch not in ARCH_CONFIG_REGISTRY:
-        raise ValueError(f"model._name: {arch!r} is not an architecture; fairseq-train --help "
+        raise OptionError(f"model._name: {arch!r} is not an architecture; fairseq-train --help "
                          "lists them under --arch")
     actions = option_actions(model_class)
     known = set(actions) | set(arch_keys(arch)) | {"arch"}
     unknown = [key for key in values if key not in known]
     if unknown:
-        raise ValueError(unknown_key_message(unknown[0], arch, known))
+        raise OptionError(unknown_key_message(unknown[0], arch, known))
     plugin = set(plugin_option_names(model_class))
     tokens = []
     for key, value in values.items():
@@ -107,8 +110,8 @@ def namespace_from_config(cfg, model_class) -> argparse.Namespace:
             tokens += _tokens(actions[key], key, value)
     try:
         parsed = option_parser(model_class).parse_args(tokens)
-    except ValueError as error:
-        raise ValueError(f"model configuration of --arch {arch}: {error} (the hydra key is the "
+    except OptionError as error:
+        raise OptionError(f"model configuration of --arch {arch}: {error} (the hydra key is the "
                          "option's name with '_' for '-')") from None
     args = argparse.Namespace(**values)
     vars(args).update(vars(parsed))

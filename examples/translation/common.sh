@@ -1,4 +1,6 @@
-# Shared steps of the prepare-*.sh recipes: fetch/unpack, tokenize, clean, BPE, binarize.
+# Shared steps of the prepare-*.sh recipes: fetch/unpack, tokenize, clean, BPE, binarize;
+# and what every recipe (train.sh, evaluate.sh, scripts/demo.sh) shares: the check of names
+# taken from file names and arguments, and the filter of fairseq's known warnings.
 # Sourced, not run. The text work is done by examples/translation/nmt_text.py (the Moses Perl scripts,
 # ported to Python and tested against their outputs) and subword-nmt's Python modules;
 # binarization by fairseq-preprocess.
@@ -20,6 +22,39 @@ set -euo pipefail
 
 EA_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 PYTHON="${PYTHON:-python3}"
+
+# ea_is_name VALUE: VALUE is a plain name ([A-Za-z0-9_-]+: a language, a split, an arch).
+# Names taken from file names or arguments are checked with it before any use; none is ever
+# pasted into a sed/awk program or eval.
+ea_is_name() { [[ "$1" =~ ^[A-Za-z0-9_-]+$ ]]; }
+# ea_shown VALUE: VALUE quoted for a one-line message (newlines and control characters
+# escaped, as bash's printf %q writes them).
+ea_shown() { printf '%q' "$1"; }
+
+# ea_quiet: stdin to stdout without the warnings fairseq's stack prints on every run (hydra's
+# deprecation warnings, hydra's DEBUG lines, torch.cuda.amp's FutureWarning, the pin_memory
+# and mismatched-mask UserWarnings, torchaudio's missing extension), each with the lines of
+# its message and its source line; everything else, tracebacks and errors included, passes
+# unchanged. EA_FAIRSEQ_SHOW_WARNINGS=1 turns the filter off.
+ea_quiet() {
+  if [ -n "${EA_FAIRSEQ_SHOW_WARNINGS:-}" ] && [ "${EA_FAIRSEQ_SHOW_WARNINGS}" != 0 ]; then cat; return; fi
+  awk '
+    function known(text) {
+      return text ~ /is no longer experimental|version_base parameter is not specified|deprecated keyword in package header|is validated against ConfigStore schema|strict flag in the compose API is deprecated|torch\.cuda\.amp\.[A-Za-z_]*\(args\.\.\.\)` is deprecated|.pin_memory. argument is set as true but no accelerator|mismatched key_padding_mask and attn_mask is deprecated|Failed to load image Python extension|torchaudio\/_extension|No module named .torchaudio/
+    }
+    function flush() { if (n && !drop) for (i = 1; i <= n; i++) print buf[i]; n = 0; drop = 0; sys = 0 }
+    /^DEBUG:hydra[.:]/ { flush(); fflush(); next }
+    /^(sys:[0-9]+|[^ \t].*:[0-9]+): [A-Za-z0-9_.]*Warning: ?/ {
+      flush(); buf[++n] = $0; drop = known($0); sys = ($0 ~ /^sys:/); next
+    }
+    n && /^  / { buf[++n] = $0; if (known($0)) drop = 1; flush(); fflush(); next }
+    n && sys && /^See https:\/\/hydra\.cc\// { buf[++n] = $0; flush(); fflush(); next }
+    n && (/^Traceback / || /^\[/ || n > 12) { flush(); print; fflush(); next }
+    n { buf[++n] = $0; if (known($0)) drop = 1; next }
+    { print; fflush() }
+    END { flush() }
+  '
+}
 
 ea_log() { echo "[$EA_NAME] $*" >&2; }
 ea_die() { echo "[$EA_NAME] error: $*" >&2; exit 1; }

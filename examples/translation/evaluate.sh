@@ -51,6 +51,7 @@ FAIRSEQ_GENERATE="${FAIRSEQ_GENERATE:-fairseq-generate}"
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 die() { echo "evaluate.sh: error: $*" >&2; exit 1; }
+source "$repo/examples/translation/common.sh"  # ea_is_name, ea_shown
 
 if [ $# -lt 3 ]; then
   case "${1:-}" in -h|--help) usage; exit 0 ;; esac
@@ -90,6 +91,12 @@ while [ $# -gt 0 ]; do
   esac
 done
 case "$avg_by" in epoch|update) ;; *) die "--avg-by must be epoch or update" ;; esac
+[[ "$num_avg" =~ ^[1-9][0-9]*$ ]] || die "--num-avg (NUM_AVG) takes a number of checkpoints, not $(ea_shown "$num_avg")"
+[ -z "$upper" ] || [[ "$upper" =~ ^[0-9]+$ ]] || die "--checkpoint-upper-bound takes an epoch or update number, not $(ea_shown "$upper")"
+ea_is_name "$subset" || die "--subset takes a split name ([A-Za-z0-9_-]+), not $(ea_shown "$subset")"
+for l in "$src" "$tgt"; do
+  [ -z "$l" ] || ea_is_name "$l" || die "-s/-t take a language code ([A-Za-z0-9_-]+), not $(ea_shown "$l")"
+done
 [ -d "$data" ] || die "data-bin directory $data not found"
 [ -d "$user_dir" ] || die "plugin directory $user_dir not found (--user-dir)"
 [ -z "$best" ] || [ -z "$checkpoint" ] || die "--best and --checkpoint: choose one"
@@ -102,8 +109,8 @@ if [ -f "$data/sentencepiece.bpe.model" ]; then remove_bpe=(--remove-bpe sentenc
 if ! ls "$ckpt_dir"/checkpoint*.pt >/dev/null 2>&1 && ls -d "$ckpt_dir"/seed*/ >/dev/null 2>&1; then
   [ -z "$checkpoint" ] && [ -z "$out_dir" ] \
     || die "$ckpt_dir holds one run per seed: --checkpoint and --out-dir apply to one run"
-  seed_dirs=$(ls -d "$ckpt_dir"/seed*/ | sed 's:/*$::' | sort -V)
-  for d in $seed_dirs; do
+  mapfile -t seed_dirs < <(for d in "$ckpt_dir"/seed*/; do echo "${d%/}"; done | sort -V)
+  for d in "${seed_dirs[@]}"; do
     echo "[evaluate] $d" >&2
     bash "$0" "$d" "$data" "$mode" ${all_args[@]+"${all_args[@]}"} || die "scoring $d failed"
   done
@@ -115,10 +122,20 @@ if ! ls "$ckpt_dir"/checkpoint*.pt >/dev/null 2>&1 && ls -d "$ckpt_dir"/seed*/ >
 fi
 
 if [ -z "$src" ] || [ -z "$tgt" ]; then
-  pairs=$(ls "$data" | sed -n "s/^$subset\.\([^.]*\)-\([^.]*\)\.\1\.idx$/\1 \2/p" | sort -u)
-  [ -n "$pairs" ] || die "no $subset.SRC-TGT.SRC.idx in $data"
-  [ "$(echo "$pairs" | wc -l)" -eq 1 ] || die "$data holds several directions ($(echo $pairs)): give -s SRC -t TGT"
-  read -r src tgt <<< "$pairs"
+  # the direction from the file names SUBSET.SRC-TGT.SRC.idx; each language checked before use
+  pairs=()
+  for f in "$data/$subset".*.idx; do
+    name="${f#"$data/$subset".}"
+    [[ "$name" =~ ^([^.]*)-([^.]*)\.([^.]*)\.idx$ ]] && [ "${BASH_REMATCH[1]}" = "${BASH_REMATCH[3]}" ] || continue
+    found=("${BASH_REMATCH[1]}" "${BASH_REMATCH[2]}")  # (ea_is_name resets BASH_REMATCH)
+    for l in "${found[@]}"; do
+      ea_is_name "$l" || die "$data: the file name $(ea_shown "${f##*/}") gives the language $(ea_shown "$l"), not a language code ([A-Za-z0-9_-]+): refused; rename the files or give -s SRC -t TGT"
+    done
+    pairs+=("${found[*]}")
+  done
+  [ ${#pairs[@]} -gt 0 ] || die "no $subset.SRC-TGT.SRC.idx in $data"
+  [ ${#pairs[@]} -eq 1 ] || die "$data holds several directions (${pairs[*]}): give -s SRC -t TGT"
+  read -r src tgt <<< "${pairs[0]}"
 fi
 out_dir="${out_dir:-$ckpt_dir/eval}"
 mkdir -p "$out_dir"
@@ -129,6 +146,28 @@ if [ -n "$checkpoint" ]; then
   [ -f "$model" ] || die "checkpoint $model not found"
   what="$model"
 else
+  # a run that stopped before the checkpoints asked for (e.g. before its first epoch ended):
+  # one line naming what it does have
+  shopt -s nullglob
+  have_epoch=("$ckpt_dir"/checkpoint[0-9]*.pt); have_update=("$ckpt_dir"/checkpoint_[0-9]*_[0-9]*.pt)
+  shopt -u nullglob
+  if [ "$avg_by" = epoch ]; then have=${#have_epoch[@]}; else have=${#have_update[@]}; fi
+  if [ "$have" -eq 0 ]; then
+    alternatives=()
+    if [ "$avg_by" = epoch ] && [ ${#have_update[@]} -gt 0 ]; then
+      n=$(( ${#have_update[@]} < num_avg ? ${#have_update[@]} : num_avg ))
+      alternatives+=("--avg-by update --num-avg $n (averages its last $n update checkpoints checkpoint_E_U.pt)")
+    fi
+    if [ "$avg_by" = update ] && [ ${#have_epoch[@]} -gt 0 ]; then
+      n=$(( ${#have_epoch[@]} < num_avg ? ${#have_epoch[@]} : num_avg ))
+      alternatives+=("--avg-by epoch --num-avg $n")
+    fi
+    [ ! -f "$ckpt_dir/checkpoint_best.pt" ] || alternatives+=("--best (checkpoint_best.pt)")
+    [ ! -f "$ckpt_dir/checkpoint_last.pt" ] || alternatives+=("--checkpoint $ckpt_dir/checkpoint_last.pt")
+    [ ${#alternatives[@]} -gt 0 ] || die "no checkpoints in $ckpt_dir (checkpointE.pt, checkpoint_E_U.pt, checkpoint_best.pt, checkpoint_last.pt)"
+    joined=$(printf '%s; or ' "${alternatives[@]}")
+    die "no $avg_by checkpoints to average in $ckpt_dir (the run stopped before saving one): evaluate with ${joined%; or }"
+  fi
   model="$out_dir/average_last${num_avg}_${avg_by}s${upper:+_upto$upper}.pt"
   opts=(--inputs "$ckpt_dir" "--num-${avg_by}-checkpoints" "$num_avg" --output "$model")
   if [ -n "$upper" ]; then opts+=(--checkpoint-upper-bound "$upper"); fi
@@ -145,12 +184,20 @@ echo "[evaluate] fairseq-generate's output: $gen, its log: $gen_log" >&2
 
 # every $1 seconds, how many of the subset's sentences fairseq-generate has written, when it
 # changed (the wait is bash's own read -t: no sleep process outlives the loop)
+loaded_count() {  # the count of fairseq-generate's "loaded N examples from: .../SUBSET.SRC-TGT.SRC"
+  local line
+  [ -f "$gen_log" ] || return 0
+  while IFS= read -r line; do
+    if [[ "$line" == *"/$subset.$src-$tgt.$src" && "$line" =~ loaded\ ([0-9,]+)\ examples\ from:\  ]]; then
+      echo "${BASH_REMATCH[1]}"; return 0
+    fi
+  done < "$gen_log"
+}
 report_progress() {
   local total="" n shown=""
   exec 3<> <(:)
   while ! read -r -t "$1" -u 3 _; do
-    [ -n "$total" ] || total=$(sed -n "s:.*loaded \([0-9,]*\) examples from\: .*/$subset\.$src-$tgt\.$src\$:\1:p" \
-      "$gen_log" 2>/dev/null | head -1)
+    [ -n "$total" ] || total=$(loaded_count)
     [ -n "$total" ] || continue
     n=$(grep -c '^H-' "$gen" 2>/dev/null || true)
     [ "${n:-0}" != "$shown" ] || continue
@@ -188,7 +235,7 @@ print(int(long.sum()), len(s), " ".join(map(str, long.nonzero()[0][:10])))' \
   if grep -q "ZeroDivisionError" "$gen_log"; then
     die "fairseq-generate translated no sentence of $subset (all skipped as too long?); log: $gen_log"
   fi
-  tail -20 "$gen_log" >&2
+  ea_quiet < "$gen_log" | tail -20 >&2
   die "fairseq-generate failed (log: $gen_log)"
 fi
 kill "$progress_pid" 2>/dev/null || true

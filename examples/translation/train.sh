@@ -52,6 +52,13 @@
 #   any family, transformer_* included; the paper's best for WMT En-De: element, p 0.2,
 #   window 2, dropattn's default)
 #   USER_DIR (this repository's ea_fairseq)  FAIRSEQ_TRAIN (fairseq-train)  PYTHON (python3)
+#   LOG_INTERVAL  updates between fairseq's log lines [100 on GPUs; 5 with CPU=1, so that a
+#     CPU run prints within a minute]
+#   EVAL_BLEU=1   validation BLEU after every epoch (fairseq's --eval-bleu: beam 5, Moses-
+#     detokenized, subwords removed, sacreBLEU), and checkpoint_best.pt and early stopping
+#     chosen by it (--best-checkpoint-metric bleu --maximize-best-checkpoint-metric)
+#   EA_FAIRSEQ_SHOW_WARNINGS=1  show the known warnings of fairseq's stack (hydra
+#     deprecations, torch FutureWarnings, ...), which are filtered out otherwise
 #   DRY_RUN=1 prints the command instead of running it (assuming GPUs where there are none).
 #
 # Where the defaults come from (README.md has the full table):
@@ -77,6 +84,7 @@ repo="$(cd "$here/../.." && pwd)"
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 die() { echo "train.sh: error: $*" >&2; exit 1; }
 is_on() { case "${1:-}" in ""|0|no|false) return 1 ;; *) return 0 ;; esac; }
+source "$here/common.sh"  # ea_is_name, ea_shown, ea_quiet
 
 if [ $# -lt 2 ]; then
   case "${1:-}" in -h|--help) usage; exit 0 ;; esac
@@ -86,7 +94,7 @@ family="$1"; pair="$2"; shift 2
 
 # the variables the caller set, for train.command (before any default is filled in)
 known_vars=(DATA SRC TGT SAVE_DIR LR DROPOUT ATTN_DROPOUT EA_ALPHA EA_BETA PA_ALPHA WARMUP LABEL_SMOOTHING
-            MAX_TOKENS MAX_UPDATE MAX_EPOCH PATIENCE KEEP_LAST_EPOCHS SEED SEEDS UPDATE_FREQ NGPUS
+            MAX_TOKENS MAX_UPDATE MAX_EPOCH PATIENCE KEEP_LAST_EPOCHS SEED SEEDS UPDATE_FREQ NGPUS LOG_INTERVAL EVAL_BLEU
             CPU FP16 BF16 WEIGHT_DECAY SHARE_EMBEDDINGS DROP_ATTENTION DROP_ATTENTION_P
             DROP_ATTENTION_WINDOW LAUNCHER USER_DIR FAIRSEQ_TRAIN ALLOW_CHANGED_SETTINGS)
 caller_env=()
@@ -108,7 +116,7 @@ if [ -n "${SEEDS:-}" ]; then
   last="$base/seed${seeds[-1]}"
   if [ -f "$last/train.settings" ]; then  # the runs' evaluation, on the directory of all seeds
     hint=$(sed -n 's/^# evaluate with: //p' "$last/train.settings")
-    echo "[train] evaluate every seed (mean ± std) with: ${hint/$last/$base}" >&2
+    echo "[train] evaluate every seed (mean ± std) with: ${hint/"$last"/"$base"}" >&2
   fi
   exit 0
 fi
@@ -128,11 +136,24 @@ case "$pair" in
     [ -d "$DATA" ] || die "DATA=$DATA is not a directory (prepare it with examples/translation/prepare-own.sh)"
     src="${SRC:-}"; tgt="${TGT:-}"
     if [ -z "$src" ] || [ -z "$tgt" ]; then
-      dirs=$(ls "$DATA" | sed -n 's/^train\.\([^.]*\)-\([^.]*\)\.\1\.idx$/\1 \2/p' | sort -u)
-      [ -n "$dirs" ] || die "no train.SRC-TGT.SRC.idx in DATA=$DATA: is it fairseq-preprocess output? (examples/translation/prepare-own.sh)"
-      [ "$(echo "$dirs" | wc -l)" -eq 1 ] || die "DATA=$DATA holds several directions ($(echo $dirs)): give SRC=.. TGT=.."
-      read -r src tgt <<< "$dirs"
+      # the direction from the file names train.SRC-TGT.SRC.idx; each language checked before use
+      dirs=()
+      for f in "$DATA"/train.*.idx; do
+        name="${f#"$DATA"/train.}"
+        [[ "$name" =~ ^([^.]*)-([^.]*)\.([^.]*)\.idx$ ]] && [ "${BASH_REMATCH[1]}" = "${BASH_REMATCH[3]}" ] || continue
+        found=("${BASH_REMATCH[1]}" "${BASH_REMATCH[2]}")  # (ea_is_name resets BASH_REMATCH)
+        for l in "${found[@]}"; do
+          ea_is_name "$l" || die "DATA=$DATA: the file name $(ea_shown "${f##*/}") gives the language $(ea_shown "$l"), not a language code ([A-Za-z0-9_-]+): refused; rename the files or give SRC=.. TGT=.."
+        done
+        dirs+=("${found[*]}")
+      done
+      [ ${#dirs[@]} -gt 0 ] || die "no train.SRC-TGT.SRC.idx in DATA=$DATA: is it fairseq-preprocess output? (examples/translation/prepare-own.sh)"
+      [ ${#dirs[@]} -eq 1 ] || die "DATA=$DATA holds several directions (${dirs[*]}): give SRC=.. TGT=.."
+      read -r src tgt <<< "${dirs[0]}"
     fi
+    for l in "$src" "$tgt"; do
+      ea_is_name "$l" || die "SRC and TGT take a language code ([A-Za-z0-9_-]+), not $(ea_shown "$l")"
+    done
     data_dir=""; size=own; mode=wmt ;;
   *) die "unknown PAIR '$pair' (see --help)" ;;
 esac
@@ -222,7 +243,11 @@ KEEP_LAST_EPOCHS="${KEEP_LAST_EPOCHS:-10}"; SEED="${SEED:-1}"; WEIGHT_DECAY="${W
 DROP_ATTENTION="${DROP_ATTENTION:-$drop_default}"
 USER_DIR="${USER_DIR:-$repo/ea_fairseq}"; FAIRSEQ_TRAIN="${FAIRSEQ_TRAIN:-fairseq-train}"
 PYTHON="${PYTHON:-python3}"
-[[ "$SEED" =~ ^[0-9]+$ ]] || die "SEED must be an integer (got '$SEED')"
+[[ "$SEED" =~ ^[0-9]+$ ]] || die "SEED must be an integer (got $(ea_shown "$SEED"))"
+# counts that reach bash arithmetic, which would evaluate any other text as code
+for v in NGPUS UPDATE_FREQ MAX_TOKENS; do
+  [ -z "${!v:-}" ] || [[ "${!v}" =~ ^[0-9]+$ ]] || die "$v must be a whole number (got $(ea_shown "${!v}"))"
+done
 
 # options after PAIR that train.sh must know about (the batch they change is printed; those
 # with a variable of their own must be given that way, so the run's record stays true)
@@ -238,6 +263,10 @@ for ((i = 0; i < ${#extra[@]}; i++)); do
     --fp16|--bf16|--amp|--memory-efficient-fp16|--memory-efficient-bf16) die "precision is FP16=1 / FP16=0 / BF16=1, not $a" ;;
     --cpu) die "training on CPU is CPU=1, not --cpu" ;;
   esac
+done
+
+for v in "$extra_tokens" "$extra_freq"; do
+  [ -z "$v" ] || [[ "$v" =~ ^[1-9][0-9]*$ ]] || die "--max-tokens and --update-freq take one whole number here (got $(ea_shown "$v"))"
 done
 
 # ---------------------------------------------------------------- devices and precision
@@ -341,13 +370,22 @@ if [ "$PATIENCE" != -1 ]; then run+=(--patience "$PATIENCE"); fi
 if [ -n "$MAX_UPDATE" ]; then run+=(--max-update "$MAX_UPDATE"); fi
 if [ -n "$MAX_EPOCH" ]; then run+=(--max-epoch "$MAX_EPOCH"); fi
 if [ -n "$keep_updates" ]; then run+=(--save-interval-updates 5000 --keep-interval-updates "$keep_updates"); fi
+if is_on "${EVAL_BLEU:-}"; then
+  bleu_remove=(--eval-bleu-remove-bpe)
+  [ ! -f "$DATA/sentencepiece.bpe.model" ] || bleu_remove=(--eval-bleu-remove-bpe sentencepiece)
+  run+=(--eval-bleu --eval-bleu-args '{"beam": 5, "max_len_a": 1.2, "max_len_b": 10}'
+        --eval-bleu-detok moses "${bleu_remove[@]}"
+        --best-checkpoint-metric bleu --maximize-best-checkpoint-metric)
+fi
 if [ -n "$DROP_ATTENTION" ]; then
   run+=(--drop-attention "$DROP_ATTENTION" --drop-attention-p "${DROP_ATTENTION_P:-0.2}"
         --drop-attention-window "${DROP_ATTENTION_WINDOW:-2}")
 fi
 run+=(${precision_flags[@]+"${precision_flags[@]}"})
+if [ -n "$cpu" ]; then LOG_INTERVAL="${LOG_INTERVAL:-5}"; else LOG_INTERVAL="${LOG_INTERVAL:-100}"; fi
+[[ "$LOG_INTERVAL" =~ ^[1-9][0-9]*$ ]] || die "LOG_INTERVAL must be a positive number of updates (got $(ea_shown "$LOG_INTERVAL"))"
 layout=(--max-tokens "$MAX_TOKENS" --update-freq "$UPDATE_FREQ" --save-dir "$SAVE_DIR"
-        --log-format simple --log-interval 100)
+        --log-format simple --log-interval "$LOG_INTERVAL")
 if [ "$rank" = 0 ]; then layout+=(--log-file "$SAVE_DIR/train.log"); fi
 if [ -n "$cpu" ]; then
   layout+=(--cpu)
@@ -462,5 +500,9 @@ $(diff <(grep -v '^#' "$record") <(echo "$settings") | grep '^[<>]' | sed 's/^</
     if [ -f "$DATA/$f" ]; then cp "$DATA/$f" "$SAVE_DIR/"; fi
   done
 fi
-"${cmd[@]}"
+# fairseq-train's stderr without the known warnings of its stack (ea_quiet); its exit status kept
+set +e
+{ "${cmd[@]}" 2>&1 1>&3 3>&- | ea_quiet >&2 3>&-; status=${PIPESTATUS[0]}; } 3>&1
+set -e
+[ "$status" -eq 0 ] || exit "$status"
 echo "[train] done: $SAVE_DIR; evaluate with: $eval_hint" >&2

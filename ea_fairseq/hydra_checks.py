@@ -1,0 +1,172 @@
+"""``fairseq-hydra-train``'s run checked before it starts, its refusals printed as one line.
+
+fairseq-hydra-train imports the plugin only inside the training job: after hydra has created
+the run directory (the recipe configs put it at ``checkpoint.save_dir``) and after fairseq's
+distributed set-up has asserted on the device count. A refusal there is a traceback under
+hydra's report (``world size is 8 but have 0 available devices``, ``Torch not compiled with
+CUDA enabled``, the plugin's own option errors) and leaves a directory without checkpoints
+behind. :class:`RunChecks` is a hydra callback, named by every recipe config under
+``hydra.callbacks``; once hydra has composed the configuration, before the job starts and
+before any directory exists (hydra's ``on_run_start``), it
+
+* builds the model fairseq would build from ``cfg.model`` on the ``meta`` device, with the
+  plugin's own code, so that an option of the model's arch it refuses
+  (:class:`~ea_fairseq.errors.OptionError`) stops the run;
+* refuses fp16/bf16/amp where torch sees no CUDA GPU (or ``common.cpu=true``), and a
+  ``distributed_world_size`` above the GPUs visible when fairseq would start the processes
+  itself (not under torchrun or Slurm), naming the overrides that run the config here.
+
+A refusal is one line, ``fairseq-hydra-train: error: ...``, and exit status 1. When the job
+itself fails (``on_job_end``), the run directory is removed if this run created it and it
+holds nothing but hydra's log and config, and an ``OptionError`` is printed as one line too;
+other errors are reported by fairseq and hydra as they are.
+"""
+import copy
+import os
+import shutil
+import sys
+from types import SimpleNamespace
+from typing import List
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+
+from .errors import OptionError
+
+PRECISION_FLAGS = ("fp16", "memory_efficient_fp16", "bf16", "memory_efficient_bf16", "amp")
+
+
+def refuse(message: str) -> None:
+    """End the process with ``message`` as one line (hydra's report catches ``Exception``
+    only, so ``SystemExit`` reaches the interpreter, which prints it)."""
+    program = os.path.basename(sys.argv[0] or "") or "fairseq-hydra-train"
+    raise SystemExit(f"{program}: error: {message}")
+
+
+def job_config(config: DictConfig) -> DictConfig:
+    """The configuration fairseq's training receives: hydra's section removed (as hydra's
+    ``run_job`` does), fairseq's defaults added and every value resolved (as
+    ``fairseq_cli.hydra_train`` does)."""
+    from fairseq.dataclass.initialize import add_defaults
+    from fairseq.dataclass.utils import omegaconf_no_object_check
+
+    cfg = copy.deepcopy(config)
+    with read_write(cfg), open_dict(cfg):
+        del cfg["hydra"]
+    add_defaults(cfg)
+    with omegaconf_no_object_check():
+        cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+    OmegaConf.set_struct(cfg, True)
+    return cfg
+
+
+def check_model(cfg: DictConfig) -> None:
+    """Build ``cfg.model`` as fairseq's training does, on the ``meta`` device (no memory, no
+    data: a placeholder dictionary), when its arch is one of the plugin's models; an
+    ``OptionError`` ends the run, any other failure is left to the real build."""
+    from fairseq import models
+    from fairseq.models import ARCH_MODEL_REGISTRY
+
+    from .models.building import placeholder_dictionary
+    from .models.ea_transformer import EATransformerModel
+
+    import torch
+
+    arch = cfg.model.get("_name") if cfg.get("model") is not None else None
+    model_class = ARCH_MODEL_REGISTRY.get(arch)
+    if model_class is None or not issubclass(model_class, EATransformerModel):
+        return
+    dictionary = placeholder_dictionary(64)
+    task = SimpleNamespace(source_dictionary=dictionary, target_dictionary=dictionary)
+    try:
+        with torch.device("meta"):
+            models.build_model(copy.deepcopy(cfg.model), task)
+    except OptionError as error:
+        refuse(str(error))
+    except Exception:  # noqa: BLE001  (not an option the plugin refuses: fairseq reports it)
+        return
+
+
+def _single_node_spawn(dist) -> bool:
+    """Whether fairseq would start the processes itself on this machine (its
+    ``_infer_single_node_init``), which asserts the world size against the GPUs here."""
+    if dist.get("distributed_init_method") is not None or dist.get("pipeline_model_parallel"):
+        return False
+    if all(key in os.environ for key in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")):
+        return False  # torchrun / torch.distributed.launch
+    slurm = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
+    return not (dist.get("distributed_port", -1) > 0 and slurm)
+
+
+def check_devices(cfg: DictConfig) -> None:
+    """Precision and process count against the devices torch sees here, in one line naming
+    the overrides that run the config on this machine."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    common, dist = cfg.common, cfg.distributed_training
+    asks: List[str] = []
+    fixes: List[str] = []
+    flags = [flag for flag in PRECISION_FLAGS if common.get(flag)]
+    if flags and (gpus == 0 or common.get("cpu")):
+        asks += [f"common.{flag}=true" for flag in flags]
+        fixes += [f"common.{flag}=false" for flag in flags]
+    world = dist.get("distributed_world_size", 1) or 1
+    note = ""
+    if world > max(gpus, 1) and _single_node_spawn(dist):
+        asks.append(f"distributed_training.distributed_world_size={world}")
+        fixed = max(gpus, 1)
+        fixes.append(f"distributed_training.distributed_world_size={fixed}")
+        update_freq = list(cfg.optimization.get("update_freq") or [1])
+        if len(update_freq) == 1 and (world * update_freq[0]) % fixed == 0:
+            keep = world * update_freq[0] // fixed
+            note = f" (optimization.update_freq=[{keep}] keeps the config's batch)"
+    if not asks:
+        return
+    need = f"{world} CUDA GPUs" if world > max(gpus, 1) else "a CUDA GPU"
+    if common.get("cpu"):
+        where = "common.cpu=true trains on the CPU"
+    else:
+        where = (f"torch sees {gpus} here (torch {torch.__version__}, built for CUDA: "
+                 f"{torch.version.cuda or 'none'})")
+    refuse(f"{' and '.join(asks)} need{'s' if len(asks) == 1 else ''} {need}, and {where}: "
+           f"run with {' '.join(fixes)}{note}, or on {need}")
+
+
+def _only_hydra_files(directory: str) -> bool:
+    """The run directory holds hydra's config (``.hydra``) and log files, nothing else."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return False
+    return all(name == ".hydra" or name.endswith(".log") for name in names)
+
+
+class RunChecks(Callback):
+    """The hydra callback of the recipe configs (``hydra.callbacks``); see the module."""
+
+    def __init__(self) -> None:
+        self.run_dir_existed = True
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        run_dir = OmegaConf.select(config, "hydra.run.dir")
+        self.run_dir_existed = run_dir is None or os.path.exists(str(run_dir))
+        try:
+            cfg = job_config(config)
+        except Exception:  # noqa: BLE001  (e.g. a ${hydra:...} value not resolvable yet: no checks)
+            return
+        check_model(cfg)
+        check_devices(cfg)
+
+    def on_job_end(self, config: DictConfig, job_return, **kwargs) -> None:
+        from hydra.core.utils import JobStatus
+
+        if job_return.status != JobStatus.FAILED:
+            return
+        run_dir = OmegaConf.select(config, "hydra.runtime.output_dir")
+        if run_dir and not self.run_dir_existed and _only_hydra_files(str(run_dir)):
+            shutil.rmtree(str(run_dir), ignore_errors=True)  # a failed run leaves no directory
+        # the job's exception, without JobReturn.return_value, which prints hydra's report
+        error = getattr(job_return, "_return_value", None)
+        if isinstance(error, OptionError):
+            refuse(str(error))
