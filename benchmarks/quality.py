@@ -149,6 +149,8 @@ class Runner:
         self.data = os.path.join(prep, "data")
         copy = quality_report.copy_source_scores(os.path.join(self.data, "raw", f"test.{SRC}"),
                                                  os.path.join(self.data, "raw", f"test.{TGT}"))
+        with open(os.path.join(self.data, "raw", f"train.{SRC}"), encoding="utf-8") as f:
+            copy["train_sentences"] = sum(1 for _ in f)
         copy["command"] = command_line(env, argv)
         quality_report.write_json(os.path.join(self.results, "copy_source.json"), copy)
 
