@@ -266,7 +266,8 @@ def scope(out: dict) -> str:
               "train_sentences" in copy else "the Spanish→English Bible corpus shipped with the repository"
               + (f" ({copy['train_sentences']:,} training verse pairs)" if "train_sentences" in copy else ""))
     return (f"What it shows: how each family trains from scratch on {corpus} in the demo's CPU budget "
-            f"({b.get('updates') or 1200} updates, about two epochs, one CPU thread per run), with the spread over "
+            f"({b.get('updates') or 1200} updates{'' if b.get('updates') else ', about two epochs'}, one CPU thread "
+            "per run), with the spread over "
             "seeds and the test set's sampling noise. What it does not: converged models (the papers train 50k+ "
             "updates), larger corpora and models, GPU training in fp16, or the papers' benchmarks (WMT, IWSLT: "
             "see the recipes).")

@@ -154,7 +154,7 @@ def test_markdown_readme_and_ea_fairseq_compare_agree(finished):
     assert readme[readme.index(end):] == original[original.index(end):]
     b = report["systems"]["realformer_lite"]["metrics"]["sacrebleu"]
     assert f"| {b['delta']:+.2f} (p {b['p_all_pairs']:.4f}; {b['agreement']}) |" in readme
-    assert "4 updates per model on CPU" in readme
+    assert "CPU budget (4 updates, one CPU thread per run)" in readme
 
 
 def test_a_finished_run_is_kept_and_another_budget_refused(finished):
