@@ -48,6 +48,11 @@
 #   DEMO_PARALLEL     models trained (and evaluated) at the same time [all of them / one
 #                     per GPU]
 #   DEMO_THREADS      torch CPU threads per model [cores / DEMO_PARALLEL]
+#   DEMO_TRAIN_ARGS   extra fairseq-train options, e.g. "--drop-attention element" [none]
+#   DEMO_CORPUS       directory of the corpus' {train,valid,test}.{es,en}.xz
+#                     [examples/translation/bible-es-en]
+#   DEMO_STOP_AFTER   data: stop once the data is prepared; translation: once the test set
+#                     is translated (no attention maps, no report) [run every stage]
 #   DEMO_FRESH=1      redo every stage (by default finished stages of an identical
 #                     configuration in DEMO_DIR are reused)
 #   EA_FAIRSEQ_VENV   the virtualenv scripts/setup_env.sh creates/uses [.venv in the repository]
@@ -71,7 +76,9 @@ patience="${DEMO_PATIENCE:-5}"
 validate_every="${DEMO_VALIDATE_EVERY:-500}"
 archs="${DEMO_ARCHS:-transformer_lite ea_transformer_lite}"
 max_minutes="${DEMO_MAX_MINUTES:-}"
-corpus="$repo/examples/translation/bible-es-en"
+corpus="${DEMO_CORPUS:-$repo/examples/translation/bible-es-en}"
+stop_after="${DEMO_STOP_AFTER:-}"
+read -r -a extra_train_args <<< "${DEMO_TRAIN_ARGS:-}"
 src=es
 tgt=en
 
@@ -91,6 +98,7 @@ for v in DEMO_UPDATES DEMO_MAX_TOKENS DEMO_WARMUP DEMO_SEED DEMO_BPE_MERGES DEMO
 done  # (counts reach bash arithmetic, which would evaluate any other text as code)
 trap 'rc=$?; [ $rc -eq 0 ] || printf "[demo] FAILED (exit %d) in the stage above; logs are in %s\n" $rc "$work" >&2' EXIT
 
+case "$stop_after" in ""|data|translation) ;; *) die "DEMO_STOP_AFTER must be data or translation (got '$stop_after')" ;; esac
 if [ -n "$max_minutes" ]; then [[ "$max_minutes" =~ ^[0-9]+([.][0-9]+)?$ ]] || die "DEMO_MAX_MINUTES must be a number of minutes"; fi
 for split in train valid test; do
   for l in $src $tgt; do
@@ -186,6 +194,7 @@ else
   grep -E "Dictionary|sents" data/preprocess.log | sed 's/^.*| INFO | fairseq_cli.preprocess | /[demo]   /;s/^INFO:fairseq_cli.preprocess:/[demo]   /' >&2
   echo "$data_cfg" > data/.done
 fi
+if [ "$stop_after" = data ]; then stage "stopping after the data (DEMO_STOP_AFTER=data): $work/data"; exit 0; fi
 
 # ----------------------------------------------------------------------------- 3. training
 # The models train side by side, each with its own share of the cores (one core each on a
@@ -211,6 +220,7 @@ train_args=(
   --max-tokens "$max_tokens" --max-update "$updates" --seed "$seed"
   --save-interval-updates "$save_every" --keep-interval-updates "$n_avg" --no-epoch-checkpoints
   --num-workers 0 --log-format simple --log-interval 25 --no-progress-bar
+  ${extra_train_args[@]+"${extra_train_args[@]}"}
 )
 if [ "$device" = cuda ]; then  # validate every $validate_every updates (not per epoch), stop early
   train_args+=(--fp16 --validate-interval-updates "$validate_every" --validate-interval 1000000
@@ -305,6 +315,10 @@ eval_stamp() { echo "$(cat "train/$1/.done") avg=$n_avg ${gen_args[*]}"; }
 run_stage eval_one "averaging/translation" "train/@ARCH@/eval" eval_stamp \
   "4-5/7 reusing the averaged checkpoint and translations of @ARCH@" \
   "4-5/7 averaging the last $n_avg checkpoints and translating the test set (beam 5): @ARCHS@"
+if [ "$stop_after" = translation ]; then
+  stage "stopping after the translation (DEMO_STOP_AFTER=translation): $work/train/ARCH/eval/generate.out"
+  exit 0
+fi
 
 # ----------------------------------------------------------------------------- 6. attention maps
 # One test sentence, every layer and head of the three attentions of each model, with the
