@@ -149,9 +149,9 @@ class RunChecks(Callback):
         self.run_dir_existed = True
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
-        run_dir = OmegaConf.select(config, "hydra.run.dir")
-        self.run_dir_existed = run_dir is None or os.path.exists(str(run_dir))
         try:
+            run_dir = OmegaConf.select(config, "hydra.run.dir")
+            self.run_dir_existed = run_dir is None or os.path.exists(str(run_dir))
             cfg = job_config(config)
         except Exception:  # noqa: BLE001  (e.g. a ${hydra:...} value not resolvable yet: no checks)
             return
@@ -166,7 +166,8 @@ class RunChecks(Callback):
         run_dir = OmegaConf.select(config, "hydra.runtime.output_dir")
         if run_dir and not self.run_dir_existed and _only_hydra_files(str(run_dir)):
             shutil.rmtree(str(run_dir), ignore_errors=True)  # a failed run leaves no directory
-        # the job's exception, without JobReturn.return_value, which prints hydra's report
+        # the job's exception, without JobReturn.return_value, which prints hydra's report;
+        # in a sweep (-m) hydra reports it, and the other jobs go on
         error = getattr(job_return, "_return_value", None)
-        if isinstance(error, OptionError):
+        if isinstance(error, OptionError) and str(OmegaConf.select(config, "hydra.mode")) != "RunMode.MULTIRUN":
             refuse(str(error))

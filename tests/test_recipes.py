@@ -1058,6 +1058,28 @@ def test_a_short_cpu_run_gives_feedback_and_evaluate_names_its_checkpoints(env, 
     assert f"model: {save}/checkpoint_best.pt" in out and re.search(r"^fairseq tokenized BLEU .*BLEU4 = ", out, re.M)
 
 
+def test_evaluate_sh_names_the_checkpoints_a_run_has(env, tmp_path):
+    """No epoch checkpoints but update ones (a RAN run stopped early): the pointer names
+    averaging by update with as many as there are; none at all: one line saying so."""
+    data, run_dir = tmp_path / "data", tmp_path / "run"
+    data.mkdir()
+    run_dir.mkdir()
+    for name in ("test.de-en.de.idx", "test.de-en.en.idx"):
+        (data / name).write_text("")
+    evaluate = ["bash", RECIPES / "evaluate.sh", run_dir, data, "iwslt", "--cpu"]
+    proc = run(evaluate, env, tmp_path, check=False)
+    assert proc.returncode == 1 and proc.stderr.splitlines() == [
+        f"evaluate.sh: error: no checkpoints in {run_dir} (checkpointE.pt, checkpoint_E_U.pt, checkpoint_best.pt, "
+        "checkpoint_last.pt)"], proc.stderr
+    for name in ("checkpoint_1_5000.pt", "checkpoint_2_10000.pt", "checkpoint_last.pt"):
+        (run_dir / name).write_bytes(b"")
+    proc = run(evaluate, env, tmp_path, check=False)
+    assert proc.returncode == 1 and proc.stderr.splitlines() == [
+        f"evaluate.sh: error: no epoch checkpoints to average in {run_dir} (the run stopped before saving one): "
+        "evaluate with --avg-by update --num-avg 2 (averages its last 2 update checkpoints checkpoint_E_U.pt); "
+        f"or --checkpoint {run_dir}/checkpoint_last.pt"], proc.stderr
+
+
 def test_eval_bleu_validates_with_bleu_and_keeps_the_best_by_it(eval_bleu_run):
     """EVAL_BLEU=1: a BLEU in every validation line, and checkpoint_best.pt saved with that
     BLEU as its score (not the loss)."""

@@ -23,7 +23,8 @@
 #
 # Options (defaults in brackets; the environment variable of the same role in parentheses)
 #   --num-avg N            average the last N checkpoints [10] (NUM_AVG); 1: no averaging,
-#                          the newest epoch/update checkpoint
+#                          the newest epoch/update checkpoint. A run without such checkpoints
+#                          (one shorter than an epoch) stops naming those it has
 #   --avg-by epoch|update  checkpointE.pt or checkpoint_E_U.pt [epoch]
 #   --checkpoint-upper-bound K   ignore checkpoints after epoch/update K
 #   --best                 translate with the run's checkpoint_best.pt (RAN reports it)
