@@ -639,6 +639,17 @@ def test_evaluate_other_wmt_mode_and_errors(wmt14_en_de, env, capsys):
     assert proc.returncode != 0 and "MODE must be" in proc.stderr
 
 
+def test_evaluate_without_comet_scores_bleu_and_says_why(wmt14_en_de, env, tmp_path):
+    """--comet-model where no COMET venv exists: BLEU and chrF are still scored and shown,
+    one line says COMET was not, and the run succeeds (ea-fairseq-bleu's exit 3 is read)."""
+    env = dict(env, EA_FAIRSEQ_COMET_VENV=str(tmp_path / "no-comet-venv"))
+    proc = _evaluate(wmt14_en_de, "wmt", env, "--comet-model", str(tmp_path / "model.ckpt"),
+                     "--out-dir", str(tmp_path / "eval"))
+    assert re.search(r"^detokenized sacreBLEU .*: [0-9.]+", proc.stdout, re.M), proc.stdout
+    assert "chrF" in proc.stdout
+    assert "[evaluate] COMET not scored" in proc.stderr and "setup_comet_env.sh" in proc.stderr
+
+
 def test_compound_split_conventions_on_a_known_example(tmp_path):
     """WMT'14 En-De: fairseq's compound_split_bleu.sh splits generate's lines as they are, the
     tensor2tensor convention joins the aggressive-hyphen "@-@" first; both are reported."""

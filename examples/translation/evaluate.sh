@@ -35,7 +35,8 @@
 #   --subset NAME          split to translate [test]
 #   --raw-ref FILE         raw references for sacreBLEU [DATA_BIN/test.raw.SRC-TGT.TGT]
 #   --out-dir DIR          generate output and scores [CHECKPOINT_DIR/eval]
-#   --comet-model PATH     also score with this COMET checkpoint (pip install 'ea_fairseq[comet]');
+#   --comet-model PATH     also score with this COMET checkpoint, in the COMET venv
+#                          (bash scripts/setup_comet_env.sh; EA_FAIRSEQ_COMET_VENV to move it);
 #                          sources: DATA_BIN/SUBSET.raw.SRC-TGT.SRC if present
 #   --user-dir DIR         plugin [this repository's ea_fairseq]
 #   --max-tokens N [4096]  --cpu
@@ -255,10 +256,24 @@ if [ -n "$comet_model" ]; then
   raw_src="$data/$subset.raw.$src-$tgt.$src"
   if [ -f "$raw_src" ]; then score_opts+=(--raw-src "$raw_src"); fi
 fi
+scorer="$PYTHON"
+if [ -n "$comet_model" ]; then
+  # unbabel-comet needs numpy<2: it lives in its own venv (scripts/setup_comet_env.sh)
+  comet_venv="${EA_FAIRSEQ_COMET_VENV:-$repo/.venv-comet}"
+  if [ -x "$comet_venv/bin/python" ]; then scorer="$comet_venv/bin/python"; fi
+fi
 scores="$out_dir/bleu-$subset.$src-$tgt.txt"
+status=0
 {
   echo "model: $what"
   echo "data: $data ($subset, $src->$tgt), beam $beam, lenpen $lenpen"
-  "$PYTHON" -m ea_fairseq.tools.bleu "$gen" "${score_opts[@]}"
+  "$scorer" -m ea_fairseq.tools.bleu "$gen" "${score_opts[@]}" || status=$?
 } > "$scores"
 cat "$scores"
+# ea-fairseq-bleu exits 3 when BLEU and chrF are scored but COMET could not run (it said why)
+if [ "$status" = 3 ]; then
+  echo "[evaluate] COMET not scored (see the line above); BLEU and chrF are in $scores." \
+       "COMET runs in its own venv: bash scripts/setup_comet_env.sh" >&2
+elif [ "$status" != 0 ]; then
+  exit "$status"
+fi
