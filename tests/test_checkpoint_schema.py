@@ -289,7 +289,7 @@ def test_arbitrary_strings_in_every_string_field_never_run_and_arrive_typed(tmp_
     fields = string_fields(base["cfg"])
     written = []
 
-    @settings(max_examples=60, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(values=st.lists(st.tuples(st.sampled_from(fields), HOSTILE), min_size=1, max_size=4),
            layout=st.sampled_from(["dict", "namespace", "legacy"]))
     def write(values, layout):
