@@ -267,8 +267,8 @@ def test_paths_and_generation_settings_are_not_taken_from_a_checkpoint(tmp_path,
 
 
 # -- property: arbitrary strings in every string field, three layouts, through the hub ------
-PIECES = ["${", "$", "{", "}", "\\x24{", "\\u0024{", "\\N{DOLLAR SIGN}{", "'", '"', "\\", "oc.env:HOME",
-          "common.tensorboard_logdir", "oc.create:", ")", "(", "__import__('os').system('touch MARKER')",
+PIECES = ["${", "$", "{", "}", "\\x24{", "\\u0024{", "\\U00000024{", "\\044{", "\\N{DOLLAR SIGN}{", "'", '"', "\\",
+          "oc.env:HOME", "common.tensorboard_logdir", "oc.create:", ")", "(", "__import__('os').system('touch MARKER')",
           "' + str(__import__('os').system('touch MARKER')) + '", "[1, 2]", "{'a': 1}", ",", ":", "\n", "0"]
 HOSTILE = st.one_of(st.lists(st.sampled_from(PIECES), max_size=6).map("".join), st.text(max_size=8),
                     st.tuples(st.text(max_size=3), st.sampled_from(PIECES)).map("".join))
