@@ -186,7 +186,13 @@ def small_model_asking_big(state):
     return state
 
 
+def base_layers(state):
+    state["cfg"]["model"].base_layers = 1_000_000  # fairseq adds that many BASE layers to the decoder
+    return state
+
+
 SIZE_ATTACKS = {
+    "base-layers": (base_layers, "cfg.model.base_layers = 1000000: more than the 2 layers"),
     "nested-section": (nested_layers, "cfg.model.encoder_layers = 100000: more than the 2 encoder layers"),
     "un-prefixed-alias": (alias_layers, "cfg.model.encoder_layers = 100000: more than the 2 encoder layers"),
     "layers-to-keep": (layers_to_keep, "cfg.model.encoder_layers_to_keep = '0,0,0"),

@@ -67,6 +67,15 @@ def typed(value: Any, tp: Any, name: str) -> Any:
     tp, optional = _unwrap_optional(tp)
     if name in EVALUATED_FIELDS and tp in (str, Any, object):  # fairseq evaluates the text
         return _evaluated_value(name, value)
+    if typing.get_origin(tp) is typing.Union:  # one of several types: the first that takes it
+        if value is None and type(None) in typing.get_args(tp):
+            return None
+        for option in typing.get_args(tp):
+            try:
+                return typed(value, option, name)
+            except _Refused:
+                continue
+        raise _Refused(f"a {type(value).__name__} where fairseq declares {_type_name(tp)}")
     if value is None:
         if optional or tp is Any:
             return None
@@ -123,7 +132,9 @@ def _any_value(value: Any) -> Any:
 
 
 def _type_name(tp) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+    if typing.get_origin(tp) is typing.Union:
+        return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None))
+    return str(tp).replace("typing.", "") if typing.get_origin(tp) else getattr(tp, "__name__", str(tp))
 
 
 def _fields(section: Any) -> Optional[Dict[str, Any]]:
