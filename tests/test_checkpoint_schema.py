@@ -272,6 +272,20 @@ def test_paths_and_generation_settings_are_not_taken_from_a_checkpoint(tmp_path,
     assert hub(tmp_path / "model", tiny_data_bin, lenpen=2.0).cfg.generation.lenpen == 2.0  # the caller's
 
 
+def test_bpe_and_tokenizer_files_are_not_taken_from_a_checkpoint(tmp_path, vanilla, caplog):
+    """The hub builds the BPE from ``cfg.bpe``: its files are the caller's (the hub passes a
+    ``code`` file found beside the model), never the checkpoint's."""
+    from omegaconf import OmegaConf
+
+    state = trusted_state(vanilla)
+    state["cfg"]["bpe"] = {"_name": "subword_nmt", "bpe_codes": "/etc/passwd", "bpe_separator": "@@"}
+    with caplog.at_level("WARNING"):
+        loaded = checkpoint_utils.load_checkpoint_to_cpu(str(saved(state, tmp_path)))
+    assert OmegaConf.is_missing(loaded["cfg"].bpe, "bpe_codes") and loaded["cfg"].bpe.bpe_separator == "@@"
+    assert any("cfg.bpe.bpe_codes='/etc/passwd'" in r.getMessage() for r in caplog.records)
+    assert unguarded_load(tmp_path / "c.pt")["cfg"].bpe.bpe_codes == "/etc/passwd"  # fairseq's own loader
+
+
 # -- property: arbitrary strings in every string field, three layouts, through the hub ------
 PIECES = ["${", "$", "{", "}", "\\x24{", "\\u0024{", "\\U00000024{", "\\044{", "\\N{DOLLAR SIGN}{", "'", '"', "\\",
           "oc.env:HOME", "common.tensorboard_logdir", "oc.create:", ")", "(", "__import__('os').system('touch MARKER')",
