@@ -186,7 +186,13 @@ def small_model_asking_big(state):
     return state
 
 
+def base_layers(state):
+    state["cfg"]["model"].base_layers = 1_000_000  # fairseq adds that many BASE layers to the decoder
+    return state
+
+
 SIZE_ATTACKS = {
+    "base-layers": (base_layers, "cfg.model.base_layers = 1000000: more than the 2 layers"),
     "nested-section": (nested_layers, "cfg.model.encoder_layers = 100000: more than the 2 encoder layers"),
     "un-prefixed-alias": (alias_layers, "cfg.model.encoder_layers = 100000: more than the 2 encoder layers"),
     "layers-to-keep": (layers_to_keep, "cfg.model.encoder_layers_to_keep = '0,0,0"),
@@ -266,9 +272,23 @@ def test_paths_and_generation_settings_are_not_taken_from_a_checkpoint(tmp_path,
     assert hub(tmp_path / "model", tiny_data_bin, lenpen=2.0).cfg.generation.lenpen == 2.0  # the caller's
 
 
+def test_bpe_and_tokenizer_files_are_not_taken_from_a_checkpoint(tmp_path, vanilla, caplog):
+    """The hub builds the BPE from ``cfg.bpe``: its files are the caller's (the hub passes a
+    ``code`` file found beside the model), never the checkpoint's."""
+    from omegaconf import OmegaConf
+
+    state = trusted_state(vanilla)
+    state["cfg"]["bpe"] = {"_name": "subword_nmt", "bpe_codes": "/etc/passwd", "bpe_separator": "@@"}
+    with caplog.at_level("WARNING"):
+        loaded = checkpoint_utils.load_checkpoint_to_cpu(str(saved(state, tmp_path)))
+    assert OmegaConf.is_missing(loaded["cfg"].bpe, "bpe_codes") and loaded["cfg"].bpe.bpe_separator == "@@"
+    assert any("cfg.bpe.bpe_codes='/etc/passwd'" in r.getMessage() for r in caplog.records)
+    assert unguarded_load(tmp_path / "c.pt")["cfg"].bpe.bpe_codes == "/etc/passwd"  # fairseq's own loader
+
+
 # -- property: arbitrary strings in every string field, three layouts, through the hub ------
-PIECES = ["${", "$", "{", "}", "\\x24{", "\\u0024{", "\\N{DOLLAR SIGN}{", "'", '"', "\\", "oc.env:HOME",
-          "common.tensorboard_logdir", "oc.create:", ")", "(", "__import__('os').system('touch MARKER')",
+PIECES = ["${", "$", "{", "}", "\\x24{", "\\u0024{", "\\U00000024{", "\\044{", "\\N{DOLLAR SIGN}{", "'", '"', "\\",
+          "oc.env:HOME", "common.tensorboard_logdir", "oc.create:", ")", "(", "__import__('os').system('touch MARKER')",
           "' + str(__import__('os').system('touch MARKER')) + '", "[1, 2]", "{'a': 1}", ",", ":", "\n", "0"]
 HOSTILE = st.one_of(st.lists(st.sampled_from(PIECES), max_size=6).map("".join), st.text(max_size=8),
                     st.tuples(st.text(max_size=3), st.sampled_from(PIECES)).map("".join))
@@ -289,7 +309,7 @@ def test_arbitrary_strings_in_every_string_field_never_run_and_arrive_typed(tmp_
     fields = string_fields(base["cfg"])
     written = []
 
-    @settings(max_examples=60, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(values=st.lists(st.tuples(st.sampled_from(fields), HOSTILE), min_size=1, max_size=4),
            layout=st.sampled_from(["dict", "namespace", "legacy"]))
     def write(values, layout):

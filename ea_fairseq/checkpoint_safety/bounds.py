@@ -73,7 +73,8 @@ LIMIT_UNSTORED_POSITIONS = 1024  # a plugin position limit above the weights' la
 # and Syn-R's defaults, 256, are stored whether or not those attentions are used)
 _LAYERS = re.compile(r"(encoder|decoder)\.layers\.(\d+)\.")
 _KEEP = re.compile(r"\d{1,6}(,\d{1,6})*")
-_SIZED = ("_dim", "_heads", "_positions", "_sizes", "_size")  # fields that size a tensor fairseq allocates
+_SIZED = ("_dim", "_heads", "_positions", "_sizes", "_size", "_window", "_layers")  # fields sizing what fairseq
+# allocates (encoder_layers/decoder_layers, base_layers and base_sublayers: bounded by the layers held)
 
 
 def weight_sizes(weights: Any) -> Tuple[Dict[str, int], int]:
@@ -94,9 +95,10 @@ def weight_sizes(weights: Any) -> Tuple[Dict[str, int], int]:
 def check_model_sizes(fields: Mapping[str, Any], weights: Any, where: str, source: str) -> None:
     """The typed, flat model configuration ``fields`` (nested sections and un-prefixed aliases
     already read into it) may not ask fairseq to build more than ``weights`` describe:
-    ``encoder_layers``/``decoder_layers`` at most the layers the weights hold,
-    ``*_layers_to_keep`` indices of those layers, and every ``*_dim``, ``*_heads``,
-    ``*_positions``, ``*_size(s)`` at most the largest dimension of a tensor of the weights
+    ``encoder_layers``/``decoder_layers`` (and ``base_layers``/``base_sublayers``) at most the
+    layers the weights hold, ``*_layers_to_keep`` indices of those layers, and every ``*_dim``
+    and ``*_heads`` (at least 1), ``*_positions``, ``*_size(s)``, ``*_window`` and other
+    ``*_layers`` at most the largest dimension of a tensor of the weights
     (``max_source_positions``/``max_target_positions``: at most :data:`LIMIT_POSITIONS`; the
     plugin's ``*_positions``: at most :data:`LIMIT_UNSTORED_POSITIONS` if larger), so that
     a small file cannot make fairseq allocate a huge model before it compares the weights."""
@@ -114,16 +116,20 @@ def check_model_sizes(fields: Mapping[str, Any], weights: Any, where: str, sourc
         if side and type(value) is int and value > layers[side]:
             refuse(name, value, f"more than the {layers[side]} {side} layers its weights hold")
         if name in ("encoder_layers_to_keep", "decoder_layers_to_keep") and value is not None:
-            side = name.split("_")[0]
-            kept = value.split(",") if type(value) is str and _KEEP.fullmatch(value) else None
-            if kept is None or len(kept) > layers[side] or any(int(i) >= layers[side] for i in kept):
-                refuse(name, value, f"not a comma-separated list of the {layers[side]} {side} layers its "
+            held = layers[name.split("_")[0]]
+            kept = value.split(",") if type(value) is str and _KEEP.fullmatch(value) else (
+                value if type(value) is list and all(type(i) is int and i >= 0 for i in value) else None)
+            if kept is None or len(kept) > held or any(int(i) >= held for i in kept):
+                refuse(name, value, f"not a comma-separated list of the {held} {name.split('_')[0]} layers its "
                                     "weights hold")
-        if not name.endswith(_SIZED):
+        if name in ("base_layers", "base_sublayers") and type(value) is int and value > max(layers.values()):
+            refuse(name, value, f"more than the {max(layers.values())} layers its weights hold")
+        if not name.endswith(_SIZED) or side or name.startswith("base_"):
             continue
         limit = LIMIT_POSITIONS if name in ("max_source_positions", "max_target_positions") else (
             max(largest, LIMIT_UNSTORED_POSITIONS) if name.endswith("_positions") else largest)
         values = value if type(value) in (list, tuple) else [value]
-        if any(type(v) is int and v > limit for v in values):
-            refuse(name, value, f"more than the largest dimension of its weights ({largest})"
-                   if limit == largest else f"more than {limit} positions (its weights' largest dimension: {largest})")
+        if any(type(v) is int and (v > limit or (v < 1 and name.endswith(("_dim", "_heads")))) for v in values):
+            refuse(name, value, "less than 1" if min(values) < 1 else
+                   f"more than the largest dimension of its weights ({largest})" if limit == largest else
+                   f"more than {limit} positions (its weights' largest dimension: {largest})")

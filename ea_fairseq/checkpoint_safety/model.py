@@ -3,16 +3,18 @@
 The plugin's models and fairseq's ``TransformerModel`` are configured by argparse options
 (``add_args``) and the fields their architecture functions fill in; those, typed by fairseq's
 ``TransformerConfig`` where it declares the field and by the option itself otherwise (a flag
-is a bool, ``choices`` an enum, ``nargs`` a list), are the fields the section may hold. fairseq's ``TransformerConfig.from_namespace``
-also reads nested ``encoder``/``decoder``/``quant_noise`` sections (where no flat field is
-given, with the dataclass defaults for the rest) and un-prefixed aliases (``layers`` for both
-``encoder_layers`` and ``decoder_layers``): they are read here into the flat fields, as fairseq
-would read them, and then checked and bounded like them
-(:func:`~ea_fairseq.checkpoint_safety.bounds.check_model_sizes`).
+is a bool, ``choices`` an enum, ``nargs`` a list), are the fields the section may hold.
+fairseq's ``TransformerConfig.from_namespace`` also reads nested ``encoder``/``decoder``/
+``quant_noise`` sections (where no flat field is given, with the dataclass defaults for the
+rest) and un-prefixed aliases (``layers`` for both ``encoder_layers`` and ``decoder_layers``):
+they are read here into the flat fields, as fairseq would read them, and then checked and
+bounded like them (:func:`~ea_fairseq.checkpoint_safety.bounds.check_model_sizes`).
+``*_layers_to_keep`` stays the comma-separated string the legacy model splits.
 """
 import argparse
 import dataclasses
 import functools
+import typing
 from typing import Any, Dict, List, Optional
 
 from .literals import EVALUATED_FIELDS, UNUSED_FIELDS
@@ -34,6 +36,8 @@ def _transformer_types() -> Dict[str, Any]:
                 types[f"{field.name}_{sub.name}"] = sub.type
         elif not field.name.startswith("_"):
             types[field.name] = field.type
+    for side in ("encoder", "decoder"):  # the legacy model splits a string "0,2" (bounds.py checks both forms)
+        types[f"{side}_layers_to_keep"] = Optional[typing.Union[str, List[int]]]
     return types
 
 

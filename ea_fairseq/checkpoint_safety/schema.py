@@ -16,7 +16,8 @@ reads in place of the flat fields, are read into the flat fields, so they are bo
 Load-time effects are not taken from a checkpoint: the ``generation`` section is fairseq's
 defaults (the caller's overrides apply on top; the values dropped are logged in one line), and
 the fields naming files fairseq would open while loading (:data:`PATH_FIELDS`) take their
-defaults (None), logged.
+defaults (None), logged; languages, which fairseq puts in file names, are codes
+(:data:`LANGUAGE_FIELDS`).
 """
 import argparse
 import copy
@@ -41,6 +42,8 @@ PATH_FIELDS = frozenset({
     "encoder_embed_path", "decoder_embed_path", "replace_unk", "lm_path", "bpe_codes", "bpe_merges",
     "bpe_vocab", "bpe_vocab_file", "sentencepiece_model", "sentencepiece_model_path", "gpt2_encoder_json",
     "gpt2_vocab_bpe", "quantization_config_path"})
+LANGUAGE_FIELDS = frozenset({"source_lang", "target_lang"})  # put in file names (dict.{lang}.txt)
+_LANGUAGE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 REGISTRY_SECTIONS = ("task", "criterion", "optimizer", "lr_scheduler", "scoring", "bpe", "tokenizer")
 _INTEGER, _NUMBER = re.compile(r"[-+]?\d{1,19}"), re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d{1,3})?")
 
@@ -64,6 +67,15 @@ def typed(value: Any, tp: Any, name: str) -> Any:
     tp, optional = _unwrap_optional(tp)
     if name in EVALUATED_FIELDS and tp in (str, Any, object):  # fairseq evaluates the text
         return _evaluated_value(name, value)
+    if typing.get_origin(tp) is typing.Union:  # one of several types: the first that takes it
+        if value is None and type(None) in typing.get_args(tp):
+            return None
+        for option in typing.get_args(tp):
+            try:
+                return typed(value, option, name)
+            except _Refused:
+                continue
+        raise _Refused(f"a {type(value).__name__} where fairseq declares {_type_name(tp)}")
     if value is None:
         if optional or tp is Any:
             return None
@@ -92,6 +104,8 @@ def typed(value: Any, tp: Any, name: str) -> Any:
     if tp is float and type(value) in (int, float) and math.isfinite(value):
         return float(value)
     if tp is str and type(value) is str:
+        if name in LANGUAGE_FIELDS and not _LANGUAGE.fullmatch(value):
+            raise _Refused("not a language code ([A-Za-z0-9_-]+); fairseq puts it in the dictionaries' file names")
         return value
     raise _Refused(f"a {type(value).__name__} where fairseq declares {_type_name(tp)}")
 
@@ -118,7 +132,9 @@ def _any_value(value: Any) -> Any:
 
 
 def _type_name(tp) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+    if typing.get_origin(tp) is typing.Union:
+        return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None))
+    return str(tp).replace("typing.", "") if typing.get_origin(tp) else getattr(tp, "__name__", str(tp))
 
 
 def _fields(section: Any) -> Optional[Dict[str, Any]]:
