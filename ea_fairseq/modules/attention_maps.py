@@ -285,7 +285,8 @@ class LogitMapAttention(AttentionMechanism, MultiheadAttention):
         does no arithmetic on ``-inf``).
         ``logits`` is a fresh score tensor, which autograd does not keep: it may be
         changed in place. ``query_padding_mask`` (batch, tgt) marks padded query rows
-        (self-attention in a full forward pass only). Here: just the masking.
+        (self-attention in a full forward pass; encoder-decoder attention where its
+        decoder layer hands on the target padding), or is None. Here: just the masking.
         """
         return fill_masked_(logits, masked, float("-inf"))
 
@@ -378,6 +379,11 @@ class LogitMapAttention(AttentionMechanism, MultiheadAttention):
         query_padding_mask = None
         if self.self_attention and incremental_state is None and key_padding_mask is not None:
             query_padding_mask = key_padding_mask.to(torch.bool)
+        elif self.encoder_decoder_attention and self.attention_maps is not None:
+            # the target padding, which the decoder layer hands on (left-padded targets)
+            target_padding = self.attention_maps.previous("target_padding")
+            if target_padding is not None and target_padding.shape == (bsz, tgt_len):
+                query_padding_mask = target_padding.to(torch.bool)
         if before_softmax:
             logits = self.transform_logits(logits, masked, query_padding_mask, incremental_state)
             return logits.view(bsz * self.num_heads, tgt_len, -1), v
