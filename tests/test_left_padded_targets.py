@@ -213,3 +213,40 @@ def test_fairseq_train_with_left_pad_target(tmp_path, tiny_data_bin, arch):
     for name in ("loss", "gnorm"):
         values = re.findall(rf"\b{name}[= ]([-+]?(?:\d[\d.e+-]*|nan|inf))", log)
         assert len(values) >= 3 and all(math.isfinite(float(v)) for v in values), (name, values)
+
+
+@pytest.mark.parametrize("layout", ["causal", "rows"])
+def test_fused_decoding_step_gives_a_keyless_row_zero_weights(layout):
+    """The CPU accelerator's fused step (softmax and value product in C++) on a hypothesis
+    whose every key is masked: zero weights and context, as the reference gives (which
+    torch.softmax alone would make NaN); the other hypotheses as the reference."""
+    from fairseq.modules import MultiheadAttention
+
+    from ea_fairseq.modules import AttentionMapCarrier, EvolvingAttention
+    from ea_fairseq.modules.evolving_attention import ConvRowCache, evolving_attention
+
+    torch.manual_seed(0)
+    mha = MultiheadAttention(16, 4, self_attention=layout == "causal", encoder_decoder_attention=layout == "rows")
+    attn = EvolvingAttention.promote(mha, slot="self", alpha=0.0, beta=0.4, kernel_size=3,
+                                     conv_layout=layout, hand_on=False)
+    attn.attach(AttentionMapCarrier())
+    masked = torch.zeros(3, 1, 1, 5, dtype=torch.bool)
+    masked[1] = True  # hypothesis 1 sees no key
+    empty = ms.fully_masked_rows(masked)
+    logits = torch.randn(3, 4, 1, 5).masked_fill(masked, float("-inf"))
+    v = torch.randn(3 * 4, 5, 4)
+    outs = []
+    with torch.no_grad():
+        for reference in (False, True):
+            with accelerators.reference_only() if reference else torch.no_grad():
+                outs.append(evolving_attention(logits.clone(), None, masked, masked, attn.params(),
+                                               cache=ConvRowCache({}), values=v, empty=empty))
+    fused, ref = outs
+    with torch.no_grad():  # the accelerator took the call (not a fallback to the reference)
+        (accelerator,) = accelerators.registered("evolving_attention")
+        assert accelerator(logits.clone(), None, masked, masked, attn.params(), cache=ConvRowCache({}),
+                           values=v, empty=empty) is not NotImplemented
+    assert torch.equal(fused.probs[1], torch.zeros_like(fused.probs[1]))
+    assert torch.equal(fused.context[:, 1], torch.zeros_like(fused.context[:, 1]))
+    torch.testing.assert_close(fused.probs, ref.probs, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused.context, ref.context, rtol=1e-5, atol=1e-6)
