@@ -70,8 +70,9 @@ class EATransformerDecoderLayer(TransformerDecoderLayerBase):
         padding (fairseq gives it only the source's), whose rows a map transform treats as
         neutral: left-padded targets' padded rows then do not reach real rows."""
         carrier = getattr(self.encoder_attn, "attention_maps", None)
-        if carrier is not None:
-            carrier.hand_on("target_padding", kwargs.get("self_attn_padding_mask"))
+        target_padding = kwargs.get("self_attn_padding_mask")
+        if carrier is not None and target_padding is not None:  # (the carrier is emptied per pass)
+            carrier.hand_on("target_padding", target_padding)
         return super().forward(x, *args, **kwargs)
 
 
