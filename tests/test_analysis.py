@@ -115,7 +115,10 @@ def test_capture_every_layer_and_head_without_changing_the_model(arch, dictionar
         assert len(kinds["weights"]) == layers[name]
         for w in kinds["weights"]:
             assert tuple(w.shape) == shapes[name]
-            assert torch.allclose(w.sum(-1), torch.ones(()), atol=1e-5)
+            if arch == "hcsa_lite" and name != "decoder.cross":  # the density, unnormalised
+                assert (w.sum(-1) <= 1 + 1e-6).all() and (w.sum(-1) > 0.2).all()
+            else:
+                assert torch.allclose(w.sum(-1), torch.ones(()), atol=1e-5)
     # fairseq's own alignment output is the head average of the last cross-attention
     assert torch.allclose(maps["decoder.cross"]["weights"][-1].mean(1), extra["attn"][0], atol=1e-6)
     # causal decoder maps, padded source keys get nothing

@@ -65,6 +65,16 @@ class EATransformerDecoderLayer(TransformerDecoderLayerBase):
         fairseq_attention = partial(super().build_encoder_attention, cfg=cfg)
         return variants.build_attention("cross", fairseq_attention, embed_dim, cfg, self.layer_index)
 
+    def forward(self, x, *args, **kwargs):
+        """fairseq's layer; the encoder-decoder attention of a mechanism is handed the target
+        padding (fairseq gives it only the source's), whose rows a map transform treats as
+        neutral: left-padded targets' padded rows then do not reach real rows."""
+        carrier = getattr(self.encoder_attn, "attention_maps", None)
+        target_padding = kwargs.get("self_attn_padding_mask")
+        if carrier is not None and target_padding is not None:  # (the carrier is emptied per pass)
+            carrier.hand_on("target_padding", target_padding)
+        return super().forward(x, *args, **kwargs)
+
 
 def wrap_layer(layer, cfg):
     """fairseq's wrapping policy for a layer this plugin builds itself (see its

@@ -38,8 +38,7 @@ attention, a module of its own without query and key projections, shares.
 """
 import inspect
 from collections import OrderedDict
-from contextlib import contextmanager
-from typing import Callable, Dict, List, Optional, Tuple, TypeVar
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -48,59 +47,11 @@ from fairseq.modules import MultiheadAttention
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
+from .attention_map_carrier import AttentionMapCarrier, shared_in_pass  # noqa: F401  (re-exported)
+from .attention_masks import (fill_masked, fill_masked_, masked_entries,  # noqa: F401  (re-exported)
+                              neutral_entries, pad_rows_to)
 from .masked_softmax import attention_weights, fully_masked_rows  # noqa: F401  (one softmax for all)
-
-T = TypeVar("T")
-
-
-def shared_in_pass(carrier: Optional["AttentionMapCarrier"], name: str,
-                   inputs: Tuple[Optional[Tensor], ...], compute: Callable[[], T]) -> T:
-    """:meth:`AttentionMapCarrier.shared`, or ``compute()`` for a module without a stack."""
-    return compute() if carrier is None else carrier.shared(name, inputs, compute)
-
-
-class AttentionMapCarrier:
-    """Hands each layer's attention logits to the next layer of the same stack.
-
-    One carrier is owned by an encoder or a decoder and shared by its layers' attention
-    modules (``slot`` names the attention kind: ``"self"`` or ``"cross"``). It is a plain
-    object, not a module: it never enters the state dict, and :meth:`scope` empties it
-    before and after every forward pass of its stack, so no tensor (or autograd graph)
-    outlives the pass that made it.
-    """
-
-    def __init__(self):
-        self._last: Dict[str, Tensor] = {}
-        self._shared: List[Tuple[str, Tuple[Optional[Tensor], ...], object]] = []
-
-    @contextmanager
-    def scope(self):
-        self._last.clear()
-        self._shared.clear()
-        try:
-            yield self
-        finally:
-            self._last.clear()
-            self._shared.clear()
-
-    def shared(self, name: str, inputs: Tuple[Optional[Tensor], ...], compute: Callable[[], T]) -> T:
-        """``compute()``, once per forward pass for the same ``inputs`` (the same tensor
-        objects): what every layer of the stack derives alike from the pass's masks."""
-        for entry_name, entry_inputs, value in self._shared:
-            if entry_name == name and len(entry_inputs) == len(inputs) and all(
-                    a is b for a, b in zip(entry_inputs, inputs)):
-                return value
-        value = compute()
-        self._shared.append((name, inputs, value))
-        return value
-
-    def previous(self, slot: str) -> Optional[Tensor]:
-        """The logits the previous layer handed on for ``slot`` (None in the first layer)."""
-        return self._last.get(slot)
-
-    def hand_on(self, slot: str, logits: Tensor) -> None:
-        self._last[slot] = logits
-
+from .weighted_values import fairseq_weights, value_product  # noqa: F401  (re-exported)
 
 class AttentionMechanism:
     """What every attention of this plugin shares, whether it computes its logits from
@@ -285,7 +236,8 @@ class LogitMapAttention(AttentionMechanism, MultiheadAttention):
         does no arithmetic on ``-inf``).
         ``logits`` is a fresh score tensor, which autograd does not keep: it may be
         changed in place. ``query_padding_mask`` (batch, tgt) marks padded query rows
-        (self-attention in a full forward pass only). Here: just the masking.
+        (self-attention in a full forward pass; encoder-decoder attention where its
+        decoder layer hands on the target padding), or is None. Here: just the masking.
         """
         return fill_masked_(logits, masked, float("-inf"))
 
@@ -378,6 +330,11 @@ class LogitMapAttention(AttentionMechanism, MultiheadAttention):
         query_padding_mask = None
         if self.self_attention and incremental_state is None and key_padding_mask is not None:
             query_padding_mask = key_padding_mask.to(torch.bool)
+        elif self.encoder_decoder_attention and self.attention_maps is not None:
+            # the target padding, which the decoder layer hands on (left-padded targets)
+            target_padding = self.attention_maps.previous("target_padding")
+            if target_padding is not None and target_padding.shape == (bsz, tgt_len):
+                query_padding_mask = target_padding.to(torch.bool)
         if before_softmax:
             logits = self.transform_logits(logits, masked, query_padding_mask, incremental_state)
             return logits.view(bsz * self.num_heads, tgt_len, -1), v
@@ -519,93 +476,3 @@ class LogitMapAttention(AttentionMechanism, MultiheadAttention):
         """
         incremental_state = MultiheadAttention.reorder_incremental_state(self, incremental_state, new_order)
         return super().reorder_incremental_state(incremental_state, new_order)
-
-
-def value_product(probs: Tensor, v: Tensor, bsz: int, tgt_len: int) -> Tensor:
-    """The weighted sum of values, (T, B, H * head_dim): the output projection's input.
-    ``probs`` is (B, H, T, S), ``v`` (B_kv * H, S, head_dim)."""
-    heads, src_len = probs.size(1), probs.size(-1)
-    kv_bsz, head_dim = v.size(0) // heads, v.size(-1)
-    if kv_bsz != bsz:
-        # beam search shares the encoder's keys/values across a sentence's beams: the
-        # beams' rows go into one matmul per sentence and head (a broadcasting matmul
-        # would copy v once per beam)
-        beams = bsz // kv_bsz
-        rows = probs.view(kv_bsz, beams, heads, tgt_len, src_len).transpose(1, 2)
-        out = torch.bmm(rows.reshape(kv_bsz * heads, beams * tgt_len, src_len), v)
-        out = out.view(kv_bsz, heads, beams, tgt_len, head_dim).permute(3, 0, 2, 1, 4)
-    else:
-        out = torch.bmm(probs.view(bsz * heads, tgt_len, src_len), v)
-        out = out.view(bsz, heads, tgt_len, head_dim).permute(2, 0, 1, 3)  # (T, B, H, head_dim)
-    return out.reshape(tgt_len, bsz, heads * head_dim)
-
-
-def fairseq_weights(probs: Tensor, need_weights: bool, need_head_weights: bool) -> Optional[Tensor]:
-    """The weights fairseq's attention returns: per head (heads x batch x tgt x src) or
-    averaged over heads, or None when not asked for."""
-    if not (need_weights or need_head_weights):
-        return None
-    weights = probs.transpose(1, 0)
-    return weights if need_head_weights else weights.mean(dim=0)
-
-
-def masked_entries(logits: Tensor, key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor],
-                   carrier: Optional[AttentionMapCarrier] = None) -> Optional[Tensor]:
-    """The entries fairseq masked in ``logits`` (B, H, T, S), as a broadcastable bool mask.
-
-    fairseq writes both masks as ``-inf``: padded keys (``key_padding_mask``, B x S) and
-    future positions (``attn_mask``, T x S, additive). Built from the small masks when they
-    describe the whole map, from the logits themselves otherwise (e.g. the key padding of
-    one incremental step, which fairseq extends with its cached keys). None when there is no
-    mask at all, so that callers skip the masking passes. Decided from shapes only: no
-    look at the masks' values, which on a GPU would wait for the device. From the small
-    masks, computed once per pass of the stack (``carrier``): every layer gets the same.
-    """
-    bsz, _, tgt_len, src_len = logits.shape
-    if ((key_padding_mask is not None and key_padding_mask.shape != (bsz, src_len))
-            or (attn_mask is not None and attn_mask.shape != (tgt_len, src_len))):
-        return torch.isneginf(logits)
-    if key_padding_mask is None and attn_mask is None:
-        return None
-    return shared_in_pass(carrier, "masked", (key_padding_mask, attn_mask),
-                          lambda: _masked_from(key_padding_mask, attn_mask))
-
-
-def _masked_from(key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor]) -> Tensor:
-    masked = None
-    if key_padding_mask is not None:
-        if key_padding_mask.dtype != torch.bool:
-            key_padding_mask = key_padding_mask.to(torch.bool)
-        masked = key_padding_mask[:, None, None, :]
-    if attn_mask is not None:
-        future = attn_mask if attn_mask.dtype == torch.bool else torch.isneginf(attn_mask)
-        masked = future[None, None] if masked is None else masked | future[None, None]
-    return masked
-
-
-def neutral_entries(masked: Optional[Tensor], query_padding_mask: Optional[Tensor]) -> Optional[Tensor]:
-    """Entries a map transform must treat as neutral zeros: ``masked`` plus padded query rows."""
-    if query_padding_mask is None:
-        return masked
-    padded_rows = query_padding_mask[:, None, :, None]
-    return padded_rows if masked is None else masked | padded_rows
-
-
-def fill_masked(values: Tensor, mask: Optional[Tensor], fill: float) -> Tensor:
-    """``values.masked_fill(mask, fill)``; ``values`` itself when ``mask`` is None."""
-    return values if mask is None else values.masked_fill(mask, fill)
-
-
-def fill_masked_(values: Tensor, mask: Optional[Tensor], fill: float) -> Tensor:
-    """In-place :func:`fill_masked`."""
-    if mask is None:
-        return values
-    if values.requires_grad and values._base is not None:
-        return values.masked_fill(mask, fill)
-    return values.masked_fill_(mask, fill)
-
-
-def pad_rows_to(rows: Tensor, width: int) -> Tensor:
-    """Right-pad cached map rows (B, H, R, S') with zeros to ``width`` key columns."""
-    missing = width - rows.size(-1)
-    return F.pad(rows, (0, missing)) if missing > 0 else rows

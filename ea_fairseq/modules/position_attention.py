@@ -25,7 +25,8 @@ from fairseq.modules.fairseq_dropout import FairseqDropout
 from fairseq.modules.quant_noise import quant_noise
 from torch import Tensor
 
-from .attention_maps import AttentionMechanism, _masked_from, shared_in_pass
+from .attention_maps import AttentionMechanism, shared_in_pass
+from .attention_masks import _masked_from
 from .masked_softmax import fully_masked_rows
 
 
