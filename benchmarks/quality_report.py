@@ -182,7 +182,7 @@ def build(results: str) -> dict:
                 "train_wall_s": r.get("train_wall_s"), "wall_s": r.get("wall_s"), "cpu_s": r.get("cpu_s"),
                 "load_at_start": r.get("load_at_start"), "load_at_end": r.get("load_at_end"),
                 "started": r.get("started"), "machine": r["machine"], "commands": r["commands"],
-                "demo_train_stamp": r.get("demo_train_stamp"),
+                "demo_train_stamp": r.get("demo_train_stamp"), "log_tail": r.get("log_tail"),
                 "failure": r.get("failure")}
             if r["machine"] not in out["machines"]:
                 out["machines"].append(r["machine"])
@@ -311,6 +311,10 @@ def markdown(out: dict, compare: dict) -> str:
     lines += ["## Findings", ""]
     lines += [f"* {x}" for x in out["findings"]] or ["None: every finished run trained (finite, falling loss) "
                                                      "and scores above the copy-the-source baseline."]
+    for sname, e in out["systems"].items():
+        for k, r in e["runs"].items():
+            if r["status"] != "finished" and r.get("log_tail"):
+                lines += ["", f"{sname} seed {k}, the end of its log:", "", "```", *r["log_tail"][-12:], "```"]
     lines += ["", "## Runs", "", "Times of one run (`scripts/demo.sh` for one system and seed, then "
               "`ea-fairseq-bleu`): *train* is fairseq-train's wall clock (the demo's), *run* the whole run's, "
               "*CPU* user + system time of every process of the run. Other jobs shared the 2 cores "
