@@ -167,3 +167,18 @@ def test_a_finished_run_is_kept_and_another_budget_refused(finished):
     assert other.returncode != 0
     assert other.stderr.strip().splitlines()[-1].startswith("quality.py: ")
     assert "another budget" in other.stderr and "Traceback" not in other.stderr
+
+
+def test_bad_arguments_get_one_line(tmp_path):
+    unknown = quality("run", "--systems", "transformer_lite", "bogus_lite", "--results-dir", tmp_path / "r",
+                      "--work-dir", tmp_path / "w", check=False)
+    assert unknown.returncode != 0 and "Traceback" not in unknown.stderr
+    (line,) = unknown.stderr.strip().splitlines()
+    assert line.startswith("quality.py: unknown system(s) bogus_lite; known: transformer_lite, ea_transformer_lite")
+    outside = quality("run", "--commit", "--results-dir", tmp_path / "r", "--work-dir", tmp_path / "w", check=False)
+    assert outside.returncode != 0 and "outside the repository" in outside.stderr.strip().splitlines()[-1]
+    demo = subprocess.run(["bash", str(REPO / "scripts" / "demo.sh")], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "DEMO_DIR": str(tmp_path / "d"), "DEMO_STOP_AFTER": "bogus"})
+    assert demo.returncode != 0
+    assert "DEMO_STOP_AFTER must be data or translation (got 'bogus')" in demo.stderr
+    assert not (tmp_path / "d").exists()  # refused before any stage
