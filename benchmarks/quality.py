@@ -117,6 +117,7 @@ class Runner:
         self.results = os.path.abspath(args.results_dir)
         self.work = os.path.abspath(os.path.expanduser(args.work_dir))
         self.lock = threading.Lock()
+        self.publishers = []
         self.machine = machine()
 
     # ------------------------------------------------------------------ data, configuration
@@ -218,11 +219,17 @@ class Runner:
         record.update(wall_s=wall + record.get("score_wall_s", 0), cpu_s=cpu + record.get("score_cpu_s", 0),
                       load_at_end=os.getloadavg(), ended=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
         quality_report.write_json(os.path.join(stage, "run.json"), record)
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(stage, final)
+        print(f"[quality] {name}: {record['status']} in {wall / 60:.1f} min "
+              f"(CPU {cpu / 60:.1f} min)", file=sys.stderr, flush=True)
+        # report and commit one at a time, beside the next run (a full report takes minutes of CPU)
+        publisher = threading.Thread(target=self.publish, args=(name, final))
+        publisher.start()
+        self.publishers.append(publisher)
+
+    def publish(self, name: str, final: str):
         with self.lock:
-            shutil.rmtree(final, ignore_errors=True)
-            os.rename(stage, final)
-            print(f"[quality] {name}: {record['status']} in {wall / 60:.1f} min "
-                  f"(CPU {cpu / 60:.1f} min)", file=sys.stderr, flush=True)
             self.after_run(name, final)
 
     def link_refs(self, eval_dir: str):
@@ -302,6 +309,8 @@ def cmd_run(args):
     with ThreadPoolExecutor(args.parallel) as pool:
         for future in [pool.submit(runner.run_one, s, k) for s, k in todo]:
             future.result()
+    for publisher in runner.publishers:
+        publisher.join()
     if not (args.commit or args.report):
         quality_report.report(runner.results, readme=args.readme if args.update_readme else None)
     return 0
