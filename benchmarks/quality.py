@@ -37,7 +37,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import shlex
 import shutil
 import subprocess
