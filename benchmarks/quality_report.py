@@ -97,6 +97,12 @@ def load_runs(results: str) -> Dict[str, Dict[int, dict]]:
     return runs
 
 
+def _training(record: dict) -> dict:
+    """The run's training summary, from its committed log (this code's reading of it)."""
+    log = os.path.join(record["dir"], "train.log")
+    return training_summary(log) if os.path.exists(log) else record.get("training", {})
+
+
 def _mean_std(values: List[float]):
     if not values:
         return None, None
@@ -178,7 +184,7 @@ def build(results: str) -> dict:
             mine = scores[s].get(k, {})
             entry["runs"][str(k)] = {
                 "status": r["status"], "scores": {m: mine[m]["score"] for m in METRICS if m in mine},
-                "training": {x: y for x, y in r.get("training", {}).items() if x != "loss_curve"},
+                "training": {x: y for x, y in _training(r).items() if x != "loss_curve"},
                 "train_wall_s": r.get("train_wall_s"), "wall_s": r.get("wall_s"), "cpu_s": r.get("cpu_s"),
                 "load_at_start": r.get("load_at_start"), "load_at_end": r.get("load_at_end"),
                 "started": r.get("started"), "machine": r["machine"], "commands": r["commands"],
