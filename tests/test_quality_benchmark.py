@@ -48,6 +48,11 @@ def finished(tmp_path_factory):
     readme = tmp / "README.md"
     readme.write_text((REPO / "README.md").read_text(encoding="utf-8"), encoding="utf-8")
     res = tmp / "res"
+    # what a run killed half-way leaves: its staging directory and its work files
+    (res / "runs" / "realformer_lite" / ".seed2.partial" / "eval").mkdir(parents=True)
+    (res / "runs" / "realformer_lite" / ".seed2.partial" / "eval" / "test.es-en.scores.json").write_text("{")
+    (tmp / "work" / "runs" / "realformer_lite" / "seed2" / "train" / "realformer_lite").mkdir(parents=True)
+    (tmp / "work" / "runs" / "realformer_lite" / "seed2" / "train" / "realformer_lite" / "checkpoint_9_99.pt").write_text("")
     common = ["--results-dir", res, "--work-dir", tmp / "work", "--corpus", tmp / "corpus", *BUDGET,
               "--systems", *SYSTEMS, "--seeds", *SEEDS]
     done = quality("run", *common, "--update-readme", "--readme", readme, check=False)
@@ -87,7 +92,8 @@ def test_runs_are_recorded_in_the_repository_layout(finished):
             # references are one shared copy, linked; the hypotheses are the run's own
             assert (run / "eval" / "test.es-en.ref.sacrebleu").is_symlink()
             assert len(lines(run / "eval" / "test.es-en.hyp.sacrebleu")) == 16
-    assert not list(res.glob("runs/*/.seed*.partial"))
+    assert not list(res.glob("runs/*/.seed*.partial"))  # the half-finished run started again, cleanly
+    assert not list((tmp / "work").glob("runs/realformer_lite/seed2/train/*/checkpoint_9_99.pt"))
     assert list((tmp / "work").glob("**/*.pt"))  # checkpoints live in the work dir, not in the results
     assert not list(res.glob("**/*.pt"))
 
