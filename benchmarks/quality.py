@@ -34,6 +34,7 @@ NaN or rising training loss, scores at or below the copy baseline); the output o
 markers.
 """
 import argparse
+import fcntl
 import json
 import os
 import platform
@@ -293,6 +294,17 @@ def cmd_run(args):
     runner = Runner(args)
     if args.commit and os.path.relpath(runner.results, REPO).startswith(".."):
         die(f"--commit: the results directory {runner.results} is outside the repository {REPO}")
+    os.makedirs(runner.work, exist_ok=True)
+    lock = open(os.path.join(runner.work, "run.lock"), "a+")
+    try:  # two runners on one work directory would train the same runs into the same place
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.seek(0)
+        die(f"another quality.py run (pid {lock.read().strip() or '?'}) is using {runner.work}: wait for it "
+            "or stop it (kill -- -PID stops it and its trainings)")
+    lock.truncate(0)
+    lock.write(str(os.getpid()))
+    lock.flush()
     runner.check_config()
     runner.prepare_data()
     todo = []

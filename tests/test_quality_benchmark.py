@@ -188,3 +188,18 @@ def test_bad_arguments_get_one_line(tmp_path):
     assert demo.returncode != 0
     assert "DEMO_STOP_AFTER must be data or translation (got 'bogus')" in demo.stderr
     assert not (tmp_path / "d").exists()  # refused before any stage
+
+
+def test_a_second_runner_on_the_same_work_dir_is_refused(tmp_path):
+    import fcntl
+
+    (tmp_path / "w").mkdir()
+    with open(tmp_path / "w" / "run.lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("4242")
+        held.flush()
+        second = quality("run", "--results-dir", tmp_path / "r", "--work-dir", tmp_path / "w", check=False)
+    assert second.returncode != 0 and "Traceback" not in second.stderr
+    (line,) = second.stderr.strip().splitlines()
+    assert line.startswith(f"quality.py: another quality.py run (pid 4242) is using {tmp_path / 'w'}")
+    assert not (tmp_path / "r").exists()  # refused before anything was written
