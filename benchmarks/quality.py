@@ -34,10 +34,10 @@ NaN or rising training loss, scores at or below the copy baseline); the output o
 markers.
 """
 import argparse
+import fcntl
 import json
 import os
 import platform
-import re
 import shlex
 import shutil
 import subprocess
@@ -117,6 +117,7 @@ class Runner:
         self.results = os.path.abspath(args.results_dir)
         self.work = os.path.abspath(os.path.expanduser(args.work_dir))
         self.lock = threading.Lock()
+        self.publishers = []
         self.machine = machine()
 
     # ------------------------------------------------------------------ data, configuration
@@ -218,11 +219,17 @@ class Runner:
         record.update(wall_s=wall + record.get("score_wall_s", 0), cpu_s=cpu + record.get("score_cpu_s", 0),
                       load_at_end=os.getloadavg(), ended=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
         quality_report.write_json(os.path.join(stage, "run.json"), record)
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(stage, final)
+        print(f"[quality] {name}: {record['status']} in {wall / 60:.1f} min "
+              f"(CPU {cpu / 60:.1f} min)", file=sys.stderr, flush=True)
+        # report and commit one at a time, beside the next run (a full report takes minutes of CPU)
+        publisher = threading.Thread(target=self.publish, args=(name, final))
+        publisher.start()
+        self.publishers.append(publisher)
+
+    def publish(self, name: str, final: str):
         with self.lock:
-            shutil.rmtree(final, ignore_errors=True)
-            os.rename(stage, final)
-            print(f"[quality] {name}: {record['status']} in {wall / 60:.1f} min "
-                  f"(CPU {cpu / 60:.1f} min)", file=sys.stderr, flush=True)
             self.after_run(name, final)
 
     def link_refs(self, eval_dir: str):
@@ -287,6 +294,17 @@ def cmd_run(args):
     runner = Runner(args)
     if args.commit and os.path.relpath(runner.results, REPO).startswith(".."):
         die(f"--commit: the results directory {runner.results} is outside the repository {REPO}")
+    os.makedirs(runner.work, exist_ok=True)
+    lock = open(os.path.join(runner.work, "run.lock"), "a+")
+    try:  # two runners on one work directory would train the same runs into the same place
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.seek(0)
+        die(f"another quality.py run (pid {lock.read().strip() or '?'}) is using {runner.work}: wait for it "
+            "or stop it (kill -- -PID stops it and its trainings)")
+    lock.truncate(0)
+    lock.write(str(os.getpid()))
+    lock.flush()
     runner.check_config()
     runner.prepare_data()
     todo = []
@@ -302,6 +320,8 @@ def cmd_run(args):
     with ThreadPoolExecutor(args.parallel) as pool:
         for future in [pool.submit(runner.run_one, s, k) for s, k in todo]:
             future.result()
+    for publisher in runner.publishers:
+        publisher.join()
     if not (args.commit or args.report):
         quality_report.report(runner.results, readme=args.readme if args.update_readme else None)
     return 0

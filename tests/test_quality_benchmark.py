@@ -48,6 +48,11 @@ def finished(tmp_path_factory):
     readme = tmp / "README.md"
     readme.write_text((REPO / "README.md").read_text(encoding="utf-8"), encoding="utf-8")
     res = tmp / "res"
+    # what a run killed half-way leaves: its staging directory and its work files
+    (res / "runs" / "realformer_lite" / ".seed2.partial" / "eval").mkdir(parents=True)
+    (res / "runs" / "realformer_lite" / ".seed2.partial" / "eval" / "test.es-en.scores.json").write_text("{")
+    (tmp / "work" / "runs" / "realformer_lite" / "seed2" / "train" / "realformer_lite").mkdir(parents=True)
+    (tmp / "work" / "runs" / "realformer_lite" / "seed2" / "train" / "realformer_lite" / "checkpoint_9_99.pt").write_text("")
     common = ["--results-dir", res, "--work-dir", tmp / "work", "--corpus", tmp / "corpus", *BUDGET,
               "--systems", *SYSTEMS, "--seeds", *SEEDS]
     done = quality("run", *common, "--update-readme", "--readme", readme, check=False)
@@ -87,7 +92,8 @@ def test_runs_are_recorded_in_the_repository_layout(finished):
             # references are one shared copy, linked; the hypotheses are the run's own
             assert (run / "eval" / "test.es-en.ref.sacrebleu").is_symlink()
             assert len(lines(run / "eval" / "test.es-en.hyp.sacrebleu")) == 16
-    assert not list(res.glob("runs/*/.seed*.partial"))
+    assert not list(res.glob("runs/*/.seed*.partial"))  # the half-finished run started again, cleanly
+    assert not list((tmp / "work").glob("runs/realformer_lite/seed2/train/*/checkpoint_9_99.pt"))
     assert list((tmp / "work").glob("**/*.pt"))  # checkpoints live in the work dir, not in the results
     assert not list(res.glob("**/*.pt"))
 
@@ -167,3 +173,33 @@ def test_a_finished_run_is_kept_and_another_budget_refused(finished):
     assert other.returncode != 0
     assert other.stderr.strip().splitlines()[-1].startswith("quality.py: ")
     assert "another budget" in other.stderr and "Traceback" not in other.stderr
+
+
+def test_bad_arguments_get_one_line(tmp_path):
+    unknown = quality("run", "--systems", "transformer_lite", "bogus_lite", "--results-dir", tmp_path / "r",
+                      "--work-dir", tmp_path / "w", check=False)
+    assert unknown.returncode != 0 and "Traceback" not in unknown.stderr
+    (line,) = unknown.stderr.strip().splitlines()
+    assert line.startswith("quality.py: unknown system(s) bogus_lite; known: transformer_lite, ea_transformer_lite")
+    outside = quality("run", "--commit", "--results-dir", tmp_path / "r", "--work-dir", tmp_path / "w", check=False)
+    assert outside.returncode != 0 and "outside the repository" in outside.stderr.strip().splitlines()[-1]
+    demo = subprocess.run(["bash", str(REPO / "scripts" / "demo.sh")], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "DEMO_DIR": str(tmp_path / "d"), "DEMO_STOP_AFTER": "bogus"})
+    assert demo.returncode != 0
+    assert "DEMO_STOP_AFTER must be data or translation (got 'bogus')" in demo.stderr
+    assert not (tmp_path / "d").exists()  # refused before any stage
+
+
+def test_a_second_runner_on_the_same_work_dir_is_refused(tmp_path):
+    import fcntl
+
+    (tmp_path / "w").mkdir()
+    with open(tmp_path / "w" / "run.lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("4242")
+        held.flush()
+        second = quality("run", "--results-dir", tmp_path / "r", "--work-dir", tmp_path / "w", check=False)
+    assert second.returncode != 0 and "Traceback" not in second.stderr
+    (line,) = second.stderr.strip().splitlines()
+    assert line.startswith(f"quality.py: another quality.py run (pid 4242) is using {tmp_path / 'w'}")
+    assert not (tmp_path / "r").exists()  # refused before anything was written
