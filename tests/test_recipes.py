@@ -1102,9 +1102,9 @@ def test_eval_bleu_validates_with_bleu_and_keeps_the_best_by_it(eval_bleu_run):
     assert "--best-checkpoint-metric bleu" in (save / "train.settings").read_text()
 
 
-@pytest.mark.xfail(strict=True, reason="the plugin's checkpoint loader refuses the numpy arrays fairseq's "
-                   "--eval-bleu stores in extra_state['metrics'] (the BLEU counts): the loader's to fix")
 def test_an_eval_bleu_checkpoint_is_scored_by_evaluate_sh(eval_bleu_run, env, tiny_data_bin):
+    """fairseq keeps the BLEU counts of --eval-bleu as numpy values in extra_state['metrics']:
+    the checkpoint loads (weights-only) and scores."""
     save, _ = eval_bleu_run
     out = run(["bash", RECIPES / "evaluate.sh", save, tiny_data_bin, "iwslt", "--cpu", "--best", "--",
                "--max-len-a", "0", "--max-len-b", "6"], env, save.parent).stdout

@@ -10,6 +10,7 @@ import os
 import re
 import time
 
+import numpy as np
 import pytest
 import torch
 from fairseq import checkpoint_utils, options, tasks
@@ -603,3 +604,114 @@ def test_ran_overlong_line_with_fairseqs_translation_task_names_the_options(tiny
                     expect_ok=False, input=" ".join(["s4"] * 30) + "\n")
     assert code != 0 and "Size of sample #0 is invalid" in out, out[-3000:]
     assert "at most --ran-max-positions 16 tokens" in out and "--task translation_lines" in out
+
+
+# -- numpy values (fairseq's --eval-bleu keeps its BLEU counts in extra_state['metrics']) --------
+NUMERIC_NUMPY = {"counts": np.array([7, 5, 3, 1]), "sys_len": np.int64(9), "bleu": np.float64(12.5),
+                 "half": np.array([[1.5, -2.0]], dtype=np.float16), "flags": np.array([True, False]),
+                 "column": np.asfortranarray(np.arange(6, dtype=np.uint8).reshape(2, 3)), "zero_d": np.array(2.0),
+                 "small": np.float32(0.25), "complex": np.complex64(1 - 2j), "empty": np.zeros((0, 3), np.int32)}
+
+
+class _Crafted:
+    """Pickled as the call ``func(*args)`` (as a crafted file spells a value)."""
+
+    def __init__(self, func, *args):
+        self.func, self.args = func, args
+
+    def __reduce__(self):
+        return self.func, self.args
+
+
+def _bare(dtype):
+    """A numpy dtype pickled as ``numpy.dtype(code)`` alone: no ``__setstate__`` of a dtype
+    class the loader does not allow-list is needed to rebuild it."""
+    return _Crafted(np.dtype, np.dtype(dtype).str)
+
+
+def _with_numpy(src, dst, where, value):
+    state = trusted_state(src)
+    if where == "extra_state":
+        state["extra_state"]["metrics"]["crafted"] = value
+    else:
+        setattr(state["cfg"]["model"], where, value)
+    torch.save(state, dst)
+    return dst
+
+
+def test_numeric_numpy_values_outside_the_configuration_load(tmp_path, checkpoints, tiny_data_bin):
+    """Arrays and scalars of booleans and numbers in extra_state load with their values and
+    dtypes, through fairseq's loader (generate, the hub), the plugin's and averaging; the
+    allow-list is gone after the load (torch alone refuses the file: negative control)."""
+    path = _with_numpy(checkpoints["vanilla"], tmp_path / "c.pt", "extra_state", dict(NUMERIC_NUMPY))
+    with pytest.raises(Exception, match="(?i)weights.only"):
+        torch.load(path, weights_only=True)
+    for state in (checkpoint_utils.load_checkpoint_to_cpu(str(path)), safety.load_checkpoint(str(path))):
+        loaded = state["extra_state"]["metrics"]["crafted"]
+        assert loaded.keys() == NUMERIC_NUMPY.keys()
+        for key, value in NUMERIC_NUMPY.items():
+            assert type(loaded[key]) is type(value) and loaded[key].dtype == value.dtype, key
+            assert loaded[key].shape == value.shape and np.array_equal(loaded[key], value), key
+    assert np.ndarray not in torch.serialization.get_safe_globals()
+    models, _, _ = checkpoint_utils.load_model_ensemble_and_task([str(path)], arg_overrides={"data": tiny_data_bin})
+    assert models
+    copy = tmp_path / "d.pt"
+    copy.write_bytes(path.read_bytes())
+    assert avg.main(["--inputs", str(path), str(copy), "--output", str(tmp_path / "a.pt")]) == 0
+    assert np.array_equal(trusted_state(tmp_path / "a.pt")["extra_state"]["metrics"]["crafted"]["counts"],
+                          NUMERIC_NUMPY["counts"])
+
+
+# attack -> (where, value, the refusal names, what the unpickler alone gives (None: it refuses))
+NUMPY_ATTACKS = {
+    "object-array": ("extra_state", np.array([payload("x"), 1], dtype=object),
+                     "an object of numpy.dtypes.ObjectDType", None),
+    "string-array": ("extra_state", np.array(["en", "de"]), "an object of numpy.dtypes.StrDType", None),
+    "structured-array": ("extra_state", np.zeros(2, dtype=[("a", "i8"), ("b", "f4")]),
+                         "an object of numpy.dtypes.VoidDType", None),
+    "string-scalar": ("extra_state", np.str_("de"), "an object of numpy.dtypes.StrDType", None),
+    "bare-object-array": ("extra_state", _Crafted(np.ndarray, (2,), _bare(object)),
+                          "['crafted']: a numpy ndarray of dtype object", lambda v: v.dtype == object),
+    "bare-string-array": ("extra_state", _Crafted(np.ndarray, (2,), _bare("<U4")),
+                          "['crafted']: a numpy ndarray of dtype <U4", lambda v: v.dtype.kind == "U"),
+    "bare-void-array": ("extra_state", _Crafted(np.ndarray, (2,), _bare("V16")),
+                        "['crafted']: a numpy ndarray of dtype |V16", lambda v: v.dtype.kind == "V"),
+    "huge-declared-array": ("extra_state", _Crafted(np.ndarray, (1 << 40,), np.dtype("i8"), b"\0" * 8, 0, (0,)),
+                            "['crafted']: a numpy array declaring 1099511627776 elements", lambda v: v.size == 1 << 40),
+    "expanded-view": ("extra_state", _Crafted(np.ndarray, (1 << 20,), np.dtype("i8"), b"\0" * 8, 0, (0,)),
+                      "['crafted']: a numpy array declaring 8388608 bytes (shape (1048576,)) as a strided view",
+                      lambda v: v.nbytes == 8 << 20),
+    "array-in-cfg": ("dropout", np.array(0.1), "cfg.model.dropout: a numpy.ndarray value",
+                     lambda v: isinstance(v, np.ndarray)),
+    "scalar-in-cfg": ("encoder_layers", np.int64(2), "cfg.model.encoder_layers: a numpy.int64 value",
+                      lambda v: v == 2),
+}
+
+
+@pytest.mark.parametrize("attack", sorted(NUMPY_ATTACKS))
+def test_numpy_values_other_than_numeric_ones_outside_the_configuration_are_refused(tmp_path, checkpoints, attack):
+    """Refused in one line naming the value, nothing of it used; where torch's unpickler
+    rebuilds the value (negative control: it reaches the walk), the walk is what refuses."""
+    where, value, shown, unpickled = NUMPY_ATTACKS[attack]
+    path = _with_numpy(checkpoints["vanilla"], tmp_path / "c.pt", where, value)
+    for load in (checkpoint_utils.load_checkpoint_to_cpu, safety.load_checkpoint):
+        with pytest.raises(safety.UnsafeCheckpointError) as refusal:
+            load(str(path))
+        assert shown in str(refusal.value) and "Nothing in" in str(refusal.value), str(refusal.value)
+        assert "\n" not in str(refusal.value)
+    if unpickled is None:
+        with pytest.raises(safety.UnsafeCheckpointError):
+            safety.read_checkpoint(str(path))
+    else:
+        state = safety.read_checkpoint(str(path))
+        assert unpickled(state["extra_state"]["metrics"]["crafted"] if where == "extra_state"
+                         else getattr(state["cfg"]["model"], where))
+
+
+def test_fairseq_generate_refuses_an_object_array_in_one_line(tmp_path, tiny_data_bin, checkpoints):
+    path = _with_numpy(checkpoints["vanilla"], tmp_path / "c.pt", "extra_state",
+                       _Crafted(np.ndarray, (2,), _bare(object)))
+    code, out = run([cli("fairseq-generate"), tiny_data_bin, "--user-dir", USER_DIR, "--path", path,
+                     "--beam", "2", "--cpu", "--max-len-b", "5"], expect_ok=False, cwd=tmp_path)
+    assert code != 0 and "Traceback" not in out, out[-3000:]
+    assert "a numpy ndarray of dtype object" in out.strip().splitlines()[-1]

@@ -4,13 +4,15 @@ A checkpoint is input. It is read once and handed to fairseq only after the conf
 fairseq receives has been generated here from it:
 
 1. **Reading** (:mod:`.reading`): torch's weights-only unpickler, never switched off; the
-   classes of a fairseq configuration allow-listed only while a checkpoint is read; no
+   classes of a fairseq configuration and of numeric numpy arrays and scalars (fairseq's
+   ``--eval-bleu`` counts) allow-listed only while a checkpoint is read; no
    omegaconf value resolved while the file is unpickled; compressed records refused; a file
    that is empty, truncated or not a torch checkpoint reported as such
    (:class:`CorruptCheckpointError`), not as a refusal.
 2. **Plain data** (:mod:`.plain`): the configuration rebuilt from ``None``, booleans, numbers,
    strings and lists, dicts and Namespaces of them, walked once with depth and size bounded;
-   no string holding ``${``; every tensor within its storage.
+   no string holding ``${``; every tensor within its storage; outside the configuration,
+   numpy values only arrays and scalars of booleans and numbers, counted by their elements.
 3. **Families** (:mod:`.bounds`): the model must be an architecture of this plugin or of
    fairseq's ``TransformerModel``; any other family is refused, unless
    ``EA_FAIRSEQ_TRUST_CHECKPOINTS=1`` (:data:`TRUST_SWITCH`, logged).
@@ -37,7 +39,8 @@ from .literals import EVALUATED_FIELDS, UNUSED_FIELDS, Form
 from .plain import (LIMIT_AMPLIFICATION, LIMIT_CHARS, LIMIT_CONFIG_NODES, LIMIT_DEPTH, LIMIT_ITEMS,
                     LIMIT_STATE_NODES)
 from .reading import (TRUST_SWITCH, CheckpointError, CorruptCheckpointError, UnsafeCheckpointError,
-                      checkpoint_globals_allowed, fairseq_checkpoint_globals, read_checkpoint)
+                      checkpoint_globals_allowed, fairseq_checkpoint_globals, numpy_checkpoint_globals,
+                      read_checkpoint)
 from .schema import PATH_FIELDS, Generator
 
 __all__ = [
@@ -45,5 +48,5 @@ __all__ = [
     "LIMIT_CHARS", "LIMIT_CONFIG_NODES", "LIMIT_DEPTH", "LIMIT_ITEMS", "LIMIT_POSITIONS", "LIMIT_STATE_NODES",
     "PATH_FIELDS", "TRUST_SWITCH", "UNUSED_FIELDS", "UnsafeCheckpointError", "check_model_sizes",
     "checkpoint_globals_allowed", "fairseq_checkpoint_globals", "install", "load_checkpoint",
-    "nonfinite_weights", "read_checkpoint", "sanitize", "trusted", "vouched_model_class",
+    "nonfinite_weights", "numpy_checkpoint_globals", "read_checkpoint", "sanitize", "trusted", "vouched_model_class",
 ]

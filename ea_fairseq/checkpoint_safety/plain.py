@@ -2,11 +2,13 @@
 ``float``, ``str`` and lists, tuples, dicts and Namespaces of them, walked once (each container
 visited once however often it is referred to, its size counted as often as it is referred to),
 depth and size bounded; the rest of the state walked with the same bounds, every tensor
-within its storage. Omegaconf containers are read from their stored content, nothing resolved."""
+within its storage, numpy values only arrays and scalars of booleans and numbers (counted by
+their elements), stored contiguously. Omegaconf containers are read from their stored content, nothing resolved."""
 import argparse
 import collections
 from typing import Any, Dict, List, Tuple
 
+import numpy as np
 import torch
 
 from .reading import UnsafeCheckpointError, _shown
@@ -19,6 +21,7 @@ LIMIT_CHARS = 10_000  # an evaluated string longer than this is refused unread
 LIMIT_ITEMS = 100_000  # ... or one whose value would hold more items than this
 
 _SCALARS = (type(None), bool, int, float, str)
+_NUMPY_KINDS = "biufc"  # booleans, signed and unsigned integers, floating-point and complex numbers
 
 
 class _Refused(Exception):
@@ -47,8 +50,8 @@ class _Walk:
 
     def refuse(self, path: str, why: str, config: bool = True) -> UnsafeCheckpointError:
         what = ("A checkpoint's configuration may only hold None, booleans, numbers, strings and "
-                "lists/dicts of them" if config else "Outside its configuration a checkpoint holds tensors "
-                "and plain data, nested at most {LIMIT_DEPTH} deep".format(LIMIT_DEPTH=LIMIT_DEPTH))
+                "lists/dicts of them" if config else "Outside its configuration a checkpoint holds tensors, "
+                "numeric numpy values and plain data, nested at most {LIMIT_DEPTH} deep".format(LIMIT_DEPTH=LIMIT_DEPTH))
         path = path if len(path) <= 160 else f"{path[:80]}...{path[-60:]}"
         return UnsafeCheckpointError(f"{self.source}: refused: {path}: {why}. {what}. Nothing in the checkpoint was run.")
 
@@ -129,6 +132,8 @@ class _Walk:
         if torch.is_tensor(node):
             self.tensor(node, path)
             return 1
+        if isinstance(node, (np.ndarray, np.generic)):
+            return self.numpy(node, path)
         if type(node) in _SCALARS:
             return 1
         if depth > LIMIT_DEPTH:
@@ -156,6 +161,32 @@ class _Walk:
         self.sizes[key] = size
         self.keep.append(node)
         return size
+
+    def numpy(self, value, path: str) -> int:
+        """A numpy array or scalar of booleans or numbers (fairseq's ``--eval-bleu`` counts),
+        its data stored in the file (a contiguous array); its size: its element count."""
+        dtype = getattr(value, "dtype", None)
+        if type(value) is not np.ndarray and not isinstance(value, np.generic) or not isinstance(dtype, np.dtype) \
+                or dtype.kind not in _NUMPY_KINDS or dtype.fields is not None or dtype.subdtype is not None:
+            raise self.refuse(path, f"a numpy {type(value).__name__} of dtype {dtype}: numpy values may only be "
+                                    "arrays and scalars of booleans and numbers", config=False)
+        if type(value) is not np.ndarray:
+            return 1
+        if value.size > LIMIT_STATE_NODES:
+            raise self.refuse(path, f"a numpy array declaring {value.size} elements (shape {value.shape}), more "
+                                    f"than {LIMIT_STATE_NODES}", config=False)
+        if not (value.flags.c_contiguous or value.flags.f_contiguous):
+            raise self.refuse(path, f"a numpy array declaring {value.nbytes} bytes (shape {value.shape}) as a "
+                                    f"strided view (strides {value.strides}); numpy unpickles arrays with their "
+                                    "data stored contiguously", config=False)
+        root = value
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        stored = len(root.base) if isinstance(root.base, bytes) else root.nbytes
+        self.storages[(id(root.base if root.base is not None else root), stored)] = stored
+        self.keep.append(root)
+        self.tensor_bytes += value.nbytes
+        return 1 + value.size
 
     def tensor(self, t: torch.Tensor, path: str) -> None:
         if t.layout is not torch.strided or t.is_quantized:

@@ -1,5 +1,5 @@
 """Reading a checkpoint file: torch's weights-only unpickler, the classes of a fairseq
-configuration allow-listed only while a checkpoint is read, no omegaconf value resolved while
+configuration and of numeric numpy values allow-listed only while a checkpoint is read, no omegaconf value resolved while
 the file is unpickled, compressed records refused; damaged files reported as such."""
 import argparse
 import collections
@@ -45,19 +45,53 @@ def fairseq_checkpoint_globals() -> List[Any]:
             typing.Any, collections.defaultdict, dict, list, int, str, float, bool]  # builtins: omegaconf metadata
 
 
+def numpy_checkpoint_globals() -> List[Any]:
+    """What unpickling numeric numpy arrays and scalars needs: fairseq's ``--eval-bleu``
+    keeps its BLEU counts as numpy values in ``extra_state['metrics']``.
+
+    numpy pickles an array as ``_reconstruct(ndarray, (0,), b'b')`` filled by
+    ``ndarray.__setstate__``, its dtype as ``dtype(code)`` filled by the dtype class's
+    ``__setstate__``, a scalar as ``scalar(dtype, bytes)``, empty data as ``bytes()``; torch's unpickler runs
+    ``__setstate__`` only on instances of allow-listed classes, so only the dtype classes of
+    booleans and numbers are listed (a string, void or object dtype is not filled in). None
+    of these runs code; :func:`~.plain._Walk.check` then accepts arrays and scalars of those
+    dtypes only, outside the configuration, counting their elements.
+    """
+    import numpy as np
+
+    try:
+        from numpy._core import multiarray
+    except ImportError:  # numpy < 2
+        from numpy.core import multiarray
+    numeric = np.typecodes["AllInteger"] + np.typecodes["AllFloat"] + "?"
+    dtype_classes = sorted({type(np.dtype(code)) for code in numeric}, key=lambda cls: cls.__name__)
+    named = [(multiarray._reconstruct, f"{package}.multiarray._reconstruct") for package in ("numpy._core", "numpy.core")]
+    named += [(multiarray.scalar, f"{package}.multiarray.scalar") for package in ("numpy._core", "numpy.core")]
+    named.append((_empty_bytes, "builtins.bytes"))  # the data of an empty array
+    return [np.ndarray, np.dtype, *dtype_classes, *named]  # numpy 1.x wrote numpy.core, 2.x numpy._core
+
+
+def _empty_bytes() -> bytes:
+    """``builtins.bytes`` as pickle calls it: ``bytes()``, for an empty string (other strings
+    are pickled as ``_codecs.encode``); with no argument, so it allocates nothing."""
+    return b""
+
+
 @contextlib.contextmanager
 def checkpoint_globals_allowed() -> Iterator[None]:
-    """Allow-list :func:`fairseq_checkpoint_globals` for weights-only loads in this block."""
+    """Allow-list :func:`fairseq_checkpoint_globals` and :func:`numpy_checkpoint_globals`
+    for weights-only loads in this block."""
+    allowed = fairseq_checkpoint_globals() + numpy_checkpoint_globals()
     scoped = getattr(torch.serialization, "safe_globals", None)
     if scoped is not None:  # adds them to torch's (per-process) list, removes them on exit
-        with scoped(fairseq_checkpoint_globals()):
+        with scoped(allowed):
             yield
         return
     add = getattr(torch.serialization, "add_safe_globals", None)
     if add is not None:
         # torch 2.4 has the allow-list but no context manager to scope it: there the
         # classes stay allow-listed for the process (torch < 2.4 has no allow-list).
-        add(fairseq_checkpoint_globals())
+        add(allowed)
     yield
 
 
@@ -137,12 +171,13 @@ def read_checkpoint(path: str, source: Optional[str] = None) -> Dict[str, Any]:
 
 def _classify_load_error(source: str, err: Exception) -> CheckpointError:
     text = str(err)
-    found = re.search(r"GLOBAL ([\w.]+)", text)
-    if found:  # the unpickler met a class it does not allow: a refusal, not damage
+    found = (re.search(r"GLOBAL ([\w.]+)", text) or re.search(r"(?:Can only build|Can only create new object)"
+                                                           r".*? but got <class '([\w.]+)'>", text))
+    if found:  # the unpickler met a class it does not allow (or fill in): a refusal, not damage
         return UnsafeCheckpointError(
             f"{source}: refused: the file holds an object of {found.group(1)}, which torch's "
-            "weights-only loader does not unpickle (a checkpoint is read as tensors and a fairseq "
-            "configuration only, so that loading it cannot run code). Nothing in it was run.")
+            "weights-only loader does not unpickle (a checkpoint is read as tensors, numeric numpy "
+            "values and a fairseq configuration only, so that loading it cannot run code). Nothing in it was run.")
     detail = re.search(r"WeightsUnpickler error:\s*(.*?)(?:\n\n|$)", text, re.S)
     cause = detail.group(1).strip() if detail else text.split(". This is an internal")[0].strip()
     cause = f"{type(err).__name__}: {cause}" if cause else type(err).__name__
