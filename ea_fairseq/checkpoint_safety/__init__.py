@@ -4,8 +4,10 @@ A checkpoint is input. It is read once and handed to fairseq only after the conf
 fairseq receives has been generated here from it:
 
 1. **Reading** (:mod:`.reading`): torch's weights-only unpickler, never switched off; the
-   classes of a fairseq configuration and of numeric numpy arrays and scalars (fairseq's
-   ``--eval-bleu`` counts) allow-listed only while a checkpoint is read; no
+   classes of a fairseq configuration, and numpy's names for arrays and scalars of
+   booleans and numbers (fairseq's ``--eval-bleu`` counts) resolving to checked functions
+   (:mod:`.numpy_values`: made from a type code and the bytes stored, nothing else),
+   allow-listed only while a checkpoint is read; no
    omegaconf value resolved while the file is unpickled; compressed records refused; a file
    that is empty, truncated or not a torch checkpoint reported as such
    (:class:`CorruptCheckpointError`), not as a refusal.

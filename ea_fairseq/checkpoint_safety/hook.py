@@ -31,7 +31,7 @@ def sanitize(state: Dict[str, Any], source: str) -> Dict[str, Any]:
     config_roots = [root for root in ("args", "cfg") if state.get(root) is not None]
     for key, value in state.items():
         if key not in config_roots:
-            walk.check(value, f"[{key!r}]")
+            out[key] = walk.bounded(value, f"[{key!r}]")
     stored = sum(walk.storages.values())
     if walk.tensor_bytes > LIMIT_AMPLIFICATION * stored + (1 << 20):
         raise UnsafeCheckpointError(

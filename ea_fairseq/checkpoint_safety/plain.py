@@ -3,7 +3,8 @@
 visited once however often it is referred to, its size counted as often as it is referred to),
 depth and size bounded; the rest of the state walked with the same bounds, every tensor
 within its storage, numpy values only arrays and scalars of booleans and numbers (counted by
-their elements), stored contiguously. Omegaconf containers are read from their stored content, nothing resolved."""
+their elements; an unpickled array put in its place). Omegaconf containers are read from
+their stored content, nothing resolved."""
 import argparse
 import collections
 from typing import Any, Dict, List, Tuple
@@ -11,6 +12,7 @@ from typing import Any, Dict, List, Tuple
 import numpy as np
 import torch
 
+from .numpy_values import PendingArray
 from .reading import UnsafeCheckpointError, _shown
 
 LIMIT_DEPTH = 64  # nesting of containers
@@ -46,6 +48,7 @@ class _Walk:
         self.active: set = set()
         self.storages: Dict[Tuple[int, int], int] = {}
         self.tensor_bytes = 0
+        self.swapped: Dict[int, Any] = {}  # id -> what replaces it outside the configuration
         self.dict_config, self.list_config, self.any_node = _omegaconf_classes()
 
     def refuse(self, path: str, why: str, config: bool = True) -> UnsafeCheckpointError:
@@ -94,6 +97,7 @@ class _Walk:
             raise self.refuse(path, "it contains itself (a cycle)")
         children = self._children(node, path)
         if children is None:
+            kind = np.ndarray if kind is PendingArray else kind
             raise self.refuse(path, f"a {kind.__module__}.{kind.__qualname__} value"
                                     if kind.__module__ != "builtins" else f"a {kind.__name__} value")
         self.active.add(key)
@@ -132,6 +136,12 @@ class _Walk:
         if torch.is_tensor(node):
             self.tensor(node, path)
             return 1
+        if type(node) is PendingArray:
+            if not hasattr(node, "value"):
+                raise self.refuse(path, "a numpy array without its data", config=False)
+            self.swapped[id(node)] = node.value
+            self.keep.append(node)
+            return self.numpy(node.value, path)
         if isinstance(node, (np.ndarray, np.generic)):
             return self.numpy(node, path)
         if type(node) in _SCALARS:
@@ -151,23 +161,39 @@ class _Walk:
                 return 1
             raise self.refuse(path, f"a {type(node).__qualname__} value", config=False)
         self.active.add(key)
-        size = 1
+        size, replaced = 1, {}
         for name, child in children[1]:
             size += self.check(child, f"{path}[{name!r}]", depth + 1)
             if size > LIMIT_STATE_NODES:
                 raise self.refuse(path, f"it holds more than {LIMIT_STATE_NODES} values (counting every "
                                         "reference to a shared container)", config=False)
+            if id(child) in self.swapped:
+                replaced[name] = self.swapped[id(child)]
         self.active.discard(key)
+        if replaced:  # an unpickled array in its place (a tuple: a new tuple in the tuple's place)
+            if type(node) is tuple:
+                self.swapped[key] = tuple(replaced.get(i, v) for i, v in enumerate(node))
+            elif type(node) is argparse.Namespace:
+                vars(node).update(replaced)
+            else:  # a dict or a list
+                for name, value in replaced.items():
+                    node[name] = value
         self.sizes[key] = size
         self.keep.append(node)
         return size
+
+    def bounded(self, node, path: str) -> Any:
+        """``node`` checked (:meth:`check`), with the arrays unpickled in it in their places."""
+        self.check(node, path)
+        return self.swapped.get(id(node), node)
 
     def numpy(self, value, path: str) -> int:
         """A numpy array or scalar of booleans or numbers (fairseq's ``--eval-bleu`` counts),
         its data stored in the file (a contiguous array); its size: its element count."""
         dtype = getattr(value, "dtype", None)
         if type(value) is not np.ndarray and not isinstance(value, np.generic) or not isinstance(dtype, np.dtype) \
-                or dtype.kind not in _NUMPY_KINDS or dtype.fields is not None or dtype.subdtype is not None:
+                or dtype.kind not in _NUMPY_KINDS or dtype.fields is not None or dtype.subdtype is not None \
+                or dtype.hasobject:
             raise self.refuse(path, f"a numpy {type(value).__name__} of dtype {dtype}: numpy values may only be "
                                     "arrays and scalars of booleans and numbers", config=False)
         if type(value) is not np.ndarray:

@@ -46,35 +46,12 @@ def fairseq_checkpoint_globals() -> List[Any]:
 
 
 def numpy_checkpoint_globals() -> List[Any]:
-    """What unpickling numeric numpy arrays and scalars needs: fairseq's ``--eval-bleu``
-    keeps its BLEU counts as numpy values in ``extra_state['metrics']``.
+    """What unpickling numeric numpy arrays and scalars needs (fairseq's ``--eval-bleu`` keeps
+    its BLEU counts as numpy values): numpy's names, resolving to the checked functions of
+    :mod:`.numpy_values`, and the dtype classes of booleans and numbers."""
+    from .numpy_values import allowed_globals
 
-    numpy pickles an array as ``_reconstruct(ndarray, (0,), b'b')`` filled by
-    ``ndarray.__setstate__``, its dtype as ``dtype(code)`` filled by the dtype class's
-    ``__setstate__``, a scalar as ``scalar(dtype, bytes)``, empty data as ``bytes()``; torch's unpickler runs
-    ``__setstate__`` only on instances of allow-listed classes, so only the dtype classes of
-    booleans and numbers are listed (a string, void or object dtype is not filled in). None
-    of these runs code; :func:`~.plain._Walk.check` then accepts arrays and scalars of those
-    dtypes only, outside the configuration, counting their elements.
-    """
-    import numpy as np
-
-    try:
-        from numpy._core import multiarray
-    except ImportError:  # numpy < 2
-        from numpy.core import multiarray
-    numeric = np.typecodes["AllInteger"] + np.typecodes["AllFloat"] + "?"
-    dtype_classes = sorted({type(np.dtype(code)) for code in numeric}, key=lambda cls: cls.__name__)
-    named = [(multiarray._reconstruct, f"{package}.multiarray._reconstruct") for package in ("numpy._core", "numpy.core")]
-    named += [(multiarray.scalar, f"{package}.multiarray.scalar") for package in ("numpy._core", "numpy.core")]
-    named.append((_empty_bytes, "builtins.bytes"))  # the data of an empty array
-    return [np.ndarray, np.dtype, *dtype_classes, *named]  # numpy 1.x wrote numpy.core, 2.x numpy._core
-
-
-def _empty_bytes() -> bytes:
-    """``builtins.bytes`` as pickle calls it: ``bytes()``, for an empty string (other strings
-    are pickled as ``_codecs.encode``); with no argument, so it allocates nothing."""
-    return b""
+    return allowed_globals()
 
 
 @contextlib.contextmanager
@@ -127,7 +104,8 @@ def _no_interpolation_resolved() -> Iterator[List[str]]:
 
 def read_checkpoint(path: str, source: Optional[str] = None) -> Dict[str, Any]:
     """The state stored in the checkpoint file ``path``, read weights-only onto the CPU
-    (``source``: the name used in messages). Not yet sanitized."""
+    (``source``: the name used in messages). Not yet sanitized: a numpy array is still a
+    :class:`~.numpy_values.PendingArray` (the walk puts its array in its place)."""
     source = source or str(path)
     size = os.path.getsize(path)  # FileNotFoundError / IsADirectoryError as they are
     if size == 0:
@@ -170,6 +148,10 @@ def read_checkpoint(path: str, source: Optional[str] = None) -> Dict[str, Any]:
 
 
 def _classify_load_error(source: str, err: Exception) -> CheckpointError:
+    from .numpy_values import NumpyValueRefused
+
+    if isinstance(err, NumpyValueRefused):
+        return UnsafeCheckpointError(f"{source}: refused: it holds {err}. Nothing in it was run.")
     text = str(err)
     found = (re.search(r"GLOBAL ([\w.]+)", text) or re.search(r"(?:Can only build|Can only create new object)"
                                                            r".*? but got <class '([\w.]+)'>", text))
