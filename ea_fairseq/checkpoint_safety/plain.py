@@ -54,7 +54,7 @@ class _Walk:
     def refuse(self, path: str, why: str, config: bool = True) -> UnsafeCheckpointError:
         what = ("A checkpoint's configuration may only hold None, booleans, numbers, strings and "
                 "lists/dicts of them" if config else "Outside its configuration a checkpoint holds tensors, "
-                "numeric numpy values and plain data, nested at most {LIMIT_DEPTH} deep".format(LIMIT_DEPTH=LIMIT_DEPTH))
+                f"numeric numpy values and plain data, nested at most {LIMIT_DEPTH} deep")
         path = path if len(path) <= 160 else f"{path[:80]}...{path[-60:]}"
         return UnsafeCheckpointError(f"{self.source}: refused: {path}: {why}. {what}. Nothing in the checkpoint was run.")
 

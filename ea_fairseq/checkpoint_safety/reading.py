@@ -1,6 +1,7 @@
 """Reading a checkpoint file: torch's weights-only unpickler, the classes of a fairseq
-configuration and of numeric numpy values allow-listed only while a checkpoint is read, no omegaconf value resolved while
-the file is unpickled, compressed records refused; damaged files reported as such."""
+configuration and numpy's names for numeric values allow-listed only while a checkpoint is
+read, no omegaconf value resolved while the file is unpickled, compressed records refused;
+damaged files reported as such."""
 import argparse
 import collections
 import contextlib
@@ -57,7 +58,8 @@ def numpy_checkpoint_globals() -> List[Any]:
 @contextlib.contextmanager
 def checkpoint_globals_allowed() -> Iterator[None]:
     """Allow-list :func:`fairseq_checkpoint_globals` and :func:`numpy_checkpoint_globals`
-    for weights-only loads in this block."""
+    for weights-only loads in this block (a numpy array loads as a
+    :class:`~.numpy_values.PendingArray`: :func:`~.hook.sanitize` puts its array in its place)."""
     allowed = fairseq_checkpoint_globals() + numpy_checkpoint_globals()
     scoped = getattr(torch.serialization, "safe_globals", None)
     if scoped is not None:  # adds them to torch's (per-process) list, removes them on exit
