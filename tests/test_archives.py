@@ -3,6 +3,7 @@ the plugin imported first: hostile members are refused before anything is writte
 archive loads and translates as its directory does and is left in place. Negative controls:
 fairseq's own extraction writes every one of those members outside its folder, and, without
 the plugin, a ``.py`` planted in a ``user_dir``'s ``models/`` runs in the same call."""
+import gzip
 import hashlib
 import io
 import os
@@ -163,6 +164,87 @@ def test_a_fifo_or_too_many_members_are_refused_unread(outside):
     with pytest.raises(archives.ArchiveError, match="more than 10,000 members; nothing was extracted"):
         TransformerModel.from_pretrained(str(path), user_dir=USER_DIR)
     assert os.listdir(outside / "tmp") == []
+
+
+def header_bomb(path, kind):
+    """A .tar.gz of about a kilobyte whose first header (a GNU long name or a PAX extended
+    header) declares 3 GiB of data; the stream ends after 1 MiB of it."""
+    bomb = tarfile.TarInfo("././@LongLink")
+    bomb.type, bomb.size = kind, 3 << 30
+    with gzip.open(path, "wb") as stream:
+        stream.write(bomb.tobuf(format=tarfile.GNU_FORMAT) + b"a" * (1 << 20))
+    return path
+
+
+BOUNDED = textwrap.dedent("""
+    import resource, sys, tarfile
+    if sys.argv[2] == "plugin":
+        import ea_fairseq  # noqa: F401
+        from fairseq.models.transformer import TransformerModel
+    status = open("/proc/self/status").read()
+    room = int(status.split("VmSize:")[1].split()[0]) * 1024 + (1 << 30)  # 1 GiB above the imports
+    resource.setrlimit(resource.RLIMIT_AS, (room, room))
+    try:
+        if sys.argv[2] == "plugin":
+            TransformerModel.from_pretrained(sys.argv[1], user_dir=sys.argv[3])
+        else:
+            tarfile.open(sys.argv[1]).getmembers()
+    except Exception as err:  # MemoryError included
+        print(f"{type(err).__name__}: {err}")
+""")
+
+
+@pytest.mark.parametrize("kind,shown", [(tarfile.GNUTYPE_LONGNAME, "GNU long name"),
+                                        (tarfile.XHDTYPE, "PAX extended header")])
+def test_a_header_declaring_gigabytes_is_refused_before_it_is_read(tmp_path, kind, shown):
+    """Negative control: tarfile alone tries to read the declared 3 GiB while listing (a
+    MemoryError under 1 GiB more than the imports take). Through the hub after ``import
+    ea_fairseq``, under the same limit: one line naming the header, nothing extracted."""
+    (tmp_path / "tmp").mkdir()
+    path = header_bomb(tmp_path / "bomb.tar.gz", kind)
+    assert path.stat().st_size < 10_000
+    env = dict(ENV, TMPDIR=str(tmp_path / "tmp"))
+    runs = {mode: subprocess.run([sys.executable, "-c", BOUNDED, str(path), mode, USER_DIR], capture_output=True,
+                                 text=True, env=env, timeout=120) for mode in ("tarfile", "plugin")}
+    assert runs["tarfile"].stdout.startswith("MemoryError"), runs["tarfile"].stdout + runs["tarfile"].stderr
+    out = runs["plugin"].stdout
+    assert out.startswith(f"ArchiveError: {path}: refused: header '././@LongLink' ({shown}) declares "
+                          "3,221,225,472 bytes, more than the 65,536"), out + runs["plugin"].stderr
+    assert out.count("\n") == 1 and "nothing was extracted" in out and "extract one you trust" in out
+    assert os.listdir(tmp_path / "tmp") == [] and path.is_file()
+
+
+def test_headers_read_while_listing_are_bounded_in_all(outside, monkeypatch):
+    """Names and extended headers each under the per-header bound still count towards the
+    archive's total (chains of headers, sparse maps): made small here, a sound archive whose
+    long names exceed it is refused while listing."""
+    path = archive(outside / "names.tar.gz", *((f"model/{'n' * 3000}{i}", b"") for i in range(4)))
+    monkeypatch.setattr(archives, "LIMIT_LISTING", 10_000)
+    with pytest.raises(archives.ArchiveError, match=r"refused: its headers hold more than 10,000 bytes") as err:
+        TransformerModel.from_pretrained(str(path), user_dir=USER_DIR)
+    assert "\n" not in str(err.value) and os.listdir(outside / "tmp") == []
+
+
+def test_a_file_larger_than_the_free_space_is_refused_before_it_is_skipped(outside):
+    """A header declaring a petabyte, then the stream ends: refused from its size while
+    listing, not decompressed past (that would end in a corrupt-archive error)."""
+    path = outside / "huge.tar.gz"
+    huge = tarfile.TarInfo("model/huge.bin")
+    huge.size = 1 << 50
+    with gzip.open(path, "wb") as stream:
+        stream.write(huge.tobuf(format=tarfile.GNU_FORMAT) + bytes(1 << 20))
+    with pytest.raises(archives.ArchiveError, match=r"hold 1,125,899,906,842,624 bytes, more than the .* "
+                                                    r"\(member 'model/huge.bin' and those before it\)"):
+        TransformerModel.from_pretrained(str(path), user_dir=USER_DIR)
+    assert os.listdir(outside / "tmp") == []
+
+
+def test_a_sparse_member_is_refused(outside):
+    path = outside / "sparse.tar"
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
+        add(tar, "model/sparse.bin", b"x" * 10, kind=tarfile.GNUTYPE_SPARSE)
+    with pytest.raises(archives.ArchiveError, match=r"member 'model/sparse.bin' is a sparse file"):
+        TransformerModel.from_pretrained(str(path), user_dir=USER_DIR)
 
 
 def test_a_file_that_is_not_an_archive_is_one_line(outside):
