@@ -21,7 +21,8 @@ once it is scored, so a run that is there is finished and is skipped; any other 
 scratch (checkpoints and work files live in ``--work-dir``, outside the repository). A run that
 fails is recorded as failed (with its log's tail) and reported, not retried unless
 ``--retry-failed``. ``--commit`` commits every finished run, with the regenerated report, as it
-completes.
+completes. One runner per work directory (a second is refused); stop one with
+``kill -- -PID`` (its trainings with it), start it again to go on.
 
 ``report`` writes ``quality.md`` and ``quality.json`` beside the runs from whatever is
 finished (missing runs are listed as missing): per system and metric (sacreBLEU, chrF) each
