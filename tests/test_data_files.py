@@ -69,11 +69,14 @@ def craft(prefix, attack):
         os.unlink(bin_)
         os.symlink("/dev/zero", bin_)
         return bin_, "is a device, not a regular file"
+    if attack == "fifo-raw-text":
+        os.mkfifo(str(prefix))  # a raw-text split (--dataset-impl raw) of that name, read whole
+        return str(prefix), "is a FIFO, not a regular file"
     raise KeyError(attack)
 
 
 ATTACKS = ["legacy-2^40-items", "mmap-2^40-items", "legacy-past-the-data", "mmap-past-the-data",
-           "legacy-element-size", "fifo-index", "dev-zero-data"]
+           "legacy-element-size", "fifo-index", "dev-zero-data", "fifo-raw-text"]
 
 
 @pytest.mark.parametrize("attack", ATTACKS)
