@@ -63,7 +63,7 @@ def test_hub_from_a_directory(tmp_path, model_dir):
         expected[str(directory)] = (payload(directory / file, kind), kind, phrase)
         cases.append({"dir": str(directory), "checkpoint": "checkpoint_last.pt", "bpe": bpe})
     sound = shutil.copytree(model_dir, tmp_path / "sound")
-    (sound / "code").write_text("#version: 0.2\n")  # a real (empty) subword-nmt merge list
+    (sound / "code").write_text("#version: 0.2\ns 1\n")  # a real subword-nmt merge list
     cases.append({"dir": str(sound), "checkpoint": "checkpoint_last.pt", "bpe": "subword_nmt"})
     payload(tmp_path / "control.fifo", FIFO)
     payload(tmp_path / "control.zero", ZERO)
