@@ -1,6 +1,8 @@
 """Load model directories through fairseq's hub (``from_pretrained`` from a directory, with the
 plugin imported first) and print one JSON line each: the outcome (loaded / refused / error),
 the message, the seconds it took and, when loaded, a translation; then the process's peak RSS.
+The loads run with 2 GiB of address space beyond what the process holds (a reader of /dev/zero
+let through ends in MemoryError, not in the machine's memory).
 With ``--controls FIFO ZERO_LINK``, fairseq's own readers (unguarded) on the same payloads:
 whether a dictionary or BPE reader on the FIFO still waits after 2 s, and whether the
 dictionary reader on the link to /dev/zero runs out of 512 MiB of address space.
@@ -55,6 +57,11 @@ def _quiet(reader):
         pass
 
 
+def _address_space() -> int:
+    """This process's virtual memory size in bytes."""
+    return int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def controls(fifo, zero_link):
     from argparse import Namespace
 
@@ -65,9 +72,8 @@ def controls(fifo, zero_link):
     print(json.dumps({"control": "dictionary-fifo", "waits": waits(lambda: read_dictionary(Dictionary(), fifo), fifo)}))
     print(json.dumps({"control": "bpe-fifo", "waits": waits(
         lambda: build_bpe(Namespace(bpe="subword_nmt", bpe_codes=fifo, bpe_separator="@@")), fifo)}), flush=True)
-    pages = int(open("/proc/self/statm").read().split()[0])
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    resource.setrlimit(resource.RLIMIT_AS, (pages * os.sysconf("SC_PAGE_SIZE") + 512 * 2 ** 20, hard))
+    resource.setrlimit(resource.RLIMIT_AS, (_address_space() + 512 * 2 ** 20, hard))
     try:
         read_dictionary(Dictionary(), zero_link)
         outcome = "returned"
@@ -82,8 +88,11 @@ def main(user_dir, *args):
     import ea_fairseq  # noqa: F401  (the plugin first, as the README says)
 
     cases = args[:args.index("--controls")] if "--controls" in args else args
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (_address_space() + 2 * 2 ** 30, hard))  # a /dev/zero read ends
     for case in cases:
         load(user_dir, json.loads(case))
+    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps({"maxrss": peak}), flush=True)
     if "--controls" in args:
