@@ -112,6 +112,7 @@ def test_fairseq_generate_fails_fast_in_one_line(tmp_path, attack, tmp_path_fact
         extra = ["--bpe", "subword_nmt", "--bpe-codes", named]
     code, lines, rss, seconds = run_measured(
         [cli("fairseq-generate"), data, "--user-dir", USER_DIR, "--path", checkpoint, "--gen-subset", "test",
-         "--beam", "2", "--cpu", "--required-batch-size-multiple", "1", *extra], tmp_path)
+         "--beam", "2", "--cpu", "--required-batch-size-multiple", "1", *extra], tmp_path,
+        address_space=6 * 2 ** 30, timeout=120)
     assert code == 1 and lines[-1].startswith(f"fairseq-generate: error: {named}: {shown}"), "\n".join(lines[-20:])
     assert rss < 2 * 2 ** 30 and seconds < 120, (rss, seconds)
