@@ -47,14 +47,16 @@ MMAP_MAGIC = b"MMIDIDX\x00\x00"  # fairseq's MMapIndexedDataset (--dataset-impl 
 
 
 class DataFileError(OptionError):
-    """A binary data file whose index does not match its files; nothing was allocated."""
+    """A file fairseq would open from a data or model directory that is not a regular file of
+    its kind's size, or a binary split whose index does not match its files; nothing was read
+    beyond the index, nothing allocated."""
 
 
 BINARY = "a damaged or crafted data file; rebuild the data directory with fairseq-preprocess"
 DICTIONARY_LIMIT = 256 * 2 ** 20  # fairseq-preprocess writes a few MB for 100k types
 BPE_LIMIT = 64 * 2 ** 20  # sentencepiece / BPE merges / vocab.json files are a few MB
-DICTIONARY = ("a fairseq dictionary is a regular text file of at most 256 MiB: use the one "
-              "fairseq-preprocess wrote for this data (or that came with the model)")
+DICTIONARY = (f"a fairseq dictionary is a regular text file of at most {DICTIONARY_LIMIT // 2 ** 20} MiB: use "
+              "the one fairseq-preprocess wrote for this data (or that came with the model)")
 
 
 def _error(path: str, what: str, remedy: str = BINARY) -> DataFileError:
