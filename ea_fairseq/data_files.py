@@ -164,7 +164,10 @@ def _bpe_files(cfg):
         return []
     found = []
     for field in dataclasses.fields(dataclass):
-        value = cfg.get(field.name) if isinstance(cfg, DictConfig) else getattr(cfg, field.name, None)
+        try:
+            value = cfg.get(field.name) if isinstance(cfg, DictConfig) else getattr(cfg, field.name, None)
+        except Exception:  # an unresolvable value: fairseq's own error when it builds the BPE
+            continue
         if isinstance(value, str) and os.path.exists(value) and not os.path.isdir(value):
             found.append((field.name, value))
     return found
