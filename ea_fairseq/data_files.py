@@ -1,27 +1,42 @@
-"""A data directory's binary files, checked against their sizes before fairseq opens them.
+"""Files fairseq opens by name from a data or model directory, checked before it opens them.
 
-fairseq's binary datasets trust their index files (``PREFIX.idx``, next to ``PREFIX.bin``):
-the legacy ``IndexedDataset`` reads its item count from the header and allocates arrays of
-that many offsets (a 2^40 count asks for 8 TiB); ``MMapIndexedDataset`` takes the count and
-every item's offset and size from the index and reads (``_warmup_mmap_file``) both files to
-their end, so a ``.bin`` that is a link to ``/dev/zero`` never ends, and a FIFO makes the first
-``open()`` wait forever.
+fairseq trusts what it finds under the names it expects. Its binary datasets trust their
+index files (``PREFIX.idx``, next to ``PREFIX.bin``): the legacy ``IndexedDataset`` reads its
+item count from the header and allocates arrays of that many offsets (a 2^40 count asks for
+8 TiB); ``MMapIndexedDataset`` takes the count and every item's offset and size from the index
+and reads (``_warmup_mmap_file``) both files to their end. A dictionary (``dict.src.txt``) is
+read whole with ``readlines()``, and so are the BPE files the hub picks up from a model
+directory (``code``, ``bpecodes``, ``sentencepiece.bpe.model``, ``merges.txt``, ``vocab.json``)
+or a command line names: a link to ``/dev/zero`` grows memory until the process dies, and a
+FIFO makes the first ``open()`` wait forever.
 
-:func:`check` reads the header of an index, compares what it declares with the sizes of the
-two files and then every item's place with the data file, with nothing allocated beyond the
-index itself (mapped, never copied). :func:`install` runs it on every file
-``fairseq.data.data_utils.load_indexed_dataset`` is about to open: fairseq's tasks
-(``translation`` and the plugin's ``translation_lines``, in ``fairseq-train``,
-``fairseq-generate``, ...) load their splits through that module function, looked up on the
-module at each call; the replacement is installed once (no swap and restore) and calls
-fairseq's own function on files that passed. A failure raises :class:`DataFileError`, printed
-by the command-line tools as one line naming the file.
+:func:`check_file` is the one check of such a file (links followed): a regular file, and at
+most a bound for its kind (:data:`DICTIONARY_LIMIT`, :data:`BPE_LIMIT`). :func:`check` adds,
+for a binary split, a comparison of what the index declares with the sizes of the two files
+and then every item's place with the data file, with nothing allocated beyond the index itself
+(mapped, never copied); a raw-text split (``--dataset-impl raw``) must be a regular file.
+
+:func:`install` puts the checks where fairseq opens these files, each the one function every
+caller goes through, looked up at each call, replaced once (no swap and restore) by a wrapper
+that calls fairseq's own function on files that passed:
+
+- ``fairseq.data.data_utils.load_indexed_dataset``: every split a task loads (``translation``
+  and the plugin's ``translation_lines``, in ``fairseq-train``, ``fairseq-generate``, ...);
+- ``fairseq.data.Dictionary.add_from_file``: every dictionary loaded from a path, by any task's
+  ``load_dictionary``, ``Dictionary.load`` or a subclass (the hub, every command-line tool);
+- ``fairseq.data.encoders.build_bpe``: every BPE the hub, ``fairseq-interactive`` and
+  ``fairseq-generate`` build; each string field of the chosen BPE's configuration dataclass
+  whose value names an existing file (a directory is left to fairseq) is checked.
+
+A failure raises :class:`DataFileError`, printed by the command-line tools as one line naming
+the file and what to do.
 """
 import functools
 import itertools
 import os
 import stat
 import struct
+from typing import Optional
 
 import numpy as np
 
@@ -32,20 +47,32 @@ MMAP_MAGIC = b"MMIDIDX\x00\x00"  # fairseq's MMapIndexedDataset (--dataset-impl 
 
 
 class DataFileError(OptionError):
-    """A binary data file whose index does not match its files; nothing was allocated."""
+    """A file fairseq would open from a data or model directory that is not a regular file of
+    its kind's size, or a binary split whose index does not match its files; nothing was read
+    beyond the index, nothing allocated."""
 
 
-def _error(path: str, what: str) -> DataFileError:
-    return DataFileError(f"{path}: {what}: a damaged or crafted data file; rebuild the data "
-                         "directory with fairseq-preprocess")
+BINARY = "a damaged or crafted data file; rebuild the data directory with fairseq-preprocess"
+DICTIONARY_LIMIT = 256 * 2 ** 20  # fairseq-preprocess writes a few MB for 100k types
+BPE_LIMIT = 64 * 2 ** 20  # sentencepiece / BPE merges / vocab.json files are a few MB
+DICTIONARY = (f"a fairseq dictionary is a regular text file of at most {DICTIONARY_LIMIT // 2 ** 20} MiB: use "
+              "the one fairseq-preprocess wrote for this data (or that came with the model)")
 
 
-def _regular_size(path: str) -> int:
-    info = os.stat(path)  # follows links: a link to /dev/zero is a device
+def _error(path: str, what: str, remedy: str = BINARY) -> DataFileError:
+    return DataFileError(f"{path}: {what}: {remedy}")
+
+
+def check_file(path: str, remedy: str = BINARY, limit: Optional[int] = None) -> int:
+    """The size of ``path``, a regular file (links followed: a link to /dev/zero is a device)
+    of at most ``limit`` bytes; else :class:`DataFileError` naming it, ending with ``remedy``."""
+    info = os.stat(path)
     if not stat.S_ISREG(info.st_mode):
         kind = ("a FIFO" if stat.S_ISFIFO(info.st_mode) else "a device" if stat.S_ISCHR(info.st_mode)
                 or stat.S_ISBLK(info.st_mode) else "a directory" if stat.S_ISDIR(info.st_mode) else "not a file")
-        raise _error(path, f"is {kind}, not a regular file")
+        raise _error(path, f"is {kind}, not a regular file", remedy)
+    if limit is not None and info.st_size > limit:
+        raise _error(path, f"{info.st_size:,} bytes, more than the {limit // 2 ** 20} MiB allowed", remedy)
     return info.st_size
 
 
@@ -101,13 +128,17 @@ def _check_mmap(idx: str, size: int, data_bytes: int) -> None:
 
 
 def check(prefix: str) -> bool:
-    """Check ``prefix.idx`` against itself and ``prefix.bin``; False if neither exists."""
+    """Check ``prefix.idx`` against itself and ``prefix.bin`` (and ``prefix`` itself, a raw-text
+    split, which fairseq reads whole); False if none of them exists."""
+    raw = os.path.lexists(prefix) and not os.path.isdir(prefix)
+    if raw and os.path.exists(prefix):
+        check_file(prefix)
     idx, data = prefix + ".idx", prefix + ".bin"
     if not (os.path.lexists(idx) or os.path.lexists(data)):
-        return False
+        return raw
     if not os.path.exists(idx) or not os.path.exists(data):
         return True  # fairseq reports the missing file itself
-    size, data_bytes = _regular_size(idx), _regular_size(data)
+    size, data_bytes = check_file(idx), check_file(data)
     with open(idx, "rb") as f:
         magic = f.read(9)
     if magic[:8] == LEGACY_MAGIC:
@@ -117,21 +148,68 @@ def check(prefix: str) -> bool:
     return True  # other formats (raw text, fasta, huffman): fairseq's own readers
 
 
-def install() -> None:
-    """Check every split ``data_utils.load_indexed_dataset`` loads before it opens the files
-    (all of ``PREFIX``, ``PREFIX1``, ... with ``combine``). Idempotent."""
-    from fairseq.data import data_utils
+def _bpe_files(cfg):
+    """(field, path) for each string field of the BPE ``cfg`` chooses whose value names an
+    existing file; ``cfg`` as ``encoders.build_bpe`` takes it (DictConfig, Namespace, name)."""
+    import dataclasses
 
-    original = data_utils.load_indexed_dataset
+    from fairseq.registry import REGISTRIES
+    from omegaconf import DictConfig
+
+    if cfg is None or isinstance(cfg, str):
+        return []
+    choice = cfg.get("_name") if isinstance(cfg, DictConfig) else getattr(cfg, "bpe", None)
+    dataclass = REGISTRIES["bpe"]["dataclass_registry"].get(choice)
+    if dataclass is None:
+        return []
+    found = []
+    for field in dataclasses.fields(dataclass):
+        try:
+            value = cfg.get(field.name) if isinstance(cfg, DictConfig) else getattr(cfg, field.name, None)
+        except Exception:  # an unresolvable value: fairseq's own error when it builds the BPE
+            continue
+        if isinstance(value, str) and os.path.exists(value) and not os.path.isdir(value):
+            found.append((field.name, value))
+    return found
+
+
+def _wrap(owner, name: str, checked) -> None:
+    """Replace ``owner.name`` (once) by a function that runs ``checked(*args)`` first."""
+    original = getattr(owner, name)
     if getattr(original, "ea_fairseq_checks", False):
         return
 
     @functools.wraps(original)
-    def load_indexed_dataset(path, dictionary=None, dataset_impl=None, combine=False, default="cached"):
-        for k in itertools.count():
-            if not check(path + (str(k) if k > 0 else "")) or not combine:
-                break
-        return original(path, dictionary, dataset_impl, combine, default)
+    def wrapper(*args, **kwargs):
+        checked(*args, **kwargs)
+        return original(*args, **kwargs)
 
-    load_indexed_dataset.ea_fairseq_checks = True
-    data_utils.load_indexed_dataset = load_indexed_dataset
+    wrapper.ea_fairseq_checks = True
+    setattr(owner, name, wrapper)
+
+
+def _check_splits(path, dictionary=None, dataset_impl=None, combine=False, default="cached"):
+    for k in itertools.count():  # PREFIX, PREFIX1, ... with combine
+        if not check(path + (str(k) if k > 0 else "")) or not combine:
+            break
+
+
+def _check_dictionary(dictionary, f):
+    if isinstance(f, str) and os.path.exists(f):  # else a file object, or fairseq's own error
+        check_file(f, DICTIONARY, DICTIONARY_LIMIT)
+
+
+def _check_bpe(cfg, *args, **kwargs):
+    for field, path in _bpe_files(cfg):
+        option = "--" + field.replace("_", "-")
+        check_file(path, f"a BPE file ({option}) is a regular file of at most {BPE_LIMIT // 2 ** 20} MiB: "
+                         f"put the model's own file there or pass one with {option}", BPE_LIMIT)
+
+
+def install() -> None:
+    """Check every split, dictionary and BPE file before fairseq opens it. Idempotent."""
+    from fairseq.data import Dictionary, data_utils, encoders
+
+    _wrap(data_utils, "load_indexed_dataset", _check_splits)
+    _wrap(Dictionary, "add_from_file", _check_dictionary)
+    _wrap(encoders, "build_bpe", _check_bpe)

@@ -3,6 +3,7 @@ past the end of the data file), FIFOs and devices are refused before fairseq all
 opens anything, by fairseq-train and fairseq-generate in one line naming the file and with
 bounded memory; fairseq's own readers, unguarded, try the 8 TiB allocation or wait forever."""
 import os
+import resource
 import shutil
 import struct
 import subprocess
@@ -69,11 +70,14 @@ def craft(prefix, attack):
         os.unlink(bin_)
         os.symlink("/dev/zero", bin_)
         return bin_, "is a device, not a regular file"
+    if attack == "fifo-raw-text":
+        os.mkfifo(str(prefix))  # a raw-text split (--dataset-impl raw) of that name, read whole
+        return str(prefix), "is a FIFO, not a regular file"
     raise KeyError(attack)
 
 
 ATTACKS = ["legacy-2^40-items", "mmap-2^40-items", "legacy-past-the-data", "mmap-past-the-data",
-           "legacy-element-size", "fifo-index", "dev-zero-data"]
+           "legacy-element-size", "fifo-index", "dev-zero-data", "fifo-raw-text"]
 
 
 @pytest.mark.parametrize("attack", ATTACKS)
@@ -122,10 +126,16 @@ MAXRSS = ("import resource, subprocess, sys; code = subprocess.run(sys.argv[1:])
           "sys.exit(code)")
 
 
-def run_measured(cmd, cwd):
+def run_measured(cmd, cwd, address_space=None, timeout=300):
+    """Exit status, stderr lines, peak RSS and seconds of ``cmd``; with ``address_space`` (bytes)
+    its virtual memory is bounded (a reader of /dev/zero let through ends in MemoryError)."""
+    def bound():
+        if address_space:
+            resource.setrlimit(resource.RLIMIT_AS, (address_space, resource.getrlimit(resource.RLIMIT_AS)[1]))
+
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", MAXRSS, *map(str, cmd)], capture_output=True, text=True,
-                          env=ENV, cwd=cwd, timeout=300)
+                          env=ENV, cwd=cwd, timeout=timeout, preexec_fn=bound)
     lines = proc.stderr.strip().splitlines()
     return proc.returncode, lines[:-1], int(lines[-1].split()[1]) * 1024, time.perf_counter() - start
 
