@@ -202,7 +202,7 @@ class TinyTranslator(torch.nn.Module):
 
 
 def test_mixed_precision_updates_keep_float32_master_weights_and_skip_overflows():
-    benchmark = benchmark_module()
+    benchmark = benchmark_module("measure")
     torch.manual_seed(0)
     model = benchmark.place(TinyTranslator(), dtype="fp16")
     opt = benchmark.optimizer(model, dtype="fp16")
