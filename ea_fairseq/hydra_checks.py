@@ -25,7 +25,6 @@ import copy
 import os
 import shutil
 import sys
-from types import SimpleNamespace
 from typing import List
 
 from hydra.experimental.callback import Callback
@@ -64,23 +63,17 @@ def check_model(cfg: DictConfig) -> None:
     """Build ``cfg.model`` as fairseq's training does, on the ``meta`` device (no memory, no
     data: a placeholder dictionary), when its arch is one of the plugin's models; an
     ``OptionError`` ends the run, any other failure is left to the real build."""
-    from fairseq import models
     from fairseq.models import ARCH_MODEL_REGISTRY
 
-    from .models.building import placeholder_dictionary
+    from .models.building import build_on_meta
     from .models.ea_transformer import EATransformerModel
-
-    import torch
 
     arch = cfg.model.get("_name") if cfg.get("model") is not None else None
     model_class = ARCH_MODEL_REGISTRY.get(arch)
     if model_class is None or not issubclass(model_class, EATransformerModel):
         return
-    dictionary = placeholder_dictionary(64)
-    task = SimpleNamespace(source_dictionary=dictionary, target_dictionary=dictionary)
     try:
-        with torch.device("meta"):
-            models.build_model(copy.deepcopy(cfg.model), task)
+        build_on_meta(cfg.model, 64, 64)
     except OptionError as error:
         refuse(str(error))
     except Exception:  # noqa: BLE001  (not an option the plugin refuses: fairseq reports it)

@@ -12,7 +12,8 @@ logger = logging.getLogger("ea_fairseq.analysis")
 # -- shared options -------------------------------------------------------------------------
 def _add_source_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", help="data directory with the dictionaries (and the binarized "
-                                  "splits); default: the one stored in the checkpoint")
+                                  "splits); default: the checkpoint's own directory (the data "
+                                  "directory a checkpoint records is never opened)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--split", default=None,
                      help="binarized split of --data to read, e.g. test or valid (default: test "

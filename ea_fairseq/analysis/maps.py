@@ -50,15 +50,15 @@ def load_model(path: str, data: Optional[str] = None, overrides: Optional[dict] 
 
     Uses ``checkpoint_utils.load_model_ensemble_and_task`` after ``import ea_fairseq``,
     whose loader reads it weights-only and refuses a configuration fairseq would evaluate
-    unless it is literal (``ea_fairseq.checkpoint_safety``). ``data`` overrides the data directory stored in the
-    checkpoint (the dictionaries are read from there).
+    unless it is literal (``ea_fairseq.checkpoint_safety``). ``data``: the directory holding
+    the dictionaries (and splits); by default the checkpoint's own directory, as fairseq's hub
+    does. The data directory a checkpoint records is a path from the file: never opened.
     """
     import ea_fairseq  # noqa: F401  (registers the plugin, validates checkpoints)
     from fairseq import checkpoint_utils
 
     arg_overrides = dict(overrides or {})
-    if data is not None:
-        arg_overrides["data"] = data
+    arg_overrides["data"] = data if data is not None else os.path.dirname(os.path.abspath(path))
     models, cfg, task = checkpoint_utils.load_model_ensemble_and_task([path], arg_overrides=arg_overrides)
     model = models[0]
     model.eval()

@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Mapping
 import torch
 
 from .bounds import _check_family, check_model_sizes
+from .consistency import check_model_matches, check_training_state
 from .plain import LIMIT_AMPLIFICATION, _Walk
 from .reading import TRUST_SWITCH, CheckpointError, UnsafeCheckpointError, _shown, read_checkpoint
 from .schema import Generator
@@ -55,6 +56,8 @@ def sanitize(state: Dict[str, Any], source: str) -> Dict[str, Any]:
         check_model_sizes(fields, out.get("model"), "args" if out.get("args") is not None else "cfg.model", source)
     out["args"] = None
     _check_received(out["cfg"], source)
+    built = check_model_matches(out["cfg"], out.get("model"), source)
+    check_training_state(out, built, source)
     generator.log()
     return out
 

@@ -7,6 +7,7 @@ import collections
 import contextlib
 import os
 import re
+import stat
 import typing
 import zipfile
 from typing import Any, Dict, Iterator, List, Optional
@@ -109,7 +110,12 @@ def read_checkpoint(path: str, source: Optional[str] = None) -> Dict[str, Any]:
     (``source``: the name used in messages). Not yet sanitized: a numpy array is still a
     :class:`~.numpy_values.PendingArray` (the walk puts its array in its place)."""
     source = source or str(path)
-    size = os.path.getsize(path)  # FileNotFoundError / IsADirectoryError as they are
+    mode = os.stat(path).st_mode  # FileNotFoundError as it is; a symbolic link followed
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):  # (a directory: IsADirectoryError below)
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode) else \
+            "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a file"
+        raise _corrupt(source, f"not a regular file ({kind}); a checkpoint is a file torch.save wrote")
+    size = os.path.getsize(path)
     if size == 0:
         raise _corrupt(source, "the file is empty (0 bytes; a run that stopped while saving leaves one)")
     if zipfile.is_zipfile(path):

@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from .literals import EVALUATED_FIELDS, _evaluated_value, _literal
 from .plain import _Refused
-from .reading import UnsafeCheckpointError, _shown
+from .reading import TRUST_SWITCH, UnsafeCheckpointError, _shown
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +42,21 @@ PATH_FIELDS = frozenset({
     "encoder_embed_path", "decoder_embed_path", "replace_unk", "lm_path", "bpe_codes", "bpe_merges",
     "bpe_vocab", "bpe_vocab_file", "sentencepiece_model", "sentencepiece_model_path", "gpt2_encoder_json",
     "gpt2_vocab_bpe", "quantization_config_path"})
-LANGUAGE_FIELDS = frozenset({"source_lang", "target_lang"})  # put in file names (dict.{lang}.txt)
+# values fairseq puts in file names: languages (dict.{lang}.txt) and the splits a task loads
+# ({split}.{src}-{tgt}.{lang}); every section, every layout
+NAME_FIELDS = {"source_lang": "a language code", "target_lang": "a language code",
+               "train_subset": "a split name", "valid_subset": "comma-separated split names",
+               "gen_subset": "a split name"}
+LANGUAGE_FIELDS = frozenset(k for k, v in NAME_FIELDS.items() if v == "a language code")
 _LANGUAGE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_NAMES = re.compile(r"[A-Za-z0-9_-]{1,64}(,[A-Za-z0-9_-]{1,64}){0,63}")
+# the task families whose configuration this plugin has checked (its recipes and hub use these);
+# another task's dataclass may name files and directories fairseq opens when it sets the task up
+VOUCHED_TASKS = frozenset({"translation", "translation_lines"})
+# text processors the hub may build from a checkpoint: those that need no network (gpt2, bert,
+# hf_byte_bpe, ... download their vocabularies or reach for other packages' files)
+OFFLINE_TEXT = {"bpe": frozenset({"sentencepiece", "subword_nmt", "fastbpe", "characters", "bytes", "byte_bpe"}),
+                "tokenizer": frozenset({"moses", "nltk", "space"})}
 REGISTRY_SECTIONS = ("task", "criterion", "optimizer", "lr_scheduler", "scoring", "bpe", "tokenizer")
 _INTEGER, _NUMBER = re.compile(r"[-+]?\d{1,19}"), re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d{1,3})?")
 
@@ -104,8 +117,8 @@ def typed(value: Any, tp: Any, name: str) -> Any:
     if tp is float and type(value) in (int, float) and math.isfinite(value):
         return float(value)
     if tp is str and type(value) is str:
-        if name in LANGUAGE_FIELDS and not _LANGUAGE.fullmatch(value):
-            raise _Refused("not a language code ([A-Za-z0-9_-]+); fairseq puts it in the dictionaries' file names")
+        if name in NAME_FIELDS and not (_NAMES if "," in NAME_FIELDS[name] else _LANGUAGE).fullmatch(value):
+            raise _Refused(f"not {NAME_FIELDS[name]} ([A-Za-z0-9_-]+); fairseq puts it in file names")
         return value
     raise _Refused(f"a {type(value).__name__} where fairseq declares {_type_name(tp)}")
 
@@ -173,6 +186,7 @@ class Generator:
         self.dropped: List[str] = []  # fields no dataclass or option declares
         self.paths: List[str] = []  # path fields not honoured
         self.generation: List[str] = []  # generation values not applied
+        self.text: List[str] = []  # the tokenizer and BPE the hub applies from the checkpoint
 
     def refuse(self, path: str, value: Any, why: Any) -> UnsafeCheckpointError:
         form = EVALUATED_FIELDS.get(path.rsplit(".", 1)[-1])
@@ -218,10 +232,18 @@ class Generator:
         if name is None:
             return None
         dataclasses_ = TASK_DATACLASS_REGISTRY if kind == "task" else REGISTRIES[kind]["dataclass_registry"]
+        if kind == "task" and (type(name) is not str or name not in VOUCHED_TASKS):
+            raise UnsafeCheckpointError(
+                f"{self.source}: refused: {'args.task' if legacy is not None else 'cfg.task._name'} = "
+                f"{_shown(name)}: ea_fairseq loads checkpoints of the tasks {', '.join(sorted(VOUCHED_TASKS))} "
+                "only; for other tasks it has not checked which configuration fields fairseq opens or "
+                f"evaluates. Nothing in the checkpoint was run. To load a checkpoint you trust without these "
+                f"checks, set {TRUST_SWITCH}=1.")
+        if kind in OFFLINE_TEXT and (type(name) is not str or name not in OFFLINE_TEXT[kind]):
+            raise self.refuse("args." + kind if legacy is not None else f"cfg.{kind}._name", name,
+                              f"fairseq's hub builds this {kind} from the checkpoint, and only "
+                              f"{', '.join(sorted(OFFLINE_TEXT[kind]))} need no download")
         if type(name) is not str or name not in dataclasses_:
-            if kind == "task":
-                raise self.refuse("args.task" if legacy is not None else "cfg.task._name", name,
-                                  "not a task fairseq or this plugin registers with a configuration dataclass")
             self.dropped.append(f"cfg.{kind} ({name!r}: no configuration dataclass registered)")
             return None
         return self.section(dataclasses_[name], fields, "args" if legacy is not None else f"cfg.{kind}", name=name)
@@ -247,6 +269,8 @@ class Generator:
                     out[name] = None if source is None else model_section(self, source, path, legacy is not None)
                 elif name in REGISTRY_SECTIONS:
                     out[name] = self.registry_section(name, given, legacy)
+                    if name in OFFLINE_TEXT and out[name] is not None:
+                        self.text.append(f"{name}={out[name]['_name']}")
                 elif name == "generation":
                     out[name] = self.section(field.type, None, path)
                     self._note_generation(vars(legacy) if legacy is not None else _fields(given), out[name])
@@ -272,6 +296,11 @@ class Generator:
             logger.warning("%s: the checkpoint's generation settings are not applied (%s); fairseq's defaults "
                            "and the caller's options are used (pass them to from_pretrained or on the "
                            "command line to use them)", self.source, ", ".join(self.generation))
+        if self.text:
+            logger.warning("%s: the checkpoint names a text processing (%s): fairseq's hub (from_pretrained) "
+                           "applies it to the sentences it is given unless tokenizer=/bpe= are passed; "
+                           "fairseq-generate and fairseq-interactive apply only their own --tokenizer/--bpe",
+                           self.source, ", ".join(self.text))
         if self.paths:
             logger.warning("%s: paths in the checkpoint's configuration are not opened (%s); give them as "
                            "options if they are needed", self.source, ", ".join(self.paths))

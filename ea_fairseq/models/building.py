@@ -44,3 +44,22 @@ def build_model(arch: str, *model_options: str, vocab: int = 1000,
         with torch.device("meta"):
             return model_class.build_model(args, task), args
     return model_class.build_model(args, task), args
+
+
+def build_on_meta(model_cfg, source_size: int, target_size: int, task_class=None, task_cfg=None):
+    """The model fairseq builds from ``model_cfg`` (a copy), on torch's ``meta`` device: no
+    memory, no data. The task's dictionaries are placeholders of ``source_size`` and
+    ``target_size`` symbols (one dictionary when they are equal, as a joined dictionary is);
+    with ``task_class`` the task's own ``build_model`` runs (``task_class(task_cfg, src, tgt)``),
+    else fairseq's ``models.build_model`` with a stand-in task."""
+    import copy
+
+    from fairseq import models
+
+    source = placeholder_dictionary(source_size)
+    target = source if target_size == source_size else placeholder_dictionary(target_size)
+    with torch.device("meta"):
+        if task_class is None:
+            task = SimpleNamespace(source_dictionary=source, target_dictionary=target)
+            return models.build_model(copy.deepcopy(model_cfg), task)
+        return task_class(task_cfg, source, target).build_model(copy.deepcopy(model_cfg), from_checkpoint=True)

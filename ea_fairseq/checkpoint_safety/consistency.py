@@ -1,0 +1,133 @@
+"""The checkpoint's configuration must describe its weights, and its training state must be
+what fairseq's trainer can read back.
+
+:func:`check_model_matches` builds the model the generated configuration describes, with the
+checkpoint's task, on torch's ``meta`` device (no memory;
+:func:`~ea_fairseq.models.building.build_on_meta`, placeholder dictionaries as large as the
+weights' embeddings) and loads the weights into it as fairseq does (``load_state_dict`` with
+``strict=True``, which upgrades and prunes them first): any exception, a missing or unexpected
+key or a shape that differs is refused in one line naming the first difference, before fairseq
+builds anything (so a head count that does not divide the dimension, a negative position limit
+or a switched-on layer the weights do not hold never reaches a deep traceback).
+
+:func:`check_training_state` reads what fairseq's trainer reads back on ``--restore-file``:
+the metrics' meter classes (fairseq calls ``globals()[name]()`` in ``fairseq.logging.meters``:
+only its ``Meter`` subclasses, each loading its stored state), the update count, and the
+optimizer's per-parameter state shaped as the parameters it belongs to.
+"""
+from typing import Any, Dict, Mapping
+
+import torch
+
+from .reading import UnsafeCheckpointError, _shown
+
+LIMIT_UPDATES = 10 ** 12  # far beyond any training run; fairseq schedules learning rates from it
+
+
+def _refuse(source: str, what: str) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(f"{source}: refused: {what}. Nothing in the checkpoint was run; if you "
+                                 "wrote this checkpoint yourself, correct its configuration.")
+
+
+def _vocabulary(weights: Mapping, side: str) -> int:
+    for key in (f"{side}.embed_tokens.weight", f"{side}.output_projection.weight"):
+        if torch.is_tensor(weights.get(key)) and weights[key].dim() == 2:
+            return int(weights[key].shape[0])
+    return 0
+
+
+def meta_model(cfg: Dict[str, Any], weights: Mapping):
+    """The model ``cfg`` (the generated configuration) describes, on the ``meta`` device."""
+    from fairseq.tasks import TASK_REGISTRY
+    from omegaconf import OmegaConf
+
+    from ..models.building import build_on_meta
+
+    received = OmegaConf.create(cfg, flags={"allow_objects": True})  # as fairseq's loader receives it
+    task = received.get("task")
+    task_class = TASK_REGISTRY.get(task.get("_name")) if task is not None else None
+    source, target = _vocabulary(weights, "encoder"), _vocabulary(weights, "decoder")
+    return build_on_meta(received.model, source or target, target or source, task_class, task), received
+
+
+def check_model_matches(cfg: Dict[str, Any], weights: Any, source: str):
+    """Refuse a configuration fairseq cannot build, or whose model is not the weights'."""
+    if not isinstance(weights, Mapping) or cfg.get("model") is None:
+        return None
+    if not (_vocabulary(weights, "encoder") or _vocabulary(weights, "decoder")):
+        raise _refuse(source, "its weights hold no token embeddings (encoder.embed_tokens.weight); "
+                              "not a translation model's weights")
+    try:
+        model, received = meta_model(cfg, weights)
+    except Exception as error:  # noqa: BLE001  (whatever fairseq would raise, said in one line)
+        first = (str(error).strip().splitlines() or [""])[0][:300]
+        raise _refuse(source, f"fairseq cannot build the model its configuration describes "
+                              f"({type(error).__name__}: {first})") from None
+    try:
+        model.load_state_dict(dict(weights), strict=True, model_cfg=received.model)
+    except Exception as error:  # noqa: BLE001
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        first = (lines[1] if len(lines) > 1 else lines[0] if lines else type(error).__name__)[:300]
+        raise _refuse(source, f"its weights are not those of the model its configuration describes: {first}") \
+            from None
+    return model
+
+
+def check_training_state(state: Mapping, model, source: str) -> None:
+    """The trainer state fairseq reads back on ``--restore-file``."""
+    _check_meters(state.get("extra_state"), source)
+    history = state.get("optimizer_history")
+    if type(history) is list and history:
+        last = history[-1]
+        updates = last.get("num_updates") if type(last) is dict else None
+        if updates is not None and not (type(updates) is int and 0 <= updates <= LIMIT_UPDATES):
+            raise _refuse(source, f"optimizer_history[-1].num_updates = {_shown(updates)}: not an update "
+                                  f"count (an int from 0 to {LIMIT_UPDATES})")
+    if model is not None:
+        _check_optimizer_state(state.get("last_optimizer_state"), model, source)
+
+
+def _check_meters(extra: Any, source: str) -> None:
+    from fairseq.logging import meters
+
+    metrics = extra.get("metrics") if isinstance(extra, Mapping) else None
+    if metrics is None:
+        return
+    if not isinstance(metrics, Mapping):
+        raise _refuse(source, f"extra_state.metrics = {_shown(metrics)}: not fairseq's metrics (a dict)")
+    for name, entries in metrics.items():
+        for i, entry in enumerate(entries if type(entries) in (list, tuple) else [entries]):
+            where = f"extra_state.metrics[{name!r}][{i}]"
+            if type(entry) not in (list, tuple) or len(entry) != 4:
+                raise _refuse(source, f"{where} = {_shown(entry)}: not a (priority, key, meter class, state) entry")
+            cls = getattr(meters, entry[2], None) if type(entry[2]) is str else None
+            if not (isinstance(cls, type) and issubclass(cls, meters.Meter) and cls is not meters.Meter):
+                raise _refuse(source, f"{where}: meter class {_shown(entry[2])}: not one of fairseq's meters "
+                                      "(fairseq would call that name from its module)")
+            try:
+                cls().load_state_dict(entry[3])
+            except Exception as error:  # noqa: BLE001
+                raise _refuse(source, f"{where}: a {entry[2]} state fairseq cannot read "
+                                      f"({type(error).__name__}: {_shown(error)})") from None
+
+
+def _check_optimizer_state(optimizer: Any, model, source: str) -> None:
+    """Per-parameter tensors (Adam's moments, ...) shaped as their parameter, in fairseq's
+    trainer's order (the model's parameters that require gradients)."""
+    if not isinstance(optimizer, Mapping) or not isinstance(optimizer.get("state"), Mapping):
+        return
+    params = [p for p in model.parameters() if p.requires_grad]
+    for index, slots in optimizer["state"].items():
+        if type(index) is not int or not isinstance(slots, Mapping):
+            continue  # (fairseq's fp16 and sharded optimizers keep other layouts)
+        if not 0 <= index < len(params):
+            raise _refuse(source, f"last_optimizer_state.state[{index}]: no such parameter "
+                                  f"(the model has {len(params)})")
+        for slot, value in slots.items():
+            if torch.is_tensor(value) and value.dim() > 0 and tuple(value.shape) != tuple(params[index].shape) \
+                    and value.numel() != params[index].numel():
+                raise _refuse(source, f"last_optimizer_state.state[{index}][{slot!r}] has shape {tuple(value.shape)}, "
+                                      f"its parameter {tuple(params[index].shape)}")
+            if torch.is_tensor(value) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                raise _refuse(source, f"last_optimizer_state.state[{index}][{slot!r}] holds NaN or infinity")
+

@@ -1,0 +1,104 @@
+"""Values of a checkpoint that fairseq turns into file names, directories, downloads or deep
+tracebacks: each refused in one line (or not taken from the file) through the real entry
+points, with a negative control showing what fairseq does with it unguarded."""
+import argparse
+import os
+import time
+
+import pytest
+import torch
+from fairseq import checkpoint_utils
+
+from conftest import cli
+from ea_fairseq import checkpoint_safety as safety
+from test_checkpoint_schema import hub, saved, trusted_state, unguarded_load, vanilla  # noqa: F401  (fixture)
+from trained_checkpoints import USER_DIR, run, train_command
+
+SECRET_LINE = "TOPSECRET-LINE-1 not-a-count"
+
+
+def _one_line(error) -> str:
+    text = str(error.value if hasattr(error, "value") else error)
+    assert "\n" not in text and "Nothing in the checkpoint was run" in text, text
+    return text
+
+
+def _secret_beside(directory):
+    """A model directory whose ``dict.x/../../secret.txt`` names a file outside it."""
+    (directory / "dict.x").mkdir(parents=True)
+    (directory.parent / "secret.txt").write_text(SECRET_LINE + "\n")
+    return "x/../../secret"
+
+
+# -- languages and split names are put in file names ----------------------------------------
+def test_a_language_path_reads_a_file_without_the_guard(tmp_path, vanilla):  # noqa: F811
+    state = trusted_state(vanilla)
+    state["cfg"]["task"].update(source_lang=_secret_beside(tmp_path / "model"), target_lang="tgt")
+    path = saved(state, tmp_path / "model")
+    with pytest.raises(Exception, match=SECRET_LINE.split()[0]):  # fairseq echoes the file's first line
+        checkpoint_utils.load_model_ensemble_and_task([str(path)], arg_overrides={"data": str(tmp_path / "model")},
+                                                      state=unguarded_load(path))
+
+
+@pytest.mark.parametrize("layout", ["dict", "legacy"])
+@pytest.mark.parametrize("field", ["source_lang", "target_lang"])
+def test_languages_are_codes_in_every_layout(tmp_path, vanilla, tiny_data_bin, layout, field):  # noqa: F811
+    state = trusted_state(vanilla)
+    hostile = _secret_beside(tmp_path / "model")
+    if layout == "dict":
+        state["cfg"]["task"][field] = hostile
+    else:
+        args = argparse.Namespace(**vars(state["cfg"]["model"]))
+        args.task, args.data, args.source_lang, args.target_lang = "translation", "bin", "src", "tgt"
+        setattr(args, field, hostile)
+        state["args"], state["cfg"] = args, None
+    saved(state, tmp_path / "model")
+    with pytest.raises(safety.UnsafeCheckpointError) as refusal:
+        hub(tmp_path / "model", str(tmp_path / "model"))
+    assert f"{field} = 'x/../../secret': not a language code" in _one_line(refusal)
+
+
+@pytest.mark.parametrize("field,value", [("gen_subset", "../../x"), ("valid_subset", "valid,/etc/x")])
+def test_split_names_are_names(field, value):
+    state = {"cfg": {"model": argparse.Namespace(arch="transformer"), "dataset": {field: value}}}
+    with pytest.raises(safety.UnsafeCheckpointError, match=f"cfg.dataset.{field} = .*: not .*split name"):
+        safety.sanitize(state, "x.pt")
+
+
+# -- task families ---------------------------------------------------------------------------
+OTHER_TASKS = {
+    "hubert_pretraining": {"labels": ["s"], "label_dir": "/etc", "fine_tuning": True},
+    "audio_finetuning": {"labels": "x/../../../secret"},
+    "translation_lev": {"noise": "random_delete"},
+    "language_modeling": {},
+}
+
+
+@pytest.mark.parametrize("task", sorted(OTHER_TASKS))
+def test_other_task_families_are_refused_naming_the_switch(tmp_path, vanilla, tiny_data_bin, task):  # noqa: F811
+    state = trusted_state(vanilla)
+    state["cfg"]["task"] = dict(OTHER_TASKS[task], _name=task, data=tiny_data_bin)
+    saved(state, tmp_path)
+    with pytest.raises(safety.UnsafeCheckpointError) as refusal:
+        hub(tmp_path, tiny_data_bin)
+    message = _one_line(refusal)
+    assert f"cfg.task._name = '{task}'" in message and safety.TRUST_SWITCH in message
+
+
+def test_a_task_family_s_paths_are_opened_without_the_guard(tmp_path, vanilla):  # noqa: F811
+    state = trusted_state(vanilla)
+    state["cfg"]["task"] = dict(OTHER_TASKS["audio_finetuning"], _name="audio_finetuning", data=str(tmp_path))
+    state["cfg"]["task"]["labels"] = _secret_beside(tmp_path / "model")
+    path = saved(state, tmp_path / "model")
+    with pytest.raises(Exception, match=SECRET_LINE.split()[0]):
+        checkpoint_utils.load_model_ensemble_and_task([str(path)], arg_overrides={"data": str(tmp_path / "model")},
+                                                      state=unguarded_load(path))
+
+
+def test_restore_file_refuses_another_task_family(tmp_path, vanilla, tiny_data_bin):  # noqa: F811
+    state = trusted_state(vanilla)
+    state["cfg"]["task"] = {"_name": "language_modeling", "data": tiny_data_bin}
+    path = saved(state, tmp_path)
+    code, out = run(train_command(tiny_data_bin, "transformer_lite", tmp_path / "save", "--restore-file", path),
+                    expect_ok=False, cwd=tmp_path, timeout=120)
+    assert code == 1 and "Traceback" not in out and "cfg.task._name = 'language_modeling'" in out, out[-3000:]
