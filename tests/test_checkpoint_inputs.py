@@ -33,7 +33,8 @@ def _secret_beside(directory):
 # -- languages and split names are put in file names ----------------------------------------
 def test_a_language_path_reads_a_file_without_the_guard(tmp_path, vanilla):  # noqa: F811
     state = trusted_state(vanilla)
-    state["cfg"]["task"].update(source_lang=_secret_beside(tmp_path / "model"), target_lang="tgt")
+    state["cfg"]["task"].update(source_lang=_secret_beside(tmp_path / "model"), target_lang="tgt",
+                                data=str(tmp_path / "model"))
     path = saved(state, tmp_path / "model")
     with pytest.raises(Exception, match=SECRET_LINE.split()[0]):  # fairseq echoes the file's first line
         checkpoint_utils.load_model_ensemble_and_task([str(path)], arg_overrides={"data": str(tmp_path / "model")},
@@ -87,7 +88,8 @@ def test_other_task_families_are_refused_naming_the_switch(tmp_path, vanilla, ti
 
 def test_a_task_family_s_paths_are_opened_without_the_guard(tmp_path, vanilla):  # noqa: F811
     state = trusted_state(vanilla)
-    state["cfg"]["task"] = dict(OTHER_TASKS["audio_finetuning"], _name="audio_finetuning", data=str(tmp_path))
+    state["cfg"]["task"] = dict(OTHER_TASKS["audio_finetuning"], _name="audio_finetuning",
+                                data=str(tmp_path / "model"))
     state["cfg"]["task"]["labels"] = _secret_beside(tmp_path / "model")
     path = saved(state, tmp_path / "model")
     with pytest.raises(Exception, match=SECRET_LINE.split()[0]):

@@ -15,6 +15,7 @@ the metrics' meter classes (fairseq calls ``globals()[name]()`` in ``fairseq.log
 only its ``Meter`` subclasses, each loading its stored state), the update count, and the
 optimizer's per-parameter state shaped as the parameters it belongs to.
 """
+import warnings
 from typing import Any, Dict, Mapping
 
 import torch
@@ -64,7 +65,14 @@ def check_model_matches(cfg: Dict[str, Any], weights: Any, source: str):
         raise _refuse(source, f"fairseq cannot build the model its configuration describes "
                               f"({type(error).__name__}: {first})") from None
     try:
-        model.load_state_dict(dict(weights), strict=True, model_cfg=received.model)
+        # names and shapes only: meta copies of the weights, no data read; one-element tensors
+        # (fairseq's ``version`` buffers, which its state-dict upgrade reads with ``.item()``) as
+        # stored, without torch's warning that copying them into meta parameters does nothing
+        on_meta = {name: value.to("meta") if torch.is_tensor(value) and value.numel() > 1 else value
+                   for name, value in weights.items()}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*to a meta parameter in the current model")
+            model.load_state_dict(on_meta, strict=True, model_cfg=received.model)
     except Exception as error:  # noqa: BLE001
         lines = [line.strip() for line in str(error).splitlines() if line.strip()]
         first = (lines[1] if len(lines) > 1 else lines[0] if lines else type(error).__name__)[:300]

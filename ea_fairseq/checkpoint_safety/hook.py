@@ -23,10 +23,14 @@ def trusted() -> bool:
     return os.environ.get(TRUST_SWITCH, "") == "1"  # only the documented value: "false" is not "1"
 
 
-def sanitize(state: Dict[str, Any], source: str) -> Dict[str, Any]:
+def sanitize(state: Dict[str, Any], source: str, *, build_check: bool = True) -> Dict[str, Any]:
     """``state`` with the configuration fairseq receives generated from the checkpoint's
     (:class:`~.schema.Generator`; ``args`` None, ``cfg`` a dict of typed sections), the
-    model's sizes bounded by its weights, the rest bounded; or :class:`CheckpointError`."""
+    model's sizes bounded by its weights, the rest bounded; or :class:`CheckpointError`.
+    ``build_check``: also build the configured model on ``meta`` and require it to take the
+    weights and training state (:mod:`.consistency`), for a caller that builds the model or
+    resumes training from it; a tool that only reads the weights (averaging) leaves it to the
+    load that builds the model."""
     walk = _Walk(source)
     out = dict(state)
     config_roots = [root for root in ("args", "cfg") if state.get(root) is not None]
@@ -56,8 +60,9 @@ def sanitize(state: Dict[str, Any], source: str) -> Dict[str, Any]:
         check_model_sizes(fields, out.get("model"), "args" if out.get("args") is not None else "cfg.model", source)
     out["args"] = None
     _check_received(out["cfg"], source)
-    built = check_model_matches(out["cfg"], out.get("model"), source)
-    check_training_state(out, built, source)
+    if build_check:
+        built = check_model_matches(out["cfg"], out.get("model"), source)
+        check_training_state(out, built, source)
     generator.log()
     return out
 
@@ -85,9 +90,9 @@ def _check_received(cfg: Dict[str, Any], source: str) -> None:
     walk(OmegaConf.create(cfg, flags={"allow_objects": True}), "cfg")
 
 
-def load_checkpoint(path: str) -> Dict[str, Any]:
+def load_checkpoint(path: str, *, build_check: bool = True) -> Dict[str, Any]:
     """A fairseq checkpoint read onto the CPU, weights-only, and sanitized (:func:`sanitize`)."""
-    return sanitize(read_checkpoint(path), str(path))
+    return sanitize(read_checkpoint(path), str(path), build_check=build_check)
 
 
 def nonfinite_weights(model_state: Mapping[str, Any]) -> List[str]:

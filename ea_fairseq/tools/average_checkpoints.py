@@ -69,7 +69,8 @@ def last_checkpoints(directory: str, n: int, by_update: bool,
 def _weights(path: str) -> Dict[str, Any]:
     from ..checkpoint_safety import load_checkpoint, nonfinite_weights  # weights-only, sanitized
 
-    state = load_checkpoint(path)
+    # averaging builds no model: the averaged checkpoint meets the model check where fairseq loads it
+    state = load_checkpoint(path, build_check=False)
     if not isinstance(state.get("model"), dict):
         raise AverageError(f"{path} has no 'model' entry: not a fairseq checkpoint")
     bad = nonfinite_weights(state["model"])
