@@ -109,10 +109,15 @@ def _mean_std(values: List[float]):
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
 
 
-def _agreement(metric: str, delta: float):
-    from ea_fairseq.tools.compare_systems import AGREEMENT, AGREEMENT_OF
+def _agreement(metric: str, delta: float, records: List[dict]):
+    """Kocmi et al. (2024)'s thresholds for ``metric`` where ea-fairseq-compare applies them to
+    these runs (the metric variant they were fitted on), and the band ``delta`` falls in."""
+    from ea_fairseq.tools import compare_systems as cs
 
-    low, high = AGREEMENT[AGREEMENT_OF[metric]]
+    agreed, why_not = cs.agreement_of(metric, [cs.Run(_scores_json(r)) for r in records])
+    if not agreed:
+        return None, f"no thresholds: {why_not}"
+    low, high = cs.AGREEMENT[agreed]
     label = "below 55%" if abs(delta) < low else "55% to 70%" if abs(delta) < high else "70% or more"
     return [low, high], label
 
@@ -203,7 +208,8 @@ def build(results: str) -> dict:
                 metric.update(delta=delta, p_same_seed={str(k): pairs[k][k] for k in sorted(finished[s]) if k in pairs},
                               p_all_pairs=max(v for row in pairs.values() for v in row.values()),
                               p_pairs={str(i): {str(k): v for k, v in row.items()} for i, row in pairs.items()})
-                metric["agreement_thresholds"], metric["agreement"] = _agreement(m, delta)
+                metric["agreement_thresholds"], metric["agreement"] = _agreement(
+                    m, delta, [*finished[base_name].values(), *finished[s].values()])
             entry["metrics"][m] = metric
         out["systems"][s] = entry
     out["findings"] = findings(out)
@@ -240,10 +246,11 @@ def _minutes(seconds):
 
 def metric_table(out: dict, m: str, seeds: List[int]) -> List[str]:
     base = out["baseline"]
-    e0 = next(iter(out["systems"].values()))["metrics"][m] if out["systems"] else {}
-    low, high = e0.get("agreement_thresholds") or _agreement(m, 0.0)[0]
+    fitted = {tuple(e["metrics"][m]["agreement_thresholds"]) for e in out["systems"].values()
+              if e["metrics"][m].get("agreement_thresholds")}
+    kocmi = "Kocmi" + (": 55% / 70% at {} / {}".format(*fitted.pop()) if len(fitted) == 1 else "")
     head = ["system", "seeds", f"per seed ({' / '.join(map(str, seeds))})", "mean ± std", f"Δ to {base}",
-            "p, seed k vs seed k", "p, all pairs", f"human agreement of Δ (Kocmi: 55% / 70% at {low} / {high})"]
+            "p, seed k vs seed k", "p, all pairs", f"human agreement of Δ ({kocmi})"]
     rows = []
     if out["copy_source"]:
         rows.append(["copy the source", "–", "–", _f(out["copy_source"]["metrics"][m]["score"]), "", "", "", ""])
