@@ -74,6 +74,7 @@ def evolving_attention(logits: Tensor, previous: Optional[Tensor], masked: Optio
     """
     call = dispatch.describe(logits, masked, neutral, params, state, values, hand_on, return_maps)
     backend = dispatch.choose(call)
+    neutral = masked if neutral is None else neutral
     if backend == dispatch.CPU_FULL_PASS:
         result = cpu.full_pass(logits, previous, masked, neutral, params, hand_on)
     elif backend in (dispatch.CPU_STEP, dispatch.CPU_STEP_ATTEND):

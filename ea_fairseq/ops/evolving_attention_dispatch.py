@@ -132,3 +132,14 @@ def choose(call: Call) -> str:
     if backend == REFERENCE:
         return backend
     return select(call._replace(built=build.extension() is not None))
+
+
+def accelerated_dtype(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether an accelerator takes calls on ``device_type`` in ``dtype`` here and now
+    (switches and build as they are): a full pass with a convolution, the call with the
+    fewest conditions, is asked about."""
+    call = Call(device_type=device_type, dtype=dtype, accelerators_on=accelerators.switched_on(),
+                built=False, grad_enabled=False, return_maps=False, has_conv=True, kernel_size=3,
+                layout="full", step=False, rows=1, mask_per_head=False, padded_query_rows=False,
+                values=False, hand_on=False, unshared_values_batch=0)
+    return choose(call) != REFERENCE

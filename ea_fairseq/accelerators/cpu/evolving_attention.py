@@ -71,7 +71,8 @@ class ConvolutionResidual(torch.autograd.Function):
 def full_pass(logits: Tensor, previous: Optional[Tensor], masked: Optional[Tensor],
               neutral: Optional[Tensor], params: EvolvingAttentionParams, hand_on: bool) -> BackendResult:
     """Whole maps (B, H, T, S): one fused pass before the convolution, one after it; the
-    masked entries of ``A_logit`` hold ``-inf`` already unless it is handed on."""
+    masked entries of ``A_logit`` hold ``-inf`` already unless it is handed on. ``neutral``:
+    every entry that enters Eq. (4) as zero (``masked`` included), or None for none."""
     if neutral is not None:
         neutral = neutral.expand(logits.shape)
     a_input = EvolvingAttentionInput.apply(logits, previous, neutral, float(params.alpha))
