@@ -25,7 +25,6 @@ from fairseq.sequence_generator import SequenceGenerator
 
 import ea_fairseq  # noqa: F401  (registers the plugin's models, as --user-dir does)
 from ea_fairseq import accelerators
-from ea_fairseq.checkpoint_safety import UnsafeCheckpointError
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "checkpoints")
 FAMILIES = ("vanilla", "ea", "pa", "ran_d", "ran_e", "ran_all", "hcsa", "syn_r", "realformer", "resformer",
@@ -138,11 +137,7 @@ def assert_computes_as_written(family, reference=REFERENCE_RUN):
     assert differing(want, got, task.target_dictionary) == []
 
 
-REFUSED = pytest.mark.xfail(strict=True, raises=UnsafeCheckpointError,
-                            reason="the configuration check builds LightweightConv1dTBC off meta")
-
-
-@pytest.mark.parametrize("family", [pytest.param(f, marks=REFUSED) if f == "lsra" else f for f in FAMILIES])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_checkpoint_computes_what_it_computed_when_written(family):
     assert_computes_as_written(family)
 
@@ -150,11 +145,6 @@ def test_checkpoint_computes_what_it_computed_when_written(family):
 @pytest.mark.parametrize("family", ACCELERATED)
 def test_reference_backend_computes_what_it_computed_when_written(family):
     assert_computes_as_written(family, reference=True)
-
-
-def test_lsra_weights_compute_what_they_computed_when_written(monkeypatch):
-    monkeypatch.setenv("EA_FAIRSEQ_TRUST_CHECKPOINTS", "1")  # past the refusal above
-    assert_computes_as_written("lsra")
 
 
 def test_a_changed_weight_is_seen():
