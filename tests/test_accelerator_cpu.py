@@ -507,7 +507,7 @@ def spy(ran):
         cpu_ea.full_pass, cpu_ea.step, op.evolving_attention_reference = originals
 
 
-def test_a_decoding_step_is_a_function_of_its_state(kernel):
+def test_a_decoding_step_is_a_function_of_its_state():
     """Replaying a step from the same state gives the same result and next state, for both
     backends (the operation keeps nothing between calls: the caller holds the state)."""
     for on in (True, False):
