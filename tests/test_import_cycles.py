@@ -213,6 +213,31 @@ def test_no_cycle_even_through_imports_inside_functions():
     assert not gone, f"no longer a cycle (take it off KNOWN_FUNCTION_LEVEL_CYCLES): {gone}"
 
 
+def reachable(edges: Edges, start: str) -> Set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for target in edges.get(todo.pop(), {}):
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def test_eq4_backends_and_dispatcher_import_only_the_ops_types():
+    """The CPU backend of EA Eq. 4 and the dispatcher reach, through every import, the
+    operation's types and the accelerators' switches and build only: no module of
+    ``ea_fairseq.modules`` (the attention modules and the operation that calls them)."""
+    module_level, function_level = import_graph(PACKAGE_DIR)
+    edges = merged(module_level, function_level)
+    small = {"ea_fairseq.ops", "ea_fairseq.ops.evolving_attention_types", "ea_fairseq.accelerators",
+             "ea_fairseq.accelerators.cpu", "ea_fairseq.accelerators.cpu.build"}
+    backend = reachable(edges, "ea_fairseq.accelerators.cpu.evolving_attention")
+    dispatcher = reachable(edges, "ea_fairseq.ops.evolving_attention_dispatch")
+    assert backend <= small and dispatcher <= small, (backend, dispatcher)
+    assert "ea_fairseq.ops.evolving_attention_types" in backend and "ea_fairseq.accelerators" in dispatcher
+    assert "ea_fairseq.ops.evolving_attention_dispatch" in reachable(edges, "ea_fairseq.modules.evolving_attention")
+
+
 def write_package(root: Path, files: Dict[str, str]) -> Path:
     for name, text in files.items():
         path = root / name
