@@ -19,7 +19,7 @@ from ea_fairseq.accelerators.cpu import evolving_attention as cpu_ea
 from ea_fairseq.modules import AttentionMapCarrier, EvolvingAttention
 from ea_fairseq.modules.evolving_attention_op import evolving_attention
 from ea_fairseq.ops import evolving_attention_dispatch as dispatch
-from ea_fairseq.ops.evolving_attention_types import StepState
+from ea_fairseq.ops.evolving_attention_types import EvolvingAttentionParams, StepState
 
 HEADS = 4
 
@@ -345,9 +345,10 @@ BREAK = {
 THEN = {
     dispatch.CPU_FULL_PASS: {"a full pass": dispatch.REFERENCE},  # a step of 6 rows: the reference
     dispatch.CPU_STEP: {"a decoding step": dispatch.CPU_FULL_PASS},  # the same call as a full pass
-    dispatch.CPU_STEP_ATTEND: {"a decoding step": dispatch.CPU_FULL_PASS, "values given": dispatch.CPU_STEP, "A_logit not handed on": dispatch.CPU_STEP,
-                               f"at most {dispatch.STEP_VALUES_MAX_BATCH} hypotheses with values of their own":
-                                   dispatch.CPU_STEP},
+    dispatch.CPU_STEP_ATTEND: {
+        "a decoding step": dispatch.CPU_FULL_PASS, "values given": dispatch.CPU_STEP,
+        "A_logit not handed on": dispatch.CPU_STEP,
+        f"at most {dispatch.STEP_VALUES_MAX_BATCH} hypotheses with values of their own": dispatch.CPU_STEP},
 }
 
 
@@ -424,8 +425,6 @@ def random_call(kind, layout, kernel_size, dtype, g, bsz=3, heads=HEADS, src=7):
     values = torch.randn(bsz * heads, width, 8, generator=g, dtype=dtype)
     torch.manual_seed(int(torch.randint(0, 1000, (1,), generator=g)))
     conv = torch.nn.Conv2d(heads, heads, kernel_size).to(dtype)
-    from ea_fairseq.ops.evolving_attention_types import EvolvingAttentionParams
-
     params = EvolvingAttentionParams(0.3, 0.6, conv.weight.detach(), conv.bias.detach(), layout)
     earlier = torch.randn(bsz, heads, kernel_size - 1, width, generator=g, dtype=dtype)
     state = StepState(earlier, torch.tensor([2, 0, 1])) if kind.startswith("step") else None

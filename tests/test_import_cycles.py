@@ -10,7 +10,6 @@ is the same tangle, only hidden. Both are collected and reported separately; nei
 close a cycle. ``TYPE_CHECKING`` blocks do not run and are skipped.
 """
 import ast
-import os
 import textwrap
 from collections import defaultdict
 from pathlib import Path

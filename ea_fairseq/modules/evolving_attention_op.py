@@ -32,7 +32,7 @@ and autograd included) and the CPU accelerator's fused passes
 gradients; which one runs a call is decided in one table
 (:mod:`ea_fairseq.ops.evolving_attention_dispatch`).
 """
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -40,8 +40,8 @@ from torch import Tensor
 
 from ..accelerators.cpu import evolving_attention as cpu
 from ..ops import evolving_attention_dispatch as dispatch
-from ..ops.evolving_attention_types import (BackendResult, EvolvingAttentionOutput,  # noqa: F401
-                                            EvolvingAttentionParams, StepState)
+from ..ops.evolving_attention_types import (BackendResult, EvolvingAttentionOutput, EvolvingAttentionParams,
+                                            StepState)
 from .attention_map_conv import convolve, layout_kernel, layout_padding
 from .attention_masks import fill_masked, fill_masked_, pad_rows_to
 from .masked_softmax import attention_weights
