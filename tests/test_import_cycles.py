@@ -192,24 +192,12 @@ def test_no_cycle_among_module_level_imports():
     assert not found, "import cycles at module level: " + " | ".join(describe(c, module_level) for c in found)
 
 
-# Cycles through an import inside a function that remain, each with its reason; the test
-# fails when one of them is gone too (then it comes off this list).
-KNOWN_FUNCTION_LEVEL_CYCLES = {
-    # the checkpoint schema's generator calls the model section's, which reads the schema's
-    # field helpers (the checkpoint gate's own modules)
-    frozenset({"ea_fairseq.checkpoint_safety.model", "ea_fairseq.checkpoint_safety.schema"}),
-}
-
-
 def test_no_cycle_even_through_imports_inside_functions():
     module_level, function_level = import_graph(PACKAGE_DIR)
     assert function_level  # the walk sees imports inside functions (the package has some)
     edges = merged(module_level, function_level)
-    found = {frozenset(c): c for c in cycles(edges)}
-    new = [describe(c, edges) for key, c in found.items() if key not in KNOWN_FUNCTION_LEVEL_CYCLES]
-    assert not new, "import cycles through function-level imports: " + " | ".join(new)
-    gone = [sorted(key) for key in KNOWN_FUNCTION_LEVEL_CYCLES if key not in found]
-    assert not gone, f"no longer a cycle (take it off KNOWN_FUNCTION_LEVEL_CYCLES): {gone}"
+    found = cycles(edges)
+    assert not found, "import cycles through function-level imports: " + " | ".join(describe(c, edges) for c in found)
 
 
 def reachable(edges: Edges, start: str) -> Set[str]:
