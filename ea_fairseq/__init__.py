@@ -23,15 +23,24 @@ def load_plugin() -> None:
     checkpoint fairseq reads in this process is sanitized before fairseq converts or evaluates
     any of it (:mod:`ea_fairseq.checkpoint_safety`), the hub's archives are extracted only
     inside a fresh folder (:mod:`ea_fairseq.archives`), binary data files are checked against
-    their sizes before fairseq opens them (:mod:`ea_fairseq.data_files`), and the plugin's
-    option errors print as one line (:mod:`ea_fairseq.errors`). Idempotent.
+    their sizes before fairseq opens them (:mod:`ea_fairseq.data_files`). In a process that runs
+    a command line the plugin serves (fairseq's tools, the plugin's own), the plugin's option
+    errors print as one line (:mod:`ea_fairseq.errors`). Idempotent.
 
     fairseq's import sets the root logger to DEBUG (``logging.basicConfig`` in
     ``fairseq.models.wav2vec``) and logs a tensorboardX hint at INFO: the root level is put
     back and messages below WARNING are not shown while fairseq is imported."""
     global _loaded
-    if _loaded:
-        return
+    if not _loaded:
+        _load()
+        _loaded = True
+    from . import errors
+
+    if errors.serving_command_line():  # fairseq-train ... --user-dir ea_fairseq, the plugin's tools
+        errors.install_excepthook()  # the plugin's option errors as one line on the command line
+
+
+def _load() -> None:
     import logging
 
     root = logging.getLogger()
@@ -43,7 +52,7 @@ def load_plugin() -> None:
         from ._compat import check_fairseq
 
         check_fairseq()
-        from . import archives, checkpoint_safety, data_files, errors
+        from . import archives, checkpoint_safety, data_files
         from . import models  # noqa: F401  (registers models and architectures)
         from . import tasks  # noqa: F401  (registers translation_lines)
     finally:
@@ -53,8 +62,6 @@ def load_plugin() -> None:
     checkpoint_safety.install()
     archives.install()  # the hub extracts model and data archives safely (ea_fairseq.archives)
     data_files.install()  # binary data files checked against their sizes before fairseq reads them
-    errors.install_excepthook()  # the plugin's option errors as one line on the command line
-    _loaded = True
 
 
 def _started_as_tool() -> bool:
