@@ -3,18 +3,12 @@
 ``fairseq-train DATA --user-dir ea_fairseq --arch ea_transformer_lite ...``
 
 Importing the package loads the plugin (:func:`load_plugin`: fairseq, the models and tasks,
-checkpoint validation, safe archive extraction, data file checks). The plugin's own
-command-line tools (``ea-fairseq-*``, ``python -m ea_fairseq.warm_start``) parse their
-arguments first and call :func:`load_plugin` only for a command that needs fairseq, so that
-``--help`` and the metric tools answer without importing torch.
+checkpoint validation, safe archive extraction, data file checks), in every program alike.
+The plugin's command-line tools live beside it, in :mod:`ea_fairseq_cli`, which imports
+neither fairseq nor torch until a command needs them (a fast ``--help``; the metric tools
+where fairseq is not installed).
 """
-import os as _os
-import sys as _sys
-
 __version__ = "0.1.0"
-
-_TOOLS = ("ea-fairseq-average-checkpoints", "ea-fairseq-bleu", "ea-fairseq-compare", "ea-fairseq-analysis")
-_TOOL_MODULES = ("ea_fairseq.tools.", "ea_fairseq.analysis", "ea_fairseq.warm_start")
 _loaded = False
 
 
@@ -42,10 +36,11 @@ def load_plugin() -> None:
 
 def _load() -> None:
     import logging
+    import sys
 
     root = logging.getLogger()
     level, disabled = root.level, logging.root.manager.disable
-    first = "fairseq" not in _sys.modules
+    first = "fairseq" not in sys.modules
     if first:
         logging.disable(logging.INFO)
     try:
@@ -64,17 +59,4 @@ def _load() -> None:
     data_files.install()  # binary data files checked against their sizes before fairseq reads them
 
 
-def _started_as_tool() -> bool:
-    """True in a process started as one of the plugin's tools (console script or ``python -m``)."""
-    argv = getattr(_sys, "argv", None) or [""]
-    if _os.path.splitext(_os.path.basename(argv[0] or ""))[0] in _TOOLS:
-        return True
-    orig = list(getattr(_sys, "orig_argv", []))
-    if "-m" in orig[:-1]:
-        module = orig[orig.index("-m") + 1]
-        return module.startswith(_TOOL_MODULES)
-    return False
-
-
-if not _started_as_tool():
-    load_plugin()
+load_plugin()

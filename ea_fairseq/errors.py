@@ -47,13 +47,15 @@ def serving_command_line() -> bool:
     """Whether this process runs a command-line entry point the plugin serves: one of
     fairseq's (``fairseq-train``, ``fairseq-generate``, ``fairseq-interactive``, ...: a console
     script that imported ``cli_main`` from ``fairseq_cli``, or ``python -m fairseq_cli.NAME``)
-    or the plugin's own tools (``ea-fairseq-*``, ``python -m ea_fairseq...``). Read from the
-    main module, which names the program; fairseq offers no hook for how its command line
-    reports an error (docs/fairseq-internals.md)."""
+    or the plugin's own tools (``ea-fairseq-*``, ``python -m ea_fairseq_cli.NAME``,
+    ``python -m ea_fairseq.warm_start``). Read from the main module, which names the program:
+    fairseq offers no hook for how its command line reports an error
+    (docs/fairseq-internals.md)."""
     main = sys.modules.get("__main__")
     names = [getattr(getattr(main, "__spec__", None), "name", None)]
     names += [getattr(getattr(main, attr, None), "__module__", None) for attr in ("cli_main", "main")]
-    return any(isinstance(name, str) and name.startswith(("fairseq_cli.", "ea_fairseq.")) for name in names)
+    return any(isinstance(name, str) and name.startswith(("fairseq_cli.", "ea_fairseq.", "ea_fairseq_cli."))
+               for name in names)
 
 
 def install_excepthook() -> None:
