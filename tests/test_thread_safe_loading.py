@@ -8,6 +8,7 @@ two threads released together by a barrier, many rounds, free-running and with b
 forced to be inside fairseq's function at the same time; the negative control runs the same
 rounds with the state handed over through a module global swapped for the duration of each
 call, and the harness finds the loads crossed."""
+import os
 import threading
 
 import pytest
@@ -17,16 +18,17 @@ from omegaconf import OmegaConf
 from omegaconf.base import Container
 
 from ea_fairseq.checkpoint_safety import checkpoint_globals_allowed, hook, load_checkpoint, reading
-from trained_checkpoints import family_checkpoints
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "checkpoints")
 
 ROUNDS = 25  # free-running; the rounds that force both loads into fairseq's function together: 10
 
 
 @pytest.fixture(scope="module")
-def two(tmp_path_factory, tiny_data_bin):
-    """Two checkpoints of different families (EA and PA) and the state each loads as alone."""
-    found = family_checkpoints(tmp_path_factory, tiny_data_bin)
-    paths = [str(found["ea"]), str(found["pa"])]
+def two():
+    """Two checkpoints of different families (EA and PA, written by ``fairseq-train``) and the
+    state each loads as when it is loaded alone."""
+    paths = [os.path.join(FIXTURES, family, "checkpoint.pt") for family in ("ea", "pa")]
     return paths, {path: checkpoint_utils.load_checkpoint_to_cpu(path) for path in paths}
 
 
