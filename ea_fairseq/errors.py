@@ -47,8 +47,7 @@ def serving_command_line() -> bool:
     """Whether this process runs a command-line entry point the plugin serves: one of
     fairseq's (``fairseq-train``, ``fairseq-generate``, ``fairseq-interactive``, ...: a console
     script that imported ``cli_main`` from ``fairseq_cli``, or ``python -m fairseq_cli.NAME``)
-    or the plugin's own tools (``ea-fairseq-*``, ``python -m ea_fairseq_cli.NAME``,
-    ``python -m ea_fairseq.warm_start``). Read from the main module, which names the program:
+    or the plugin's own tools (``ea-fairseq-*``, ``python -m ea_fairseq_cli.NAME``). Read from the main module, which names the program:
     fairseq offers no hook for how its command line reports an error
     (docs/fairseq-internals.md)."""
     main = sys.modules.get("__main__")

@@ -88,7 +88,7 @@ def test_the_tools_package_imports_neither_fairseq_nor_torch():
     """``ea_fairseq_cli`` (every console tool's module) loads where fairseq and torch cannot be
     imported at all (the COMET environment has no fairseq); the metric tools run there."""
     code = ("import sys\nsys.modules['fairseq'] = sys.modules['torch'] = None\n"
-            "from ea_fairseq_cli import analysis, average_checkpoints, bleu, compare_systems, curves\n"
+            "from ea_fairseq_cli import analysis, average_checkpoints, bleu, compare_systems, curves, warm_start\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('fairseq', 'torch', 'ea_fairseq')))\n"
             "print(bleu.main(['--help']))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), cwd=REPO)
