@@ -3,7 +3,8 @@
 For one training batch of a binarized translation data directory, it prints, per layer of
 the encoder and the decoder of a checkpoint (any transformer of this plugin or fairseq's):
 
-* the norm of the residual stream entering the layer and of each sublayer's output
+* the norm of the self-attention's input (the residual stream entering the layer; with
+  ``--*-normalize-before``, its layer norm) and of each sublayer's output
   (self-attention, encoder-decoder attention, FFN), mean over real tokens;
 * their mean pairwise cosine over every real token of every sentence of the batch
   (1.00: the same vector for every token -- the layer no longer tells tokens apart);
@@ -56,18 +57,25 @@ def main(argv=None) -> int:
 
     import ea_fairseq  # noqa: F401  (its models, and its checked checkpoint loading)
 
+    if args.batch < 0:
+        sys.exit(f"collapse_probe: --batch must be 0 or more, got {args.batch}")
     try:
         models, _, task = checkpoint_utils.load_model_ensemble_and_task(
             [args.checkpoint], arg_overrides={"data": args.data})
+        task.load_dataset("train")
     except (OSError, ValueError, RuntimeError) as err:
         sys.exit(f"collapse_probe: cannot load {args.checkpoint} with data {args.data}: {err}")
+    if not hasattr(models[0], "encoder") or not hasattr(models[0].decoder, "layers"):
+        sys.exit(f"collapse_probe: {args.checkpoint} is not an encoder-decoder transformer")
     model = models[0].eval()
-    task.load_dataset("train")
     batches = task.get_batch_iterator(task.dataset("train"), max_tokens=2048, seed=1)
     batch = None
     for index, batch in enumerate(batches.next_epoch_itr(shuffle=False)):
         if index == args.batch:
             break
+    else:
+        sys.exit(f"collapse_probe: the training data has fewer than {args.batch + 1} batches of "
+                 "2048 tokens; pass a smaller --batch")
     net_input, pad = batch["net_input"], task.target_dictionary.pad()
     hooks = []
     for i, layer in enumerate(model.encoder.layers):
@@ -89,7 +97,7 @@ def main(argv=None) -> int:
           "cells: mean norm, mean pairwise cosine over all real tokens")
     for side, stack, parts in (("enc", model.encoder, ("self", "ffn")),
                                ("dec", model.decoder, ("self", "cross", "ffn"))):
-        print(f"{side} layer | residual in   | " + " | ".join(f"{p:<12}" for p in parts))
+        print(f"{side} layer | layer input   | " + " | ".join(f"{p:<12}" for p in parts))
         for i in range(len(stack.layers)):
             stream = seen[f"{side}{i}.self"][0]
             outs = [cell(side, seen[f"{side}{i}.{p}"][1]) for p in parts]
