@@ -59,7 +59,8 @@ def test_probe_sees_tokens_washed_out(ran, tiny_data_bin, tmp_path):
     rc, out, err = probe(washed, tiny_data_bin)
     assert rc == 0, err[-2000:]
     assert rows(out, "enc")[1][0][1] > 0.999
-    own, other = map(float, re.search(r"own sources ([0-9.]+), sources of other sentences ([0-9.]+)", out).groups())
+    nll = re.search(r"own sources ([0-9.]+), sources of other sentences ([0-9.]+)", out)
+    own, other = map(float, nll.groups())
     assert abs(own - other) < 1e-3  # the decoder cannot tell the sources apart any more
 
 
