@@ -216,6 +216,16 @@ def build(results: str) -> dict:
     return out
 
 
+#: what a finding of a system is known to come from, said beside it (the evidence: the section of
+#: benchmarks/README.md named here, measured with benchmarks/collapse_probe.py)
+EXPLAINED = {
+    "ran_all_lite": ("explained in benchmarks/README.md, \"Why `ran_all_lite` stays at the unigram loss on "
+                     "the demo's budget\": at the demo's lr 0.002 with post-LN stacks every token's "
+                     "representation collapses to one vector in both RAN stacks, and the decoder ignores the "
+                     "source; pre-LN stacks or --lr 0.0007 train (no defect of RAN's equations was found)"),
+}
+
+
 def findings(out: dict) -> List[str]:
     found = []
     copy = out["copy_source"]
@@ -233,6 +243,8 @@ def findings(out: dict) -> List[str]:
                 if copy and m in r["scores"] and r["scores"][m] <= copy["metrics"][m]["score"]:
                     found.append(f"{s} seed {k}: {LABEL[m]} {r['scores'][m]:.2f}, not above the copy-the-source "
                                  f"baseline ({copy['metrics'][m]['score']:.2f})")
+        if s in EXPLAINED and any(f.startswith(f"{s} seed ") for f in found):
+            found.append(f"{s}: {EXPLAINED[s]}")
     return found
 
 
@@ -377,7 +389,12 @@ def readme_block(out: dict) -> str:
     text = [README_BEGIN, "", *_table(rows, head), "",
             (f"Measured on {where}, two runs at a time beside other jobs (wall and CPU times per run in the "
              "report). " if where else "No run has finished yet. ") + scope(out) + " Per-seed scores, chrF deltas, paired tests per seed pair, wall and CPU time per run, "
-            "findings and commands: [`benchmarks/quality.md`](benchmarks/quality.md).", "", README_END]
+            "findings and commands: [`benchmarks/quality.md`](benchmarks/quality.md).", "",
+            *([f"Findings: {len(out['findings'])}, listed in the report" +
+               "".join(f"; {s}: {EXPLAINED[s].split(':', 1)[0]}" for s in EXPLAINED
+                       if any(f.startswith(f"{s}: ") for f in out["findings"])) + ".", ""]
+              if out["findings"] else []),
+            README_END]
     return "\n".join(text)
 
 
