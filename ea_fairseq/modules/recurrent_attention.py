@@ -185,9 +185,9 @@ class RecurrentAttention(PositionAttention):
 
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
                  causal: bool = False, q_noise: float = 0.0, qn_block_size: int = 8,
-                 ran_index: int = 0):
+                 ran_index: int = 0, **options):
         super().__init__(embed_dim, num_heads, dropout=dropout, bias=bias, causal=causal,
-                         q_noise=q_noise, qn_block_size=qn_block_size)
+                         q_noise=q_noise, qn_block_size=qn_block_size, **options)
         self.ran_index = ran_index  # this layer attends with A_(ran_index + 1) of its stack
         self.share_matrices(None)  # the stack's, handed over when the stack is built
 
@@ -205,8 +205,8 @@ class RecurrentAttention(PositionAttention):
         on the position only, so a decoding run keeps them in its incremental state and
         computes them again only for rows the stack's matrices gained since.
         """
-        kept = self.get_incremental_state(incremental_state, "causal_weights")
-        weights = None if kept is None else kept["weights"]
+        memo = self.cache(incremental_state).memo
+        weights = memo.get("causal_weights")
         have = 0 if weights is None else weights.size(1)
         if have < rows:
             positions = torch.arange(matrix.size(-1), device=matrix.device)
@@ -214,7 +214,7 @@ class RecurrentAttention(PositionAttention):
             more = torch.softmax(matrix[:, have:].masked_fill(future, float("-inf")), dim=-1,
                                  dtype=torch.promote_types(matrix.dtype, torch.float32)).to(dtype)
             weights = more if weights is None else torch.cat([weights, more], dim=1)
-            self.set_incremental_state(incremental_state, "causal_weights", {"weights": weights})
+            memo["causal_weights"] = weights
         return weights
 
     def forward(self, query, *args, **kwargs):
