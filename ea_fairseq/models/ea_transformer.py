@@ -1,8 +1,10 @@
 """The plugin's transformer: fairseq's ``TransformerModel`` with a pluggable attention per role.
 
 Only the attention builders of fairseq's layers are overridden (``build_self_attention``,
-``build_encoder_attention``); the encoder and decoder loops are fairseq's. The encoder
-and the decoder each own one :class:`~ea_fairseq.modules.attention_maps.AttentionMapCarrier`
+``build_encoder_attention``): they hand the settings fairseq gives each role's attention to
+the variant registry (:class:`~ea_fairseq.models.attention_variants.RoleAttention`), which
+builds the role's module; the encoder and decoder loops are fairseq's. The encoder
+and the decoder each own one :class:`~ea_fairseq.modules.attention_map_carrier.AttentionMapCarrier`
 that hands a layer's attention logits to the next layer; their ``forward`` only opens a
 fresh scope on it and returns ``super()``'s result. The decoder's beam reorder is the
 faster one of :mod:`~ea_fairseq.models.fairseq_speedups`.

@@ -217,15 +217,16 @@ class RecurrentAttention(PositionAttention):
             memo["causal_weights"] = weights
         return weights
 
-    def forward(self, query, *args, **kwargs):
+    def matrix(self) -> Tensor:
+        """``A_l`` of this layer, from the stack's matrices of the pass under way."""
         if self.matrices is None:
             raise RuntimeError("RAN attention reads its stack's matrices: build it in an encoder or "
                                "decoder of this plugin (which calls share_matrices()), not alone.")
-        return super().forward(query, *args, **kwargs)
+        return self.matrices.layer(self.ran_index)
 
     def position_logits(self, query_positions, key_positions, padding_mask, start, dtype):
         """``A_l[pos_i, pos_j]`` of this layer's matrix (float32 or wider)."""
-        matrix = self.matrices.layer(self.ran_index)
+        matrix = self.matrix()
         one_hot = None if padding_mask is None else self.pass_one_hot(padding_mask, query_positions, matrix.dtype)
         return matrix_logits(matrix, query_positions.size(-1), key_positions.size(-1), padding_mask, start,
                              query_positions, one_hot)
@@ -233,6 +234,6 @@ class RecurrentAttention(PositionAttention):
     def decoding_step_weights(self, start: int, tgt_len: int, src_len: int, incremental_state,
                               dtype: torch.dtype) -> Tensor:
         """The weights of a decoding step: rows of the causal softmax of ``A_l``."""
-        weights = self.causal_weights(self.matrices.layer(self.ran_index), start + tgt_len,
+        weights = self.causal_weights(self.matrix(), start + tgt_len,
                                       incremental_state, dtype)
         return weights[:, start : start + tgt_len, :src_len]
