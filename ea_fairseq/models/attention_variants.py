@@ -122,7 +122,7 @@ def build_attention(role: str, attention: RoleAttention, cfg, layer_index: int =
             cfg.drop_attention_rescale,
         ))
     if width != embed_dim:
-        if getattr(attn, "embed_dim", None) != width:
+        if getattr(attn, "embed_dim", None) != width or variant in POSITION_ONLY:  # (LSRA's is dot-product)
             raise ValueError(f"--lsra-on {role}: the {variant} attention does not build at half the "
                              "width; LSRA cannot put it beside a convolution")
         sizes = list(cfg.lsra_kernel_sizes or ())
