@@ -3,18 +3,12 @@
 ``fairseq-train DATA --user-dir ea_fairseq --arch ea_transformer_lite ...``
 
 Importing the package loads the plugin (:func:`load_plugin`: fairseq, the models and tasks,
-checkpoint validation, safe archive extraction, data file checks). The plugin's own
-command-line tools (``ea-fairseq-*``, ``python -m ea_fairseq.warm_start``) parse their
-arguments first and call :func:`load_plugin` only for a command that needs fairseq, so that
-``--help`` and the metric tools answer without importing torch.
+checkpoint validation, safe archive extraction, data file checks), in every program alike.
+The plugin's command-line tools live beside it, in :mod:`ea_fairseq_cli`, which imports
+neither fairseq nor torch until a command needs them (a fast ``--help``; the metric tools
+where fairseq is not installed).
 """
-import os as _os
-import sys as _sys
-
 __version__ = "0.1.0"
-
-_TOOLS = ("ea-fairseq-average-checkpoints", "ea-fairseq-bleu", "ea-fairseq-compare", "ea-fairseq-analysis")
-_TOOL_MODULES = ("ea_fairseq.tools.", "ea_fairseq.analysis", "ea_fairseq.warm_start")
 _loaded = False
 
 
@@ -23,27 +17,37 @@ def load_plugin() -> None:
     checkpoint fairseq reads in this process is sanitized before fairseq converts or evaluates
     any of it (:mod:`ea_fairseq.checkpoint_safety`), the hub's archives are extracted only
     inside a fresh folder (:mod:`ea_fairseq.archives`), binary data files are checked against
-    their sizes before fairseq opens them (:mod:`ea_fairseq.data_files`), and the plugin's
-    option errors print as one line (:mod:`ea_fairseq.errors`). Idempotent.
+    their sizes before fairseq opens them (:mod:`ea_fairseq.data_files`). In a process that runs
+    a command line the plugin serves (fairseq's tools, the plugin's own), the plugin's option
+    errors print as one line (:mod:`ea_fairseq.errors`). Idempotent.
 
     fairseq's import sets the root logger to DEBUG (``logging.basicConfig`` in
     ``fairseq.models.wav2vec``) and logs a tensorboardX hint at INFO: the root level is put
     back and messages below WARNING are not shown while fairseq is imported."""
     global _loaded
-    if _loaded:
-        return
+    if not _loaded:
+        _load()
+        _loaded = True
+    from . import errors
+
+    if errors.serving_command_line():  # fairseq-train ... --user-dir ea_fairseq, the plugin's tools
+        errors.install_excepthook()  # the plugin's option errors as one line on the command line
+
+
+def _load() -> None:
     import logging
+    import sys
 
     root = logging.getLogger()
     level, disabled = root.level, logging.root.manager.disable
-    first = "fairseq" not in _sys.modules
+    first = "fairseq" not in sys.modules
     if first:
         logging.disable(logging.INFO)
     try:
         from ._compat import check_fairseq
 
         check_fairseq()
-        from . import archives, checkpoint_safety, data_files, errors
+        from . import archives, checkpoint_safety, data_files
         from . import models  # noqa: F401  (registers models and architectures)
         from . import tasks  # noqa: F401  (registers translation_lines)
     finally:
@@ -53,21 +57,6 @@ def load_plugin() -> None:
     checkpoint_safety.install()
     archives.install()  # the hub extracts model and data archives safely (ea_fairseq.archives)
     data_files.install()  # binary data files checked against their sizes before fairseq reads them
-    errors.install_excepthook()  # the plugin's option errors as one line on the command line
-    _loaded = True
 
 
-def _started_as_tool() -> bool:
-    """True in a process started as one of the plugin's tools (console script or ``python -m``)."""
-    argv = getattr(_sys, "argv", None) or [""]
-    if _os.path.splitext(_os.path.basename(argv[0] or ""))[0] in _TOOLS:
-        return True
-    orig = list(getattr(_sys, "orig_argv", []))
-    if "-m" in orig[:-1]:
-        module = orig[orig.index("-m") + 1]
-        return module.startswith(_TOOL_MODULES)
-    return False
-
-
-if not _started_as_tool():
-    load_plugin()
+load_plugin()

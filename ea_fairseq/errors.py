@@ -4,7 +4,8 @@ fairseq's tools let every exception end the process with a traceback; argparse e
 the only one-line errors they print. The plugin's option values are checked by argparse
 where argparse sees them, but combinations (EA with ``--checkpoint-activations``) and
 values that reach a model another way (hydra, a checkpoint) are checked when the model is
-built, deep inside fairseq. Those checks raise :class:`OptionError`, and
+built, deep inside fairseq. Those checks raise :class:`OptionError`, and in a process that
+runs one of those tools or one of the plugin's own (:func:`serving_command_line`),
 :func:`install_excepthook` prints an uncaught one as a single line, as argparse would (the
 process still exits with status 1), and so a checkpoint the plugin refuses or finds damaged
 (an exception class with ``one_line = True``). Every other exception goes to the previous hook
@@ -42,8 +43,24 @@ def excepthook(kind, value, tb, previous=None) -> None:
     previous(kind, value, tb)
 
 
+def serving_command_line() -> bool:
+    """Whether this process runs a command-line entry point the plugin serves: one of
+    fairseq's (``fairseq-train``, ``fairseq-generate``, ``fairseq-interactive``, ...: a console
+    script that imported ``cli_main`` from ``fairseq_cli``, or ``python -m fairseq_cli.NAME``)
+    or the plugin's own tools (``ea-fairseq-*``, ``python -m ea_fairseq_cli.NAME``). Read from the main module, which names the program:
+    fairseq offers no hook for how its command line reports an error
+    (docs/fairseq-internals.md)."""
+    main = sys.modules.get("__main__")
+    names = [getattr(getattr(main, "__spec__", None), "name", None)]
+    names += [getattr(getattr(main, attr, None), "__module__", None) for attr in ("cli_main", "main")]
+    return any(isinstance(name, str) and name.startswith(("fairseq_cli.", "ea_fairseq.", "ea_fairseq_cli."))
+               for name in names)
+
+
 def install_excepthook() -> None:
-    """Put :func:`excepthook` in front of the current ``sys.excepthook`` (once)."""
+    """Put :func:`excepthook` in front of the current ``sys.excepthook`` (once). Called for a
+    process that runs a command line the plugin serves (:func:`serving_command_line`), never
+    by importing the plugin into a program of one's own."""
     current = sys.excepthook
     if getattr(current, "ea_fairseq", False):
         return

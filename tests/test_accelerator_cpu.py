@@ -1,5 +1,7 @@
 """The CPU accelerator of EA Eq. (4) (fused C++ passes and decoding step): the reference's
-values and gradients on every shape below, clear failures, a private build, a fallback."""
+values and gradients on every shape below, clear failures, a private build, a fallback;
+the dispatcher's table, condition by condition, and the backends' agreement on every call
+both take."""
 import contextlib
 import logging
 import os
@@ -15,10 +17,11 @@ from ea_fairseq import accelerators
 from ea_fairseq.accelerators.cpu import build
 from ea_fairseq.accelerators.cpu import evolving_attention as cpu_ea
 from ea_fairseq.modules import AttentionMapCarrier, EvolvingAttention
-from ea_fairseq.modules.evolving_attention import ConvRowCache, evolving_attention_reference
+from ea_fairseq.modules.evolving_attention_op import evolving_attention
+from ea_fairseq.ops import evolving_attention_dispatch as dispatch
+from ea_fairseq.ops.evolving_attention_types import EvolvingAttentionParams, StepState
 
 HEADS = 4
-(ACCELERATOR,) = accelerators.registered("evolving_attention")
 
 
 @pytest.fixture(scope="module")
@@ -42,18 +45,19 @@ def ea_attention(layout, kernel_size, alpha, dtype, seed=0, hand_on=True):
     return attn.to(dtype)
 
 
-def decode(attn, steps, bsz, src_len, padded, dtype, backend, reorder_at=None, weights=False):
+def decode(attn, steps, bsz, src_len, padded, dtype, accelerated, reorder_at=None, weights=False):
     """Feed random step logits (fairseq's -inf on padded keys) and previous-layer maps to
-    ``backend`` (the accelerator or the reference, the operation's same signature); return
-    every step's A_logit (handed on), or with ``weights`` the pair (softmax, value product)
-    (encoder-decoder values shared by beams of 5 where the batch allows). Beams are
-    reordered once, as in beam search."""
+    the operation, through the accelerator (checked to be the dispatcher's choice) or the
+    reference; return every step's A_logit (handed on), or with ``weights`` the pair
+    (softmax, value product) (encoder-decoder values shared by beams of 5 where the batch
+    allows). Beams are reordered once, as in beam search."""
     g = torch.Generator().manual_seed(1)
-    cache, outs = ConvRowCache({}), []
-    with torch.no_grad():
+    state, outs = StepState(), []
+    want = (dispatch.CPU_STEP_ATTEND if weights else dispatch.CPU_STEP) if accelerated else dispatch.REFERENCE
+    with torch.no_grad(), contextlib.nullcontext() if accelerated else accelerators.reference_only():
         for t in range(steps):
             if t == reorder_at:
-                cache.reorder(torch.arange(bsz).flip(0).roll(1))
+                state = state.reordered(torch.arange(bsz).flip(0).roll(1))
             width = t + 1 if attn.conv.layout == "causal" else src_len
             logits = torch.randn(bsz, HEADS, 1, width, generator=g, dtype=dtype) * 3
             masked = None
@@ -67,9 +71,11 @@ def decode(attn, steps, bsz, src_len, padded, dtype, backend, reorder_at=None, w
             v = None
             if weights:
                 v = torch.randn(bsz // beams * HEADS, width, attn.head_dim, generator=g, dtype=dtype)
-            out = backend(logits, previous if attn.alpha > 0 else None, masked, masked, attn.params(),
-                          cache=cache, values=v, hand_on=not weights)
-            assert out is not NotImplemented, "the accelerator did not take the step"
+            args = (logits, previous if attn.alpha > 0 else None, masked, None, attn.params())
+            call = dispatch.describe(logits, masked, None, attn.params(), state, v, not weights, False)
+            assert dispatch.choose(call) == want, dispatch.refusals(call, want)
+            out = evolving_attention(*args, state=state, values=v, hand_on=not weights)
+            state = out.state
             outs.append((out.probs.clone(), out.context.clone()) if weights else out.logits.clone())
     return outs
 
@@ -89,12 +95,11 @@ def test_accelerated_step_equals_the_reference(kernel, monkeypatch, layout, kern
                                               padded, bsz, dtype, weights):
     """A_logit (handed on to the next layer) or, when no layer reads it, the weights and
     the value product (at every batch size here, above the size where decoding uses it too)."""
-    monkeypatch.setattr(cpu_ea, "STEP_VALUES_MAX_BATCH", 10**6)
+    monkeypatch.setattr(dispatch, "STEP_VALUES_MAX_BATCH", 10**6)
     attn = ea_attention(layout, kernel_size, alpha, dtype, hand_on=not weights)
     steps, src_len = 6, 9
-    got = decode(attn, steps, bsz, src_len, padded, dtype, ACCELERATOR, reorder_at=3, weights=weights)
-    want = decode(attn, steps, bsz, src_len, padded, dtype, evolving_attention_reference,
-                  reorder_at=3, weights=weights)
+    got = decode(attn, steps, bsz, src_len, padded, dtype, True, reorder_at=3, weights=weights)
+    want = decode(attn, steps, bsz, src_len, padded, dtype, False, reorder_at=3, weights=weights)
     tol = 1e-4 if dtype == torch.float32 else 1e-10
     for g, w in zip(got, want):
         if weights:  # masked keys weigh exactly 0, rows sum to 1; then the value products
@@ -112,28 +117,6 @@ def test_accelerated_step_equals_the_reference(kernel, monkeypatch, layout, kern
         assert (last[-1] == 0).any() if weights else torch.isneginf(last[-1]).any()
 
 
-def test_the_accelerator_runs_only_where_it_applies(kernel):
-    logits = torch.zeros(2, HEADS, 1, 5)
-    assert accelerators.lookup("evolving_attention", logits) is ACCELERATOR
-    assert accelerators.lookup("evolving_attention", logits.double()) is ACCELERATOR
-    for other in (logits.half(), logits.bfloat16()):  # other dtypes: the reference
-        assert accelerators.lookup("evolving_attention", other) is None
-    with accelerators.reference_only():
-        assert accelerators.lookup("evolving_attention", logits) is None
-    assert accelerators.lookup("evolving_attention", logits) is ACCELERATOR
-    params = ea_attention("causal", 3, 0.0, torch.float32).params()
-
-    def step(logits, masked=None):
-        return ACCELERATOR(logits, None, masked, masked, params, cache=ConvRowCache({}))
-
-    with torch.no_grad():  # several rows, or a mask per head: the reference
-        assert step(torch.zeros(2, HEADS, 3, 5)) is NotImplemented
-        assert step(logits, torch.zeros(2, HEADS, 1, 5, dtype=torch.bool)) is NotImplemented
-        assert step(logits.clone()) is not NotImplemented
-    # with autograd on (training, gradient-based analysis) the ops must be autograd's
-    assert step(logits) is NotImplemented
-
-
 @pytest.mark.parametrize("layout,beams,fused_above_limit", [
     ("rows", 1, False),   # encoder values per hypothesis (beam 1): torch's matmul above the limit
     ("rows", 5, True),    # encoder values shared by a sentence's beams
@@ -141,12 +124,12 @@ def test_the_accelerator_runs_only_where_it_applies(kernel):
 ])
 def test_which_large_steps_take_torch_softmax_and_matmul(kernel, layout, beams, fused_above_limit):
     attn = ea_attention(layout, 3, 0.0, torch.float32, hand_on=False)
-    limit = cpu_ea.STEP_VALUES_MAX_BATCH // beams * beams
+    limit = dispatch.STEP_VALUES_MAX_BATCH // beams * beams
     for bsz, fused_values in ((limit, True), (limit + beams, fused_above_limit)):
         logits = torch.randn(bsz, HEADS, 1, 6)
         v = torch.randn(bsz // beams * HEADS, 6, attn.head_dim)
         with torch.no_grad(), SoftmaxSeen() as seen:
-            out = ACCELERATOR(logits, None, None, None, attn.params(), cache=ConvRowCache({}), values=v)
+            out = evolving_attention(logits, None, None, None, attn.params(), state=StepState(), values=v)
         assert out.context.shape == (1, bsz, 16)
         assert seen.softmax != fused_values  # torch's softmax where the kernel does not fuse
 
@@ -228,13 +211,13 @@ def test_an_unbuildable_kernel_falls_back_with_a_warning(monkeypatch, caplog):
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "pip install ninja" in warnings[0].getMessage()
     assert "Ninja is required" in warnings[0].getMessage()
-    assert accelerators.lookup("evolving_attention", torch.zeros(1, HEADS, 1, 3)) is None
+    assert not dispatch.accelerated_dtype("cpu", torch.float32)
 
 
 def test_the_switch_runs_the_reference_everywhere():
-    code = ("import torch, ea_fairseq; from ea_fairseq import accelerators; "
-            "print(accelerators.lookup('evolving_attention', torch.zeros(1, 4, 1, 3)))")
-    for value, want in (("0", "None"), ("1", "EvolvingAttentionCPU")):
+    code = ("import torch, ea_fairseq; from ea_fairseq.ops import evolving_attention_dispatch as d; "
+            "print(d.accelerated_dtype('cpu', torch.float32))")
+    for value, want in (("0", "False"), ("1", "True")):
         env = dict(os.environ, **{accelerators.ENV_SWITCH: value})
         proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                               cwd=os.path.dirname(os.path.dirname(__file__)), timeout=300)
@@ -318,3 +301,222 @@ def test_fused_functions_pass_gradcheck(kernel):
         assert torch.autograd.gradcheck(
             lambda a, c: cpu_ea.ConvolutionResidual.apply(a, c, masked, 0.4).masked_fill(neutral, 0),
             (a_input, conv))
+
+
+# -- the dispatcher: one table of conditions, each needed, and the backends' agreement -----
+# A call each accelerated backend takes; and for every condition of the table, the one
+# change of facts that breaks it (and nothing else).
+BASE = {
+    dispatch.CPU_FULL_PASS: dispatch.Call(
+        device_type="cpu", dtype=torch.float32, accelerators_on=True, built=True, grad_enabled=True,
+        return_maps=False, has_conv=True, kernel_size=3, layout="full", step=False, rows=6,
+        mask_per_head=False, padded_query_rows=True, values=True, hand_on=True, unshared_values_batch=0),
+    dispatch.CPU_STEP: dispatch.Call(
+        device_type="cpu", dtype=torch.float64, accelerators_on=True, built=True, grad_enabled=False,
+        return_maps=False, has_conv=True, kernel_size=3, layout="causal", step=True, rows=1,
+        mask_per_head=False, padded_query_rows=False, values=True, hand_on=True, unshared_values_batch=0),
+    dispatch.CPU_STEP_ATTEND: dispatch.Call(
+        device_type="cpu", dtype=torch.float32, accelerators_on=True, built=True, grad_enabled=False,
+        return_maps=False, has_conv=True, kernel_size=5, layout="rows", step=True, rows=1,
+        mask_per_head=False, padded_query_rows=False, values=True, hand_on=False, unshared_values_batch=64),
+}
+BREAK = {
+    "accelerators switched on": dict(accelerators_on=False),
+    "on a CPU": dict(device_type="cuda"),
+    "float32 or float64": dict(dtype=torch.float16),
+    "no intermediate maps asked for": dict(return_maps=True),
+    "a map convolution": dict(has_conv=False),
+    "the C++ extension built": dict(built=False),
+    "a decoding step": dict(step=False),
+    "a full pass": dict(step=True),
+    "autograd off": dict(grad_enabled=True),
+    "one query row": dict(rows=2),
+    "a kernel larger than 1x1": dict(kernel_size=1),
+    "a shifted layout (causal or rows)": dict(layout="full"),
+    "one mask for all heads": dict(mask_per_head=True),
+    "no padded query rows": dict(padded_query_rows=True),
+    "values given": dict(values=False),
+    "A_logit not handed on": dict(hand_on=True),
+    f"at most {dispatch.STEP_VALUES_MAX_BATCH} hypotheses with values of their own":
+        dict(unshared_values_batch=dispatch.STEP_VALUES_MAX_BATCH + 1),
+}
+# where a call goes when one condition of its backend breaks
+THEN = {
+    dispatch.CPU_FULL_PASS: {"a full pass": dispatch.REFERENCE},  # a step of 6 rows: the reference
+    dispatch.CPU_STEP: {"a decoding step": dispatch.CPU_FULL_PASS},  # the same call as a full pass
+    dispatch.CPU_STEP_ATTEND: {
+        "a decoding step": dispatch.CPU_FULL_PASS, "values given": dispatch.CPU_STEP,
+        "A_logit not handed on": dispatch.CPU_STEP,
+        f"at most {dispatch.STEP_VALUES_MAX_BATCH} hypotheses with values of their own": dispatch.CPU_STEP},
+}
+
+
+def test_the_table_lists_every_condition_this_test_breaks():
+    names = {c.name for conditions in dispatch.TABLE.values() for c in conditions}
+    assert names == set(BREAK)
+    assert dispatch.TABLE[dispatch.REFERENCE] == () and dispatch.PREFERENCE[-1] == dispatch.REFERENCE
+    assert set(dispatch.PREFERENCE) == set(dispatch.TABLE) == set(BASE) | {dispatch.REFERENCE}
+
+
+@pytest.mark.parametrize("backend", sorted(BASE))
+def test_each_condition_alone_keeps_its_backend_from_a_call(backend):
+    """The base call goes to ``backend``; breaking any one of its conditions sends it to the
+    next backend that takes it (the reference where none does), and names that condition
+    as the one refusal."""
+    base = BASE[backend]
+    assert dispatch.select(base) == backend and dispatch.refusals(base, backend) == []
+    for condition in dispatch.TABLE[backend]:
+        broken = base._replace(**BREAK[condition.name])
+        assert dispatch.refusals(broken, backend) == [condition.name]
+        assert dispatch.select(broken) == THEN[backend].get(condition.name, dispatch.REFERENCE), condition.name
+
+
+def expected_backend(c):
+    """The dispatcher's rules, as the documentation states them (written apart from the table)."""
+    accelerated = (c.accelerators_on and c.built and c.device_type == "cpu" and not c.return_maps
+                   and c.dtype in (torch.float32, torch.float64) and c.has_conv)
+    if not accelerated:
+        return dispatch.REFERENCE
+    if not c.step:
+        return dispatch.CPU_FULL_PASS
+    if (c.grad_enabled or c.rows != 1 or c.kernel_size == 1 or c.layout == "full" or c.mask_per_head
+            or c.padded_query_rows):
+        return dispatch.REFERENCE
+    if c.values and not c.hand_on and c.unshared_values_batch <= dispatch.STEP_VALUES_MAX_BATCH:
+        return dispatch.CPU_STEP_ATTEND
+    return dispatch.CPU_STEP
+
+
+def test_every_combination_of_facts_goes_where_the_rules_say():
+    """All 2**15 combinations of the facts (two values each, one of them the accelerated
+    backends' need)."""
+    import itertools
+
+    domains = [("cpu", "cuda"), (torch.float64, torch.bfloat16), (True, False), (True, False), (False, True),
+               (False, True), (True, False), (3, 1), ("causal", "full"), (True, False), (1, 4), (False, True),
+               (False, True), (True, False), (False, True), (0, 1000)]
+    seen = set()
+    for facts in itertools.product(*domains):
+        call = dispatch.Call(*facts)
+        if not call.has_conv and call.kernel_size != 1:
+            continue
+        chosen = dispatch.select(call)
+        assert chosen == expected_backend(call), call
+        seen.add(chosen)
+    assert seen == set(dispatch.PREFERENCE)
+
+
+def random_call(kind, layout, kernel_size, dtype, g, bsz=3, heads=HEADS, src=7):
+    """Arguments of one call of the operation: ``kind`` says which conditions it meets."""
+    rows = 1 if kind.startswith("step") else 5
+    width = src
+    logits = torch.randn(bsz, heads, rows, width, generator=g, dtype=dtype) * 2
+    keys = torch.zeros(bsz, 1, 1, width, dtype=torch.bool)
+    keys[1, ..., :2] = True
+    masked = keys.expand(bsz, heads, 1, width).clone() if kind == "step-mask-per-head" else keys
+    neutral = None
+    if kind in ("full-padded-rows", "step-padded-rows"):
+        padded = torch.zeros(bsz, rows, dtype=torch.bool)
+        padded[2, 0] = True
+        neutral = masked | padded[:, None, :, None]
+    logits = logits.masked_fill(masked, float("-inf"))
+    previous = torch.randn(bsz, heads, rows, width, generator=g, dtype=dtype)
+    values = torch.randn(bsz * heads, width, 8, generator=g, dtype=dtype)
+    torch.manual_seed(int(torch.randint(0, 1000, (1,), generator=g)))
+    conv = torch.nn.Conv2d(heads, heads, kernel_size).to(dtype)
+    params = EvolvingAttentionParams(0.3, 0.6, conv.weight.detach(), conv.bias.detach(), layout)
+    earlier = torch.randn(bsz, heads, kernel_size - 1, width, generator=g, dtype=dtype)
+    state = StepState(earlier, torch.tensor([2, 0, 1])) if kind.startswith("step") else None
+    return logits, previous, masked, neutral, params, state, values
+
+
+KINDS = ["full", "full-padded-rows", "step", "step-mask-per-head", "step-padded-rows"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("layout", ["causal", "rows", "full"])
+@pytest.mark.parametrize("kernel_size", [1, 3])
+@pytest.mark.parametrize("attend", [False, True], ids=["A_logit", "weights"])
+def test_both_backends_agree_wherever_both_may_run(kernel, kind, layout, kernel_size, attend):
+    """For calls of every kind the conditions tell apart, the operation with accelerators
+    on runs the backend the dispatcher names (seen at the backend's entry) and gives the
+    reference's result and next state; the input state is read, never changed."""
+    if layout == "full" and kind.startswith("step") and kernel_size > 1:
+        pytest.skip("an encoder self-attention does not decode step by step")
+    g = torch.Generator().manual_seed(4)
+    results = []
+    for on in (True, False):
+        logits, previous, masked, neutral, params, state, values = random_call(kind, layout, kernel_size,
+                                                                               torch.float64, g.manual_seed(4))
+        kept = None if state is None else state.rows.clone()
+        hand_on = not attend
+        ran = []
+        with torch.no_grad(), contextlib.nullcontext() if on else accelerators.reference_only():
+            call = dispatch.describe(logits, masked, neutral, params, state, values if attend else None, hand_on, False)
+            with spy(ran):
+                out = evolving_attention(logits, previous, masked, neutral, params, state=state,
+                                         values=values if attend else None, hand_on=hand_on)
+        assert ran == [dispatch.choose(call)]
+        if state is not None:
+            assert torch.equal(state.rows, kept)  # a NamedTuple of tensors: the rows are the only content
+            assert (out.state is state) == (kernel_size == 1)  # a 1x1 kernel reads no earlier rows
+        results.append((ran[0], out))
+    (backend, got), (reference, want) = results
+    assert reference == dispatch.REFERENCE
+    expected = {("full", True): dispatch.CPU_FULL_PASS, ("full-padded-rows", True): dispatch.CPU_FULL_PASS,
+                ("step", True): (dispatch.CPU_STEP_ATTEND if attend else dispatch.CPU_STEP)}
+    shifted = layout != "full" and kernel_size > 1
+    assert backend == expected.get((kind, kind.startswith("full") or shifted), dispatch.REFERENCE)
+    for name in ("logits", "carried", "probs", "context"):
+        x, y = getattr(got, name), getattr(want, name)
+        assert (x is None) == (y is None), name
+        if x is not None:
+            assert torch.equal(torch.isneginf(x), torch.isneginf(y)), name
+            finite = torch.isfinite(y)
+            assert (x[finite] - y[finite]).abs().max() <= 1e-12 * (1 + y[finite].abs().max()), name
+    if kind.startswith("step") and kernel_size > 1:
+        assert torch.equal(got.state.rows, want.state.rows) and got.state.order is None
+
+
+@contextlib.contextmanager
+def spy(ran):
+    """Record the backend that runs: the operation calls each by its module attribute."""
+    from ea_fairseq.modules import evolving_attention_op as op
+
+    originals = (cpu_ea.full_pass, cpu_ea.step, op.evolving_attention_reference)
+
+    def full_pass(*args, **kwargs):
+        ran.append(dispatch.CPU_FULL_PASS)
+        return originals[0](*args, **kwargs)
+
+    def step(*args, **kwargs):
+        values = args[5] if len(args) > 5 else kwargs.get("values")
+        ran.append(dispatch.CPU_STEP_ATTEND if values is not None else dispatch.CPU_STEP)
+        return originals[1](*args, **kwargs)
+
+    def reference(*args, **kwargs):
+        ran.append(dispatch.REFERENCE)
+        return originals[2](*args, **kwargs)
+
+    cpu_ea.full_pass, cpu_ea.step, op.evolving_attention_reference = full_pass, step, reference
+    try:
+        yield
+    finally:
+        cpu_ea.full_pass, cpu_ea.step, op.evolving_attention_reference = originals
+
+
+def test_a_decoding_step_is_a_function_of_its_state():
+    """Replaying a step from the same state gives the same result and next state, for both
+    backends (the operation keeps nothing between calls: the caller holds the state)."""
+    for on in (True, False):
+        with torch.no_grad(), contextlib.nullcontext() if on else accelerators.reference_only():
+            logits, previous, masked, neutral, params, state, values = random_call(
+                "step", "causal", 3, torch.float32, torch.Generator().manual_seed(5))
+            first = evolving_attention(logits.clone(), previous, masked, None, params, state=state, values=values)
+            again = evolving_attention(logits.clone(), previous, masked, None, params, state=state, values=values)
+            assert torch.equal(first.probs, again.probs) and torch.equal(first.context, again.context)
+            assert torch.equal(first.state.rows, again.state.rows)
+            # the next step from the stored state: the kernel made once is reused
+            third = evolving_attention(logits.clone(), previous, masked, None, params, state=first.state,
+                                       values=values)
+            assert third.state.kernel is first.state.kernel is not None

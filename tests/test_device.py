@@ -220,7 +220,9 @@ def runs_the_reference(dtype, autocast_dtype) -> bool:
     a model cast to a dtype no CPU accelerator takes (then it is not repeated)."""
     if DEVICE.type != "cpu" or autocast_dtype is not None:
         return False
-    return accelerators.lookup("evolving_attention", torch.empty(0, dtype=dtype)) is None
+    from ea_fairseq.ops import evolving_attention_dispatch as dispatch
+
+    return not dispatch.accelerated_dtype(DEVICE.type, dtype)
 
 
 @EVERY_FAMILY

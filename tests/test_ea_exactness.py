@@ -11,11 +11,11 @@ from conftest import (randomize_convs, batch_invariance_gap, beam_reorder_gap, b
                       incremental_logprobs, random_batch)
 from ea_fairseq.modules import AttentionMapConv, EvolvingAttention
 from ea_fairseq.modules.attention_maps import LogitMapAttention
-from ea_fairseq.modules.evolving_attention import (ConvRowCache, EvolvingAttentionParams,
-                                                   evolving_attention_reference)
+from ea_fairseq.accelerators.cpu import evolving_attention as cpu_backend
+from ea_fairseq.modules.evolving_attention_op import evolving_attention_reference
+from ea_fairseq.ops import evolving_attention_dispatch as dispatch
+from ea_fairseq.ops.evolving_attention_types import EvolvingAttentionParams, StepState
 from ea_fairseq import accelerators
-
-(cpu_accelerator,) = accelerators.registered("evolving_attention")
 
 SMALL = ("--encoder-layers", "3", "--decoder-layers", "3", "--dropout", "0.0")
 ALL_OFF = ("--ea-alpha", "0", "--ea-beta", "0", "--ea-decoder-alpha", "0",
@@ -32,23 +32,29 @@ def decoding_step(request):
         with accelerators.reference_only():
             yield None
         return
-    if accelerators.lookup("evolving_attention", torch.zeros(1)) is not cpu_accelerator:
+    if dispatch.choose(FULL_PASS_CPU._replace(accelerators_on=accelerators.switched_on())) != dispatch.CPU_FULL_PASS:
         pytest.skip("no CPU accelerator here (switched off, or not built): the reference runs")
     calls = []
-    step = cpu_accelerator.step
+    step = cpu_backend.step
 
     def counted(*args, **kwargs):
         out = step(*args, **kwargs)
-        if out is not NotImplemented:
-            calls.append(out.carried is None)  # no A_logit handed on: it computed the weights
+        calls.append(out.probs is not None)  # no A_logit handed on: it computed the weights
         return out
 
-    cpu_accelerator.step = counted
+    cpu_backend.step = counted
     try:
         yield calls
     finally:
-        del cpu_accelerator.step
+        cpu_backend.step = step
     assert calls, "decoding never reached the accelerator's step"
+
+
+# a full pass on CPU in float32 with a map convolution: the accelerator's call, where it runs
+FULL_PASS_CPU = dispatch.Call(
+    device_type="cpu", dtype=torch.float32, accelerators_on=True, built=True, grad_enabled=False,
+    return_maps=False, has_conv=True, kernel_size=3, layout="full", step=False, rows=4,
+    mask_per_head=False, padded_query_rows=False, values=False, hand_on=False, unshared_values_batch=0)
 
 
 def ea_modules(model):
@@ -229,10 +235,12 @@ def test_one_step_convolution_equals_the_full_map_row(layout):
 
     def decoded():
         params = EvolvingAttentionParams(0.0, 1.0, conv.weight, conv.bias, layout)
-        cache, rows = ConvRowCache({}), []
+        state, rows = StepState(), []
         for t in range(6):
             step = maps[:, :, t : t + 1].clone()
-            rows.append(evolving_attention_reference(step, None, None, None, params, cache=cache).logits)
+            out = evolving_attention_reference(step, None, None, None, params, state=state)
+            state = out.state
+            rows.append(out.a_logit)
         return torch.cat(rows, dim=2)
 
     with torch.no_grad():

@@ -223,7 +223,9 @@ def test_fused_decoding_step_gives_a_keyless_row_zero_weights(layout):
     from fairseq.modules import MultiheadAttention
 
     from ea_fairseq.modules import AttentionMapCarrier, EvolvingAttention
-    from ea_fairseq.modules.evolving_attention import ConvRowCache, evolving_attention
+    from ea_fairseq.modules.evolving_attention_op import evolving_attention
+    from ea_fairseq.ops import evolving_attention_dispatch as dispatch
+    from ea_fairseq.ops.evolving_attention_types import StepState
 
     torch.manual_seed(0)
     attn = EvolvingAttention(16, 4, self_attention=layout == "causal", encoder_decoder_attention=layout == "rows",
@@ -238,13 +240,12 @@ def test_fused_decoding_step_gives_a_keyless_row_zero_weights(layout):
     with torch.no_grad():
         for reference in (False, True):
             with accelerators.reference_only() if reference else torch.no_grad():
-                outs.append(evolving_attention(logits.clone(), None, masked, masked, attn.params(),
-                                               cache=ConvRowCache({}), values=v, empty=empty))
+                outs.append(evolving_attention(logits.clone(), None, masked, None, attn.params(),
+                                               state=StepState(), values=v, empty=empty))
     fused, ref = outs
     with torch.no_grad():  # the accelerator took the call (not a fallback to the reference)
-        (accelerator,) = accelerators.registered("evolving_attention")
-        assert accelerator(logits.clone(), None, masked, masked, attn.params(), cache=ConvRowCache({}),
-                           values=v, empty=empty) is not NotImplemented
+        call = dispatch.describe(logits, masked, None, attn.params(), StepState(), v, False, False)
+        assert dispatch.select(call._replace(accelerators_on=True, built=True)) == dispatch.CPU_STEP_ATTEND
     assert torch.equal(fused.probs[1], torch.zeros_like(fused.probs[1]))
     assert torch.equal(fused.context[:, 1], torch.zeros_like(fused.context[:, 1]))
     torch.testing.assert_close(fused.probs, ref.probs, rtol=1e-5, atol=1e-6)

@@ -48,7 +48,7 @@ def test_printed_command_reads_back_as_its_words(tmp_path, tmp_path_factory, tin
     assert (tmp_path / "PWNED").exists() and (tmp_path / "PWNED2").exists()
 
 
-@pytest.mark.parametrize("module", ["ea_fairseq.warm_start"])
+@pytest.mark.parametrize("module", ["ea_fairseq_cli.warm_start"])
 def test_help_does_not_import_torch(module):
     def imported(*argv):
         proc = subprocess.run([sys.executable, "-X", "importtime", *argv], capture_output=True, text=True,

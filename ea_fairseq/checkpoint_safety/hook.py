@@ -5,6 +5,7 @@ import argparse
 import functools
 import logging
 import os
+import threading
 from typing import Any, Dict, List, Mapping
 
 import torch
@@ -102,20 +103,31 @@ def nonfinite_weights(model_state: Mapping[str, Any]) -> List[str]:
 
 
 # -- fairseq's loader -------------------------------------------------------------------
-class _ReadOnce:
-    """fairseq's ``checkpoint_utils.torch`` during one load: ``torch.load`` returns the state
-    read and sanitized here (once); everything else is torch's."""
+_pending = threading.local()  # per thread: the states its open load_checkpoint_to_cpu calls read here
+_TAKEN = object()
 
-    def __init__(self, state):
-        self._state = [state]
+
+class _TorchForCheckpointUtils:
+    """What ``fairseq.checkpoint_utils`` sees as ``torch`` (installed once, for good): torch
+    itself, except that ``load`` called in a thread inside the plugin's
+    ``load_checkpoint_to_cpu`` returns the state that call read and sanitized (once). In every
+    other thread, and outside that call, ``load`` is ``torch.load``: no state is shared between
+    threads, nothing is swapped for the duration of a call."""
 
     def load(self, *args, **kwargs):
-        if not self._state:
+        states = getattr(_pending, "states", None)
+        if not states:
+            return torch.load(*args, **kwargs)
+        if states[-1] is _TAKEN:
             raise CheckpointError("fairseq read a second file in one load_checkpoint_to_cpu call")
-        return self._state.pop()
+        state, states[-1] = states[-1], _TAKEN
+        return state
 
     def __getattr__(self, name):
         return getattr(torch, name)
+
+    def __repr__(self):
+        return f"<torch for fairseq.checkpoint_utils, through ea_fairseq: {torch!r}>"
 
 
 def install() -> None:
@@ -125,8 +137,10 @@ def install() -> None:
     that function through its module, so wrapping it there reaches them all. The wrapper
     reads the file (:func:`read_checkpoint`), sanitizes it (:func:`sanitize`) and runs
     fairseq's own function on that state: its ``torch.load`` returns the sanitized state
-    instead of reading the file again (:class:`_ReadOnce`), so fairseq's conversions and
-    overrides apply to what was checked, and nothing else.
+    instead of reading the file again (:class:`_TorchForCheckpointUtils`, keyed by thread), so
+    fairseq's conversions and overrides apply to what was checked, and nothing else. fairseq
+    has no hook on this path (docs/fairseq-internals.md); both replacements are made once
+    (idempotent) and act only inside the wrapper's call, in its thread.
 
     Not through here: in multi-process training, fairseq's trainer reads a checkpoint on rank
     0 and sends it to the other ranks with ``distributed_utils.broadcast_object``, which
@@ -145,11 +159,14 @@ def install() -> None:
     @functools.wraps(original)
     def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
         state = sanitize(read_checkpoint(PathManager.get_local_path(path), str(path)), str(path))
-        reading, checkpoint_utils.torch = checkpoint_utils.torch, _ReadOnce(state)
+        states = _pending.__dict__.setdefault("states", [])
+        states.append(state)
         try:
             return original(path, arg_overrides, load_on_all_ranks)
         finally:
-            checkpoint_utils.torch = reading
+            states.pop()
 
     load_checkpoint_to_cpu.ea_fairseq_validates = True
+    if not isinstance(checkpoint_utils.torch, _TorchForCheckpointUtils):
+        checkpoint_utils.torch = _TorchForCheckpointUtils()
     checkpoint_utils.load_checkpoint_to_cpu = load_checkpoint_to_cpu

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional
 
 from .literals import EVALUATED_FIELDS, UNUSED_FIELDS
 from .plain import _Refused
-from .schema import PATH_FIELDS, _fields, defaults, typed
+from .fields import PATH_FIELDS, _fields, defaults, typed
 
 _NESTED = ("encoder", "decoder", "quant_noise")
 

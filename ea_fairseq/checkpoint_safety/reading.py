@@ -5,9 +5,11 @@ damaged files reported as such."""
 import argparse
 import collections
 import contextlib
+import functools
 import os
 import re
 import stat
+import threading
 import typing
 import zipfile
 from typing import Any, Dict, Iterator, List, Optional
@@ -56,23 +58,65 @@ def numpy_checkpoint_globals() -> List[Any]:
     return allowed_globals()
 
 
+class _WhileAnyThreadNeedsIt:
+    """A process-wide change (``enter()`` returns what ``leave(...)`` undoes) made while at
+    least one thread is inside :meth:`held`: made by the first, undone by the last (counted
+    under a lock), so that one thread leaving never undoes it under another."""
+
+    def __init__(self, enter, leave):
+        self._enter, self._leave = enter, leave
+        self._lock = threading.Lock()
+        self._count, self._undo = 0, None
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        with self._lock:
+            if self._count == 0:
+                self._undo = self._enter()
+            self._count += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._count -= 1
+                if self._count == 0:
+                    self._leave(self._undo)
+
+
+def _allow_checkpoint_globals():
+    allowed = fairseq_checkpoint_globals() + numpy_checkpoint_globals()
+    if not hasattr(torch.serialization, "get_safe_globals"):
+        # torch 2.4 has the allow-list but no way to read it back: there the classes stay
+        # allow-listed for the process.
+        torch.serialization.add_safe_globals(allowed)
+        return None
+    before = torch.serialization.get_safe_globals()
+    added = [g for g in allowed if g not in before]
+    torch.serialization.add_safe_globals(added)
+    return added
+
+
+def _disallow(added) -> None:
+    if added is None:
+        return
+    kept = [g for g in torch.serialization.get_safe_globals() if g not in added]
+    torch.serialization.clear_safe_globals()
+    torch.serialization.add_safe_globals(kept)
+
+
+_allow_list = _WhileAnyThreadNeedsIt(_allow_checkpoint_globals, _disallow)
+
+
 @contextlib.contextmanager
 def checkpoint_globals_allowed() -> Iterator[None]:
     """Allow-list :func:`fairseq_checkpoint_globals` and :func:`numpy_checkpoint_globals`
     for weights-only loads in this block (a numpy array loads as a
-    :class:`~.numpy_values.PendingArray`: :func:`~.hook.sanitize` puts its array in its place)."""
-    allowed = fairseq_checkpoint_globals() + numpy_checkpoint_globals()
-    scoped = getattr(torch.serialization, "safe_globals", None)
-    if scoped is not None:  # adds them to torch's (per-process) list, removes them on exit
-        with scoped(allowed):
-            yield
-        return
-    add = getattr(torch.serialization, "add_safe_globals", None)
-    if add is not None:
-        # torch 2.4 has the allow-list but no context manager to scope it: there the
-        # classes stay allow-listed for the process (torch < 2.4 has no allow-list).
-        add(allowed)
-    yield
+    :class:`~.numpy_values.PendingArray`: :func:`~.hook.sanitize` puts its array in its place).
+
+    torch keeps one allow-list per process: they are on it while any thread is in such a
+    block, and come off when the last one leaves (what was allow-listed before stays)."""
+    with _allow_list.held():
+        yield
 
 
 def _corrupt(path: str, cause: str) -> CorruptCheckpointError:
@@ -83,26 +127,54 @@ class _InterpolationDuringLoad(Exception):
     pass
 
 
-@contextlib.contextmanager
-def _no_interpolation_resolved() -> Iterator[List[str]]:
-    """While a file is unpickled, omegaconf resolves no interpolation: an allow-listed class
-    called on an omegaconf container (``dict(DictConfig)``) would otherwise resolve its
-    ``${...}`` (environment variables, exponential string chains) inside ``torch.load``,
-    before the configuration is read. Yields the interpolations that were attempted."""
+_unpickling = threading.local()  # .attempted: set in a thread while it unpickles a checkpoint
+
+
+def _gate_resolution():
+    """Put a gate in front of omegaconf's interpolation resolution: it refuses in a thread
+    that is unpickling a checkpoint (:func:`_no_interpolation_resolved`) and resolves as
+    omegaconf does in every other thread."""
     from omegaconf.base import Container
 
-    attempted: List[str] = []
     original = Container._maybe_resolve_interpolation
 
-    def refuse(self, parent, key, value, *args, **kwargs):
+    @functools.wraps(original)
+    def gate(self, parent, key, value, *args, **kwargs):
+        attempted = getattr(_unpickling, "attempted", None)
+        if attempted is None:
+            return original(self, parent, key, value, *args, **kwargs)
         attempted.append(str(getattr(value, "_value", lambda: value)()))
         raise _InterpolationDuringLoad(attempted[-1])
 
-    Container._maybe_resolve_interpolation = refuse
-    try:
-        yield attempted
-    finally:
-        Container._maybe_resolve_interpolation = original
+    Container._maybe_resolve_interpolation = gate
+    return original
+
+
+def _ungate_resolution(original) -> None:
+    from omegaconf.base import Container
+
+    Container._maybe_resolve_interpolation = original
+
+
+_resolution_gate = _WhileAnyThreadNeedsIt(_gate_resolution, _ungate_resolution)
+
+
+@contextlib.contextmanager
+def _no_interpolation_resolved() -> Iterator[List[str]]:
+    """While this thread unpickles a file, omegaconf resolves no interpolation in it: an
+    allow-listed class called on an omegaconf container (``dict(DictConfig)``) would otherwise
+    resolve its ``${...}`` (environment variables, exponential string chains) inside
+    ``torch.load``, before the configuration is read. Yields the interpolations that were
+    attempted. omegaconf has no switch for this: the gate is a class attribute, in place
+    while any thread reads a checkpoint, refusing only in the threads that do."""
+    attempted: List[str] = []
+    outer = getattr(_unpickling, "attempted", None)
+    with _resolution_gate.held():
+        _unpickling.attempted = attempted
+        try:
+            yield attempted
+        finally:
+            _unpickling.attempted = outer
 
 
 def read_checkpoint(path: str, source: Optional[str] = None) -> Dict[str, Any]:

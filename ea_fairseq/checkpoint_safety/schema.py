@@ -20,162 +20,19 @@ defaults (None), logged; languages, which fairseq puts in file names, are codes
 (:data:`LANGUAGE_FIELDS`).
 """
 import argparse
-import copy
 import dataclasses
-import enum
-import functools
 import logging
-import math
 import re
-import typing
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
-from .literals import EVALUATED_FIELDS, _evaluated_value, _literal
+from .fields import (OFFLINE_TEXT, PATH_FIELDS, REGISTRY_SECTIONS, VOUCHED_TASKS, _fields,  # noqa: F401
+                     _unwrap_optional, declared, defaults, typed)
+from .literals import EVALUATED_FIELDS
+from .model import model_section
 from .plain import _Refused
 from .reading import TRUST_SWITCH, UnsafeCheckpointError, _shown
 
 logger = logging.getLogger(__name__)
-
-# fields naming a file fairseq opens while it loads a model (embeddings, the hub's unknown-word
-# dictionary, BPE and tokenizer models): a checkpoint's value is not honoured
-PATH_FIELDS = frozenset({
-    "encoder_embed_path", "decoder_embed_path", "replace_unk", "lm_path", "bpe_codes", "bpe_merges",
-    "bpe_vocab", "bpe_vocab_file", "sentencepiece_model", "sentencepiece_model_path", "gpt2_encoder_json",
-    "gpt2_vocab_bpe", "quantization_config_path"})
-# values fairseq puts in file names: languages (dict.{lang}.txt) and the splits a task loads
-# ({split}.{src}-{tgt}.{lang}); every section, every layout
-NAME_FIELDS = {"source_lang": "a language code", "target_lang": "a language code",
-               "train_subset": "a split name", "valid_subset": "comma-separated split names",
-               "gen_subset": "a split name"}
-LANGUAGE_FIELDS = frozenset(k for k, v in NAME_FIELDS.items() if v == "a language code")
-_LANGUAGE = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_NAMES = re.compile(r"[A-Za-z0-9_-]{1,64}(,[A-Za-z0-9_-]{1,64}){0,63}")
-# the task families whose configuration this plugin has checked (its recipes and hub use these);
-# another task's dataclass may name files and directories fairseq opens when it sets the task up
-VOUCHED_TASKS = frozenset({"translation", "translation_lines"})
-# text processors the hub may build from a checkpoint: those that need no network (gpt2, bert,
-# hf_byte_bpe, ... download their vocabularies or reach for other packages' files)
-OFFLINE_TEXT = {"bpe": frozenset({"sentencepiece", "subword_nmt", "fastbpe", "characters", "bytes", "byte_bpe"}),
-                "tokenizer": frozenset({"moses", "nltk", "space"})}
-REGISTRY_SECTIONS = ("task", "criterion", "optimizer", "lr_scheduler", "scoring", "bpe", "tokenizer")
-_INTEGER, _NUMBER = re.compile(r"[-+]?\d{1,19}"), re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d{1,3})?")
-
-
-class Refusal(Exception):
-    """A value refused: ``(path, value, why)``."""
-
-
-def _unwrap_optional(tp) -> Tuple[Any, bool]:
-    if typing.get_origin(tp) is typing.Union:
-        inner = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(inner) == 1:
-            return inner[0], type(None) in typing.get_args(tp)
-    return tp, False
-
-
-def typed(value: Any, tp: Any, name: str) -> Any:
-    """``value`` converted to the declared type ``tp`` of field ``name``, or :class:`_Refused`.
-    A string in a field of another type (the legacy layout stored ``'True'``, ``'[0.001]'``)
-    is read with the plugin's literal parser, never evaluated."""
-    tp, optional = _unwrap_optional(tp)
-    if name in EVALUATED_FIELDS and tp in (str, Any, object):  # fairseq evaluates the text
-        return _evaluated_value(name, value)
-    if typing.get_origin(tp) is typing.Union:  # one of several types: the first that takes it
-        if value is None and type(None) in typing.get_args(tp):
-            return None
-        for option in typing.get_args(tp):
-            try:
-                return typed(value, option, name)
-            except _Refused:
-                continue
-        raise _Refused(f"a {type(value).__name__} where fairseq declares {_type_name(tp)}")
-    if value is None:
-        if optional or tp is Any:
-            return None
-        raise _Refused(f"None where fairseq declares {_type_name(tp)}")
-    if tp is Any or tp is object:
-        return _any_value(value)
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        choices = [str(c.value) for c in tp]
-        if type(value) is str and value in choices:
-            return value
-        raise _Refused(f"not one of {choices}")
-    origin = typing.get_origin(tp)
-    if origin in (list, List, tuple):
-        item = (typing.get_args(tp) or (Any,))[0]
-        if type(value) is str:
-            value = _literal(value)
-        if type(value) not in (list, tuple):
-            value = [value]  # fairseq's own conversion does the same with one number
-        return [typed(v, item, name) for v in value]
-    if type(value) is str and tp in (bool, int, float):
-        value = _legacy_scalar(value, tp)
-    if tp is bool and type(value) is bool:
-        return value
-    if tp is int and type(value) is int:
-        return value
-    if tp is float and type(value) in (int, float) and math.isfinite(value):
-        return float(value)
-    if tp is str and type(value) is str:
-        if name in NAME_FIELDS and not (_NAMES if "," in NAME_FIELDS[name] else _LANGUAGE).fullmatch(value):
-            raise _Refused(f"not {NAME_FIELDS[name]} ([A-Za-z0-9_-]+); fairseq puts it in file names")
-        return value
-    raise _Refused(f"a {type(value).__name__} where fairseq declares {_type_name(tp)}")
-
-
-def _legacy_scalar(text: str, tp) -> Any:
-    stripped = text.strip()
-    if tp is bool and stripped in ("True", "False"):
-        return stripped == "True"
-    if tp is int and _INTEGER.fullmatch(stripped):
-        return int(stripped)
-    if tp is float and _NUMBER.fullmatch(stripped):
-        return float(stripped)
-    raise _Refused(f"the text {_shown(text)} where fairseq declares {_type_name(tp)}")
-
-
-def _any_value(value: Any) -> Any:
-    if type(value) in (list, tuple):
-        return [_any_value(v) for v in value]
-    if type(value) is float and not math.isfinite(value):
-        raise _Refused("a number that is not finite")
-    if type(value) in (type(None), bool, int, float, str):
-        return value
-    raise _Refused(f"a {type(value).__name__} where fairseq declares a plain value")
-
-
-def _type_name(tp) -> str:
-    if typing.get_origin(tp) is typing.Union:
-        return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None))
-    return str(tp).replace("typing.", "") if typing.get_origin(tp) else getattr(tp, "__name__", str(tp))
-
-
-def _fields(section: Any) -> Optional[Dict[str, Any]]:
-    if section is None:
-        return None
-    if type(section) is argparse.Namespace:
-        return dict(vars(section))
-    if type(section) is dict:
-        return dict(section)
-    raise _Refused(f"a {type(section).__name__} where fairseq reads a section (a dict of fields)")
-
-
-def declared(dataclass_type) -> Dict[str, Any]:
-    """``{field: type}`` of a fairseq dataclass (``_name`` aside)."""
-    return {f.name: f.type for f in dataclasses.fields(dataclass_type) if not f.name.startswith("_")}
-
-
-def defaults(dataclass_type) -> Dict[str, Any]:
-    """fairseq's defaults for ``dataclass_type`` (``${...}``: fairseq's own references, resolved
-    in :func:`_resolve_references`; ``'???'``: no default)."""
-    return copy.deepcopy(_defaults(dataclass_type))
-
-
-@functools.lru_cache(maxsize=None)
-def _defaults(dataclass_type) -> Dict[str, Any]:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(OmegaConf.structured(dataclass_type), resolve=False, enum_to_str=True)
 
 
 class Generator:
@@ -253,7 +110,6 @@ class Generator:
         which fairseq would convert in place of ``cfg``."""
         from fairseq.dataclass.configs import FairseqConfig
 
-        from .model import model_section
 
         legacy = args
         out: Dict[str, Any] = {"_name": None}

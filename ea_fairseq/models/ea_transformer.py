@@ -189,7 +189,7 @@ class EATransformerDecoder(AttentionMapsMixin, ListedStateHolders, TransformerDe
             )
 
 
-@register_model("ea_transformer")
+@register_model(hydra_config.PLUGIN_MODEL)
 class EATransformerModel(TransformerModel):
     """fairseq's transformer with evolving-attention variants (see ``--*-attention``)."""
 

@@ -17,11 +17,16 @@ import argparse
 import difflib
 from typing import Dict, Iterable, List
 
-from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY
+from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY, MODEL_REGISTRY
 from fairseq.models.transformer import TransformerModel
 from omegaconf import OmegaConf, open_dict
 
 from ..errors import OptionError
+
+
+# the registered name of the plugin's model, which defines every option of the plugin (the
+# module that defines it reads its configuration through this one)
+PLUGIN_MODEL = "ea_transformer"
 
 
 class _RaisingParser(argparse.ArgumentParser):
@@ -77,10 +82,9 @@ def unknown_key_message(key: str, arch: str, known) -> str:
     hint = f" (did you mean model.{close[0]}?)" if close else ""
     message = (f"model.{key}: not an option of --arch {arch}{hint}; its options are those of "
                f"`fairseq-train --arch {arch} --help`, with '_' for '-'")
-    from .ea_transformer import EATransformerModel  # the model that defines every plugin option
-
+    plugin_model = MODEL_REGISTRY[PLUGIN_MODEL]
     model_class = ARCH_MODEL_REGISTRY[arch]
-    if model_class is not EATransformerModel and key in plugin_option_names(EATransformerModel):
+    if model_class is not plugin_model and key in plugin_option_names(plugin_model):
         message += (f". {key} is an option of the plugin's own archs (ea_transformer_lite, "
                     f"pa_transformer_lite, ran_d, ...); --arch {arch} takes of the plugin's "
                     f"options only {', '.join(plugin_option_names(model_class))}")

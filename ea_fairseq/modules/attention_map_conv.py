@@ -43,6 +43,16 @@ def check_layout(layout: str, kernel_size: int) -> None:
         raise ValueError(f"the attention-map kernel size must be odd and >= 1, got {kernel_size}")
 
 
+def layout_padding(layout: str, k: int, rows_given: bool = False) -> Tuple[int, int]:
+    """The ``F.conv2d`` padding that goes with :func:`layout_kernel`'s kernel."""
+    half, full = k // 2, k - 1
+    if layout == "full":
+        return half, half
+    if layout == "causal":
+        return (0, full) if rows_given else (full, full)
+    return (0, half) if rows_given else (full, half)  # rows
+
+
 def layout_kernel(weight: Tensor, layout: str, rows_given: bool = False) -> Tuple[Tensor, Tuple[int, int]]:
     """``(kernel, padding)`` for ``F.conv2d`` that convolve a map in ``layout`` with
     ``weight`` (H, H, k, k) and return exactly its ``tgt x src`` outputs; with
@@ -53,17 +63,14 @@ def layout_kernel(weight: Tensor, layout: str, rows_given: bool = False) -> Tupl
     bottom rows (right columns) only: what remains is the one-sided shift of Fig. 3.
     """
     k = weight.size(-1)
-    half, full = k // 2, k - 1
+    full = k - 1
+    padding = layout_padding(layout, k, rows_given)
     if layout == "full":
-        return weight, (half, half)
+        return weight, padding
     if layout == "causal":
         weight = weight.tril()  # keep taps (a, b) with b <= a: the lower triangle
-        if rows_given:
-            return F.pad(weight, (0, full)), (0, full)
-        return F.pad(weight, (0, full, 0, full)), (full, full)
-    if rows_given:  # rows
-        return weight, (0, half)
-    return F.pad(weight, (0, 0, 0, full)), (full, half)
+        return (F.pad(weight, (0, full)) if rows_given else F.pad(weight, (0, full, 0, full))), padding
+    return (weight if rows_given else F.pad(weight, (0, 0, 0, full))), padding  # rows
 
 
 def convolve(maps: Tensor, kernel: Tensor, bias: Optional[Tensor], padding: Tuple[int, int]) -> Tensor:

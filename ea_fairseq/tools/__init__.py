@@ -1,4 +1,3 @@
-"""The plugin's command-line tools, installed as console scripts (pyproject.toml):
-``ea-fairseq-average-checkpoints``, ``ea-fairseq-bleu``, ``ea-fairseq-compare``; the
-analysis tool is ``ea-fairseq-analysis`` (:mod:`ea_fairseq.analysis`). Each is also
-``python -m ea_fairseq.tools.NAME``."""
+"""The plugin's command-line tools under the plugin's name (:mod:`ea_fairseq_cli` holds them:
+``ea-fairseq-average-checkpoints``, ``ea-fairseq-bleu``, ``ea-fairseq-compare``), and what
+averaging checks of its inputs (:mod:`.average_inputs`)."""

@@ -119,7 +119,7 @@ if ! ls "$ckpt_dir"/checkpoint*.pt >/dev/null 2>&1 && ls -d "$ckpt_dir"/seed*/ >
   compare=("$ckpt_dir")
   if [ -n "$src" ] && [ -n "$tgt" ]; then compare+=(-s "$src" -t "$tgt"); fi
   echo
-  "$PYTHON" -m ea_fairseq.tools.compare_systems --subset "$subset" "${compare[@]}"
+  "$PYTHON" -m ea_fairseq_cli.compare_systems --subset "$subset" "${compare[@]}"
   exit 0
 fi
 
@@ -161,7 +161,7 @@ else
   model="$out_dir/average_last${num_avg}_${avg_by}s${upper:+_upto$upper}.pt"
   opts=(--inputs "$ckpt_dir" "--num-${avg_by}-checkpoints" "$num_avg" --output "$model")
   if [ -n "$upper" ]; then opts+=(--checkpoint-upper-bound "$upper"); fi
-  "$PYTHON" -m ea_fairseq.tools.average_checkpoints "${opts[@]}"
+  "$PYTHON" -m ea_fairseq_cli.average_checkpoints "${opts[@]}"
   what="average of the last $num_avg $avg_by checkpoints of $ckpt_dir"
 fi
 
@@ -211,7 +211,7 @@ if ! PYTHONUNBUFFERED=1 "$FAIRSEQ_GENERATE" "$data" --user-dir "$user_dir" --pat
   limits=$(sed -n 's/.*since max_positions=(\([0-9]*\), \([0-9]*\)).*/\1 \2/p' "$gen_log" | tail -1)
   if [ -n "$limits" ]; then
     read -r max_src max_tgt <<< "$limits"
-    counts=$("$PYTHON" -c 'import sys; from ea_fairseq.tools import bleu
+    counts=$("$PYTHON" -c 'import sys; from ea_fairseq_cli import bleu
 s, t = bleu.idx_sizes(sys.argv[1]), bleu.idx_sizes(sys.argv[2])
 long = (s > int(sys.argv[3])) | (t > int(sys.argv[4]))
 print(int(long.sum()), len(s), " ".join(map(str, long.nonzero()[0][:10])))' \
@@ -255,7 +255,7 @@ status=0
 {
   echo "model: $what"
   echo "data: $data ($subset, $src->$tgt), beam $beam, lenpen $lenpen"
-  "$scorer" -m ea_fairseq.tools.bleu "$gen" "${score_opts[@]}" || status=$?
+  "$scorer" -m ea_fairseq_cli.bleu "$gen" "${score_opts[@]}" || status=$?
 } > "$scores"
 cat "$scores"
 # ea-fairseq-bleu exits 3 when BLEU and chrF are scored but COMET could not run (it said why)

@@ -1,0 +1,387 @@
+"""Figures (matplotlib, Agg backend: no display needed).
+
+* :func:`plot_maps` -- heatmaps of one attention of one sentence, layers x heads, tokens
+  on the axes (any kind of a dump: ``weights``, EA's ``convolution``/``dot_product``, ...).
+* :func:`plot_kinds` -- one head, the weights beside the mechanism's maps (EA Fig. 11).
+* :func:`plot_entropy` -- entropy per layer of several models on one figure.
+* :func:`plot_js` -- the layer-by-layer Jensen-Shannon divergence matrices.
+* :func:`plot_curves` -- learning curves of fairseq-train runs (:mod:`.curves`).
+"""
+import logging
+import math
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, List, Mapping, Optional, Sequence, Tuple
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.colors  # noqa: E402
+import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
+import numpy as np  # noqa: E402
+
+if TYPE_CHECKING:
+    from ea_fairseq.analysis.maps import AttentionDump
+
+from . import ATTENTIONS  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+
+def _save(fig, out: str) -> str:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def _norm(values: np.ndarray, probabilities: bool):
+    """Colour scale fitted to ``values``. Attention weights: 0 to the largest weight shown, on
+    a square-root scale, so that a near-uniform head (every weight about 1/keys) is a mid tone
+    and the structure of peaked heads stays visible. Signed maps (logits, convolution terms):
+    symmetric around 0 up to the largest magnitude shown."""
+    finite = np.abs(values[np.isfinite(values)])
+    top = float(finite.max()) if finite.size else 0.0
+    top = top or 1.0
+    if probabilities:
+        return matplotlib.colors.PowerNorm(gamma=0.5, vmin=0.0, vmax=top)
+    return matplotlib.colors.Normalize(vmin=-top, vmax=top)
+
+
+def _heatmap(ax, m, rows_tok, cols_tok, norm, row_labels: bool = True, col_labels: bool = True,
+             offsets=(0, 0)):
+    """One panel; token labels on the figure's outer panels only (``row_labels``/``col_labels``),
+    or every fifth position where there is no room for tokens (``rows_tok``/``cols_tok`` None)."""
+    cmap = "viridis" if isinstance(norm, matplotlib.colors.PowerNorm) else "RdBu_r"
+    im = ax.imshow(m, cmap=cmap, norm=norm, aspect="auto", interpolation="nearest")
+    for axis, toks, show, offset, n in ((ax.xaxis, cols_tok, col_labels, offsets[1], m.shape[1]),
+                                        (ax.yaxis, rows_tok, row_labels, offsets[0], m.shape[0])):
+        if toks is not None:
+            axis.set_ticks(range(n))
+            axis.set_ticklabels(toks, fontsize=TOKEN_FONT, rotation=90 if axis is ax.xaxis else 0)
+        else:  # positions (1-based, in the sentence)
+            axis.set_major_locator(matplotlib.ticker.FixedLocator(
+                [i for i in range(n) if (i + offset + 1) % 5 == 0 or i == 0]))
+            axis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _, o=offset: f"{int(v) + o + 1}"))
+            axis.set_tick_params(labelsize=TOKEN_FONT + 1)
+    ax.tick_params(labelbottom=col_labels, labelleft=row_labels)
+    return im
+
+
+def _colorbar(fig, im, ax, label: str = "", **kwargs):
+    bar = fig.colorbar(im, ax=ax, **kwargs)
+    bar.ax.tick_params(labelsize=8)
+    axis = bar.ax.xaxis if kwargs.get("location") == "bottom" else bar.ax.yaxis
+    if isinstance(im.norm, matplotlib.colors.PowerNorm):  # ticks evenly spaced on the bar
+        axis.set_major_locator(matplotlib.ticker.FixedLocator(
+            [_round_down(im.norm.vmax * (k / 3) ** 2) for k in range(4)]))
+        axis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:.2g}"))
+    else:
+        axis.set_major_locator(matplotlib.ticker.MaxNLocator(4))
+    if label:
+        bar.set_label(label, fontsize=8)
+    return bar
+
+
+def _round_down(v: float) -> float:
+    """``v`` rounded down to two significant digits (a tick inside the colour bar)."""
+    if v <= 0:
+        return 0.0
+    scale = 10 ** (1 - math.floor(math.log10(v)))
+    return math.floor(v * scale) / scale
+
+
+def _label(kind: str) -> str:
+    return "weight (square-root colour scale)" if kind == "weights" else kind
+
+
+# Figure size is bounded whatever the sentence length: a panel gives each token TOKEN_PITCH
+# inches (6-point labels that do not overlap) and the figure stays within MAX_FIGURE; a longer
+# sentence is cropped to the tokens that fit (a window: ``window_start``), which the title and
+# the log say; a grid with too many panels for token labels shows positions instead.
+TOKEN_FONT = 6
+TOKEN_PITCH = 0.1
+MAX_FIGURE = (16.0, 20.0)  # inches; at the 110 dpi of _save: 1760 x 2200 pixels
+MIN_PANEL = 1.6
+MIN_TOKENS = 8
+MARGIN = (2.6, 2.6)  # inches around the grid: token labels, axis titles, colour bars, title
+SIDES = {  # attention -> (queries, keys): what the rows and the columns of a map are
+    "encoder.self": ("source tokens", "source tokens"),
+    "decoder.self": ("target tokens (each row: the position predicting it)",
+                     "decoder input (target shifted right, </s> first)"),
+    "decoder.cross": ("target tokens (each row: the position predicting it)", "source tokens"),
+}
+
+
+@dataclass
+class Window:
+    """The part of a (queries x keys) map a figure shows, and the figure's size."""
+    q: slice
+    k: slice
+    labelled: bool  # token labels (else every fifth position)
+    figsize: Tuple[float, float]
+    note: str  # what was cropped or left out, for the title and the log
+
+
+def fit_window(n_rows: int, n_cols: int, n_queries: int, n_keys: int, start: int = 1) -> Window:
+    """The tokens a grid of ``n_rows`` x ``n_cols`` panels can label readably within
+    :data:`MAX_FIGURE`, from token ``start`` (1-based) on, and the figure size."""
+    room_w = (MAX_FIGURE[0] - MARGIN[0]) / n_cols
+    room_h = (MAX_FIGURE[1] - MARGIN[1]) / n_rows
+    fit_k, fit_q = int(room_w // TOKEN_PITCH), int(room_h // TOKEN_PITCH)
+    if n_queries == n_keys:  # self-attention: the same tokens on both axes, square panels
+        fit_k = fit_q = min(fit_k, fit_q)
+    if min(fit_k, fit_q) < MIN_TOKENS:
+        note = (f"{n_rows}x{n_cols} panels leave no room for token labels: positions shown "
+                "(fewer --layers/--heads for tokens)")
+        return Window(slice(0, n_queries), slice(0, n_keys), False,
+                      (MAX_FIGURE[0], min(MAX_FIGURE[1], MARGIN[1] + n_rows * room_w)), note)
+
+    def window(n, fit):
+        first = max(0, min(start - 1, n - fit))
+        return slice(first, min(n, first + fit))
+
+    q, k = window(n_queries, fit_q), window(n_keys, fit_k)
+    shown_q, shown_k = q.stop - q.start, k.stop - k.start
+    w = min(room_w, max(MIN_PANEL, shown_k * TOKEN_PITCH))
+    h = min(room_h, max(MIN_PANEL, shown_q * TOKEN_PITCH))
+    note = ""
+    if (shown_q, shown_k) != (n_queries, n_keys):
+        note = (f"cropped to fit: queries {q.start + 1}-{q.stop} of {n_queries}, keys {k.start + 1}-{k.stop} "
+                f"of {n_keys} (--window-start N, or fewer --layers/--heads, shows others)")
+    return Window(q, k, True, (round(n_cols * w + MARGIN[0], 2), round(n_rows * h + MARGIN[1], 2)), note)
+
+
+def model_name(dump) -> str:
+    """The architecture and checkpoint a dump was made with (``ea-fairseq-analysis dump``)."""
+    meta = getattr(dump, "meta", None) or {}
+    arch, ckpt = meta.get("arch"), meta.get("checkpoint")
+    if not ckpt:
+        return arch or "model not recorded in the dump"
+    short = os.path.join(*os.path.normpath(ckpt).split(os.sep)[-2:])
+    return f"{arch}, {short}" if arch else short
+
+
+def layers_differ(stack: np.ndarray, factor: float = 3.0) -> bool:
+    """Whether the layers (first axis) of ``stack`` span magnitudes more than ``factor`` apart,
+    so that one colour scale would leave the smaller layers blank."""
+    tops = []
+    for layer in stack:
+        finite = np.abs(layer[np.isfinite(layer)])
+        if finite.size and finite.max() > 0:
+            tops.append(float(finite.max()))
+    return len(tops) > 1 and max(tops) > factor * min(tops)
+
+
+def _tokens(toks, n, part: slice, labelled: bool):
+    return list(toks[part]) if labelled and len(toks) == n else None
+
+
+def _decorate(fig, dump, attention: str, title: str, note: str) -> None:
+    queries, keys = SIDES.get(attention, ("queries", "keys"))
+    fig.supylabel(f"queries: {queries}", fontsize=9)
+    fig.supxlabel(f"keys: {keys}", fontsize=9)
+    fig.suptitle(f"{model_name(dump)}\n{title}" + (f"\n{note}" if note else ""), fontsize=10)
+    if note:
+        logger.warning("%s: %s", title, note)
+
+
+def plot_maps(dump: "AttentionDump", sid: int, attention: str, kind: str = "weights",
+              out: str = "maps.png", layers: Optional[Sequence[int]] = None,
+              heads: Optional[Sequence[int]] = None, scale: str = "auto", window_start: int = 1) -> str:
+    """Grid of heatmaps (rows: layers, columns: heads); ``layers``/``heads`` are 1-based.
+    ``scale``: one colour scale for every panel shown (``figure``), one per layer with its
+    colour bar at the row's end (``layer``), each panel its own (``panel``), or ``auto``:
+    ``layer`` where a signed map's layers differ in magnitude more than threefold, else
+    ``figure`` (weights, probabilities, keep one scale: comparable across layers).
+    Long sentences are cropped to the tokens that fit, from ``window_start`` (1-based) on."""
+    if scale not in ("auto", "figure", "layer", "panel"):
+        raise ValueError(f"scale is 'auto', 'figure', 'layer' or 'panel', not {scale!r}")
+    maps = dump.get(sid, attention, kind)  # (L, H, T, S)
+    rows_tok, cols_tok = dump.axis_tokens(sid, attention)
+    layers = list(layers) if layers else list(range(1, maps.shape[0] + 1))
+    heads = list(heads) if heads else list(range(1, maps.shape[1] + 1))
+    probabilities = kind == "weights"
+    win = fit_window(len(layers), len(heads), maps.shape[2], maps.shape[3], window_start)
+    shown = maps[[l - 1 for l in layers]][:, [h - 1 for h in heads]][:, :, win.q, win.k]
+    if scale == "auto":
+        scale = "layer" if not probabilities and layers_differ(shown) else "figure"
+    rtok = _tokens(rows_tok, maps.shape[2], win.q, win.labelled)
+    ctok = _tokens(cols_tok, maps.shape[3], win.k, win.labelled)
+    fig, axes = plt.subplots(len(layers), len(heads), squeeze=False, layout="constrained", figsize=win.figsize)
+    norm = _norm(shown, probabilities)
+    for r, layer in enumerate(layers):
+        layer_norm = _norm(shown[r], probabilities)
+        for c, head in enumerate(heads):
+            ax = axes[r][c]
+            m = shown[r, c]
+            panel_norm = {"figure": norm, "layer": layer_norm}.get(scale) or _norm(m, probabilities)
+            im = _heatmap(ax, m, rtok, ctok, panel_norm, row_labels=c == 0, col_labels=r == len(layers) - 1,
+                          offsets=(win.q.start, win.k.start))
+            if scale == "panel":
+                _colorbar(fig, im, ax, shrink=0.9, pad=0.02)
+            if r == 0:
+                ax.set_title(f"head {head}", fontsize=8)
+            if c == 0:
+                ax.set_ylabel(f"layer {layer}", fontsize=8)
+        if scale == "layer":
+            _colorbar(fig, im, axes[r, :], shrink=0.9, pad=0.02)
+    if scale == "figure":
+        _colorbar(fig, im, axes, _label(kind), shrink=0.8)
+    how = {"figure": "", "layer": ", each layer on its own colour scale",
+           "panel": ", each panel on its own colour scale"}[scale]
+    _decorate(fig, dump, attention, f"sentence {sid}: {attention} {_label(kind)}{how}", win.note)
+    return _save(fig, out)
+
+
+def plot_kinds(dump: "AttentionDump", sid: int, attention: str, head: int = 1,
+               kinds: Optional[Sequence[str]] = None, out: str = "kinds.png",
+               layers: Optional[Sequence[int]] = None, window_start: int = 1) -> str:
+    """EA Fig. 11 layout for one head: per layer, the attention weights beside the maps
+    the mechanism reported (EA: ``logits`` = β·conv + (1-β)·input, ``convolution``,
+    ``dot_product``). The weights, and a signed map whose layers have magnitudes within a factor
+    of three, share one colour scale per column, with its colour bar below it; otherwise (EA's
+    convolution term grows with depth) each layer has its own scale and colour bar, and the
+    column's title says so."""
+    available = dump.sentences[sid].kinds[attention]
+    kinds = [k for k in (kinds or available) if k in available]
+    if not kinds:
+        raise ValueError(f"none of the kinds is in the dump; {attention} has {available}")
+    stacks = {k: dump.get(sid, attention, k) for k in kinds}
+    stacks = {k: a for k, a in stacks.items() if a.ndim == 4}  # stacked (layers, heads, T, S)
+    kinds = list(stacks)
+    first = next(iter(stacks.values()))
+    layers = list(layers) if layers else list(range(1, first.shape[0] + 1))
+    rows_tok, cols_tok = dump.axis_tokens(sid, attention)
+    win = fit_window(len(layers), len(kinds), first.shape[2], first.shape[3], window_start)
+    rtok = _tokens(rows_tok, first.shape[2], win.q, win.labelled)
+    ctok = _tokens(cols_tok, first.shape[3], win.k, win.labelled)
+    fig, axes = plt.subplots(len(layers), len(kinds), squeeze=False, layout="constrained", figsize=win.figsize)
+    for c, kind in enumerate(kinds):
+        m = stacks[kind][[l - 1 for l in layers], head - 1][:, win.q, win.k]
+        probabilities = kind == "weights"
+        per_layer = not probabilities and layers_differ(m)
+        label = "weight (square-root scale)" if probabilities else kind
+        for r, layer in enumerate(layers):
+            ax = axes[r][c]
+            im = _heatmap(ax, m[r], rtok, ctok, _norm(m[r] if per_layer else m, probabilities),
+                          row_labels=c == 0, col_labels=r == len(layers) - 1,
+                          offsets=(win.q.start, win.k.start))
+            if per_layer:
+                _colorbar(fig, im, ax, shrink=0.9, pad=0.02)
+            if r == 0:
+                ax.set_title(f"{kind}\n(each layer on its own scale)" if per_layer else kind, fontsize=9)
+            if c == 0:
+                ax.set_ylabel(f"layer {layer}", fontsize=8)
+        if not per_layer:
+            _colorbar(fig, im, axes[:, c], label, location="bottom", shrink=0.95, aspect=12, pad=0.02)
+    _decorate(fig, dump, attention, f"sentence {sid}: {attention}, head {head}", win.note)
+    return _save(fig, out)
+
+
+def _attentions(results: Mapping[str, Mapping[str, dict]]) -> List[str]:
+    names = {a for r in results.values() for a in r}
+    return sorted(names, key=lambda a: (ATTENTIONS.index(a) if a in ATTENTIONS else 9, a))
+
+
+def plot_entropy(results: Mapping[str, Mapping[str, dict]], out: str = "entropy.png",
+                 metric: str = "entropy") -> str:
+    """``results``: ``{model: {attention: metrics}}`` (the ``metrics`` JSON); one panel per
+    attention, one line per model."""
+    attentions = _attentions(results)
+    fig, axes = plt.subplots(1, len(attentions), squeeze=False, layout="constrained",
+                             figsize=(4.2 * len(attentions), 3.4))
+    for ax, attention in zip(axes[0], attentions):
+        for model, per_attention in results.items():
+            r = per_attention.get(attention)
+            if r is None:
+                continue
+            layers = np.arange(1, r["layers"] + 1)
+            ax.plot(layers, r[metric], marker="o", label=model)
+        ax.set_title(attention)
+        ax.set_xlabel("layer")
+        ax.set_ylabel(f"{metric} (nats)" if metric == "entropy" else metric)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.ticklabel_format(axis="y", useOffset=False, style="plain")
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=8)
+    return _save(fig, out)
+
+
+def plot_js(results: Mapping[str, Mapping[str, dict]], out: str = "js.png") -> str:
+    """One JS-divergence matrix per (model, attention), annotated."""
+    panels = [(m, a, r) for m, per in results.items() for a, r in per.items()]
+    cols = min(3, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, squeeze=False, layout="constrained",
+                             figsize=(3.9 * cols, 3.5 * rows))
+    vmax = max((max(max(row) for row in r["js"]) for _, _, r in panels if r["layers"]), default=1.0) or 1.0
+    for ax, (model, attention, r) in zip(axes.flat, panels):
+        js = np.array(r["js"])
+        im = ax.imshow(js, cmap="magma_r", vmin=0.0, vmax=vmax)
+        n = js.shape[0]
+        ax.set_xticks(range(n))
+        ax.set_yticks(range(n))
+        ax.set_xticklabels(range(1, n + 1))
+        ax.set_yticklabels(range(1, n + 1))
+        for i in range(n):
+            for j in range(n):
+                ax.text(j, i, f"{js[i, j]:.2g}", ha="center", va="center", fontsize=7,
+                        color="white" if js[i, j] > 0.6 * vmax else "black")
+        ax.set_title(f"{model}\n{attention}", fontsize=9)
+        ax.set_xlabel("layer")
+        ax.set_ylabel("layer")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.colorbar(im, ax=axes, shrink=0.8, label="JS divergence (nats)")
+    return _save(fig, out)
+
+
+def plot_curves(runs: Mapping[str, Mapping[str, List[dict]]], out: str = "curves.png") -> str:
+    """``runs``: ``{name: curves.parse_log(log)}``. Left: training loss per logging interval
+    (line) and per epoch (circles), validation loss (squares), against updates; right, when a
+    run logged it (``--eval-bleu``): validation BLEU."""
+    with_bleu = any("bleu" in r for rec in runs.values() for tag, rs in rec.items()
+                    if tag not in ("train", "train_inner") for r in rs)
+    fig, axes = plt.subplots(1, 2 if with_bleu else 1, squeeze=False, layout="constrained",
+                             figsize=(11 if with_bleu else 6.5, 4.2))
+    loss_ax = axes[0][0]
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for k, (name, records) in enumerate(runs.items()):
+        colour = colours[k % len(colours)]
+
+        def points(tag, key):
+            rs = [r for r in records.get(tag, []) if key in r and "num_updates" in r]
+            return [r["num_updates"] for r in rs], [r[key] for r in rs]
+
+        x, y = points("train_inner", "loss")
+        if x:
+            loss_ax.plot(x, y, color=colour, alpha=0.45, linewidth=1, label=f"{name}: train")
+        x, y = points("train", "loss")
+        if x:
+            loss_ax.plot(x, y, "o", color=colour, markersize=4,
+                         label=f"{name}: train, per epoch")
+        for tag in records:
+            if tag in ("train", "train_inner"):
+                continue
+            x, y = points(tag, "loss")
+            if x:
+                loss_ax.plot(x, y, "s--", color=colour, markersize=4, label=f"{name}: {tag}")
+            x, y = points(tag, "bleu")
+            if x and with_bleu:
+                axes[0][1].plot(x, y, "s-", color=colour, markersize=4, label=f"{name}: {tag}")
+    for ax in axes[0]:
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    loss_ax.set_xlabel("updates")
+    loss_ax.set_ylabel("loss (base 2)")
+    loss_ax.grid(alpha=0.3)
+    loss_ax.legend(fontsize=7)
+    if with_bleu:
+        ax = axes[0][1]
+        ax.set_xlabel("updates")
+        ax.set_ylabel("validation BLEU (--eval-bleu)")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    return _save(fig, out)
