@@ -35,10 +35,9 @@ def kernel():
 
 def ea_attention(layout, kernel_size, alpha, dtype, seed=0, hand_on=True):
     torch.manual_seed(seed)
-    mha = MultiheadAttention(16, HEADS, self_attention=layout == "causal",
-                             encoder_decoder_attention=layout == "rows")
-    attn = EvolvingAttention.promote(mha, slot="self", alpha=alpha, beta=0.4,
-                                     kernel_size=kernel_size, conv_layout=layout, hand_on=hand_on)
+    attn = EvolvingAttention(16, HEADS, self_attention=layout == "causal",
+                             encoder_decoder_attention=layout == "rows", slot="self", alpha=alpha, beta=0.4,
+                             kernel_size=kernel_size, conv_layout=layout, hand_on=hand_on)
     attn.attach(AttentionMapCarrier())
     with torch.no_grad():  # large weights and biases of both signs: every tap and the ReLU matter
         attn.conv.weight.normal_()

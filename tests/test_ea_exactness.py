@@ -256,8 +256,8 @@ def test_one_step_convolution_equals_the_full_map_row(layout):
 @pytest.mark.parametrize("beam_shared_keys", [False, True], ids=["keys-per-hypothesis", "beam-shared-keys"])
 def test_decoding_steps_equal_fairseqs_own_step_path(dictionary, beam_shared_keys, monkeypatch):
     """A decoding step's logits come from the attention's joined, scale-folded projections
-    (made once per run) into fairseq's key/value cache; with a hook on the projections the
-    step falls back to fairseq's own path. Both decode alike, beam reorders included."""
+    (made once per run) into the run's cache; with a hook on the projections each projection
+    runs its own module (fairseq's numbers). Both decode alike, beam reorders included."""
     model, _ = build_model("ea_transformer_lite", *SMALL, *STRONG)
     randomize_convs(model)
     src, lengths, _ = random_batch(dictionary, [5, 9, 5, 9], 8)
@@ -267,9 +267,9 @@ def test_decoding_steps_equal_fairseqs_own_step_path(dictionary, beam_shared_key
         src, lengths = src[[0, 0, 2, 2]], lengths[[0, 0, 2, 2]]
         model.decoder.set_beam_size(2)
     taken = []
-    step_logits = LogitMapAttention.step_logits
-    monkeypatch.setattr(LogitMapAttention, "step_logits",
-                        lambda self, *a: taken.append(step_logits(self, *a)) or taken[-1])
+    step_projection = LogitMapAttention.step_projection
+    monkeypatch.setattr(LogitMapAttention, "step_projection",
+                        lambda self, *a: taken.append(step_projection(self, *a)) or taken[-1])
     joined, _ = incremental_logprobs(model, src, lengths, prev, 3, order)
     assert taken and all(t is not None for t in taken)
     taken.clear()
@@ -280,6 +280,6 @@ def test_decoding_steps_equal_fairseqs_own_step_path(dictionary, beam_shared_key
         for h in hooks:
             h.remove()
         model.decoder.set_beam_size(1)
-    assert taken and all(t is None for t in taken)
+    assert taken and all(t is None for t in taken)  # a hooked q_proj joins nothing
     assert (joined - own).abs().max() <= 1e-5
     assert not torch.equal(joined[:, 0], joined[:, 1])  # the steps differ: a real comparison

@@ -201,7 +201,7 @@ def test_mechanism_classes_built_directly_work_or_name_the_way():
     from ea_fairseq.modules import EvolvingAttention, PredictiveAttention, RecurrentAttention
 
     x = torch.randn(5, 2, 16)
-    with pytest.raises(TypeError, match=r"needs its mechanism's options \['slot', 'alpha'.*promote"):
+    with pytest.raises(TypeError, match=r"needs its mechanism's options \['slot', 'alpha'.*EvolvingAttention\(16, 4, self_attention=True, slot=\.\.\."):
         EvolvingAttention(16, 4, self_attention=True)
     attn = EvolvingAttention(16, 4, self_attention=True, slot="self", alpha=0.3, beta=0.5,
                              kernel_size=3, conv_layout="full", hand_on=True)

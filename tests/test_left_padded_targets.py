@@ -228,9 +228,8 @@ def test_fused_decoding_step_gives_a_keyless_row_zero_weights(layout):
     from ea_fairseq.ops.evolving_attention_types import StepState
 
     torch.manual_seed(0)
-    mha = MultiheadAttention(16, 4, self_attention=layout == "causal", encoder_decoder_attention=layout == "rows")
-    attn = EvolvingAttention.promote(mha, slot="self", alpha=0.0, beta=0.4, kernel_size=3,
-                                     conv_layout=layout, hand_on=False)
+    attn = EvolvingAttention(16, 4, self_attention=layout == "causal", encoder_decoder_attention=layout == "rows",
+                             slot="self", alpha=0.0, beta=0.4, kernel_size=3, conv_layout=layout, hand_on=False)
     attn.attach(AttentionMapCarrier())
     masked = torch.zeros(3, 1, 1, 5, dtype=torch.bool)
     masked[1] = True  # hypothesis 1 sees no key

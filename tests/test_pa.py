@@ -37,8 +37,8 @@ def test_parameters_added_are_only_the_prediction_convs(layers):
 
 def test_eq4_on_a_single_module():
     torch.manual_seed(0)
-    attn = PredictiveAttention.promote(MultiheadAttention(8, 2, self_attention=True),
-                                       alpha=0.3, conv_layers=1, predict=True)
+    attn = PredictiveAttention(8, 2, self_attention=True,
+                               alpha=0.3, conv_layers=1, predict=True)
     carrier = AttentionMapCarrier()
     attn.attach(carrier)
     prev, cur = torch.randn(1, 2, 4, 4), torch.randn(1, 2, 4, 4)
@@ -53,8 +53,8 @@ def test_eq4_on_a_single_module():
 
 
 def test_transformer_with_rc_is_plain_residual_of_logits():
-    attn = PredictiveAttention.promote(MultiheadAttention(8, 2, self_attention=True),
-                                       alpha=0.25, conv_layers=0, predict=True)
+    attn = PredictiveAttention(8, 2, self_attention=True,
+                               alpha=0.25, conv_layers=0, predict=True)
     carrier = AttentionMapCarrier()
     attn.attach(carrier)
     prev, cur = torch.randn(1, 2, 3, 3), torch.randn(1, 2, 3, 3)

@@ -26,6 +26,7 @@ import torch.nn as nn
 from fairseq.modules import LearnedPositionalEmbedding, MultiheadAttention, SinusoidalPositionalEmbedding
 
 from ..modules.attention_map_conv import AttentionMapConv
+from ..modules.attention_maps import LogitMapAttention
 from ..modules.evolving_attention import EvolvingAttention
 from ..modules.long_short_range_attention import LightweightConvBranch
 from ..modules.predictive_attention import PredictiveAttention
@@ -170,11 +171,12 @@ def attention_shape(module: MultiheadAttention, ctx: Context) -> Tuple[int, int]
     """(queries, keys) of an attention module in its context."""
     tgt = ctx.tokens
     src = tgt if module.self_attention or not module.encoder_decoder_attention else ctx.src_tokens
-    src += int(module.bias_k is not None) + int(bool(module.add_zero_attn))
+    src += int(getattr(module, "bias_k", None) is not None) + int(bool(getattr(module, "add_zero_attn", False)))
     return tgt, src
 
 
 @register_counter(MultiheadAttention)
+@register_counter(LogitMapAttention)
 def count_attention(module: MultiheadAttention, ctx: Context, walker: Walker) -> Counts:
     """fairseq's attention: projections, QK^T, AV, query scaling, returned weights."""
     tgt, src = attention_shape(module, ctx)

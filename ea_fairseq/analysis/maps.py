@@ -36,8 +36,7 @@ from fairseq.modules import MultiheadAttention
 from torch import Tensor
 
 from . import ATTENTIONS
-from ..modules.attention_maps import AttentionMechanism
-from ..modules.position_attention import PositionAttention
+from ..modules.attention_mechanism import AttentionMechanism
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +126,7 @@ class AttentionCapture:
             stack = getattr(self.model, stack_name, None)
             for layer_index, layer in enumerate(getattr(stack, "layers", ())):
                 for module in layer.modules():
-                    if isinstance(module, (MultiheadAttention, PositionAttention)):
+                    if isinstance(module, (MultiheadAttention, AttentionMechanism)):
                         self._watch(module, stack_name, layer_index)
         return self
 

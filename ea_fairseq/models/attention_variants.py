@@ -6,19 +6,19 @@ self-attention), ``decoder`` (decoder self-attention) and ``cross``
 ``--encoder-attention``, ``--decoder-attention`` and ``--cross-attention``; the
 architectures only choose defaults, so variants compose freely (e.g. RAN-D with an EA
 encoder). Each variant registers here (:func:`register_variant`) its builder, which makes
-the role's attention module (most from the ``MultiheadAttention`` fairseq builds for the
-role, promoted in place; RAN a module of its own), the roles it is
-defined for, and whether it reads state its stack hands between layers; the options'
-choices and the model's checks are derived from that registry.
+the role's attention module from the settings fairseq gives the role's attention
+(:class:`RoleAttention`), the roles it is defined for, and whether it reads state its stack
+hands between layers; the options' choices and the model's checks are derived from that
+registry. Every module a builder returns follows
+:class:`~ea_fairseq.modules.attention_protocol.AttentionModule`.
 """
 import argparse
-from dataclasses import dataclass
-from functools import partial
-from typing import Callable, Dict, List, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Tuple
 
-from fairseq.modules import MultiheadAttention
+import torch.nn as nn
 
-from ..modules.attention_maps import AttentionMechanism, LogitMapAttention
+from ..modules.attention_maps import LogitMapAttention
 from ..modules.drop_attention import MODES as DROP_MODES, RESCALES as DROP_RESCALES, DropAttention
 from ..modules import long_short_range_attention as lsra, value_residual
 from ..modules.evolving_attention import EvolvingAttention
@@ -38,7 +38,7 @@ class Variant:
     """One attention variant: what builds it, where it applies, what it needs of its stack."""
 
     name: str
-    build: Callable  # build(fairseq_attention, cfg, role, layer_index) -> attention module
+    build: Callable  # build(attention: RoleAttention, cfg, role, layer_index) -> attention module
     roles: Tuple[str, ...]  # the roles it is defined for
     # cross_layer(cfg, role): does it read what its stack computes during one forward pass,
     # for more than one layer (the previous layer's logits from the carrier, RAN's matrices)?
@@ -48,6 +48,22 @@ class Variant:
 #: every variant, in the order the options list them; the one source of the choices of
 #: --encoder/decoder/cross-attention, of the roles a variant accepts and of needs_stack_pass
 VARIANTS: Dict[str, Variant] = {}
+
+
+@dataclass(frozen=True)
+class RoleAttention:
+    """What a layer hands a variant's builder: ``settings``, the keywords of fairseq's
+    ``MultiheadAttention`` for this role and layer (``embed_dim``, ``num_heads``,
+    ``dropout``, ``self_attention`` / ``encoder_decoder_attention``, ``kdim``/``vdim``,
+    quantization noise, ...) plus ``value_projection`` where value residual learning
+    applies; ``fairseq(width)``, fairseq's own module for the role (the vanilla variant)."""
+
+    settings: Dict[str, Any]
+    fairseq: Callable[[int], nn.Module] = field(repr=False)
+
+    @property
+    def width(self) -> int:
+        return self.settings["embed_dim"]
 
 
 def register_variant(name: str, roles: Tuple[str, ...], cross_layer=False):
@@ -81,32 +97,32 @@ def uses(cfg, option: str, role: str) -> bool:
     return role in (getattr(cfg, option, None) or ())
 
 
-def build_attention(role: str, fairseq_attention: Callable[[int], MultiheadAttention], embed_dim: int,
-                    cfg, layer_index: int = 0):
-    """The attention module of ``role`` in layer ``layer_index``, of width ``embed_dim``;
-    ``fairseq_attention(width)`` builds fairseq's, for the variants that start from it.
-    With LSRA (``--lsra-on``) the variant is built at half the width, beside a convolution."""
+def build_attention(role: str, attention: RoleAttention, cfg, layer_index: int = 0):
+    """The attention module of ``role`` in layer ``layer_index``, built from ``attention``
+    (fairseq's settings for the role, at the layer's width). With LSRA (``--lsra-on``) the
+    variant is built at half the width, beside a convolution."""
+    embed_dim = attention.settings["embed_dim"]
     width = embed_dim // 2 if uses(cfg, "lsra_on", role) else embed_dim
     if width != embed_dim and (embed_dim % 2 or width % cfg_heads(cfg, role)):
         raise ValueError(f"--lsra-on {role}: LSRA gives half of the width ({embed_dim}) to an attention "
                          f"of {cfg_heads(cfg, role)} heads; choose a width divisible by twice the heads")
+    settings = dict(attention.settings, embed_dim=width)
+    if uses(cfg, "value_residual_on", role):
+        settings["value_projection"] = value_residual.value_projection(SLOT[role], cfg.value_residual_lambdas)
     variant = variant_of(cfg, role)
     if variant == "ran" and layer_index == 0 and cfg.ran_first_layer_standard:
         variant = "vanilla"  # the authors' code can keep standard attention in layer 1
-    attn = _build_variant(variant, role, partial(fairseq_attention, width), cfg, layer_index)
-    if role in (getattr(cfg, "drop_attention_on", None) or ()) and cfg.drop_attention != "none":
-        if not isinstance(attn, AttentionMechanism):  # vanilla attention with DropAttention
-            attn = LogitMapAttention.promote(attn)
+    dropping = role in (getattr(cfg, "drop_attention_on", None) or ()) and cfg.drop_attention != "none"
+    if variant == "vanilla" and (dropping or "value_projection" in settings):
+        variant = "dot_product"  # the plugin's own: DropAttention and value residual act in it
+    attn = _build_variant(variant, role, RoleAttention(settings, attention.fairseq), cfg, layer_index)
+    if dropping:
         attn.set_weight_dropout(DropAttention(
             cfg.drop_attention, cfg.drop_attention_p, cfg.drop_attention_window,
             cfg.drop_attention_rescale,
         ))
-    if uses(cfg, "value_residual_on", role):
-        if not isinstance(attn, AttentionMechanism):  # fairseq's fused path skips v_proj
-            attn = LogitMapAttention.promote(attn)
-        value_residual.ValueResidualProjection.promote(attn.v_proj, SLOT[role], cfg.value_residual_lambdas)
     if width != embed_dim:
-        if getattr(attn, "embed_dim", None) != width:
+        if getattr(attn, "embed_dim", None) != width or variant in POSITION_ONLY:  # (LSRA's is dot-product)
             raise ValueError(f"--lsra-on {role}: the {variant} attention does not build at half the "
                              "width; LSRA cannot put it beside a convolution")
         sizes = list(cfg.lsra_kernel_sizes or ())
@@ -123,7 +139,9 @@ def cfg_heads(cfg, role: str) -> int:
     return getattr(cfg, "decoder" if role == "cross" else role).attention_heads
 
 
-def _build_variant(variant, role, fairseq_attention, cfg, layer_index):
+def _build_variant(variant, role, attention: RoleAttention, cfg, layer_index):
+    if variant == "dot_product":
+        return LogitMapAttention(**attention.settings)
     if variant not in VARIANTS:
         raise ValueError(
             f"--{role}-attention {variant}: unknown attention variant; "
@@ -135,7 +153,7 @@ def _build_variant(variant, role, fairseq_attention, cfg, layer_index):
             f"--{role}-attention {variant}: the {variant} variant is defined for "
             f"{', '.join(roles)} attention only"
         )
-    return VARIANTS[variant].build(fairseq_attention, cfg, role, layer_index)
+    return VARIANTS[variant].build(attention, cfg, role, layer_index)
 
 
 def add_args(parser):
@@ -269,15 +287,16 @@ def ea_alpha(cfg, role: str) -> float:
 
 
 @register_variant("vanilla", roles=ROLES)
-def build_vanilla_attention(fairseq_attention, cfg, role, layer_index):
-    return fairseq_attention()
+def build_vanilla_attention(attention, cfg, role, layer_index):
+    """fairseq's own attention (with its fused path)."""
+    return attention.fairseq(attention.width)
 
 
 @register_variant("ea", roles=ROLES, cross_layer=lambda cfg, role: ea_alpha(cfg, role) > 0.0)
-def build_evolving_attention(fairseq_attention, cfg, role, layer_index):
+def build_evolving_attention(attention, cfg, role, layer_index):
     conv_off = getattr(cfg, f"ea_no_{role}_conv", False)
-    return EvolvingAttention.promote(
-        fairseq_attention(),
+    return EvolvingAttention(
+        **attention.settings,
         slot=SLOT[role],
         alpha=ea_alpha(cfg, role),
         beta=float(cfg.ea_beta),
@@ -288,22 +307,22 @@ def build_evolving_attention(fairseq_attention, cfg, role, layer_index):
 
 
 @register_variant("pa", roles=("encoder",), cross_layer=True)
-def build_predictive_attention(fairseq_attention, cfg, role, layer_index):
-    return PredictiveAttention.promote(
-        fairseq_attention(), alpha=float(cfg.pa_alpha), conv_layers=int(cfg.pa_conv_layers), predict=layer_index > 0,
+def build_predictive_attention(attention, cfg, role, layer_index):
+    return PredictiveAttention(
+        **attention.settings, alpha=float(cfg.pa_alpha), conv_layers=int(cfg.pa_conv_layers), predict=layer_index > 0,
     )
 
 
-def position_attention_options(cfg, role: str, name: str) -> dict:
+def position_attention_options(attention: RoleAttention, role: str, name: str) -> dict:
     """The settings of fairseq's attention that a position-only attention
     (:class:`~ea_fairseq.modules.position_attention.PositionAttention`) takes."""
-    side = getattr(cfg, role)  # fairseq's encoder/decoder settings
-    if getattr(side, "xformers_att_config", None):
+    settings = attention.settings
+    if settings.get("xformers_att_config"):
         raise ValueError(f"{name} attends with weights of its own, not through xformers; drop "
                          f"--{role}-xformers-att-config.")
-    return dict(embed_dim=side.embed_dim, num_heads=side.attention_heads, dropout=cfg.attention_dropout,
-                causal=role == "decoder", q_noise=cfg.quant_noise.pq,
-                qn_block_size=cfg.quant_noise.pq_block_size)
+    options = {k: settings[k] for k in ("embed_dim", "num_heads", "dropout", "q_noise", "qn_block_size",
+                                        "value_projection") if k in settings}  # (no keys: no kdim, bias_kv)
+    return dict(options, causal=role == "decoder")
 
 
 #: variants with no query/key projections (no extra key column, no cross-self-attention)
@@ -311,32 +330,32 @@ POSITION_ONLY = ("ran", "hcsa", "synthesizer")
 
 
 @register_variant("ran", roles=("encoder", "decoder"), cross_layer=True)
-def build_recurrent_attention(fairseq_attention, cfg, role, layer_index):
-    return RecurrentAttention(**position_attention_options(cfg, role, "RAN"),
+def build_recurrent_attention(attention, cfg, role, layer_index):
+    return RecurrentAttention(**position_attention_options(attention, role, "RAN"),
                               ran_index=layer_index - int(bool(cfg.ran_first_layer_standard)))
 
 
 @register_variant("hcsa", roles=("encoder", "decoder"))
-def build_hard_coded_attention(fairseq_attention, cfg, role, layer_index):
+def build_hard_coded_attention(attention, cfg, role, layer_index):
     offsets = list(getattr(cfg, f"hcsa_{role}_offsets"))
     if role == "decoder" and max(offsets) > 0:
         raise ValueError(f"--hcsa-decoder-offsets {' '.join(map(str, offsets))}: a decoder head "
                          "cannot centre on a later token; use offsets of at most 0")
-    return HardCodedGaussianAttention(**position_attention_options(cfg, role, "HC-SA"),
+    return HardCodedGaussianAttention(**position_attention_options(attention, role, "HC-SA"),
                                       offsets=offsets, std=float(cfg.hcsa_std),
                                       normalize=cfg.hcsa_normalize)
 
 
 @register_variant("synthesizer", roles=("encoder", "decoder"))
-def build_synthesizer_attention(fairseq_attention, cfg, role, layer_index):
-    return RandomSynthesizerAttention(**position_attention_options(cfg, role, "The Random Synthesizer"),
+def build_synthesizer_attention(attention, cfg, role, layer_index):
+    return RandomSynthesizerAttention(**position_attention_options(attention, role, "The Random Synthesizer"),
                                       max_positions=int(cfg.synthesizer_max_positions),
                                       fixed=bool(cfg.synthesizer_fixed))
 
 
 @register_variant("realformer", roles=ROLES, cross_layer=True)
-def build_residual_attention(fairseq_attention, cfg, role, layer_index):
-    return ResidualAttention.promote(fairseq_attention(), slot=SLOT[role])
+def build_residual_attention(attention, cfg, role, layer_index):
+    return ResidualAttention(**attention.settings, slot=SLOT[role])
 
 
 #: --hcsa-normalize: see the option's help and :mod:`~ea_fairseq.modules.hard_coded_attention`

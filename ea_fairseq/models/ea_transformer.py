@@ -1,8 +1,10 @@
 """The plugin's transformer: fairseq's ``TransformerModel`` with a pluggable attention per role.
 
 Only the attention builders of fairseq's layers are overridden (``build_self_attention``,
-``build_encoder_attention``); the encoder and decoder loops are fairseq's. The encoder
-and the decoder each own one :class:`~ea_fairseq.modules.attention_maps.AttentionMapCarrier`
+``build_encoder_attention``): they hand the settings fairseq gives each role's attention to
+the variant registry (:class:`~ea_fairseq.models.attention_variants.RoleAttention`), which
+builds the role's module; the encoder and decoder loops are fairseq's. The encoder
+and the decoder each own one :class:`~ea_fairseq.modules.attention_map_carrier.AttentionMapCarrier`
 that hands a layer's attention logits to the next layer; their ``forward`` only opens a
 fresh scope on it and returns ``super()``'s result. The decoder's beam reorder is the
 faster one of :mod:`~ea_fairseq.models.fairseq_speedups`.
@@ -24,7 +26,8 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, Trans
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from omegaconf import OmegaConf
 
-from ..modules.attention_maps import AttentionMapCarrier, AttentionMechanism
+from ..modules.attention_map_carrier import AttentionMapCarrier
+from ..modules.attention_mechanism import AttentionMechanism
 from ..modules.recurrent_attention import (RecurrentAttention, RecurrentAttentionMatrices,
                                             mixed_precision_caveats)
 from ..errors import OptionError, note_position_limit
@@ -43,8 +46,11 @@ class EATransformerEncoderLayer(TransformerEncoderLayerBase):
         super().__init__(cfg, return_fc=return_fc)
 
     def build_self_attention(self, embed_dim, cfg):
-        fairseq_attention = partial(super().build_self_attention, cfg=cfg)
-        return variants.build_attention("encoder", fairseq_attention, embed_dim, cfg, self.layer_index)
+        settings = dict(embed_dim=embed_dim, num_heads=cfg.encoder.attention_heads, dropout=cfg.attention_dropout,
+                        self_attention=True, q_noise=self.quant_noise, qn_block_size=self.quant_noise_block_size,
+                        xformers_att_config=cfg.encoder.xformers_att_config)
+        fairseq = partial(super().build_self_attention, cfg=cfg)
+        return variants.build_attention("encoder", variants.RoleAttention(settings, fairseq), cfg, self.layer_index)
 
 
 class EATransformerDecoderLayer(TransformerDecoderLayerBase):
@@ -57,13 +63,20 @@ class EATransformerDecoderLayer(TransformerDecoderLayerBase):
         if (add_bias_kv or add_zero_attn) and variant in variants.POSITION_ONLY:
             raise ValueError(f"The {variant} attention has no keys, so no extra key column of "
                              "--add-bias-kv / --add-zero-attn; drop those options.")
-        fairseq_attention = partial(super().build_self_attention, cfg=cfg, add_bias_kv=add_bias_kv,
-                                    add_zero_attn=add_zero_attn)
-        return variants.build_attention("decoder", fairseq_attention, embed_dim, cfg, self.layer_index)
+        settings = dict(embed_dim=embed_dim, num_heads=cfg.decoder.attention_heads, dropout=cfg.attention_dropout,
+                        add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn,
+                        self_attention=not cfg.cross_self_attention, q_noise=self.quant_noise,
+                        qn_block_size=self.quant_noise_block_size, xformers_att_config=cfg.decoder.xformers_att_config)
+        fairseq = partial(super().build_self_attention, cfg=cfg, add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn)
+        return variants.build_attention("decoder", variants.RoleAttention(settings, fairseq), cfg, self.layer_index)
 
     def build_encoder_attention(self, embed_dim, cfg):
-        fairseq_attention = partial(super().build_encoder_attention, cfg=cfg)
-        return variants.build_attention("cross", fairseq_attention, embed_dim, cfg, self.layer_index)
+        settings = dict(embed_dim=embed_dim, num_heads=cfg.decoder.attention_heads, kdim=cfg.encoder.embed_dim,
+                        vdim=cfg.encoder.embed_dim, dropout=cfg.attention_dropout, encoder_decoder_attention=True,
+                        q_noise=self.quant_noise, qn_block_size=self.quant_noise_block_size,
+                        xformers_att_config=cfg.encoder.xformers_att_config)
+        fairseq = partial(super().build_encoder_attention, cfg=cfg)
+        return variants.build_attention("cross", variants.RoleAttention(settings, fairseq), cfg, self.layer_index)
 
     def forward(self, x, *args, **kwargs):
         """fairseq's layer; the encoder-decoder attention of a mechanism is handed the target

@@ -1,5 +1,8 @@
 from .attention_map_conv import AttentionMapConv
-from .attention_maps import AttentionMapCarrier, AttentionMechanism, LogitMapAttention
+from .attention_map_carrier import AttentionMapCarrier
+from .attention_maps import LogitMapAttention
+from .attention_mechanism import AttentionMechanism
+from .attention_protocol import AttentionModule
 from .drop_attention import DropAttention
 from .evolving_attention import EvolvingAttention
 from .hard_coded_attention import HardCodedGaussianAttention
@@ -9,7 +12,7 @@ from .recurrent_attention import RecurrentAttention, RecurrentAttentionMatrices
 from .synthesizer_attention import RandomSynthesizerAttention
 
 __all__ = [
-    "AttentionMapConv", "AttentionMapCarrier", "AttentionMechanism", "LogitMapAttention", "DropAttention",
+    "AttentionMapConv", "AttentionMapCarrier", "AttentionMechanism", "AttentionModule", "LogitMapAttention", "DropAttention",
     "EvolvingAttention", "HardCodedGaussianAttention", "PositionAttention", "PredictiveAttention",
     "RandomSynthesizerAttention", "RecurrentAttention", "RecurrentAttentionMatrices",
 ]

@@ -1,4 +1,4 @@
-"""The masks of an attention map: which entries fairseq masked (padding keys, future
+"""The masks of an attention map: which entries are masked (padding keys, future
 positions), which a map transform treats as neutral zeros, and the fills that write them."""
 from typing import Optional
 
@@ -6,32 +6,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .attention_map_carrier import AttentionMapCarrier, shared_in_pass
 
-
-def masked_entries(logits: Tensor, key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor],
-                   carrier: Optional[AttentionMapCarrier] = None) -> Optional[Tensor]:
-    """The entries fairseq masked in ``logits`` (B, H, T, S), as a broadcastable bool mask.
-
-    fairseq writes both masks as ``-inf``: padded keys (``key_padding_mask``, B x S) and
-    future positions (``attn_mask``, T x S, additive). Built from the small masks when they
-    describe the whole map, from the logits themselves otherwise (e.g. the key padding of
-    one incremental step, which fairseq extends with its cached keys). None when there is no
-    mask at all, so that callers skip the masking passes. Decided from shapes only: no
-    look at the masks' values, which on a GPU would wait for the device. From the small
-    masks, computed once per pass of the stack (``carrier``): every layer gets the same.
-    """
-    bsz, _, tgt_len, src_len = logits.shape
-    if ((key_padding_mask is not None and key_padding_mask.shape != (bsz, src_len))
-            or (attn_mask is not None and attn_mask.shape != (tgt_len, src_len))):
-        return torch.isneginf(logits)
-    if key_padding_mask is None and attn_mask is None:
-        return None
-    return shared_in_pass(carrier, "masked", (key_padding_mask, attn_mask),
-                          lambda: _masked_from(key_padding_mask, attn_mask))
-
-
-def _masked_from(key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor]) -> Tensor:
+def boolean_mask(key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor]) -> Tensor:
+    """The entries fairseq's masks mask, as a bool mask broadcastable to (B, H, T, S): padded
+    keys (``key_padding_mask`` B x S) and future positions (``attn_mask`` T x S, fairseq's
+    additive ``-inf`` mask, or bool). Derived from the masks alone, never from the logits."""
     masked = None
     if key_padding_mask is not None:
         if key_padding_mask.dtype != torch.bool:

@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from .attention_maps import fairseq_weights, value_product
+from .weighted_values import fairseq_weights, value_product
 from .position_attention import PositionAttention
 
 NORMALIZE = ("none", "visible")

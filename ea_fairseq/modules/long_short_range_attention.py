@@ -60,7 +60,9 @@ class LightweightConvBranch(LightweightConv1dTBC):
 
 class LongShortRangeAttention(nn.Module):
     """An attention of half the width beside a lightweight-convolution branch (see module
-    docstring). Called as fairseq's ``MultiheadAttention`` is, in self-attention."""
+    docstring); an :class:`~ea_fairseq.modules.attention_protocol.AttentionModule` in
+    self-attention. Its attention and convolution keep (and reorder) their own decoding
+    state; the cache it shows fairseq's decoder layer is its attention's."""
 
     def __init__(self, attention: nn.Module, conv: LightweightConvBranch):
         super().__init__()
@@ -94,7 +96,7 @@ class LongShortRangeAttention(nn.Module):
         local = self.conv(query[..., split:], incremental_state, query_padding)
         return torch.cat([out, local], dim=-1), weights
 
-    # fairseq's decoder layer reads (and may set) its self-attention's key/value cache
+    # AttentionModule: fairseq's decoder layer reads (and may set) its self-attention's cache
     def _get_input_buffer(self, incremental_state):
         return self.attention._get_input_buffer(incremental_state)
 

@@ -16,7 +16,7 @@ inputs are never left-padded).
 """
 import contextlib
 import math
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -25,8 +25,9 @@ from fairseq.modules.fairseq_dropout import FairseqDropout
 from fairseq.modules.quant_noise import quant_noise
 from torch import Tensor
 
-from .attention_maps import AttentionMechanism, shared_in_pass
-from .attention_masks import _masked_from
+from .attention_map_carrier import shared_in_pass
+from .attention_masks import boolean_mask
+from .attention_mechanism import AttentionMechanism
 from .masked_softmax import fully_masked_rows
 
 
@@ -120,7 +121,7 @@ class PositionAttention(AttentionMechanism, nn.Module):
     Only the value and output projections of fairseq's ``MultiheadAttention`` (same
     names, same initialisation, same attention dropout); the softmax, dropout (or
     DropAttention) and value product are the plugin's shared ones
-    (:class:`~ea_fairseq.modules.attention_maps.AttentionMechanism`). A subclass defines
+    (:class:`~ea_fairseq.modules.attention_mechanism.AttentionMechanism`). A subclass defines
     :meth:`position_logits`; a decoder's (``causal``) cannot see later positions.
     """
 
@@ -130,7 +131,8 @@ class PositionAttention(AttentionMechanism, nn.Module):
     map_name = "position"
 
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
-                 causal: bool = False, q_noise: float = 0.0, qn_block_size: int = 8):
+                 causal: bool = False, q_noise: float = 0.0, qn_block_size: int = 8,
+                 value_projection: Callable[..., nn.Linear] = nn.Linear):
         super().__init__()
         self.embed_dim, self.num_heads = embed_dim, num_heads
         self.head_dim = embed_dim // num_heads
@@ -138,7 +140,7 @@ class PositionAttention(AttentionMechanism, nn.Module):
             raise ValueError(f"embed_dim {embed_dim} is not divisible by num_heads {num_heads}")
         # fairseq's module name, so that --retain-dropout-modules MultiheadAttention covers it
         self.dropout_module = FairseqDropout(dropout, module_name="MultiheadAttention")
-        self.v_proj = quant_noise(nn.Linear(embed_dim, embed_dim, bias=bias), q_noise, qn_block_size)
+        self.v_proj = quant_noise(value_projection(embed_dim, embed_dim, bias=bias), q_noise, qn_block_size)
         self.out_proj = quant_noise(nn.Linear(embed_dim, embed_dim, bias=bias), q_noise, qn_block_size)
         self.causal = causal
         self.init_mechanism()
@@ -151,20 +153,17 @@ class PositionAttention(AttentionMechanism, nn.Module):
         if self.out_proj.bias is not None:
             nn.init.constant_(self.out_proj.bias, 0.0)
 
-    def _get_input_buffer(self, incremental_state):
-        """The cache, under the name fairseq's decoder layer asks every self-attention for."""
-        return self.get_mechanism_state(incremental_state)
-
     def cached_values(self, query: Tensor, incremental_state,
                       key_padding_mask: Optional[Tensor] = None) -> Tuple[Tensor, int, Optional[Tensor]]:
         """In a decoding run, ``(v, start, key_padding_mask)``: the values (B, H, S, head_dim)
-        of this call's tokens, after those of the run's earlier steps (kept in its incremental
-        state, batch first: beam reorders reorder them); ``start``, the position of this
-        call's first token; the padding mask of all ``S`` keys (None if nothing is padded)."""
+        of this call's tokens, after those of the run's earlier steps (kept in its
+        :class:`~ea_fairseq.modules.attention_cache.AttentionCache`, one row per hypothesis);
+        ``start``, the position of this call's first token; the padding mask of all ``S``
+        keys (None if nothing is padded)."""
         tgt_len, bsz, _ = query.size()
         v = self.v_proj(query).view(tgt_len, bsz, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
-        state = self.get_mechanism_state(incremental_state)
-        earlier, earlier_padding = state.get("prev_value"), state.get("prev_key_padding_mask")
+        cache = self.cache(incremental_state)
+        earlier, earlier_padding = cache.values, cache.key_padding
         start = 0 if earlier is None else earlier.size(2)
         if earlier is not None:
             v = torch.cat([earlier, v], dim=2)
@@ -174,9 +173,8 @@ class PositionAttention(AttentionMechanism, nn.Module):
             before = (earlier_padding if earlier_padding is not None
                       else v.new_zeros(bsz, start, dtype=torch.bool))
             key_padding_mask = torch.cat([before, now], dim=1)
-            state["prev_key_padding_mask"] = key_padding_mask
-        state["prev_value"] = v
-        self.set_mechanism_state(incremental_state, state)
+            cache.key_padding = key_padding_mask
+        cache.values = v
         return v, start, key_padding_mask
 
     def pass_one_hot(self, padding_mask: Tensor, positions: Tensor, dtype: torch.dtype) -> Tensor:
@@ -227,7 +225,7 @@ class PositionAttention(AttentionMechanism, nn.Module):
             if key_padding_mask is not None and attn_mask is not None:
                 empty = shared_in_pass(
                     self.attention_maps, "empty_rows", (key_padding_mask, attn_mask),
-                    lambda: fully_masked_rows(_masked_from(key_padding_mask, attn_mask)))
+                    lambda: fully_masked_rows(boolean_mask(key_padding_mask, attn_mask)))
             # the same for every layer of the pass: counted once
             q_pos = k_pos = shared_in_pass(self.attention_maps, "positions", (key_padding_mask,),
                                            lambda: sentence_positions(key_padding_mask, tgt_len, query.device))

@@ -185,9 +185,9 @@ class RecurrentAttention(PositionAttention):
 
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
                  causal: bool = False, q_noise: float = 0.0, qn_block_size: int = 8,
-                 ran_index: int = 0):
+                 ran_index: int = 0, **options):
         super().__init__(embed_dim, num_heads, dropout=dropout, bias=bias, causal=causal,
-                         q_noise=q_noise, qn_block_size=qn_block_size)
+                         q_noise=q_noise, qn_block_size=qn_block_size, **options)
         self.ran_index = ran_index  # this layer attends with A_(ran_index + 1) of its stack
         self.share_matrices(None)  # the stack's, handed over when the stack is built
 
@@ -205,8 +205,8 @@ class RecurrentAttention(PositionAttention):
         on the position only, so a decoding run keeps them in its incremental state and
         computes them again only for rows the stack's matrices gained since.
         """
-        kept = self.get_incremental_state(incremental_state, "causal_weights")
-        weights = None if kept is None else kept["weights"]
+        memo = self.cache(incremental_state).memo
+        weights = memo.get("causal_weights")
         have = 0 if weights is None else weights.size(1)
         if have < rows:
             positions = torch.arange(matrix.size(-1), device=matrix.device)
@@ -214,18 +214,19 @@ class RecurrentAttention(PositionAttention):
             more = torch.softmax(matrix[:, have:].masked_fill(future, float("-inf")), dim=-1,
                                  dtype=torch.promote_types(matrix.dtype, torch.float32)).to(dtype)
             weights = more if weights is None else torch.cat([weights, more], dim=1)
-            self.set_incremental_state(incremental_state, "causal_weights", {"weights": weights})
+            memo["causal_weights"] = weights
         return weights
 
-    def forward(self, query, *args, **kwargs):
+    def matrix(self) -> Tensor:
+        """``A_l`` of this layer, from the stack's matrices of the pass under way."""
         if self.matrices is None:
             raise RuntimeError("RAN attention reads its stack's matrices: build it in an encoder or "
                                "decoder of this plugin (which calls share_matrices()), not alone.")
-        return super().forward(query, *args, **kwargs)
+        return self.matrices.layer(self.ran_index)
 
     def position_logits(self, query_positions, key_positions, padding_mask, start, dtype):
         """``A_l[pos_i, pos_j]`` of this layer's matrix (float32 or wider)."""
-        matrix = self.matrices.layer(self.ran_index)
+        matrix = self.matrix()
         one_hot = None if padding_mask is None else self.pass_one_hot(padding_mask, query_positions, matrix.dtype)
         return matrix_logits(matrix, query_positions.size(-1), key_positions.size(-1), padding_mask, start,
                              query_positions, one_hot)
@@ -233,6 +234,6 @@ class RecurrentAttention(PositionAttention):
     def decoding_step_weights(self, start: int, tgt_len: int, src_len: int, incremental_state,
                               dtype: torch.dtype) -> Tensor:
         """The weights of a decoding step: rows of the causal softmax of ``A_l``."""
-        weights = self.causal_weights(self.matrices.layer(self.ran_index), start + tgt_len,
+        weights = self.causal_weights(self.matrix(), start + tgt_len,
                                       incremental_state, dtype)
         return weights[:, start : start + tgt_len, :src_len]

@@ -22,7 +22,7 @@ from .attention_maps import LogitMapAttention, fill_masked, fill_masked_, neutra
 
 
 class ResidualAttention(LogitMapAttention):
-    """``MultiheadAttention`` whose logits add the previous layer's (RealFormer)."""
+    """Multi-head attention whose logits add the previous layer's (RealFormer)."""
 
     def setup_mechanism(self, slot: str) -> None:
         self.slot = slot

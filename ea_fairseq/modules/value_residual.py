@@ -6,15 +6,18 @@ Alleviating Attention Concentration in Transformers*, Eq. (5)::
 
 ``V_1`` is the first layer's value projection of its input, ``V_n`` layer n's; the paper's
 default is λ1 = λ2 = 0.5. :class:`ValueResidualProjection` is the attention's own value
-projection (an ``nn.Linear``, promoted in place: same parameters, same names in the state
-dict) that, in the first layer of its stack, hands its output on through the stack's
+projection (an ``nn.Linear``, made by the attention in place of its plain one: same
+parameters, same names in the state dict, same initialisation) that, in the first layer of its stack, hands its output on through the stack's
 :class:`~ea_fairseq.modules.attention_maps.AttentionMapCarrier` and, in the later ones,
 mixes it with that output. The mix is per position, so the values an attention caches for
 incremental decoding are the mixed ones, exactly those a full pass computes; a decoding step
 hands on the first layer's values of the step's own positions. The attention around it is
-whichever variant the role uses (fairseq's attention is routed through its unfused path,
-which calls ``v_proj``).
+whichever variant the role uses, made with this value projection (``value_projection=``
+:func:`value_projection`); plain dot-product attention is the plugin's
+:class:`~ea_fairseq.modules.attention_maps.LogitMapAttention` then.
 """
+from functools import partial
+
 import torch.nn as nn
 from torch import Tensor
 
@@ -25,15 +28,11 @@ ROLES = ("encoder", "decoder")
 class ValueResidualProjection(nn.Linear):
     """A value projection that mixes in the first layer's values (Eq. 5)."""
 
-    @classmethod
-    def promote(cls, linear: nn.Linear, slot: str, lambdas) -> "ValueResidualProjection":
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"expected the attention's nn.Linear value projection, got {type(linear).__name__}")
-        linear.__class__ = cls
-        linear.slot = f"{slot}:values"
-        linear.lambdas = (float(lambdas[0]), float(lambdas[1]))
-        linear.carrier = None  # set by attach()
-        return linear
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, slot: str, lambdas):
+        super().__init__(in_features, out_features, bias=bias)
+        self.slot = f"{slot}:values"
+        self.lambdas = (float(lambdas[0]), float(lambdas[1]))
+        self.carrier = None  # set by attach()
 
     def attach(self, carrier) -> None:
         self.carrier = carrier
@@ -49,3 +48,8 @@ class ValueResidualProjection(nn.Linear):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", value_residual_lambdas={self.lambdas}"
+
+
+def value_projection(slot: str, lambdas):
+    """The ``value_projection`` factory an attention takes: ``(in, out, bias=) -> projection``."""
+    return partial(ValueResidualProjection, slot=slot, lambdas=lambdas)
