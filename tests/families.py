@@ -61,6 +61,8 @@ FAMILIES: Dict[str, Family] = {
                          accelerator=True, dtypes=FP32, anchor=False),
     "ea-base": Family("ea_transformer_base", EA_ON, EVERY_ROLE, accelerator=True, decoding=False),
     "pa-lite": Family("pa_transformer_lite", ("--pa-alpha", "0.5"), frozenset({"encoder"})),
+    "pa-lite-2-conv-layers": Family("pa_transformer_lite", ("--pa-alpha", "0.5", "--pa-conv-layers", "2"),
+                                    frozenset({"encoder"}), dtypes=FP32, anchor=False),
     "ran-e-lite": Family("ran_e_lite", RAN_ON, frozenset({"encoder"})),
     "ran-d-lite": Family("ran_d_lite", RAN_ON, frozenset({"decoder"})),
     "ran-all-lite": Family("ran_all_lite", RAN_ON, BOTH, cli=True),

@@ -87,8 +87,8 @@ def one_thread():
 
 @pytest.fixture
 def setting(family, precision, backend):
-    """(model, tolerance, causal bound, autocast context) of one case; the backend is chosen
-    for the whole test."""
+    """(model, tolerance, causal bound, autocast context, the dtype it computes in) of one
+    case; the backend is chosen for the whole test."""
     dtype, autocast_dtype = PRECISIONS[precision]
     model, _ = build_model(*FAMILIES[family].args(), *SMALL)
     randomize_convs(model)
@@ -98,12 +98,12 @@ def setting(family, precision, backend):
         pytest.skip("no CPU accelerator here (switched off, or not built): the reference case runs it")
     autocast = torch.autocast(DEVICE.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
     with accelerators.reference_only() if backend == "reference" else contextlib.nullcontext():
-        yield model, TOLERANCE[low], CAUSAL[low], autocast
+        yield model, TOLERANCE[low], CAUSAL[low], autocast, low
 
 
 @CASES
 def test_decoder_is_causal(dictionary, setting):
-    model, tolerance, causal, autocast = setting
+    model, tolerance, causal, autocast, _ = setting
     with autocast:
         gaps = {t: causality_gap(model, dictionary, t, device=DEVICE) for t in (1, 4, 9)}
     for t, (before, at) in gaps.items():
@@ -113,7 +113,7 @@ def test_decoder_is_causal(dictionary, setting):
 
 @CASES
 def test_incremental_equals_full_pass_with_beam_reorders(dictionary, setting):
-    model, tolerance, _, autocast = setting
+    model, tolerance, _, autocast, low = setting
     src, lengths, prev = random_batch(dictionary, [5, 9, 3, 7], 8, device=DEVICE)
     with autocast:
         full = decoder_out(model, src, lengths, prev)
@@ -122,12 +122,13 @@ def test_incremental_equals_full_pass_with_beam_reorders(dictionary, setting):
         for name, order in (("reorder", [1, 1, 3, 2]), ("sentence-finished", [3, 2]),
                             ("two-reorders-before-a-step", [[1, 1, 3, 2], [1, 0, 2, 2]])):
             gaps[name] = beam_reorder_gap(model, dictionary, order, device=DEVICE)
+    assert full.dtype == steps.dtype == low  # cast or autocast, the precision really ran
     assert all(gap <= tolerance for gap in gaps.values()), gaps
 
 
 @CASES
 def test_batch_invariance_with_left_and_right_padding(dictionary, setting):
-    model, tolerance, _, autocast = setting
+    model, tolerance, _, autocast, _ = setting
     with autocast:
         gaps = {side: batch_invariance_gap(model, dictionary, device=DEVICE, left_pad=side == "left")
                 for side in ("left", "right")}
@@ -138,7 +139,7 @@ def test_batch_invariance_with_left_and_right_padding(dictionary, setting):
 def test_beam_search_scores_equal_teacher_forcing(dictionary, setting):
     """Beam 5 through fairseq's SequenceGenerator (what fairseq-generate and hub ``translate``
     run): every hypothesis' per-token scores, finite, equal a teacher-forced full pass's."""
-    model, tolerance, _, autocast = setting
+    model, tolerance, _, autocast, _ = setting
     src, lengths, _ = random_batch(dictionary, [6, 9, 4], 1, device=DEVICE)
     generator = SequenceGenerator([model], dictionary, beam_size=5, max_len_b=12)
     checked = 0
