@@ -108,6 +108,8 @@ DECODING = [name for name, f in FAMILIES.items() if f.decoding]
 PLUGIN_DECODERS = [name for name, f in FAMILIES.items() if "decoder" in f.roles]
 #: through fairseq-train and fairseq-generate
 CLI = [name for name, f in FAMILIES.items() if f.cli]
-#: the CLI tests' tiny trained checkpoints (trained_checkpoints.py): family -> (arch, options)
-TRAINED = {"vanilla": ("transformer_lite", []), "ea": ("ea_transformer_lite", []),
-           "pa": ("pa_transformer_lite", []), "ran": ("ran_all_lite", ["--ran-max-positions", "16"])}
+#: the tiny checkpoints trained by fairseq-train for the tests of trained models
+#: (trained_checkpoints.py): name -> (arch, options), each arch at its paper defaults
+TRAINED = {"vanilla": (FAMILIES["vanilla"].arch, []), "ea": (FAMILIES["ea-lite"].arch, []),
+           "pa": (FAMILIES["pa-lite"].arch, []),
+           "ran": (FAMILIES["ran-all-lite"].arch, ["--ran-max-positions", "16"])}  # the toy corpus fits
