@@ -61,5 +61,9 @@ def build_on_meta(model_cfg, source_size: int, target_size: int, task_class=None
     with torch.device("meta"):
         if task_class is None:
             task = SimpleNamespace(source_dictionary=source, target_dictionary=target)
-            return models.build_model(copy.deepcopy(model_cfg), task)
-        return task_class(task_cfg, source, target).build_model(copy.deepcopy(model_cfg), from_checkpoint=True)
+            model = models.build_model(copy.deepcopy(model_cfg), task)
+        else:
+            model = task_class(task_cfg, source, target).build_model(copy.deepcopy(model_cfg), from_checkpoint=True)
+    # a module that makes its parameters with ``torch.Tensor(...)`` (fairseq's
+    # LightweightConv1dTBC, LSRA's convolution) ignores the default device: on meta too
+    return model.to("meta")

@@ -31,6 +31,26 @@ ea_is_name() { [[ "$1" =~ ^[A-Za-z0-9_-]+$ ]]; }
 # escaped, as bash's printf %q writes them).
 ea_shown() { printf '%q' "$1"; }
 
+# ea_direction DATA SUBSET HOW: sets ea_src and ea_tgt to the one direction of the binarized
+# files DATA/SUBSET.SRC-TGT.SRC.idx, each language checked with ea_is_name before use; dies
+# (the caller's die) on none, on several, or on a name that is not a language code, with HOW
+# (how to give the direction instead, e.g. "SRC=.. TGT..") in the message.
+ea_direction() {
+  local data="$1" subset="$2" how="$3" f name l found pairs=()
+  for f in "$data/$subset".*.idx; do
+    name="${f#"$data/$subset".}"
+    [[ "$name" =~ ^([^.]*)-([^.]*)\.([^.]*)\.idx$ ]] && [ "${BASH_REMATCH[1]}" = "${BASH_REMATCH[3]}" ] || continue
+    found=("${BASH_REMATCH[1]}" "${BASH_REMATCH[2]}")  # (ea_is_name resets BASH_REMATCH)
+    for l in "${found[@]}"; do
+      ea_is_name "$l" || die "$data: the file name $(ea_shown "${f##*/}") gives the language $(ea_shown "$l"), not a language code ([A-Za-z0-9_-]+): refused; rename the files or give $how"
+    done
+    pairs+=("${found[*]}")
+  done
+  [ ${#pairs[@]} -gt 0 ] || die "no $subset.SRC-TGT.SRC.idx in $data: is it fairseq-preprocess output? (examples/translation/prepare-own.sh)"
+  [ ${#pairs[@]} -eq 1 ] || die "$data holds several directions (${pairs[*]}): give $how"
+  read -r ea_src ea_tgt <<< "${pairs[0]}"
+}
+
 # ea_quiet: stdin to stdout without the warnings fairseq's stack prints on every run (hydra's
 # deprecation warnings, hydra's DEBUG lines, torch.cuda.amp's FutureWarning, the pin_memory
 # and mismatched-mask UserWarnings, torchaudio's missing extension), each with the lines of

@@ -53,7 +53,7 @@ FAIRSEQ_GENERATE="${FAIRSEQ_GENERATE:-fairseq-generate}"
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 die() { echo "evaluate.sh: error: $*" >&2; exit 1; }
-source "$repo/examples/translation/common.sh"  # ea_is_name, ea_shown
+source "$repo/examples/translation/common.sh"  # ea_is_name, ea_shown, ea_direction
 
 if [ $# -lt 3 ]; then
   case "${1:-}" in -h|--help) usage; exit 0 ;; esac
@@ -124,20 +124,8 @@ if ! ls "$ckpt_dir"/checkpoint*.pt >/dev/null 2>&1 && ls -d "$ckpt_dir"/seed*/ >
 fi
 
 if [ -z "$src" ] || [ -z "$tgt" ]; then
-  # the direction from the file names SUBSET.SRC-TGT.SRC.idx; each language checked before use
-  pairs=()
-  for f in "$data/$subset".*.idx; do
-    name="${f#"$data/$subset".}"
-    [[ "$name" =~ ^([^.]*)-([^.]*)\.([^.]*)\.idx$ ]] && [ "${BASH_REMATCH[1]}" = "${BASH_REMATCH[3]}" ] || continue
-    found=("${BASH_REMATCH[1]}" "${BASH_REMATCH[2]}")  # (ea_is_name resets BASH_REMATCH)
-    for l in "${found[@]}"; do
-      ea_is_name "$l" || die "$data: the file name $(ea_shown "${f##*/}") gives the language $(ea_shown "$l"), not a language code ([A-Za-z0-9_-]+): refused; rename the files or give -s SRC -t TGT"
-    done
-    pairs+=("${found[*]}")
-  done
-  [ ${#pairs[@]} -gt 0 ] || die "no $subset.SRC-TGT.SRC.idx in $data"
-  [ ${#pairs[@]} -eq 1 ] || die "$data holds several directions (${pairs[*]}): give -s SRC -t TGT"
-  read -r src tgt <<< "${pairs[0]}"
+  ea_direction "$data" "$subset" "-s SRC -t TGT"
+  src="$ea_src" tgt="$ea_tgt"
 fi
 out_dir="${out_dir:-$ckpt_dir/eval}"
 mkdir -p "$out_dir"

@@ -84,7 +84,7 @@ repo="$(cd "$here/../.." && pwd)"
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 die() { echo "train.sh: error: $*" >&2; exit 1; }
 is_on() { case "${1:-}" in ""|0|no|false) return 1 ;; *) return 0 ;; esac; }
-source "$here/common.sh"  # ea_is_name, ea_shown, ea_quiet
+source "$here/common.sh"  # ea_is_name, ea_shown, ea_quiet, ea_direction
 
 if [ $# -lt 2 ]; then
   case "${1:-}" in -h|--help) usage; exit 0 ;; esac
@@ -136,20 +136,8 @@ case "$pair" in
     [ -d "$DATA" ] || die "DATA=$DATA is not a directory (prepare it with examples/translation/prepare-own.sh)"
     src="${SRC:-}"; tgt="${TGT:-}"
     if [ -z "$src" ] || [ -z "$tgt" ]; then
-      # the direction from the file names train.SRC-TGT.SRC.idx; each language checked before use
-      dirs=()
-      for f in "$DATA"/train.*.idx; do
-        name="${f#"$DATA"/train.}"
-        [[ "$name" =~ ^([^.]*)-([^.]*)\.([^.]*)\.idx$ ]] && [ "${BASH_REMATCH[1]}" = "${BASH_REMATCH[3]}" ] || continue
-        found=("${BASH_REMATCH[1]}" "${BASH_REMATCH[2]}")  # (ea_is_name resets BASH_REMATCH)
-        for l in "${found[@]}"; do
-          ea_is_name "$l" || die "DATA=$DATA: the file name $(ea_shown "${f##*/}") gives the language $(ea_shown "$l"), not a language code ([A-Za-z0-9_-]+): refused; rename the files or give SRC=.. TGT=.."
-        done
-        dirs+=("${found[*]}")
-      done
-      [ ${#dirs[@]} -gt 0 ] || die "no train.SRC-TGT.SRC.idx in DATA=$DATA: is it fairseq-preprocess output? (examples/translation/prepare-own.sh)"
-      [ ${#dirs[@]} -eq 1 ] || die "DATA=$DATA holds several directions (${dirs[*]}): give SRC=.. TGT=.."
-      read -r src tgt <<< "${dirs[0]}"
+      ea_direction "$DATA" train "SRC=.. TGT=.."
+      src="$ea_src" tgt="$ea_tgt"
     fi
     for l in "$src" "$tgt"; do
       ea_is_name "$l" || die "SRC and TGT take a language code ([A-Za-z0-9_-]+), not $(ea_shown "$l")"
