@@ -88,16 +88,16 @@ FAMILIES: Dict[str, Family] = {
     "lsra+realformer+resformer": Family("realformer_lite", ("--lsra-on", "encoder", "decoder", "--value-residual-on",
                                                             "encoder", "decoder") + LSRA, EVERY_ROLE,
                                         dtypes=FP32, anchor=False),
-    # DropAttention acts in training only: decoded in float32 (its eval-mode path), anchored in every precision
+    # DropAttention acts in training only; alone it decodes in float32 (its eval-mode path)
     "dropattention-column": Family("transformer_lite", ("--drop-attention", "column", "--drop-attention-p", "0.3",
                                                         "--drop-attention-window", "2"), EVERY_ROLE, dtypes=FP32),
     "dropattention-element-decoder": Family("transformer_lite", ("--drop-attention", "element",
                                                                  "--drop-attention-on", "decoder"),
                                             frozenset({"decoder"}), dtypes=FP32, anchor=False),
     "ea-lite+dropattention-element": Family("ea_transformer_lite", EA_ON + DROP_ELEMENT, EVERY_ROLE,
-                                            accelerator=True, dtypes=FP32),
-    "ran-all-lite+dropattention": Family("ran_all_lite", RAN_ON + DROP_ELEMENT, BOTH, dtypes=FP32),
-    "syn-r-lite+dropattention": Family("syn_r_lite", SYN_ON + DROP_ELEMENT, BOTH, dtypes=FP32),
+                                            accelerator=True),
+    "ran-all-lite+dropattention": Family("ran_all_lite", RAN_ON + DROP_ELEMENT, BOTH),
+    "syn-r-lite+dropattention": Family("syn_r_lite", SYN_ON + DROP_ELEMENT, BOTH),
 }
 
 #: the float64 anchor (outputs and gradients) runs these in every precision
