@@ -15,7 +15,9 @@ test modules pick from :data:`FAMILIES` by these fields, never keep a list of th
   training only, nor the same mechanism at another size);
 * ``anchor``: whether its outputs and gradients are held to float64 (test_device.py);
 * ``cli``: whether it goes through fairseq-train/-generate (test_cli_end_to_end.py; the
-  others are saved and loaded in process there).
+  others are saved and loaded in process there);
+* ``variant_of``: the family whose modules it builds at other option values or sizes (its
+  checkpoint round trip is that family's).
 """
 from dataclasses import dataclass
 from typing import Dict, FrozenSet, Tuple
@@ -36,6 +38,7 @@ class Family:
     decoding: bool = True
     anchor: bool = True
     cli: bool = False
+    variant_of: str = ""
 
     def args(self) -> Tuple[str, ...]:
         return (self.arch, *self.options)
@@ -54,15 +57,16 @@ FAMILIES: Dict[str, Family] = {
     "ea-lite": Family("ea_transformer_lite", EA_ON, EVERY_ROLE, accelerator=True, cli=True),
     # decoder alpha 0 (the papers' decoder): no layer reads A_logit, the fused step returns weights
     "ea-lite-paper-decoder": Family("ea_transformer_lite", EA_ON + ("--ea-decoder-alpha", "0"), EVERY_ROLE,
-                                    accelerator=True, dtypes=FP32, anchor=False),
+                                    accelerator=True, dtypes=FP32, anchor=False, variant_of="ea-lite"),
     "ea-lite-k1": Family("ea_transformer_lite", EA_ON + ("--ea-kernel-size", "1"), EVERY_ROLE,
-                         accelerator=True, dtypes=FP32, anchor=False),
+                         accelerator=True, dtypes=FP32, anchor=False, variant_of="ea-lite"),
     "ea-lite-k5": Family("ea_transformer_lite", EA_ON + ("--ea-kernel-size", "5"), EVERY_ROLE,
-                         accelerator=True, dtypes=FP32, anchor=False),
-    "ea-base": Family("ea_transformer_base", EA_ON, EVERY_ROLE, accelerator=True, decoding=False),
+                         accelerator=True, dtypes=FP32, anchor=False, variant_of="ea-lite"),
+    "ea-base": Family("ea_transformer_base", EA_ON, EVERY_ROLE, accelerator=True, decoding=False,
+                      variant_of="ea-lite"),
     "pa-lite": Family("pa_transformer_lite", ("--pa-alpha", "0.5"), frozenset({"encoder"})),
     "pa-lite-2-conv-layers": Family("pa_transformer_lite", ("--pa-alpha", "0.5", "--pa-conv-layers", "2"),
-                                    frozenset({"encoder"}), dtypes=FP32, anchor=False),
+                                    frozenset({"encoder"}), dtypes=FP32, anchor=False, variant_of="pa-lite"),
     "ran-e-lite": Family("ran_e_lite", RAN_ON, frozenset({"encoder"})),
     "ran-d-lite": Family("ran_d_lite", RAN_ON, frozenset({"decoder"})),
     "ran-all-lite": Family("ran_all_lite", RAN_ON, BOTH, cli=True),
@@ -108,6 +112,8 @@ DECODING = [name for name, f in FAMILIES.items() if f.decoding]
 PLUGIN_DECODERS = [name for name, f in FAMILIES.items() if "decoder" in f.roles]
 #: through fairseq-train and fairseq-generate
 CLI = [name for name, f in FAMILIES.items() if f.cli]
+#: saved and loaded through the hub in process: every family neither in CLI nor a variant
+ROUND_TRIP = [name for name, f in FAMILIES.items() if not f.cli and not f.variant_of]
 #: the tiny checkpoints trained by fairseq-train for the tests of trained models
 #: (trained_checkpoints.py): name -> (arch, options), each arch at its paper defaults
 TRAINED = {"vanilla": (FAMILIES["vanilla"].arch, []), "ea": (FAMILIES["ea-lite"].arch, []),
