@@ -78,6 +78,17 @@ def cpu_accelerators_built():
     return extension()
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """For modules of tiny models (``pytestmark = pytest.mark.usefixtures("one_thread")``): on
+    a CPU a second thread costs more in synchronisation than it saves, and on a busy machine
+    spins for most of a test's CPU time."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def dictionary():
     return make_dictionary()

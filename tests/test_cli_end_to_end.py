@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from conftest import REPO, build_model, cli, decoder_out, random_batch, randomize_convs
 from families import CLI, FAMILIES, ROUND_TRIP
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 TINY = ["--encoder-layers", "2", "--decoder-layers", "2"]
 
 

@@ -17,6 +17,7 @@ from ea_fairseq import accelerators
 from ea_fairseq.modules import masked_softmax as ms
 from families import ANCHORED, FAMILIES
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 SMALL = ("--encoder-layers", "2", "--decoder-layers", "2", "--dropout", "0.0", "--attention-dropout", "0.0",
          "--activation-dropout", "0.0")
 #: every family with a mechanism that test_device.py anchors to float64, plus DropAttention on a
