@@ -81,3 +81,23 @@ def test_saved_and_loaded_through_the_hub(tmp_path, dictionary, family):
     hypos = hub.generate([hub.encode(s) for s in sentences], beam=5, max_len_a=0, max_len_b=10)
     assert [len(sentence) for sentence in hypos] == [5, 5]
     assert all(torch.isfinite(h["positional_scores"]).all() for sentence in hypos for h in sentence)
+
+
+def test_weights_not_of_the_configured_model_are_refused(tmp_path, dictionary):
+    """A checkpoint whose weights do not fit the model its configuration describes (one
+    matrix of another shape; the same file unchanged loads, as in the round trip above) is
+    refused by the hub's loader with a one-line reason, before any weight is copied."""
+    model, args = build_model("transformer_lite", *TINY, "--source-lang", "src", "--target-lang", "tgt",
+                              dictionary=dictionary)
+    for lang in ("src", "tgt"):
+        dictionary.save(os.path.join(tmp_path, f"dict.{lang}.txt"))
+    weights = model.state_dict()
+    weights["encoder.layers.0.fc1.weight"] = torch.zeros(3, 3)
+    cfg = OmegaConf.to_container(convert_namespace_to_omegaconf(args), resolve=True, enum_to_str=True)
+    torch.save({"cfg": cfg, "model": weights, "extra_state": {"train_iterator": None},
+                "optimizer_history": [{"criterion_name": "CrossEntropyCriterion", "optimizer_name": "none",
+                                       "lr_scheduler_state": {}, "num_updates": 0}]},
+               os.path.join(tmp_path, "model.pt"))
+    with pytest.raises(Exception, match="weights are not those of the model its configuration describes") as err:
+        TransformerModel.from_pretrained(str(tmp_path), checkpoint_file="model.pt", data_name_or_path=str(tmp_path))
+    assert "\n" not in str(err.value).strip()
