@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One-command check of a GPU machine: the device suite (tests/test_device.py) on the GPU, then
+# One-command check of a GPU machine: the device suite (tests/test_device.py and the decoding
+# properties, tests/test_decoding_properties.py) on the GPU, then
 # the GPU benchmark in fp16 and bf16 (EA-Lite, EA-Base, RAN-ALL against their fairseq twins),
 # and one report, OUT_DIR/gpu_check.md, with every log beside it. Sized to finish in under
 # 10 minutes on one modern GPU (reduced repeats; the full benchmark is benchmarks/benchmark.py).
@@ -44,7 +45,7 @@ cuda=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))")
 
 # The suite in three processes side by side: the fairseq-train/-generate runs (subprocesses,
 # CUDA only) in fp16 and in the other precisions, and everything else.
-pytest_args=(-p no:cacheprovider -rfEs --durations=15 tests/test_device.py)
+pytest_args=(-p no:cacheprovider -rfEs --durations=15 tests/test_device.py tests/test_decoding_properties.py)
 cli=test_train_and_generate_in_low_precision
 limit=$([ "$cuda" = 1 ] && echo 300 || echo 1200)  # on a CPU: every test runs there, no benchmark
 timeout "$limit" "$PY" -m pytest "${pytest_args[@]}" -k "$cli and fp16" --junitxml="$OUT/suite-cli-fp16.xml" \
@@ -100,7 +101,7 @@ for part in ("rest", "cli-fp16", "cli-other"):
         elif outcome == "skipped":
             reason = case.find("skipped").get("message") or ""
             skipped[reason] = skipped.get(reason, 0) + 1
-lines += ["## Device suite (`tests/test_device.py`)", "",
+lines += ["## Device suite (`tests/test_device.py`, `tests/test_decoding_properties.py`)", "",
           f"{counts['passed']} passed, {counts['failure']} failed, {counts['error']} errors, "
           f"{counts['skipped']} skipped (pytest exit status {rest_rc}, and {cli_rc} for the "
           "fairseq-train/-generate runs; 124: timed out).", ""]

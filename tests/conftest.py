@@ -14,6 +14,21 @@ TEST_VOCAB = 44  # the tests' small vocabulary: 40 words and fairseq's 4 special
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+def device_under_test() -> torch.device:
+    """``EA_FAIRSEQ_TEST_DEVICE`` (``cpu``, ``cuda``, ``cuda:1``, ...), by default CUDA where
+    torch sees it and the CPU otherwise: the device suite and the decoding properties run there."""
+    name = os.environ.get("EA_FAIRSEQ_TEST_DEVICE", "").strip() or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"EA_FAIRSEQ_TEST_DEVICE={name}, but torch {torch.__version__} sees no CUDA device; "
+                           "unset it to test on the CPU")
+    return device
+
+
+DEVICE = device_under_test()
+ON_CUDA = DEVICE.type == "cuda"
+
+
 def make_dictionary(size: int = TEST_VOCAB):
     return building.placeholder_dictionary(size)
 
@@ -61,6 +76,17 @@ def cpu_accelerators_built():
     from ea_fairseq.accelerators.cpu.build import extension
 
     return extension()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """For modules of tiny models (``pytestmark = pytest.mark.usefixtures("one_thread")``): on
+    a CPU a second thread costs more in synchronisation than it saves, and on a busy machine
+    spins for most of a test's CPU time."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture
@@ -162,13 +188,15 @@ def causality_gap(model, dictionary, t: int, device="cpu"):
     return (out[:, :t] - base[:, :t]).abs().max().item(), (out[:, t] - base[:, t]).abs().max().item()
 
 
-def batch_invariance_gap(model, dictionary, device="cpu") -> float:
-    """Largest difference between sentences decoded alone and inside a left-padded batch."""
-    src, lengths, prev = random_batch(dictionary, [4, 11, 8], 7, device=device)
+def batch_invariance_gap(model, dictionary, device="cpu", left_pad=True) -> float:
+    """Largest difference between sentences decoded alone and inside a batch whose sources
+    are left-padded (fairseq's default) or right-padded (``--left-pad-source False``)."""
+    src, lengths, prev = random_batch(dictionary, [4, 11, 8], 7, left_pad=left_pad, device=device)
     batch = decoder_out(model, src, lengths, prev)
     gaps = []
     for i, n in enumerate(lengths.tolist()):
-        alone = decoder_out(model, src[i : i + 1, -n:], lengths[i : i + 1], prev[i : i + 1])
+        alone_src = src[i : i + 1, -n:] if left_pad else src[i : i + 1, :n]
+        alone = decoder_out(model, alone_src, lengths[i : i + 1], prev[i : i + 1])
         gaps.append((alone - batch[i : i + 1]).abs().max().item())
     return max(gaps)
 

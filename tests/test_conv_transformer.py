@@ -1,13 +1,13 @@
 """PA Table 1's Conv-Transformer and PA-Conv-Transformer (LSRA blocks): each block held to
 Lite Transformer's multi-branch equation (and PA Eq. 4 on the attention half), re-implemented
 here from the modules' parameters, on models built by fairseq's path; parameter counts by
-formula; causality, incremental decoding with beam reorders, batch invariance, refused
-combinations."""
+formula; refused combinations. (Causality, incremental decoding, batch invariance, alone and
+combined with other mechanisms: test_decoding_properties.py.)"""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_decodes_consistently, build_model, decoder_out, random_batch
+from conftest import build_model, decoder_out, random_batch
 from ea_fairseq.analysis.flops import count_model, non_embedding_params
 from ea_fairseq.modules.long_short_range_attention import LITE_KERNEL_SIZES, LongShortRangeAttention
 from attention_calls import recorded_attention_calls
@@ -116,24 +116,6 @@ def test_flops_counter_covers_the_archs(arch):
         assert full.total["elementwise"] - plain.total["elementwise"] == 2 * 5 * 2 * 30 * 160
     else:
         assert full.total["sequence_conv"] == 2 * 30 * 80 * sum(LITE_KERNEL_SIZES)
-
-
-FAMILIES = {
-    "conv-transformer": ("conv_transformer_lite", ()),
-    "pa-conv-transformer": ("pa_conv_transformer_lite", ()),
-    "lsra+ea+dropattention": ("ea_transformer_lite", ("--lsra-on", "encoder", "decoder", "--ea-decoder-alpha", "0.3",
-                                                      "--drop-attention", "column")),
-    "lsra+realformer+resformer": ("realformer_lite", ("--lsra-on", "encoder", "decoder",
-                                                      "--value-residual-on", "encoder", "decoder")),
-}
-
-
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_decoding_causality_and_padding(dictionary, family):
-    arch, options = FAMILIES[family]
-    model, _ = build_model(arch, *TINY, *options)
-    model.double()
-    assert_decodes_consistently(model, dictionary, GAP)
 
 
 def test_kernel_size_list_is_extended_with_its_last(dictionary):

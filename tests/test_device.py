@@ -6,12 +6,12 @@ GPU's first run spends its time on the GPU, not on the tests. What needs CUDA it
 (fairseq-train's ``--fp16``/``--bf16``/``--amp``, ``torch.cuda.set_sync_debug_mode``, cuDNN's
 TF32) carries the ``cuda`` marker and is skipped elsewhere with the reason.
 
-Checked per family of :data:`FAMILIES` (one line each) and per precision:
+Checked per family of tests/families.py and per precision (the decoding properties --
+causality, incremental == full pass, batch invariance, beam search -- run on the same device
+in test_decoding_properties.py):
 
 * outputs and gradients on the device against a float64 CPU model with the same weights,
   within a bound derived from the same precision's reference on CPU (:func:`derived_bound`);
-* causality, incremental decoding == full pass under beam reorders, batch invariance, beam
-  search == teacher forcing, also under autocast;
 * fp16 training through fairseq's ``FP16Optimizer`` at loss scale 128 with no update skipped;
 * on CUDA: ``fairseq-train --fp16/--bf16/--amp`` then ``fairseq-generate --fp16`` with no update
   skipped, no host-device sync from the plugin's code in a training or a decoding step, and
@@ -28,34 +28,19 @@ import subprocess
 import sys
 import warnings
 from contextlib import contextmanager, nullcontext
-from typing import NamedTuple, Tuple
 
 import pytest
 import torch
 import torch.nn.functional as F
 from fairseq import optim
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-from fairseq.sequence_generator import SequenceGenerator
 
-from conftest import (REPO, batch_invariance_gap, beam_reorder_gap, build_model, causality_gap, cli, decoder_out,
-                      incremental_logprobs, make_dictionary, parse, random_batch, randomize_convs)
+from conftest import DEVICE, ON_CUDA, REPO, build_model, cli, decoder_out, make_dictionary, parse, random_batch, randomize_convs
 import ea_fairseq
 from ea_fairseq import accelerators
 from ea_fairseq.modules import AttentionMapConv
 from ea_fairseq.modules.drop_attention import DropAttention
-
-
-def device_under_test() -> torch.device:
-    name = os.environ.get("EA_FAIRSEQ_TEST_DEVICE", "").strip() or ("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"EA_FAIRSEQ_TEST_DEVICE={name}, but torch {torch.__version__} sees no CUDA device; "
-                           "unset it to test on the CPU")
-    return device
-
-
-DEVICE = device_under_test()
-ON_CUDA = DEVICE.type == "cuda"
+from families import ANCHORED, FAMILIES
 
 
 def needs_cuda(what: str):
@@ -66,57 +51,27 @@ def needs_cuda(what: str):
     return mark
 
 
-class Family(NamedTuple):
-    """An architecture with its mechanism switched on strongly enough that a leak, a stale
-    cache or a wrong gradient visibly moves the result."""
-    arch: str
-    options: Tuple[str, ...] = ()
-    #: whether the decoding checks (causality, incremental == full pass, batch invariance,
-    #: beam search) run it: not where they would run another family's code again (a
-    #: mechanism acting in training only; the same mechanism at another size)
-    decoding: bool = True
-
-
-EA_ON = ("--ea-alpha", "0.5", "--ea-beta", "0.5", "--ea-decoder-alpha", "0.3")
-RAN_ON = ("--ran-max-positions", "32")
-#: every attention family, one line each
-FAMILIES = {
-    "ea-lite": Family("ea_transformer_lite", EA_ON),
-    "pa-lite": Family("pa_transformer_lite", ("--pa-alpha", "0.5")),
-    "ran-all-lite": Family("ran_all_lite", RAN_ON),
-    "ran-e-lite": Family("ran_e_lite", RAN_ON),
-    "ran-d-lite": Family("ran_d_lite", RAN_ON),
-    "dropattention-column": Family("transformer_lite", ("--drop-attention", "column", "--drop-attention-p", "0.3",
-                                                        "--drop-attention-window", "2"), decoding=False),
-    "ea-lite+dropattention-element": Family("ea_transformer_lite", EA_ON + (
-        "--drop-attention", "element", "--drop-attention-p", "0.3", "--drop-attention-window", "3"), decoding=False),
-    "hcsa-lite": Family("hcsa_lite"),
-    "syn-r-lite": Family("syn_r_lite", ("--synthesizer-max-positions", "32")),
-    "realformer-lite": Family("realformer_lite"),
-    "resformer-lite": Family("resformer_lite", ("--value-residual-lambdas", "0.7", "0.6")),
-    "pa-conv-transformer-lite": Family("pa_conv_transformer_lite", ("--pa-alpha", "0.5",
-                                                                   "--lsra-weight-dropout", "0.0")),
-    "ea-base": Family("ea_transformer_base", EA_ON, decoding=False),
-}
-DECODING = [name for name, family in FAMILIES.items() if family.decoding]
 SMALL = ("--encoder-layers", "2", "--decoder-layers", "2", "--dropout", "0.0", "--attention-dropout", "0.0",
          "--activation-dropout", "0.0")
 
-# Self-consistency bounds: largest |difference| between two computations of the same logits
-# or log-probs on the device. float32: TF32 is switched off below; kernels still pick a
-# reduction order per shape (one decoding step vs a full pass, one sentence vs a padded
-# batch), which moves float32 logits by ~1e-6 -- 1e-4 leaves room and still catches any
-# cache or reorder bug (~1). bfloat16/float16: the bounds of test_precision.py; these models
-# cast on CPU stay within 0.031 (bf16) and 0.0039 (fp16) in every such check.
+# Two computations of the same logits on the device (float32: TF32 is switched off below;
+# kernels still pick a reduction order per shape; the bounds of test_decoding_properties.py)
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 0.02, torch.bfloat16: 0.1}
-# positions before t do not depend on later tokens at all: 0 up to float32 noise
-CAUSAL = {torch.float32: 1e-6, torch.float16: 0.02, torch.bfloat16: 0.1}
 # EA/PA switched off vs fairseq's transformer: float64 as on CPU (test_ea_exactness.py)
 REDUCTION = {torch.float64: 1e-6, **TOLERANCE}
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
                                  ids=["fp32", "fp16", "bf16"])
-DECODING_FAMILY = pytest.mark.parametrize("family", DECODING)
-EVERY_FAMILY = pytest.mark.parametrize("family", list(FAMILIES))
+EVERY_FAMILY = pytest.mark.parametrize("family", ANCHORED)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: on a CPU a second thread costs more in synchronisation than it saves (and
+    spins, on a busy machine, for most of a test's CPU time)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)
@@ -148,8 +103,7 @@ def cast(model, dtype):
 
 
 def family_model(family, dtype=torch.float32, device=DEVICE, *extra):
-    arch, options, _ = FAMILIES[family]
-    model, _ = build_model(arch, *SMALL, *options, *extra)
+    model, _ = build_model(*FAMILIES[family].args(), *SMALL, *extra)
     randomize_convs(model)
     return cast(model, dtype).to(device).eval()
 
@@ -284,79 +238,6 @@ def test_switched_off_equals_fairseq_transformer(dictionary, family, off, dtype)
     assert gap <= REDUCTION[dtype], gap
 
 
-@DTYPES
-@DECODING_FAMILY
-def test_decoder_is_causal(dictionary, family, dtype):
-    model = family_model(family, dtype)
-    for t in (1, 4, 9):
-        before, at = causality_gap(model, dictionary, t, device=DEVICE)
-        assert before <= CAUSAL[dtype], f"positions before {t} saw the future ({before})"
-        assert at > max(1e-3, 5 * TOLERANCE[dtype]), f"position {t} did not see itself ({at})"
-
-
-@DTYPES
-@DECODING_FAMILY
-def test_incremental_equals_full_pass_with_beam_reorders(dictionary, family, dtype):
-    model = family_model(family, dtype)
-    src, lengths, prev = random_batch(dictionary, [5, 9, 3, 7], 8, device=DEVICE)
-    full = decoder_out(model, src, lengths, prev)
-    steps, _ = incremental_logprobs(model, src, lengths, prev)
-    gaps = {"in order": (steps.float() - full.float()).abs().max().item()}
-    for name, order in (("reorder", [1, 1, 3, 2]), ("sentence-finished", [3, 2]),
-                        ("two-reorders-before-a-step", [[1, 1, 3, 2], [1, 0, 2, 2]])):
-        gaps[name] = beam_reorder_gap(model, dictionary, order, device=DEVICE)
-    assert all(gap <= TOLERANCE[dtype] for gap in gaps.values()), gaps
-
-
-@DTYPES
-@DECODING_FAMILY
-def test_batch_invariance_with_left_padding(dictionary, family, dtype):
-    model = family_model(family, dtype)
-    assert batch_invariance_gap(model, dictionary, device=DEVICE) <= TOLERANCE[dtype]
-
-
-def beam_search_equals_teacher_forcing(model, dictionary, tolerance, autocast_dtype=None):
-    """Beam 5 through fairseq's SequenceGenerator; every hypothesis' per-token scores must
-    be a teacher-forced full pass's (under the same autocast, if any)."""
-    context = torch.autocast(DEVICE.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
-    src, lengths, _ = random_batch(dictionary, [6, 9, 4], 1, device=DEVICE)
-    generator = SequenceGenerator([model], dictionary, beam_size=5, max_len_b=12)
-    with torch.no_grad(), context:
-        hypos = generator.forward({"net_input": {"src_tokens": src, "src_lengths": lengths}})
-        checked = 0
-        for i, sentence in enumerate(hypos):
-            assert len(sentence) == 5
-            n = lengths[i].item()
-            # the 5 hypotheses teacher-forced in one batch, targets right-padded as in training
-            width = max(len(h["tokens"]) for h in sentence)
-            tokens = torch.full((5, width), dictionary.pad(), dtype=torch.long, device=DEVICE)
-            for j, h in enumerate(sentence):
-                assert torch.isfinite(h["positional_scores"]).all()
-                tokens[j, : len(h["tokens"])] = h["tokens"]
-            prev = torch.cat([tokens.new_full((5, 1), dictionary.eos()), tokens[:, :-1]], 1)
-            logits = model(src[i : i + 1, -n:].expand(5, -1), lengths[i : i + 1].expand(5), prev)[0]
-            lprobs = F.log_softmax(logits.float(), -1).gather(-1, tokens.unsqueeze(-1))[..., 0]
-            for j, h in enumerate(sentence):
-                gap = (lprobs[j, : len(h["tokens"])] - h["positional_scores"]).abs().max().item()
-                assert gap <= tolerance, (j, gap)
-                checked += 1
-    assert checked == 15
-
-
-@DTYPES
-@DECODING_FAMILY
-def test_beam_search_scores_equal_teacher_forcing(dictionary, family, dtype):
-    beam_search_equals_teacher_forcing(family_model(family, dtype), dictionary, TOLERANCE[dtype])
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@DECODING_FAMILY
-def test_beam_search_under_autocast(dictionary, family, dtype):
-    """A float32 model decoding under the device's autocast."""
-    beam_search_equals_teacher_forcing(family_model(family, torch.float32), dictionary, TOLERANCE[dtype],
-                                       autocast_dtype=dtype)
-
-
 @pytest.mark.parametrize("mode,window", [("column", 2), ("element", 3)])
 def test_drop_attention_masks_drawn_on_the_device_drop_at_rate_p(mode, window):
     """DropAttention's windowed masks as the device draws them: the rate 1-(1-p/w)^w of its
@@ -482,7 +363,7 @@ def test_fp16_training_skips_no_update_at_loss_scale_128(family):
     default), label-smoothed loss summed over a :data:`FP16_BATCH`, :data:`FP16_UPDATES` updates:
     none may overflow (the loss scale stays 128), every parameter moves and stays finite."""
     d = make_dictionary()
-    arch, options, _ = FAMILIES[family]
+    arch, options = FAMILIES[family].arch, FAMILIES[family].options
     extra = ("--fp16", "--fp16-init-scale", "128", "--optimizer", "adam", "--lr", "0.0005", "--clip-norm", "0.0",
              *(() if ON_CUDA else ("--fp16-no-flatten-grads",)))
     cfg = convert_namespace_to_omegaconf(parse(arch, *SMALL, *options, *extra))
@@ -513,7 +394,7 @@ def test_fp16_training_skips_no_update_at_loss_scale_128(family):
 
 # -- command-line tools (CUDA: fairseq's trainer runs --fp16/--bf16/--amp only there) -------
 TINY = ["--encoder-layers", "2", "--decoder-layers", "2"]
-CLI_CASES = [(family, "fp16") for family in FAMILIES] + [
+CLI_CASES = [(family, "fp16") for family in ANCHORED] + [
     (family, precision) for family in ("ea-lite", "pa-lite", "ran-all-lite") for precision in ("bf16", "amp")]
 # fairseq's parser makes --bf16 imply --tpu (torch_xla); this driver runs fairseq-train's
 # own --bf16 path on the GPU instead (see its docstring)
@@ -532,7 +413,7 @@ def test_train_and_generate_in_low_precision(tmp_path, tiny_data_bin, family, pr
     """fairseq-train in the precision (4 updates, loss scale 128 for fp16 and amp: none may be
     skipped for an overflow, so the logged loss scale stays 128), then fairseq-generate
     --fp16 with beam 5 translates every test sentence with finite scores."""
-    arch, options, _ = FAMILIES[family]
+    arch, options = FAMILIES[family].arch, FAMILIES[family].options
     save = str(tmp_path / "ckpt")
     user_dir = os.path.join(REPO, "ea_fairseq")
     train = [cli("fairseq-train")] if precision != "bf16" else BF16_TRAIN

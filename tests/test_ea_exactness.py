@@ -1,4 +1,7 @@
-"""EA-Transformer: exact reduction, causality, incremental == full, batch invariance."""
+"""EA-Transformer: exact reduction to fairseq's transformer, the causality check's negative
+control, masked entries, the decoding step's convolution and kinds. (Causality, incremental ==
+full pass and batch invariance of every EA family, with the accelerator and with the
+reference alone: test_decoding_properties.py.)"""
 import contextlib
 
 import pytest
@@ -7,8 +10,7 @@ import torch.nn.functional as F
 from fairseq.models.transformer import TransformerModel
 from fairseq.modules import MultiheadAttention
 
-from conftest import (randomize_convs, batch_invariance_gap, beam_reorder_gap, build_model, decoder_out,
-                      incremental_logprobs, random_batch)
+from conftest import beam_reorder_gap, build_model, decoder_out, incremental_logprobs, random_batch, randomize_convs
 from ea_fairseq.modules import AttentionMapConv, EvolvingAttention
 from ea_fairseq.modules.attention_maps import LogitMapAttention
 from ea_fairseq.accelerators.cpu import evolving_attention as cpu_backend
@@ -24,14 +26,10 @@ ALL_OFF = ("--ea-alpha", "0", "--ea-beta", "0", "--ea-decoder-alpha", "0",
 STRONG = ("--ea-alpha", "0.5", "--ea-beta", "0.5", "--ea-decoder-alpha", "0.3")
 
 
-@pytest.fixture(params=["accelerated-step", "reference-step"])
-def decoding_step(request):
-    """Decode with the CPU accelerator's step (checked to run) or with the reference; yields
-    the list of the accelerator's steps (whether each returned the weights), or None."""
-    if request.param == "reference-step":
-        with accelerators.reference_only():
-            yield None
-        return
+@pytest.fixture
+def accelerated_step():
+    """Decode with the CPU accelerator's step, checked to run; yields the list of its steps
+    (whether each returned the weights)."""
     if dispatch.choose(FULL_PASS_CPU._replace(accelerators_on=accelerators.switched_on())) != dispatch.CPU_FULL_PASS:
         pytest.skip("no CPU accelerator here (switched off, or not built): the reference runs")
     calls = []
@@ -117,26 +115,10 @@ def test_ea_changes_the_output(dictionary):
     assert (decoder_out(ea, src, lengths, prev) - decoder_out(vanilla, src, lengths, prev)).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("kernel", ["1", "3", "5"])
-@pytest.mark.parametrize("which", ["decoder", "cross", "both"])
-def test_decoder_is_causal(dictionary, kernel, which):
-    off = {"decoder": ("--ea-no-cross-conv",), "cross": ("--ea-no-decoder-conv",), "both": ()}[which]
-    model, _ = build_model("ea_transformer_lite", *SMALL, *STRONG, "--ea-kernel-size", kernel, *off)
-    randomize_convs(model)
-    src, lengths, prev = random_batch(dictionary, [6, 8], 10)
-    base = decoder_out(model, src, lengths, prev)
-    for t in (1, 4, 9):
-        changed = prev.clone()
-        changed[:, t:] = torch.randint(4, len(dictionary), changed[:, t:].shape)
-        out = decoder_out(model, src, lengths, changed)
-        assert (out[:, :t] - base[:, :t]).abs().max() <= 1e-6, f"position < {t} saw the future"
-        assert (out[:, t] - base[:, t]).abs().max() > 1e-4  # and position t does see itself
-
-
 @pytest.mark.parametrize("which", ["decoder", "cross"])
 def test_causality_check_catches_a_leaking_conv(dictionary, which):
     """Negative control: a row-centred (encoder-style) conv in the decoder reads the next
-    target row, and the causality check above sees it."""
+    target row, and the causality check (test_decoding_properties.py) sees it."""
     off = "--ea-no-cross-conv" if which == "decoder" else "--ea-no-decoder-conv"
     model, _ = build_model("ea_transformer_lite", *SMALL, *STRONG, off)
     randomize_convs(model)
@@ -151,47 +133,15 @@ def test_causality_check_catches_a_leaking_conv(dictionary, which):
     assert (out[:, :5] - base[:, :5]).abs().max() > 1e-4
 
 
-# decoder α > 0: each layer hands its A_logit on; α = 0 (the papers' decoder): no layer
-# reads it, and the accelerated step returns the attention weights, softmax included
-DECODER_ALPHA = pytest.mark.parametrize("decoder_alpha", ["0.3", "0"], ids=["hand-on", "weights"])
-
-
-def check_step_kind(calls, decoder_alpha):
-    if calls is not None:  # the accelerated step ran: as A_logit, or as the weights
-        assert set(calls) == {decoder_alpha == "0"}
-
-
-@DECODER_ALPHA
-@pytest.mark.parametrize("kernel", ["3", "5"])
-def test_incremental_equals_full_forward(dictionary, kernel, decoding_step, decoder_alpha):
-    model, _ = build_model("ea_transformer_lite", *SMALL, *STRONG, "--ea-decoder-alpha",
-                           decoder_alpha, "--ea-kernel-size", kernel)
-    randomize_convs(model)
-    src, lengths, prev = random_batch(dictionary, [5, 9, 3, 7], 8)
-    full = decoder_out(model, src, lengths, prev)
-    steps, _ = incremental_logprobs(model, src, lengths, prev)
-    assert (steps - full).abs().max() <= 1e-5
-    check_step_kind(decoding_step, decoder_alpha)
-
-
-@DECODER_ALPHA
-@pytest.mark.parametrize("new_order", [[1, 1, 3, 2], [3, 2], [[1, 1, 3, 2], [1, 0, 2, 2]]],
-                         ids=["reorder", "sentence-finished", "two-reorders-before-a-step"])
-def test_incremental_with_beam_reordering(dictionary, new_order, decoding_step, decoder_alpha):
-    """fairseq's encoder-decoder attention shares one key/value copy per sentence and skips
-    reordering it when the batch size is unchanged; the convolution rows cache depends on
-    each beam's prefix and must be reordered regardless (EA applies the order lazily, in
-    the next step: two reorders before a step compose)."""
+@pytest.mark.parametrize("decoder_alpha", ["0.3", "0"], ids=["hand-on", "weights"])
+def test_decoding_takes_the_accelerated_step_of_its_kind(dictionary, accelerated_step, decoder_alpha):
+    """Decoder α > 0: each layer hands its A_logit on, and the accelerated step returns it;
+    α = 0 (the papers' decoder): no layer reads it, and the step returns the attention
+    weights, softmax included. Either way, across beam reorders, the full pass's values."""
     model, _ = build_model("ea_transformer_lite", *SMALL, *STRONG, "--ea-decoder-alpha", decoder_alpha)
     randomize_convs(model)
-    assert beam_reorder_gap(model, dictionary, new_order) <= 1e-5
-    check_step_kind(decoding_step, decoder_alpha)
-
-
-def test_batch_invariance_with_left_padding(dictionary):
-    model, _ = build_model("ea_transformer_lite", *SMALL, *STRONG)
-    randomize_convs(model)
-    assert batch_invariance_gap(model, dictionary) <= 1e-5
+    assert beam_reorder_gap(model, dictionary, [[1, 1, 3, 2], [1, 0, 2, 2]]) <= 1e-5
+    assert set(accelerated_step) == {decoder_alpha == "0"}
 
 
 def test_first_layer_reads_no_previous_map_and_carrier_is_emptied(dictionary):

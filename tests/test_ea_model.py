@@ -1,11 +1,11 @@
-"""EA-Transformer as a fairseq model: sizes, generation, gradients, checkpoints, errors."""
+"""EA-Transformer as a fairseq model: sizes, beam reorders of swapped modules, gradients,
+checkpoints, errors. (Beam search == teacher forcing: test_decoding_properties.py.)"""
 import copy
 import os
 
 import pytest
 import torch
 import torch.nn.functional as F
-from fairseq.sequence_generator import SequenceGenerator
 
 from conftest import build_model, make_dictionary, parse, random_batch
 from ea_fairseq.checkpoint_safety import load_checkpoint
@@ -34,30 +34,6 @@ def test_ea_adds_exactly_the_conv_parameters():
     base, _ = build_model("transformer_lite", dictionary=d)
     heads, k, convs = 4, 3, 18  # 6 encoder + 6 decoder self + 6 cross
     assert non_embedding_params(ea) - non_embedding_params(base) == convs * (heads * heads * k * k + heads)
-
-
-@pytest.mark.parametrize("decoder_alpha", ["0.3", "0"], ids=["maps-handed-on", "fused-weights"])
-def test_beam_search_scores_equal_full_forward(dictionary, decoder_alpha):
-    """Every beam-5 hypothesis' per-token scores equal a teacher-forced full forward pass."""
-    model, _ = build_model("ea_transformer_lite", "--encoder-layers", "3", "--decoder-layers", "3",
-                           "--ea-alpha", "0.5", "--ea-beta", "0.5", "--ea-decoder-alpha", decoder_alpha)
-    model.eval()
-    src, lengths, _ = random_batch(dictionary, [6, 9, 4], 1)
-    gen = SequenceGenerator([model], dictionary, beam_size=5, max_len_b=12)
-    with torch.no_grad():
-        hypos = gen.forward({"net_input": {"src_tokens": src, "src_lengths": lengths}})
-        checked = 0
-        for i, sent in enumerate(hypos):
-            assert len(sent) == 5
-            for h in sent:
-                tokens = h["tokens"].unsqueeze(0)
-                prev = torch.cat([tokens.new_tensor([[dictionary.eos()]]), tokens[:, :-1]], 1)
-                n = lengths[i].item()
-                logits = model(src[i : i + 1, -n:], lengths[i : i + 1], prev)[0]
-                lprobs = F.log_softmax(logits.float(), -1).gather(-1, tokens.unsqueeze(-1))[0, :, 0]
-                assert (lprobs - h["positional_scores"]).abs().max() <= 1e-4
-                checked += 1
-    assert checked == 15
 
 
 def test_beam_reorder_reaches_modules_swapped_in_between_decoding_runs(dictionary):

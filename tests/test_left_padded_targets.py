@@ -7,7 +7,6 @@ import math
 import os
 import re
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,16 +15,15 @@ from fairseq.sequence_generator import SequenceGenerator
 from conftest import build_model, cli, make_dictionary, randomize_convs
 from ea_fairseq import accelerators
 from ea_fairseq.modules import masked_softmax as ms
-from test_device import FAMILIES, SMALL
+from families import ANCHORED, FAMILIES
 
-#: every family of test_device.py, plus the Conv-Transformer's LSRA decoder beside fairseq's
-#: attention and DropAttention on a decoder's own logit-map path
-EXTRA = {
-    "conv-transformer-lite": ("conv_transformer_lite", ("--lsra-weight-dropout", "0.0")),
-    "dropattention-element-decoder": ("transformer_lite", ("--drop-attention", "element",
-                                                           "--drop-attention-on", "decoder")),
-}
-ALL = {name: (f.arch, f.options) for name, f in FAMILIES.items()} | EXTRA
+pytestmark = pytest.mark.usefixtures("one_thread")
+SMALL = ("--encoder-layers", "2", "--decoder-layers", "2", "--dropout", "0.0", "--attention-dropout", "0.0",
+         "--activation-dropout", "0.0")
+#: every family with a mechanism that test_device.py anchors to float64, plus DropAttention on a
+#: decoder's own logit-map path
+ALL = {name: (FAMILIES[name].arch, FAMILIES[name].options)
+       for name in [n for n in ANCHORED if FAMILIES[n].roles] + ["dropattention-element-decoder"]}
 #: every family's real positions are independent of padding placed before them: the
 #: mechanisms see padding as neutral zeros (EA's encoder-decoder map convolution, which
 #: reads the target rows above a row, the padded target rows too) and count positions per

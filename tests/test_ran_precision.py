@@ -10,7 +10,7 @@ from fairseq import optim
 from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
-from conftest import build_model, decoder_out, incremental_logprobs, make_dictionary, parse, random_batch
+from conftest import build_model, make_dictionary, parse, random_batch
 
 SMALL = ("--encoder-layers", "3", "--decoder-layers", "3", "--dropout", "0.0",
          "--attention-dropout", "0.0", "--ran-max-positions", "32")
@@ -22,9 +22,6 @@ MODES = {
     "autocast-bf16": (None, torch.bfloat16, torch.bfloat16),
     "autocast-fp16": (None, torch.float16, torch.float16),  # CPU autocast takes float16 too
 }
-#: largest log-probability difference allowed to the float32 model, and between a decoding
-#: run and a full pass, on random 3+3-layer models (measured: 0.005 in fp16, 0.034 in bf16)
-TOLERANCE = {torch.float16: 0.02, torch.bfloat16: 0.1}
 
 
 def ran_parameters(model):
@@ -57,11 +54,11 @@ def test_ran_parameters_stay_float32_through_conversions():
 
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("arch", ARCHS)
-def test_low_precision_forward_backward_and_decoding(dictionary, arch, mode):
-    """Each RAN arch in fp16 and bf16 (converted, or under CPU autocast): a full pass and a
-    decoding run finite and within TOLERANCE of the float32 model and of each other; the
-    matrices equal the float32 model's bit for bit; training gradients finite, RAN's in
-    float32."""
+def test_low_precision_matrices_and_gradients(dictionary, arch, mode):
+    """Each RAN arch in fp16 and bf16 (converted, or under CPU autocast): the matrices equal
+    the float32 model's bit for bit; training gradients finite, RAN's in float32. (Outputs
+    and gradients against float64, and decoding, in every precision: test_device.py and
+    test_decoding_properties.py.)"""
     convert, autocast_dtype, low = MODES[mode]
     reference, _ = build_model(arch, *SMALL)
     model, _ = build_model(arch, *SMALL)
@@ -72,15 +69,6 @@ def test_low_precision_forward_backward_and_decoding(dictionary, arch, mode):
         return torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
 
     src, lengths, prev = random_batch(dictionary, [5, 9, 3, 7], 8)  # left-padded sources
-    expected = F.log_softmax(decoder_out(reference, src, lengths, prev), -1)
-    with region():
-        full = decoder_out(model, src, lengths, prev)
-        steps, _ = incremental_logprobs(model, src, lengths, prev)
-    assert full.dtype == low
-    full, steps = F.log_softmax(full.float(), -1), F.log_softmax(steps.float(), -1)
-    assert torch.isfinite(full).all() and torch.isfinite(steps).all()
-    assert (full - expected).abs().max().item() <= TOLERANCE[low]
-    assert (steps - full).abs().max().item() <= TOLERANCE[low]
     for stack, ref_stack in ((model.encoder, reference.encoder), (model.decoder, reference.decoder)):
         if stack.recurrent_matrices is not None:
             with region():
@@ -90,6 +78,7 @@ def test_low_precision_forward_backward_and_decoding(dictionary, arch, mode):
     model.train()
     with region():
         out = model(src, lengths, prev)[0]
+    assert out.dtype == low and torch.isfinite(out).all()
     F.cross_entropy(out.float().reshape(-1, out.size(-1)), prev.reshape(-1), reduction="sum").backward()
     for name, p in model.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name

@@ -6,18 +6,14 @@ import subprocess
 import sys
 
 from conftest import REPO, cli
+from families import TRAINED
 
 USER_DIR = os.path.join(REPO, "ea_fairseq")
 # 2+2 layers (so EA/PA/RAN hand maps between layers), every dimension 32, 4 heads
 TINY = ["--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "32",
         "--decoder-embed-dim", "32", "--encoder-ffn-embed-dim", "32", "--decoder-ffn-embed-dim", "32",
         "--encoder-attention-heads", "4", "--decoder-attention-heads", "4"]
-FAMILIES = {  # family -> (arch, extra options)
-    "vanilla": ("transformer_lite", []),
-    "ea": ("ea_transformer_lite", []),
-    "pa": ("pa_transformer_lite", []),
-    "ran": ("ran_all_lite", ["--ran-max-positions", "16"]),  # the toy corpus' sentences fit
-}
+FAMILIES = TRAINED  # family -> (arch, extra options), from tests/families.py
 DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "drivers", "fairseq_train_many.py")
 ENV = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
 _CACHE = {}

@@ -1,0 +1,165 @@
+"""The decoding properties, once for every family x precision x backend (tests/families.py).
+
+For each family that decodes (``Family.decoding``), in each of its precisions (a model cast
+to float16/bfloat16 as ``--fp16``/``--bf16`` cast it, or a float32 model under
+``torch.autocast``), on the device under test (``EA_FAIRSEQ_TEST_DEVICE``, conftest.py), and,
+where a CPU accelerator applies (``Family.accelerator``, float32 on a CPU device), once with it
+and once with the PyTorch reference alone (``accelerators.reference_only``):
+
+* causality: changing the target tokens from position t on moves nothing before t, and
+  does move position t;
+* incremental decoding == the full pass, in order and under the beam reorders fairseq's
+  SequenceGenerator makes (within a sentence, a finished sentence dropped, two reorders
+  before one step);
+* batch invariance: a sentence alone == the same sentence in a batch whose sources are
+  left-padded (fairseq's default) or right-padded (``--left-pad-source False``);
+* beam search (beam 5 through fairseq's SequenceGenerator): every hypothesis' per-token
+  scores are a teacher-forced full pass's, all finite.
+
+The checks' own negative controls (a leaking convolution, a map without its padding) live
+with the mechanism they break (test_ea_exactness.py, test_left_padded_targets.py).
+"""
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from fairseq.sequence_generator import SequenceGenerator
+
+from conftest import (DEVICE, batch_invariance_gap, beam_reorder_gap, build_model, causality_gap, decoder_out,
+                      incremental_logprobs, random_batch, randomize_convs)
+from ea_fairseq import accelerators
+from ea_fairseq.ops import evolving_attention_dispatch as dispatch
+from families import DECODING, FAMILIES
+
+SMALL = ("--encoder-layers", "2", "--decoder-layers", "2", "--dropout", "0.0", "--attention-dropout", "0.0",
+         "--activation-dropout", "0.0")
+#: precision -> (the model's dtype, autocast dtype or None)
+PRECISIONS = {"fp32": (torch.float32, None), "fp16": (torch.float16, None), "bf16": (torch.bfloat16, None),
+              "autocast-fp16": (torch.float32, torch.float16), "autocast-bf16": (torch.float32, torch.bfloat16)}
+# Largest |difference| between two computations of the same logits or log-probs in one
+# precision. float32: one decoding step vs a full pass, one sentence vs a padded batch pick
+# other reduction orders (~1e-6 on CPU; a GPU's kernels more); bfloat16/float16: measured over
+# every family, cast and under autocast, at most 0.031 (bf16) and 0.0039 (fp16), i.e. two
+# units in the last place of a logit in [2, 4). A cache, reorder or padding bug moves ~1.
+TOLERANCE = {torch.float32: 1e-4 if DEVICE.type == "cuda" else 1e-5, torch.float16: 0.02, torch.bfloat16: 0.1}
+# positions before t do not depend on later tokens at all: 0 up to float32 noise
+CAUSAL = {torch.float32: 1e-6, torch.float16: 0.02, torch.bfloat16: 0.1}
+ACCELERATED_DTYPES = ("fp32",)
+
+
+def cpu_autocast_supports(dtype) -> bool:
+    """Whether CPU autocast runs matmuls in ``dtype`` (an unsupported one only warns)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            with torch.autocast("cpu", dtype=dtype):
+                return (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == dtype
+        except RuntimeError:
+            return False
+
+
+def cases():
+    for name in DECODING:
+        family = FAMILIES[name]
+        for precision in family.dtypes:
+            _, autocast_dtype = PRECISIONS[precision]
+            marks = ()
+            if autocast_dtype is not None and DEVICE.type == "cpu" and not cpu_autocast_supports(autocast_dtype):
+                marks = pytest.mark.skip(reason=f"this torch's CPU autocast does not support {autocast_dtype}")
+            accelerated = family.accelerator and precision in ACCELERATED_DTYPES and DEVICE.type == "cpu"
+            for backend in (("accelerated", "reference") if accelerated else ("default",)):
+                yield pytest.param(name, precision, backend, marks=marks, id=f"{name}-{precision}-{backend}")
+
+
+CASES = pytest.mark.parametrize("family,precision,backend", list(cases()))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: a second thread costs more in synchronisation than it saves."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def setting(family, precision, backend):
+    """(model, tolerance, causal bound, autocast context, the dtype it computes in) of one
+    case; the backend is chosen for the whole test."""
+    dtype, autocast_dtype = PRECISIONS[precision]
+    model, _ = build_model(*FAMILIES[family].args(), *SMALL)
+    randomize_convs(model)
+    model = model.to(device=DEVICE, dtype=dtype).eval()
+    low = autocast_dtype or dtype
+    if backend == "accelerated" and not dispatch.accelerated_dtype("cpu", torch.float32):
+        pytest.skip("no CPU accelerator here (switched off, or not built): the reference case runs it")
+    autocast = torch.autocast(DEVICE.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
+    with accelerators.reference_only() if backend == "reference" else contextlib.nullcontext():
+        yield model, TOLERANCE[low], CAUSAL[low], autocast, low
+
+
+@CASES
+def test_decoder_is_causal(dictionary, setting):
+    model, tolerance, causal, autocast, _ = setting
+    with autocast:
+        gaps = {t: causality_gap(model, dictionary, t, device=DEVICE) for t in (1, 4, 9)}
+    for t, (before, at) in gaps.items():
+        assert before <= causal, f"positions before {t} saw the future: {gaps}"
+        assert at > max(1e-3, 5 * tolerance), f"position {t} did not see itself: {gaps}"
+
+
+@CASES
+def test_incremental_equals_full_pass_with_beam_reorders(dictionary, setting):
+    model, tolerance, _, autocast, low = setting
+    src, lengths, prev = random_batch(dictionary, [5, 9, 3, 7], 8, device=DEVICE)
+    with autocast:
+        full = decoder_out(model, src, lengths, prev)
+        steps, _ = incremental_logprobs(model, src, lengths, prev)
+        gaps = {"in order": (steps.float() - full.float()).abs().max().item()}
+        for name, order in (("reorder", [1, 1, 3, 2]), ("sentence-finished", [3, 2]),
+                            ("two-reorders-before-a-step", [[1, 1, 3, 2], [1, 0, 2, 2]])):
+            gaps[name] = beam_reorder_gap(model, dictionary, order, device=DEVICE)
+    assert full.dtype == steps.dtype == low  # cast or autocast, the precision really ran
+    assert all(gap <= tolerance for gap in gaps.values()), gaps
+
+
+@CASES
+def test_batch_invariance_with_left_and_right_padding(dictionary, setting):
+    model, tolerance, _, autocast, _ = setting
+    with autocast:
+        gaps = {side: batch_invariance_gap(model, dictionary, device=DEVICE, left_pad=side == "left")
+                for side in ("left", "right")}
+    assert all(gap <= tolerance for gap in gaps.values()), gaps
+
+
+@CASES
+def test_beam_search_scores_equal_teacher_forcing(dictionary, setting):
+    """Beam 5 through fairseq's SequenceGenerator (what fairseq-generate and hub ``translate``
+    run): every hypothesis' per-token scores, finite, equal a teacher-forced full pass's."""
+    model, tolerance, _, autocast, _ = setting
+    src, lengths, _ = random_batch(dictionary, [6, 9, 4], 1, device=DEVICE)
+    generator = SequenceGenerator([model], dictionary, beam_size=5, max_len_b=12)
+    checked = 0
+    with torch.no_grad(), autocast:
+        hypos = generator.forward({"net_input": {"src_tokens": src, "src_lengths": lengths}})
+        for i, sentence in enumerate(hypos):
+            assert len(sentence) == 5
+            n = lengths[i].item()
+            # the 5 hypotheses teacher-forced in one batch, targets right-padded as in training
+            width = max(len(h["tokens"]) for h in sentence)
+            tokens = torch.full((5, width), dictionary.pad(), dtype=torch.long, device=DEVICE)
+            for j, h in enumerate(sentence):
+                assert torch.isfinite(h["positional_scores"]).all() and torch.isfinite(h["score"]).all()
+                tokens[j, : len(h["tokens"])] = h["tokens"]
+            prev = torch.cat([tokens.new_full((5, 1), dictionary.eos()), tokens[:, :-1]], 1)
+            logits = model(src[i : i + 1, -n:].expand(5, -1), lengths[i : i + 1].expand(5), prev)[0]
+            lprobs = F.log_softmax(logits.float(), -1).gather(-1, tokens.unsqueeze(-1))[..., 0]
+            for j, h in enumerate(sentence):
+                gap = (lprobs[j, : len(h["tokens"])] - h["positional_scores"].float()).abs().max().item()
+                assert gap <= max(tolerance, 1e-4), (j, gap)  # the generator's own float32 log-softmax
+                checked += 1
+    assert checked == 15
