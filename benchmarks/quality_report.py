@@ -2,7 +2,7 @@
 quality.md from the finished runs of a results directory, and the README's table.
 
 Scores are those ea-fairseq-bleu wrote (each run's ``eval/test.es-en.scores.json``); the
-paired tests are ea-fairseq-compare's (``ea_fairseq.tools.compare_systems.sacrebleu_tests``:
+paired tests are ea-fairseq-compare's (``ea_fairseq_cli.compare_systems.sacrebleu_tests``:
 sacreBLEU's paired bootstrap, 1000 resamples, seed 12345) for every pair of a baseline run and
 a system run, from which the table shows seed k against seed k and the largest over all pairs
 (what ``ea-fairseq-compare`` prints, whose own output is appended verbatim).
@@ -58,7 +58,7 @@ def _lines(path: str) -> List[str]:
 def copy_source_scores(src_path: str, ref_path: str) -> dict:
     """The trivial baseline: the untranslated source scored against the references, with the
     metrics ea-fairseq-bleu scores the runs with."""
-    from ea_fairseq.tools import bleu
+    from ea_fairseq_cli import bleu
 
     src, ref = _lines(src_path), _lines(ref_path)
     out = {}
@@ -112,7 +112,7 @@ def _mean_std(values: List[float]):
 def _agreement(metric: str, delta: float, records: List[dict]):
     """Kocmi et al. (2024)'s thresholds for ``metric`` where ea-fairseq-compare applies them to
     these runs (the metric variant they were fitted on), and the band ``delta`` falls in."""
-    from ea_fairseq.tools import compare_systems as cs
+    from ea_fairseq_cli import compare_systems as cs
 
     agreed, why_not = cs.agreement_of(metric, [cs.Run(_scores_json(r)) for r in records])
     if not agreed:
@@ -124,7 +124,7 @@ def _agreement(metric: str, delta: float, records: List[dict]):
 
 def pair_p_values(metric: str, base: Dict[int, dict], others: Dict[str, Dict[int, dict]]):
     """p[system][base seed][system seed] of every pair, by ea-fairseq-compare's test."""
-    from ea_fairseq.tools import compare_systems as cs
+    from ea_fairseq_cli import compare_systems as cs
 
     os.environ["SACREBLEU_SEED"] = str(SEED)  # how ea-fairseq-compare seeds sacreBLEU's PairedTest
     p: Dict[str, Dict[int, Dict[int, float]]] = {s: {} for s in others}

@@ -337,7 +337,7 @@ plot_one() {  # arch -> plots/$arch/*.png (the analysis CLI's dump and plots, on
   rm -rf "$out" && mkdir -p "$out"
   if ! "$py" - "train/$arch/eval/averaged.pt" "$out" "$plot_sid" "$threads" > "$out/plot.log" 2>&1 <<'PY'
 import json, sys
-from ea_fairseq.analysis.cli import main
+from ea_fairseq_cli.analysis import main
 checkpoint, out, sid, threads = sys.argv[1:]
 assert main(["dump", checkpoint, "--data", "data/bin", "--split", "test", "--ids", sid,
              "--threads", threads, "--out", f"{out}/maps.npz"]) == 0

@@ -202,7 +202,7 @@ def write_scored_run(directory: Path, refs, hyps, segments=None) -> Path:
     """An ``evaluate.sh`` output for given hypotheses: a ``fairseq-generate`` file scored by
     ``ea-fairseq-bleu`` (iwslt mode) in ``directory/eval``, and optional segment scores
     ``{metric: values}`` of a metric computed elsewhere; the ``eval`` directory."""
-    from ea_fairseq.tools import bleu
+    from ea_fairseq_cli import bleu
 
     ev = directory / "eval"
     ev.mkdir(parents=True)

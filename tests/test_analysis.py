@@ -205,7 +205,7 @@ def assert_png(path):
 
 
 def test_plots_entropy_and_js_are_png(tmp_path):
-    from ea_fairseq.analysis import plots
+    from ea_fairseq_cli import plots
 
     def fake(entropy):
         n = len(entropy)
@@ -222,7 +222,7 @@ def test_plot_colour_scales_fit_the_data(tmp_path, monkeypatch):
     """Weights on a scale from 0 to the largest weight shown (square root: a near-uniform
     head is a mid tone, not dark); the kinds figure's colour bars are readable; the entropy
     axis shows plain values (no offset such as "+2")."""
-    from ea_fairseq.analysis import plots
+    from ea_fairseq_cli import plots
 
     figures = []
     monkeypatch.setattr(plots, "_save", lambda fig, out: figures.append(fig) or out)
@@ -294,7 +294,7 @@ def tiny_checkpoint(tiny_data_bin, tmp_path_factory):
 def test_cli_end_to_end(tiny_checkpoint, tiny_data_bin, tmp_path):
     """``python -m ea_fairseq.analysis dump`` in a subprocess (while the other subcommands
     run in this process through the same entry point, ``cli.main``)."""
-    from ea_fairseq.analysis import cli as analysis_cli
+    from ea_fairseq_cli import analysis as analysis_cli
 
     out = tmp_path / "out"
     dump_cmd = [sys.executable, "-m", "ea_fairseq.analysis", "dump", tiny_checkpoint,

@@ -1,4 +1,4 @@
-"""ea-fairseq-average-checkpoints (ea_fairseq.tools.average_checkpoints): exact averages, checkpoint selection, errors, and a real
+"""ea-fairseq-average-checkpoints (ea_fairseq_cli.average_checkpoints): exact averages, checkpoint selection, errors, and a real
 fairseq checkpoint (the averaged file loads in fairseq like the inputs)."""
 import argparse
 import collections
@@ -12,7 +12,7 @@ import torch
 
 BIN = Path(sys.executable).parent
 
-from ea_fairseq.tools import average_checkpoints as avg
+from ea_fairseq_cli import average_checkpoints as avg
 
 
 def fake_checkpoint(path: Path, seed: int, *, epoch: int = 1, extra_key: str = None,

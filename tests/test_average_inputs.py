@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import torch
 
-from ea_fairseq.tools import average_checkpoints as avg
+from ea_fairseq_cli import average_checkpoints as avg
 from test_average_checkpoints import BIN
 from trained_checkpoints import ENV, family_checkpoints
 

@@ -249,7 +249,7 @@ def test_paths_and_generation_settings_are_not_taken_from_a_checkpoint(tmp_path,
     """A FIFO (which would hang) as embeddings and unknown-word dictionary, and hostile
     generation settings: the analysis tool and the hub load in bounded time, read nothing, and
     say in one line each what they did not apply."""
-    from ea_fairseq.analysis.cli import main
+    from ea_fairseq_cli.analysis import main
 
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)

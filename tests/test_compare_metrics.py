@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import recipe_fixtures as fx
-from ea_fairseq.tools import bleu
-from ea_fairseq.tools import compare_systems as compare
+from ea_fairseq_cli import bleu
+from ea_fairseq_cli import compare_systems as compare
 
 SACREBLEU = os.path.join(os.path.dirname(sys.executable), "sacrebleu")
 VOCAB = "the a cat dog sat ran on under mat house green big small today".split()

@@ -11,7 +11,7 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from ea_fairseq.analysis import plots
+from ea_fairseq_cli import plots
 from ea_fairseq.analysis.maps import META_KEY
 
 BIN = Path(sys.executable).parent

@@ -215,7 +215,7 @@ def test_fairseq_hydra_train_trains_and_its_checkpoint_reloads(tiny_data_bin, tm
     assert not any(isinstance(m, RecurrentAttention) for m in model.modules())
 
     # the plugin's tools read its configuration too: a warm start names what it holds
-    from ea_fairseq.warm_start import WarmStartError, warm_start
+    from ea_fairseq_cli.warm_start import WarmStartError, warm_start
 
     with pytest.raises(WarmStartError, match="is a checkpoint of --arch ea_transformer_lite with "
                                              "--encoder-attention ea, --decoder-attention ea, --cross-attention ea"):

@@ -50,7 +50,7 @@ def _result(proc):
 ARGVS = {  # sys.argv, and the interpreter's own arguments (python -m NAME ...)
     "python -c": (["-c"], ["-c", "..."]),
     "a console tool's name": (["/usr/local/bin/ea-fairseq-bleu", "--help"], ["/usr/local/bin/ea-fairseq-bleu"]),
-    "python -m a tool": (["ea_fairseq/tools/bleu.py", "--help"], ["-m", "ea_fairseq.tools.bleu", "--help"]),
+    "python -m a tool": (["ea_fairseq_cli/bleu.py", "--help"], ["-m", "ea_fairseq_cli.bleu", "--help"]),
     "fairseq-train's name": (["fairseq-train", "data", "--user-dir", "ea_fairseq"], ["fairseq-train"]),
 }
 

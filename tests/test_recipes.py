@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 import recipe_fixtures as fx
-from ea_fairseq.tools import bleu
-from ea_fairseq.tools import compare_systems as compare
+from ea_fairseq_cli import bleu
+from ea_fairseq_cli import compare_systems as compare
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = REPO / "examples" / "translation"

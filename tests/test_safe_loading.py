@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 
 from conftest import cli
 from ea_fairseq import checkpoint_safety as safety
-from ea_fairseq.tools import average_checkpoints as avg
+from ea_fairseq_cli import average_checkpoints as avg
 from trained_checkpoints import USER_DIR, family_checkpoints, run, train_command
 
 
@@ -285,7 +285,7 @@ def test_averaging_refuses_and_writes_nothing(tmp_path, checkpoints, attack, cap
 
 
 def test_analysis_refuses(tmp_path, tiny_data_bin, checkpoints):
-    from ea_fairseq.analysis.cli import main
+    from ea_fairseq_cli.analysis import main
 
     marker = tmp_path / "pwned"
     path = crafted(checkpoints["vanilla"], tmp_path / "c.pt", "bytes-in-fconv", marker)
@@ -296,7 +296,7 @@ def test_analysis_refuses(tmp_path, tiny_data_bin, checkpoints):
 
 
 def test_warm_start_refuses(tmp_path, checkpoints, capsys):
-    from ea_fairseq.warm_start import main
+    from ea_fairseq_cli.warm_start import main
 
     marker = tmp_path / "pwned"
     path = crafted(checkpoints["vanilla"], tmp_path / "c.pt", "code-in-evaluated-field", marker)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, cli
-from ea_fairseq.analysis import curves
+from ea_fairseq_cli import curves
 
 TOOLS = ("ea-fairseq-bleu", "ea-fairseq-compare", "ea-fairseq-average-checkpoints", "ea-fairseq-analysis")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

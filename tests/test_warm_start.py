@@ -7,7 +7,7 @@ from fairseq import checkpoint_utils
 
 from conftest import REPO, decoder_out, random_batch
 from ea_fairseq.modules import AttentionMapConv
-from ea_fairseq.warm_start import WarmStartError, main, warm_start
+from ea_fairseq_cli.warm_start import WarmStartError, main, warm_start
 from trained_checkpoints import TINY, family_checkpoints, run, train_command, train_many
 
 EA_OFF = ["--ea-alpha", "0", "--ea-beta", "0", "--ea-decoder-alpha", "0"]
@@ -54,7 +54,7 @@ def test_every_shared_parameter_copied_the_mechanisms_initialised_as_in_training
 
 
 def _dictionary(size):
-    from ea_fairseq.warm_start import _dictionary as make
+    from ea_fairseq_cli.warm_start import _dictionary as make
 
     return make(size)
 
@@ -88,7 +88,7 @@ def test_only_a_vanilla_transformer_is_a_starting_point(checkpoints):
 
 def test_command_line_then_fairseq_train_continues_as_ea(tmp_path, checkpoints, tiny_data_bin, capsys):
     out = tmp_path / "ea_init.pt"
-    code, log = run([sys.executable, "-m", "ea_fairseq.warm_start", checkpoints["vanilla"], "--arch",
+    code, log = run([sys.executable, "-m", "ea_fairseq_cli.warm_start", checkpoints["vanilla"], "--arch",
                      "ea_transformer_lite", "--output", out], cwd=REPO)
     assert "copied from the vanilla model: 89 tensors" in log
     assert "encoder.layers.*.self_attn.conv.weight (x2)" in log

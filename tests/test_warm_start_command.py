@@ -1,4 +1,4 @@
-"""``python -m ea_fairseq.warm_start``: the fine-tuning command it prints reads back, in a
+"""``python -m ea_fairseq_cli.warm_start``: the fine-tuning command it prints reads back, in a
 shell, as the very words it stands for (hostile file names included), its output never goes
 through a planted link, and ``--help`` answers without importing torch or fairseq."""
 import os
@@ -28,7 +28,7 @@ def test_printed_command_reads_back_as_its_words(tmp_path, tmp_path_factory, tin
     victim = tmp_path / "victim.pt"
     victim.write_bytes(b"keep")
     os.symlink(victim, str(out) + ".tmp")  # the name a naive writer would use
-    proc = subprocess.run([sys.executable, "-m", "ea_fairseq.warm_start", str(vanilla), "--arch",
+    proc = subprocess.run([sys.executable, "-m", "ea_fairseq_cli.warm_start", str(vanilla), "--arch",
                            "ea_transformer_lite", "--output", str(out), "--ea-alpha", "0.5"],
                           capture_output=True, text=True, env=ENV, cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stderr

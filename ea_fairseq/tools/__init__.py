@@ -1,3 +1,3 @@
-"""The plugin's command-line tools under the plugin's name (:mod:`ea_fairseq_cli` holds them:
-``ea-fairseq-average-checkpoints``, ``ea-fairseq-bleu``, ``ea-fairseq-compare``), and what
-averaging checks of its inputs (:mod:`.average_inputs`)."""
+"""What checkpoint averaging checks of its inputs (:mod:`.average_inputs`); the command-line
+tools themselves (``ea-fairseq-average-checkpoints``, ``ea-fairseq-bleu``,
+``ea-fairseq-compare``, ``ea-fairseq-analysis``, warm start) live in :mod:`ea_fairseq_cli`."""
