@@ -292,12 +292,12 @@ def tiny_checkpoint(tiny_data_bin, tmp_path_factory):
 
 
 def test_cli_end_to_end(tiny_checkpoint, tiny_data_bin, tmp_path):
-    """``python -m ea_fairseq.analysis dump`` in a subprocess (while the other subcommands
+    """``python -m ea_fairseq_cli.analysis dump`` in a subprocess (while the other subcommands
     run in this process through the same entry point, ``cli.main``)."""
     from ea_fairseq_cli import analysis as analysis_cli
 
     out = tmp_path / "out"
-    dump_cmd = [sys.executable, "-m", "ea_fairseq.analysis", "dump", tiny_checkpoint,
+    dump_cmd = [sys.executable, "-m", "ea_fairseq_cli.analysis", "dump", tiny_checkpoint,
                 "--data", tiny_data_bin, "--split", "test", "--ids", "0", "3",
                 "--out", str(out / "maps.npz")]
     dump_proc = subprocess.Popen(dump_cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
