@@ -210,3 +210,17 @@ def assert_decodes_consistently(model, dictionary, gap: float) -> None:
     assert beam_reorder_gap(model, dictionary, [1, 1, 3, 2]) <= gap
     assert beam_reorder_gap(model, dictionary, [3, 2]) <= gap
     assert batch_invariance_gap(model, dictionary) <= gap
+
+
+def cpu_autocast_supports(dtype) -> bool:
+    """Whether CPU autocast runs matmuls in ``dtype`` (an unsupported dtype only warns
+    and leaves autocast off)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            with torch.autocast("cpu", dtype=dtype):
+                return (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == dtype
+        except RuntimeError:
+            return False

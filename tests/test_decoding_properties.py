@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from fairseq.sequence_generator import SequenceGenerator
 
-from conftest import (DEVICE, batch_invariance_gap, beam_reorder_gap, build_model, causality_gap, decoder_out,
+from conftest import (DEVICE, batch_invariance_gap, beam_reorder_gap, build_model, causality_gap,
+                      cpu_autocast_supports, decoder_out,
                       incremental_logprobs, random_batch, randomize_convs)
 from ea_fairseq import accelerators
 from ea_fairseq.ops import evolving_attention_dispatch as dispatch
@@ -46,19 +47,6 @@ TOLERANCE = {torch.float32: 1e-4 if DEVICE.type == "cuda" else 1e-5, torch.float
 # positions before t do not depend on later tokens at all: 0 up to float32 noise
 CAUSAL = {torch.float32: 1e-6, torch.float16: 0.02, torch.bfloat16: 0.1}
 ACCELERATED_DTYPES = ("fp32",)
-
-
-def cpu_autocast_supports(dtype) -> bool:
-    """Whether CPU autocast runs matmuls in ``dtype`` (an unsupported one only warns)."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            with torch.autocast("cpu", dtype=dtype):
-                return (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == dtype
-        except RuntimeError:
-            return False
 
 
 def cases():

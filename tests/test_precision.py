@@ -15,25 +15,11 @@ import torch
 import torch.nn.functional as F
 from fairseq.sequence_generator import SequenceGenerator
 
-from conftest import build_model, decoder_out, random_batch
+from conftest import build_model, cpu_autocast_supports, decoder_out, random_batch
 from ea_fairseq.modules import EvolvingAttention
 
 SMALL = ("--encoder-layers", "2", "--decoder-layers", "2", "--dropout", "0.0",
          "--attention-dropout", "0.0")
-
-
-def cpu_autocast_supports(dtype) -> bool:
-    """Whether CPU autocast runs matmuls in ``dtype`` (an unsupported dtype only warns
-    and leaves autocast off)."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            with torch.autocast("cpu", dtype=dtype):
-                return (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == dtype
-        except RuntimeError:
-            return False
 
 
 @pytest.fixture(scope="module", autouse=True)
