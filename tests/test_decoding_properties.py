@@ -65,13 +65,7 @@ def cases():
 CASES = pytest.mark.parametrize("family,precision,backend", list(cases()))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: a second thread costs more in synchronisation than it saves."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest)
 
 
 @pytest.fixture

@@ -64,14 +64,7 @@ DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.b
 EVERY_FAMILY = pytest.mark.parametrize("family", ANCHORED)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: on a CPU a second thread costs more in synchronisation than it saves (and
-    spins, on a busy machine, for most of a test's CPU time)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest)
 
 
 @pytest.fixture(autouse=True)

@@ -22,13 +22,7 @@ SMALL = ("--encoder-layers", "2", "--decoder-layers", "2", "--dropout", "0.0",
          "--attention-dropout", "0.0")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These models are tiny: a second thread costs more in synchronisation than it saves."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest)
 
 
 def beam_search(model, dictionary, context, beam=5):
