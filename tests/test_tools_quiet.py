@@ -98,7 +98,11 @@ def train_logs(tiny_data_bin, tmp_path_factory):
     for name, extra in runs.items():
         (root / name).mkdir()
         log = open(root / name / "train.log", "w")
-        procs[name] = (subprocess.Popen(common + extra, stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=REPO), log)
+        # Each run owns its save dir: fairseq-train probes it (writes and removes
+        # <save-dir>/dummy) even with --no-save, so two runs sharing one race.
+        save = ["--save-dir", str(root / name / "checkpoints")]
+        procs[name] = (subprocess.Popen(common + extra + save, stdout=log, stderr=subprocess.STDOUT,
+                                        env=_env(), cwd=root / name), log)
     for name, (proc, log) in procs.items():
         assert proc.wait(timeout=600) == 0, (root / name / "train.log").read_text()[-3000:]
         log.close()
