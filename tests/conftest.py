@@ -11,7 +11,13 @@ from ea_fairseq.models.building import parse_options as parse  # noqa: F401  (te
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEST_VOCAB = 44  # the tests' small vocabulary: 40 words and fairseq's 4 special symbols
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# At most two threads per test process, the cores shared among pytest-xdist's workers
+# (scripts/test.sh runs one worker per core), and the same number for the fairseq-train,
+# fairseq-generate and benchmark subprocesses the tests start: OpenMP threads of several
+# processes on the same cores spin against each other, a test then takes ten times as long.
+THREADS = max(1, min(2, os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+torch.set_num_threads(THREADS)
+os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 
 
 def device_under_test() -> torch.device:

@@ -100,12 +100,16 @@ def test_negative_control_a_module_global_swapped_per_call_crosses_the_loads(two
     original = checkpoint_utils.load_checkpoint_to_cpu.__wrapped__
     monkeypatch.setattr(checkpoint_utils, "torch", checkpoint_utils.torch)  # restored afterwards
     meet = threading.Barrier(len(paths))
+    inside = threading.Barrier(len(paths))
 
     class Once:
         def __init__(self, state):
             self.state = [state]
 
         def load(self, *args, **kwargs):
+            # Both threads have read the global (the last one swapped in) before either
+            # restores its own: the crossing happens every round, whatever the scheduling.
+            inside.wait(timeout=60)
             return self.state.pop()
 
         def __getattr__(self, name):
