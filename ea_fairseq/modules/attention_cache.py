@@ -41,13 +41,6 @@ class AttentionCache:
         self.mechanism: Dict[str, Any] = {}
         self.memo: Dict[str, Any] = {}
 
-    def remember(self, name: str, compute: Callable[[], Any]) -> Any:
-        """``compute()`` once per run, kept in :attr:`memo`."""
-        value = self.memo.get(name)
-        if value is None:
-            value = self.memo[name] = compute()
-        return value
-
     def reorder(self, new_order: Tensor, reorder_mechanism: Callable[[Dict[str, Any], Tensor], None]) -> None:
         """Put every hypothesis-dependent entry in beam search's new order of hypotheses."""
         if self.keys is not None or self.values is not None:

@@ -113,11 +113,6 @@ class LogitMapAttention(AttentionMechanism, nn.Module):
         if self.out_proj.bias is not None:
             nn.init.constant_(self.out_proj.bias, 0.0)
 
-    @classmethod
-    def mechanism_options(cls):
-        return [k for k, p in inspect.signature(cls.setup_mechanism).parameters.items()
-                if k != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
-
     def setup_mechanism(self, **options) -> None:
         """Add the mechanism's own parameters and settings (subclasses)."""
         if options:
