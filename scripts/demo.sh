@@ -121,9 +121,12 @@ if [ -z "${EA_FAIRSEQ_SHOW_WARNINGS:-}" ] || [ "$EA_FAIRSEQ_SHOW_WARNINGS" = 0 ]
 fi
 
 device="${DEMO_DEVICE:-auto}"
-gpu_info=$("$py" -c 'import torch
+gpu_info=0  # DEMO_DEVICE=cpu asks torch nothing (an import of torch costs a second)
+if [ "$device" != cpu ]; then
+  gpu_info=$("$py" -c 'import torch
 n = torch.cuda.device_count() if torch.cuda.is_available() else 0
 print(n, ";".join(torch.cuda.get_device_name(i) for i in range(n)))' 2>/dev/null || echo 0)
+fi
 read -r n_gpu gpu_names <<< "$gpu_info"
 case "$device" in
   auto) if [ "${n_gpu:-0}" -gt 0 ]; then device=cuda; else device=cpu; fi ;;

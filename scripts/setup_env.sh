@@ -18,7 +18,12 @@ python="${PYTHON:-python3}"
 stamp="$venv/.ea_fairseq_stamp"
 want="$(cat "$repo/constraints.txt" "$repo/pyproject.toml" | sha256sum | cut -d' ' -f1)"
 
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$venv/bin/python" -c "import fairseq, ea_fairseq" 2>/dev/null; then
+# The stamp is written only after the finished environment imported torch, fairseq and
+# ea_fairseq (below), so reuse checks that they are still there without importing them
+# (an import of fairseq costs seconds, and every demo and test run starts here).
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$venv/bin/python" -c "
+import importlib.util, sys
+sys.exit(not all(importlib.util.find_spec(m) for m in ('torch', 'fairseq', 'ea_fairseq')))" 2>/dev/null; then
   echo "[setup] environment up to date: $venv" >&2
   exit 0
 fi

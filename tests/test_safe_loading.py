@@ -572,7 +572,7 @@ def test_any_configuration_is_refused_or_loads_as_plain_data(base_state, tmp_pat
     else:
         assert _is_plain(loaded["cfg"], set())
         assert loaded["model"] is not None
-    assert time.perf_counter() - start < 1.5
+    assert time.perf_counter() - start < 5  # a hang, not a slow machine
 
 
 # -- the plugin's option errors on fairseq's command line ---------------------------------
