@@ -19,11 +19,12 @@ stamp="$venv/.ea_fairseq_stamp"
 want="$(cat "$repo/constraints.txt" "$repo/pyproject.toml" | sha256sum | cut -d' ' -f1)"
 
 # The stamp is written only after the finished environment imported torch, fairseq and
-# ea_fairseq (below), so reuse checks that they are still there without importing them
-# (an import of fairseq costs seconds, and every demo and test run starts here).
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$venv/bin/python" -c "
-import importlib.util, sys
-sys.exit(not all(importlib.util.find_spec(m) for m in ('torch', 'fairseq', 'ea_fairseq')))" 2>/dev/null; then
+# ea_fairseq (below). While nothing was installed into it since (site-packages not changed
+# after the stamp), reuse needs no import; otherwise the import is checked again (it costs
+# seconds: fairseq imports scikit-learn and scipy) and a broken environment is rebuilt.
+site=("$venv"/lib/python3*/site-packages)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
+   && { [ "$stamp" -nt "${site[0]}" ] || { "$venv/bin/python" -c "import torch, fairseq, ea_fairseq" 2>/dev/null && touch "$stamp"; }; }; then
   echo "[setup] environment up to date: $venv" >&2
   exit 0
 fi
