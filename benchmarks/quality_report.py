@@ -219,10 +219,11 @@ def build(results: str) -> dict:
 #: what a finding of a system is known to come from, said beside it (the evidence: the section of
 #: benchmarks/README.md named here, measured with benchmarks/collapse_probe.py)
 EXPLAINED = {
-    "ran_all_lite": ("explained in benchmarks/README.md, \"Why `ran_all_lite` stays at the unigram loss on "
-                     "the demo's budget\": at the demo's lr 0.002 with post-LN stacks every token's "
-                     "representation collapses to one vector in both RAN stacks, and the decoder ignores the "
-                     "source; pre-LN stacks or --lr 0.0007 train (no defect of RAN's equations was found)"),
+    "ran_all_lite": ("explained in benchmarks/README.md, \"Why `ran_all_lite` seed 1 stays at the unigram loss "
+                     "on the demo's budget\": at the demo's lr 0.002 with post-LN stacks every token's "
+                     "representation can collapse to one vector in both RAN stacks (seed 1; seed 2 escapes it "
+                     "and trains), and the decoder then ignores the source; pre-LN stacks or --lr 0.0007 train "
+                     "(no defect of RAN's equations was found)"),
     "ran_d_lite": ("explained in benchmarks/README.md, \"Why `ran_d_lite` seed 2 scores a lower chrF than copying "
                    "the source\": its translations are short (0.685 of the references' words), chrF weighs recall "
                    "twice, and with beta 1 it scores above the copy (20.40 against 18.42); the collapse probe finds "
