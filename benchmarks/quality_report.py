@@ -221,8 +221,8 @@ def build(results: str) -> dict:
 EXPLAINED = {
     "ran_all_lite": ("explained in benchmarks/README.md, \"Why `ran_all_lite` seed 1 stays at the unigram loss "
                      "on the demo's budget\": at the demo's lr 0.002 with post-LN stacks every token's "
-                     "representation can collapse to one vector in both RAN stacks (seed 1; seed 2 escapes it "
-                     "and trains), and the decoder then ignores the source; pre-LN stacks or --lr 0.0007 train "
+                     "representation can collapse to one vector in both RAN stacks (seed 1; seeds 2 and 3 escape "
+                     "it and train), and the decoder then ignores the source; pre-LN stacks or --lr 0.0007 train "
                      "(no defect of RAN's equations was found)"),
     "ran_d_lite": ("explained in benchmarks/README.md, \"Why `ran_d_lite` seed 2 scores a lower chrF than copying "
                    "the source\": its translations are short (0.685 of the references' words), chrF weighs recall "
