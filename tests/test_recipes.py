@@ -1057,7 +1057,10 @@ def test_a_short_cpu_run_gives_feedback_and_evaluate_names_its_checkpoints(env, 
     assert "--log-interval 5" in (save / "train.command").read_text()
     assert not re.search(r"Warning|DEBUG:hydra", proc.stderr), proc.stderr
     (tmp_path / "shown").mkdir()
-    _, shown = _short_cpu_run(env, tmp_path / "shown", tiny_data_bin, MAX_UPDATE="1", EA_FAIRSEQ_SHOW_WARNINGS="1")
+    # the whole first epoch (11 batches): stopped after 1 update, fairseq-train now and then
+    # aborted at exit ("terminate called without an active exception"; 2 of 16 runs under
+    # load), most likely its batch-prefetching thread (BackgroundConsumer) still in torch
+    _, shown = _short_cpu_run(env, tmp_path / "shown", tiny_data_bin, MAX_UPDATE="11", EA_FAIRSEQ_SHOW_WARNINGS="1")
     assert re.search(r"pin_memory|torch\.cuda\.amp", shown.stderr), shown.stderr
 
     evaluate = ["bash", RECIPES / "evaluate.sh", save, tiny_data_bin, "iwslt", "--cpu"]
