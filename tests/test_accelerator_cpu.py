@@ -235,6 +235,26 @@ def test_the_build_is_private_to_this_copy_and_named_after_its_sources(kernel, t
     assert build.extension_name() != name  # a changed source is a new build
 
 
+def test_the_package_reached_through_a_link_loads_the_same_build(kernel, tmp_path):
+    """``--user-dir`` naming a link to this package (as the recipes' walk-through does) loads
+    the library already built: no compile, the build's files untouched. A path through the
+    link in ``build.ninja`` would make ninja compile again, and the next process that takes
+    the real path once more."""
+    directory = build.build_directory(build.extension_name())
+    files = {f: os.stat(os.path.join(directory, f)).st_mtime_ns for f in os.listdir(directory)}
+    (tmp_path / "ea_fairseq").symlink_to(os.path.dirname(os.path.dirname(build.HERE)))
+    code = ("import sys; sys.path.insert(0, sys.argv[1])\n"
+            "import ea_fairseq\n"
+            "from ea_fairseq.accelerators.cpu import build\n"
+            "assert ea_fairseq.__file__.startswith(sys.argv[1]), ea_fairseq.__file__\n"
+            "print(build.HERE, build.extension() is not None)")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+                          env=dict(os.environ, PATH=os.pathsep.join(["/nonexistent-no-compiler", "/bin"])))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == [build.HERE, "True"]
+    assert {f: os.stat(os.path.join(directory, f)).st_mtime_ns for f in os.listdir(directory)} == files
+
+
 # -- full passes (training): the fused functions around the convolution ------------------
 def full_pass(attn, logits, previous, masked, query_padding, use_kernel):
     """A_logit and the gradients of a weighted sum of it w.r.t. logits, previous map,

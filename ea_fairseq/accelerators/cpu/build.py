@@ -5,7 +5,10 @@
 this copy of the package -- ``_build/<name>`` beside this file, or, where the package is
 read-only, ``~/.cache/ea_fairseq/<name>`` -- and ``<name>`` carries a hash of the sources,
 the compiler flags and the torch version: two checkouts never rebuild or overwrite each
-other's library, and a changed source is a new build, never a stale one. Without a compiler
+other's library, and a changed source is a new build, never a stale one. Paths are taken
+with symbolic links resolved: the package reached through a link (``--user-dir
+/elsewhere/ea_fairseq`` linked to this one) writes the same ``build.ninja``, so ninja finds
+the library up to date instead of compiling it again for every other path. Without a compiler
 or ``ninja`` the build fails once per process with a warning, and every mechanism runs its
 PyTorch reference.
 """
@@ -18,7 +21,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.realpath(__file__))
 SOURCES = [os.path.join(HERE, "csrc", "evolving_attention.cpp")]
 HEADERS = [os.path.join(HERE, "csrc", "evolving_attention_loops.h")]
 CFLAGS = ["-O3", "-fno-trapping-math", "-fopenmp"]
