@@ -1,7 +1,7 @@
 """Building and loading the CPU accelerators' C++ extension (``csrc/``).
 
 ``torch.utils.cpp_extension`` compiles it on first use with the machine's C++ compiler and
-``ninja`` (about 40 s), then loads the cached library. The build directory is private to
+``ninja`` (about 15 s on one core), then loads the cached library. The build directory is private to
 this copy of the package -- ``_build/<name>`` beside this file, or, where the package is
 read-only, ``~/.cache/ea_fairseq/<name>`` -- and ``<name>`` carries a hash of the sources,
 the compiler flags and the torch version: two checkouts never rebuild or overwrite each

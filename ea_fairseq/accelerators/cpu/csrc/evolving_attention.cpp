@@ -21,9 +21,14 @@
 // of ea_fairseq/modules/evolving_attention.py (the reference) in one pass: it removes the half dozen
 // small tensor operations per attention and decoding step whose fixed costs dominate a
 // step on CPU.
-#include <torch/extension.h>
-
+// The few ATen headers it uses, not <torch/extension.h> (all of libtorch's C++ API): the
+// first-use compile takes half the time.
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cmath>
