@@ -231,9 +231,14 @@ EXPLAINED = {
 }
 
 
+def explains(finding: str) -> Optional[str]:
+    """The system a finding is the explanation line of (``"<system>: ..."``), or None."""
+    return next((s for s in EXPLAINED if finding.startswith(f"{s}: ")), None)
+
+
 def flagged(out: dict) -> List[str]:
     """The findings about runs, without the explanations said beside them."""
-    return [f for f in out["findings"] if not any(f.startswith(f"{s}: ") for s in EXPLAINED)]
+    return [f for f in out["findings"] if explains(f) is None]
 
 
 def findings(out: dict) -> List[str]:
@@ -403,7 +408,7 @@ def readme_block(out: dict) -> str:
             "findings and commands: [`benchmarks/quality.md`](benchmarks/quality.md).", "",
             *([f"Findings: {len(flagged(out))}, listed in the report" +
                "".join(f"; {s}: {EXPLAINED[s].split(':', 1)[0]}" for s in EXPLAINED
-                       if any(f.startswith(f"{s}: ") for f in out["findings"])) + ".", ""]
+                       if s in map(explains, out["findings"])) + ".", ""]
               if out["findings"] else []),
             README_END]
     return "\n".join(text)
