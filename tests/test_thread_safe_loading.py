@@ -164,13 +164,13 @@ def test_allow_list_stays_while_another_thread_still_reads(two):
     # torch may put its own classes on the list meanwhile (the first weights-only load of a
     # process registers its distributed-tensor types): what was there stays, the plugin's go.
     after = torch.serialization.get_safe_globals()
-    ours = set(reading.fairseq_checkpoint_globals() + reading.numpy_checkpoint_globals()) - set(before)
+    ours = set(reading.checkpoint_globals()) - set(before)
     assert ours and set(before) <= set(after) and not ours & set(after)
 
 
 def test_negative_control_torchs_own_scoped_allow_list_is_taken_away_by_another_thread(two):
     paths, _ = two
-    allowed = reading.fairseq_checkpoint_globals() + reading.numpy_checkpoint_globals()
+    allowed = reading.checkpoint_globals()
     entered, left = threading.Event(), threading.Event()
 
     def short_read():

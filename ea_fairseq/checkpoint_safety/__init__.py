@@ -41,14 +41,14 @@ from .literals import EVALUATED_FIELDS, UNUSED_FIELDS, Form
 from .plain import (LIMIT_AMPLIFICATION, LIMIT_CHARS, LIMIT_CONFIG_NODES, LIMIT_DEPTH, LIMIT_ITEMS,
                     LIMIT_STATE_NODES)
 from .reading import (TRUST_SWITCH, CheckpointError, CorruptCheckpointError, UnsafeCheckpointError,
-                      checkpoint_globals_allowed, fairseq_checkpoint_globals, numpy_checkpoint_globals,
-                      read_checkpoint)
+                      checkpoint_globals, checkpoint_globals_allowed, fairseq_checkpoint_globals,
+                      numpy_checkpoint_globals, read_checkpoint)
 from .schema import PATH_FIELDS, Generator
 
 __all__ = [
     "CheckpointError", "CorruptCheckpointError", "EVALUATED_FIELDS", "Form", "Generator", "LIMIT_AMPLIFICATION",
     "LIMIT_CHARS", "LIMIT_CONFIG_NODES", "LIMIT_DEPTH", "LIMIT_ITEMS", "LIMIT_POSITIONS", "LIMIT_STATE_NODES",
     "PATH_FIELDS", "TRUST_SWITCH", "UNUSED_FIELDS", "UnsafeCheckpointError", "check_model_sizes",
-    "checkpoint_globals_allowed", "fairseq_checkpoint_globals", "install", "load_checkpoint",
+    "checkpoint_globals", "checkpoint_globals_allowed", "fairseq_checkpoint_globals", "install", "load_checkpoint",
     "nonfinite_weights", "numpy_checkpoint_globals", "read_checkpoint", "sanitize", "trusted", "vouched_model_class",
 ]

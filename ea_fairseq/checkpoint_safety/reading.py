@@ -83,8 +83,13 @@ class _WhileAnyThreadNeedsIt:
                     self._leave(self._undo)
 
 
+def checkpoint_globals() -> List[Any]:
+    """Every class a fairseq checkpoint may name, as torch's weights-only allow-list takes them."""
+    return fairseq_checkpoint_globals() + numpy_checkpoint_globals()
+
+
 def _allow_checkpoint_globals():
-    allowed = fairseq_checkpoint_globals() + numpy_checkpoint_globals()
+    allowed = checkpoint_globals()
     if not hasattr(torch.serialization, "get_safe_globals"):
         # torch 2.4 has the allow-list but no way to read it back: there the classes stay
         # allow-listed for the process.
