@@ -1,20 +1,21 @@
 """Building and loading the CPU accelerators' C++ extension (``csrc/``).
 
 ``torch.utils.cpp_extension`` compiles it on first use with the machine's C++ compiler and
-``ninja`` (about 15 s on one core), then loads the cached library. The build directory is private to
-this copy of the package -- ``_build/<name>`` beside this file, or, where the package is
-read-only, ``~/.cache/ea_fairseq/<name>`` -- and ``<name>`` carries a hash of the sources,
-the compiler flags and the torch version: two checkouts never rebuild or overwrite each
-other's library, and a changed source is a new build, never a stale one. Paths are taken
-with symbolic links resolved: the package reached through a link (``--user-dir
-/elsewhere/ea_fairseq`` linked to this one) writes the same ``build.ninja``, so ninja finds
-the library up to date instead of compiling it again for every other path. Without a compiler
-or ``ninja`` the build fails once per process with a warning, and every mechanism runs its
-PyTorch reference.
+``ninja`` (about 10 s on one core), then loads the cached library. The build directory is
+``_build/<name>`` beside this file, or, where the package is read-only,
+``~/.cache/ea_fairseq/<name>``; ``<name>`` carries a hash of everything ninja's build file
+holds: the sources and where they are, the compiler, its flags, the torch installation and
+Python's headers. Two checkouts or two environments never rebuild or overwrite each other's
+library, and a changed source is a new build, never a stale one. Paths are taken with
+symbolic links resolved: the package reached through a link (``--user-dir
+/elsewhere/ea_fairseq`` linked to this one) is this copy, whose library ninja finds up to
+date. Without a compiler or ``ninja`` the build fails once per process with a warning, and
+every mechanism runs its PyTorch reference.
 """
 import hashlib
 import logging
 import os
+import sysconfig
 import threading
 
 import torch
@@ -36,7 +37,9 @@ def extension_name() -> str:
     for path in SOURCES + HEADERS:
         with open(path, "rb") as f:
             digest.update(f.read())
-    digest.update(" ".join(CFLAGS + LDFLAGS + [torch.__version__]).encode())
+    where = [HERE, os.path.dirname(os.path.realpath(torch.__file__)), sysconfig.get_paths()["include"],
+             os.environ.get("CXX", "c++")]  # what build.ninja names besides the flags
+    digest.update("\n".join(CFLAGS + LDFLAGS + [torch.__version__] + where).encode())
     return f"ea_fairseq_cpu_{digest.hexdigest()[:12]}"
 
 
