@@ -15,8 +15,9 @@ TEST_VOCAB = 44  # the tests' small vocabulary: 40 words and fairseq's 4 special
 # (scripts/test.sh runs one worker per core), and the same number for the fairseq-train,
 # fairseq-generate and benchmark subprocesses the tests start: OpenMP threads of several
 # processes on the same cores spin against each other, a test then takes ten times as long.
-# Set, not defaulted: pytest-xdist's controller imports this file too (no worker count: all
-# the cores) before it starts the workers, which inherit its environment.
+# Set, not defaulted (an exported OMP_NUM_THREADS is replaced too): pytest-xdist's controller
+# imports this file as well (no worker count: all the cores) before it starts the workers,
+# which inherit its environment.
 THREADS = max(1, min(2, os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 torch.set_num_threads(THREADS)
 os.environ["OMP_NUM_THREADS"] = str(THREADS)
