@@ -18,14 +18,15 @@ before any directory exists (hydra's ``on_run_start``), it
 
 A refusal is one line, ``fairseq-hydra-train: error: ...``, and exit status 1. When the job
 itself fails (``on_job_end``), the run directory is removed if this run created it and it
-holds nothing but hydra's log and config, and an ``OptionError`` is printed as one line too;
+holds nothing but hydra's log and config, with the parents hydra made for it (left empty),
+and an ``OptionError`` is printed as one line too;
 other errors are reported by fairseq and hydra as they are.
 """
 import copy
 import os
 import shutil
 import sys
-from typing import List
+from typing import List, Optional
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
@@ -135,16 +136,36 @@ def _only_hydra_files(directory: str) -> bool:
     return all(name == ".hydra" or name.endswith(".log") for name in names)
 
 
+def _outermost_missing(path: str) -> Optional[str]:
+    """The outermost of ``path`` and its parents that does not exist yet; None if it exists."""
+    path, missing = os.path.abspath(path), None
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        missing, path = path, os.path.dirname(path)
+    return missing
+
+
+def _remove_run_directory(run_dir: str, created: str) -> None:
+    """``run_dir`` and its parents up to ``created``, the directories hydra made for the run."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    parent = os.path.dirname(os.path.abspath(run_dir))
+    while parent == created or parent.startswith(created + os.sep):
+        try:
+            os.rmdir(parent)  # only while empty
+        except OSError:
+            return
+        parent = os.path.dirname(parent)
+
+
 class RunChecks(Callback):
     """The hydra callback of the recipe configs (``hydra.callbacks``); see the module."""
 
     def __init__(self) -> None:
-        self.run_dir_existed = True
+        self.created: Optional[str] = None  # the outermost directory the run will make
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
         try:
             run_dir = OmegaConf.select(config, "hydra.run.dir")
-            self.run_dir_existed = run_dir is None or os.path.exists(str(run_dir))
+            self.created = None if run_dir is None else _outermost_missing(str(run_dir))
             cfg = job_config(config)
         except Exception:  # noqa: BLE001  (e.g. a ${hydra:...} value not resolvable yet: no checks)
             return
@@ -157,8 +178,8 @@ class RunChecks(Callback):
         if job_return.status != JobStatus.FAILED:
             return
         run_dir = OmegaConf.select(config, "hydra.runtime.output_dir")
-        if run_dir and not self.run_dir_existed and _only_hydra_files(str(run_dir)):
-            shutil.rmtree(str(run_dir), ignore_errors=True)  # a failed run leaves no directory
+        if run_dir and self.created and _only_hydra_files(str(run_dir)):
+            _remove_run_directory(str(run_dir), self.created)  # a failed run leaves no directory
         # the job's exception, without JobReturn.return_value, which prints hydra's report;
         # in a sweep (-m) hydra reports it, and the other jobs go on
         error = getattr(job_return, "_return_value", None)

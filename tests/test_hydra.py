@@ -237,7 +237,7 @@ NO_CUDA = not torch.cuda.is_available()
 TORCH_SEEN = f"torch sees 0 here (torch {torch.__version__}, built for CUDA: {torch.version.cuda or 'none'})"
 
 
-def hydra_train(name, data, save, *overrides, script=False, env=None):
+def hydra_train(name, data, save, *overrides, script=False, env=None, cwd=None):
     """fairseq-hydra-train on a recipe config (or examples/translation/hydra-train.sh with
     ``script``), the tiny data as the task's, every other value the config's."""
     base = ([cli("fairseq-hydra-train"), "--config-dir", CONFIG_DIR, "--config-name", name]
@@ -249,7 +249,7 @@ def hydra_train(name, data, save, *overrides, script=False, env=None):
         [*base, f"task.data={data}", "task.source_lang=src", "task.target_lang=tgt",
          f"common.user_dir={os.path.join(REPO, 'ea_fairseq')}", f"checkpoint.save_dir={save}",
          "dataset.num_workers=0", *overrides],
-        cwd=os.path.dirname(str(save)), capture_output=True, text=True, env=run_env, timeout=300)
+        cwd=cwd or os.path.dirname(str(save)), capture_output=True, text=True, env=run_env, timeout=300)
 
 
 # the README's example (examples/translation/README.md), as printed
@@ -311,11 +311,13 @@ def test_a_failed_run_leaves_no_directory_and_the_script_prints_only_the_refusal
     assert shown.returncode == 1 and "Hydra14MigrationWarning" in shown.stderr, shown.stderr[-3000:]
     assert shown.stderr.splitlines()[-1] == ALPAH and "Traceback" not in shown.stderr
     assert not save.exists()
-    missing = hydra_train("ea_transformer_lite_iwslt14", str(tmp_path / "no-data"), save, "common.fp16=false",
-                          "common.cpu=true", script=True)
+    # hydra makes the run directory's parents too (parents=True): they go with it
+    nested = tmp_path / "runs" / "iwslt" / "ckpt"
+    missing = hydra_train("ea_transformer_lite_iwslt14", str(tmp_path / "no-data"), nested, "common.fp16=false",
+                          "common.cpu=true", script=True, cwd=tmp_path)
     assert missing.returncode == 1 and "No such file or directory" in missing.stderr
     assert "Traceback" in missing.stderr and "Warning" not in missing.stderr
-    assert not save.exists()
+    assert not (tmp_path / "runs").exists() and tmp_path.is_dir()
 
 
 def test_the_readme_examples_print_what_the_readme_shows():
