@@ -320,6 +320,20 @@ def test_a_failed_run_leaves_no_directory_and_the_script_prints_only_the_refusal
     assert not (tmp_path / "runs").exists() and tmp_path.is_dir()
 
 
+def test_a_failed_runs_parents_go_only_while_empty(tmp_path):
+    """The parents hydra made for a failed run are removed up to the outermost one it made,
+    and only while empty: a file another job wrote beside the run keeps its folder."""
+    from ea_fairseq.hydra_checks import _outermost_missing, _remove_run_directory
+
+    run_dir = tmp_path / "runs" / "a" / "b" / "ckpt"
+    created = _outermost_missing(str(run_dir))
+    assert created == str(tmp_path / "runs") and _outermost_missing(str(tmp_path)) is None
+    (run_dir / ".hydra").mkdir(parents=True)
+    (tmp_path / "runs" / "a" / "other.log").write_text("another job's")
+    _remove_run_directory(str(run_dir), created)
+    assert sorted(p.name for p in (tmp_path / "runs").rglob("*")) == ["a", "other.log"]
+
+
 def test_the_readme_examples_print_what_the_readme_shows():
     """examples/translation/README.md's two hydra-train.sh examples, run as written from the
     repository root: stderr is exactly the line the README shows (torch's version as
