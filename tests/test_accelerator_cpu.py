@@ -228,6 +228,8 @@ def test_the_switch_runs_the_reference_everywhere():
 def test_the_build_is_private_to_this_copy_and_named_after_its_sources(kernel, tmp_path, monkeypatch):
     name = build.extension_name()
     assert name.startswith("ea_fairseq_cpu_") and name == build.extension_name()
+    # the same name as before the library was loaded (torch appends to the flags it is given)
+    assert os.path.dirname(kernel.__file__) == build.build_directory(name)
     assert build.build_directory(name).startswith(os.path.join(build.HERE, "_build"))
     # what build.ninja names is in the name: another compiler, another copy of the package
     monkeypatch.setenv("CXX", "clang++")

@@ -25,8 +25,8 @@ logger = logging.getLogger(__name__)
 HERE = os.path.dirname(os.path.realpath(__file__))
 SOURCES = [os.path.join(HERE, "csrc", "evolving_attention.cpp")]
 HEADERS = [os.path.join(HERE, "csrc", "evolving_attention_loops.h")]
-CFLAGS = ["-O3", "-fno-trapping-math", "-fopenmp"]
-LDFLAGS = ["-fopenmp"]
+CFLAGS = ("-O3", "-fno-trapping-math", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
 
 _lock = threading.Lock()
 _state = {"module": None, "tried": False}
@@ -39,7 +39,7 @@ def extension_name() -> str:
             digest.update(f.read())
     where = [HERE, os.path.dirname(os.path.realpath(torch.__file__)), sysconfig.get_paths()["include"],
              os.environ.get("CXX", "c++")]  # what build.ninja names besides the flags
-    digest.update("\n".join(CFLAGS + LDFLAGS + [torch.__version__] + where).encode())
+    digest.update("\n".join([*CFLAGS, *LDFLAGS, torch.__version__, *where]).encode())
     return f"ea_fairseq_cpu_{digest.hexdigest()[:12]}"
 
 
@@ -81,7 +81,8 @@ def _build():
             pass
         name = extension_name()
         logger.info("loading ea_fairseq's CPU accelerators (compiled on first use, then cached)")
-        return load(name=name, sources=SOURCES, extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+        # copies: torch appends its own flags to the lists it is given
+        return load(name=name, sources=SOURCES, extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
                     build_directory=build_directory(name), verbose=False)
     except Exception as err:  # no compiler, no ninja, no writable directory, ...
         from .. import ENV_SWITCH
