@@ -11,14 +11,17 @@ bash "$repo/scripts/setup_env.sh"
 venv="${EA_FAIRSEQ_VENV:-$repo/.venv}"
 cd "$repo"
 export PYTHONDONTWRITEBYTECODE=1
-# The CPU accelerators' C++ extension is compiled (first use in a checkout) before the workers
-# start, so they load one library instead of racing to build it.
-"$venv/bin/python" -c "from ea_fairseq.accelerators.cpu.build import extension; extension()"
+# The CPU accelerators' C++ extension is compiled (first use in a checkout) while pytest starts
+# its workers and collects the tests; a worker that needs it first waits for this build (torch's
+# lock on the build directory) and loads the library instead of building it again.
+"$venv/bin/python" -c "from ea_fairseq.accelerators.cpu.build import extension; extension()" &
+build=$!
 # One pytest-xdist worker per core (EA_FAIRSEQ_TEST_WORKERS=0: all in this process), each test file
 # in one worker so its module fixtures are built once; tests/conftest.py gives each worker
 # and the commands it starts their share of the cores' threads.
 "$venv/bin/python" -m pytest -q -p no:cacheprovider -rs -n "${EA_FAIRSEQ_TEST_WORKERS:-auto}" \
   --dist loadfile "$@" tests
+wait "$build"
 echo "[test] EA's tests with its reference implementation alone" >&2
 EA_FAIRSEQ_ACCELERATORS=0 "$venv/bin/python" -m pytest -q -p no:cacheprovider "$@" \
   tests/test_ea_exactness.py tests/test_ea_model.py tests/test_ea_equation.py
