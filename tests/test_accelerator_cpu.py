@@ -238,6 +238,11 @@ def test_the_build_is_private_to_this_copy_and_named_after_its_sources(kernel, t
     monkeypatch.setattr(build, "HERE", str(tmp_path))
     assert build.extension_name() != name
     monkeypatch.undo()
+    from torch.utils import cpp_extension  # torch as another path names it (a linked venv)
+
+    monkeypatch.setattr(cpp_extension, "TORCH_LIB_PATH", str(tmp_path / "lib"))
+    assert build.extension_name() != name
+    monkeypatch.undo()
     source = tmp_path / "evolving_attention.cpp"
     source.write_text(open(build.SOURCES[0]).read() + "\n// changed\n")
     monkeypatch.setattr(build, "SOURCES", [str(source)])

@@ -33,12 +33,15 @@ _state = {"module": None, "tried": False}
 
 
 def extension_name() -> str:
+    from torch.utils import cpp_extension
+
     digest = hashlib.sha256()
     for path in SOURCES + HEADERS:
         with open(path, "rb") as f:
             digest.update(f.read())
-    where = [HERE, os.path.dirname(os.path.realpath(torch.__file__)), sysconfig.get_paths()["include"],
-             os.environ.get("CXX", "c++")]  # what build.ninja names besides the flags
+    # what build.ninja names besides the flags, as torch writes it there (its paths unresolved)
+    where = [HERE, *cpp_extension.include_paths(), cpp_extension.TORCH_LIB_PATH,
+             sysconfig.get_path("include", scheme="posix_prefix"), os.environ.get("CXX", "c++")]
     digest.update("\n".join([*CFLAGS, *LDFLAGS, torch.__version__, *where]).encode())
     return f"ea_fairseq_cpu_{digest.hexdigest()[:12]}"
 
