@@ -12,8 +12,8 @@ venv="${EA_FAIRSEQ_VENV:-$repo/.venv}"
 cd "$repo"
 export PYTHONDONTWRITEBYTECODE=1
 # The CPU accelerators' C++ extension is compiled (first use in a checkout) while pytest starts
-# its workers and collects the tests; a worker that needs it first waits for this build (torch's
-# lock on the build directory) and loads the library instead of building it again.
+# its workers and collects the tests: whichever process takes torch's lock on the build
+# directory first builds it, and the others wait for it and load the library.
 "$venv/bin/python" -c "from ea_fairseq.accelerators.cpu.build import extension; extension()" &
 build=$!
 # One pytest-xdist worker per core (EA_FAIRSEQ_TEST_WORKERS=0: all in this process), each test file
