@@ -231,18 +231,15 @@ def test_the_build_is_private_to_this_copy_and_named_after_its_sources(kernel, t
     # the same name as before the library was loaded (torch appends to the flags it is given)
     assert os.path.dirname(kernel.__file__) == build.build_directory(name)
     assert build.build_directory(name).startswith(os.path.join(build.HERE, "_build"))
-    # what build.ninja names is in the name: another compiler, another copy of the package
-    monkeypatch.setenv("CXX", "clang++")
-    assert build.extension_name() != name
-    monkeypatch.delenv("CXX")
-    monkeypatch.setattr(build, "HERE", str(tmp_path))
-    assert build.extension_name() != name
-    monkeypatch.undo()
-    from torch.utils import cpp_extension  # torch as another path names it (a linked venv)
+    # what build.ninja names is in the name: another compiler, another copy of the package,
+    # torch as another path names it (a linked venv)
+    from torch.utils import cpp_extension
 
-    monkeypatch.setattr(cpp_extension, "TORCH_LIB_PATH", str(tmp_path / "lib"))
-    assert build.extension_name() != name
-    monkeypatch.undo()
+    for change in (lambda m: m.setenv("CXX", "clang++"), lambda m: m.setattr(build, "HERE", str(tmp_path)),
+                   lambda m: m.setattr(cpp_extension, "TORCH_LIB_PATH", str(tmp_path / "lib"))):
+        with monkeypatch.context() as m:
+            change(m)
+            assert build.extension_name() != name
     source = tmp_path / "evolving_attention.cpp"
     source.write_text(open(build.SOURCES[0]).read() + "\n// changed\n")
     monkeypatch.setattr(build, "SOURCES", [str(source)])
