@@ -1,51 +1,58 @@
-"""Scores of several systems over their seeds, and a paired significance test against a
-baseline, for every metric.
+"""Scores of several systems over their seeds, and seed-level inference on the difference of
+each system to a baseline, for every metric.
 
-  ea-fairseq-compare [--metric NAME ...] [--test {bs,ar}] [--samples N] [--seed 12345]
+  ea-fairseq-compare [--metric NAME ...] [--bootstrap 1000] [--trials 10000] [--seed 12345]
       [--agreement] [-s SRC -t TGT] [--subset test] BASELINE [SYSTEM ...]
 
 Each BASELINE/SYSTEM is a checkpoint directory that ``examples/translation/evaluate.sh`` has
 scored: one run (``DIR/eval/SUBSET.SRC-TGT.scores.json``) or one run per seed
 (``DIR/seed*/eval/...``, as ``SEEDS="1 2 3" train.sh`` lays them out); ``NAME=DIR`` names it
 in the tables. One table per metric: every run's score, mean ± standard deviation over the
-runs (ddof 1), and for each system the difference of means to the baseline and a p-value.
+runs (ddof 1), and for each system against the baseline:
+
+* Δ: the difference of the mean scores over the runs;
+* its 95% CI by a hierarchical bootstrap (``--bootstrap`` resamples, seeded with ``--seed``):
+  the test sentences resampled (the same resample for every run) and, within each system,
+  its runs (with replacement): the spread between seeds and the test set's sampling noise in
+  one interval. With one run per system it is the paired bootstrap CI of the test sentences;
+* Welch's t over the per-run scores (two or more runs per system): its 95% CI and two-sided p;
+* for two single runs, no seed-level test exists: p is a two-sided approximate randomisation
+  test centred on zero (``--trials``, default 10,000: each sentence's pair of outputs swapped
+  with probability 1/2; p = (c + 1) / (trials + 1), c counting trials at least as extreme as
+  the observed |Δ|, so two outputs of equal score get p = 1). (sacreBLEU's ``--paired-ar``
+  counts only trials above |Δ|, and its ``--paired-bs`` compares |Δ*| - mean |Δ*| with |Δ|, a
+  statistic not centred on zero: both give smaller p, 1/(samples + 1) for equal scores;
+  ea_fairseq_cli.significance);
+* p after Holm's correction over the systems compared to the baseline;
+* the sign agreement: of the pairs (baseline run, system run), how many differ in Δ's direction.
 
 Metrics (``--metric``, default: all of them):
 
 * the sacreBLEU metrics ea-fairseq-bleu wrote (names as in its scores.json): tok, split-fairseq,
-  split-t2t, sacrebleu (BLEU variants), chrf, chrf++. The test is sacreBLEU's own
-  ``sacrebleu.significance.PairedTest``: paired bootstrap resampling (``--test bs``, Koehn
-  2004; sacreBLEU's ``--paired-bs``) or approximate randomisation (``--test ar``, Riezler and
-  Maxwell 2005; ``--paired-ar``), ``--samples`` resamples/trials (sacreBLEU's defaults: 1000
-  for bs, 10000 for ar), seeded with ``--seed`` (``SACREBLEU_SEED``, default 12345). The
-  table's header holds the metric's sacreBLEU signature, with the test's settings.
+  split-t2t, sacrebleu (BLEU variants), chrf, chrf++, resampled from sacreBLEU's sentence
+  statistics (the corpus score of a resample is sacreBLEU's, from the summed statistics). The
+  table's header holds the metric's sacreBLEU signature.
 * any other metric, from segment-level scores: a file ``SUBSET.SRC-TGT.seg.NAME`` beside each
   run's scores.json (``DIR/eval/`` or ``DIR/seedN/eval/``) with one score per line, in test-set
   order, for every translated sentence (the lines of ``SUBSET.SRC-TGT.hyp.tok``): COMET,
-  MetricX, BLEURT, ... computed elsewhere. A run's score is the mean of its segment scores;
-  the test is the same paired bootstrap (or approximate randomisation) applied to segment
-  means: the same resampled sentence indices as sacreBLEU draws, the same p-value
-  (``(c + 1) / (samples + 1)``, c counting resamples whose centred |difference| exceeds the
-  observed one).
+  MetricX, BLEURT, ... computed elsewhere. A run's score is the mean of its segment scores.
 
-With several runs per system, every run of the system is tested against every run of the
-baseline and the table shows the largest p-value (a difference is called significant only if
-it is so for every pair of runs); with one run each, the p-value is sacreBLEU's. Identical
-outputs get p = 1 (sacreBLEU's bootstrap would give 1/(samples+1)). The resampling measures
-the test set's sampling noise, not the spread between training runs: read it with the std.
-
-``--agreement``: beside each difference, how often a difference of that size agrees with human
-judgements on which of two systems is better, and which system that is (the sign of Δ): the
-deltas of 55% and 70% pairwise accuracy of Kocmi et al., 2024, "Navigating the Metrics Maze:
-Reconciling Score Magnitudes and Accuracies", ACL (Table 1; the MT-Thresholds tool): BLEU 0.52 /
-1.39, chrF 0.33 / 1.00, COMET-22 0.10 / 0.35 (on COMET's 0-100 scale). They were fitted on
-sacreBLEU's BLEU and chrF with its default settings on detokenized text and on COMET-22
-(``Unbabel/wmt22-comet-da``), so they are shown only for those: ``sacrebleu`` with sacreBLEU's
-default signature, ``chrf`` where ea-fairseq-bleu scored detokenized text against raw
-references (``--mode wmt14-en-de``/``wmt``, not ``iwslt``), and ``comet`` where every run's
-scores.json names ``Unbabel/wmt22-comet-da`` (ea-fairseq-bleu records it). Tokenized and
-compound-split BLEU, chrF on tokenized text, chrF++ and COMET of any other model get no
-thresholds; a line under their table says why.
+``--agreement``: beside each difference, the range of human pairwise accuracy implied by the
+CIs of Δ (every difference the bootstrap CI or Welch's CI holds; not Δ alone: with few runs the
+bootstrap's resampling of them underestimates their spread, and Welch's t ignores the test
+set's sampling noise): Kocmi et al., 2024, "Navigating the Metrics Maze:
+Reconciling Score Magnitudes and Accuracies", ACL (Table 1; the MT-Thresholds tool): deltas of
+55% and 70% accuracy BLEU 0.52 / 1.39, chrF 0.33 / 1.00, COMET-22 0.10 / 0.35 (on COMET's
+0-100 scale). The system humans would prefer is named only when the CIs exclude zero, and it is
+the one with the higher score. The thresholds were calibrated on differences between WMT
+systems; for other systems (small models, few updates, another domain) they are a rough guide,
+which a line under the table says. They were fitted on sacreBLEU's BLEU and chrF with its
+default settings on detokenized text and on COMET-22 (``Unbabel/wmt22-comet-da``), so they are
+shown only for those: ``sacrebleu`` with sacreBLEU's default signature, ``chrf`` where
+ea-fairseq-bleu scored detokenized text against raw references (``--mode wmt14-en-de``/``wmt``,
+not ``iwslt``), and ``comet`` where every run's scores.json names ``Unbabel/wmt22-comet-da``.
+Tokenized and compound-split BLEU, chrF on tokenized text, chrF++ and COMET of any other model
+get no thresholds; a line under their table says why.
 """
 import argparse
 import glob
@@ -60,6 +67,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from . import bleu as bleu_script
+from . import significance as sig
 
 # Kocmi et al. (2024), Table 1: metric delta for 55% / 70% pairwise accuracy with humans
 AGREEMENT = {"BLEU": (0.52, 1.39), "chrF": (0.33, 1.00), "COMET-22": (0.10, 0.35)}
@@ -97,18 +105,6 @@ def agreement_of(metric: str, runs: List["Run"]) -> Tuple[Optional[str], str]:
         return None, ("tokenized BLEU; the thresholds were fitted on sacreBLEU's BLEU of detokenized text "
                       "(metric sacrebleu)")
     return None, "Kocmi et al. (2024) give no thresholds for it"
-
-
-def agreement_label(diff: float, thresholds: Tuple[float, float], system: str, baseline: str) -> str:
-    """How often humans agree with a difference this large, and on which system: the better one
-    by the sign of ``diff`` (system minus baseline; every thresholded metric is higher-better)."""
-    if diff == 0:
-        return "no difference"
-    better = system if diff > 0 else baseline
-    if abs(diff) < thresholds[0]:
-        return f"below 55% (humans may prefer either; {better} scores higher)"
-    share = "55% to 70%" if abs(diff) < thresholds[1] else "70% or more"
-    return f"{share}: humans would prefer {better}"
 
 
 def _seed_key(path: str):
@@ -193,71 +189,78 @@ class Run:
         return np.array(values, dtype=np.float64)
 
 
-def _p_value(sample_stats: np.ndarray, observed: float) -> float:
-    """sacreBLEU's p-value of a paired test: (c + 1) / (n + 1), c counting samples above the
-    observed statistic (as ``bootstrap-hypothesis-difference-significance.pl`` and multeval)."""
-    return (np.sum(sample_stats > observed).item() + 1) / (len(sample_stats) + 1)
+def scorer(metric: str, sentences: int, segment: bool) -> sig.Scorer:
+    """The corpus score from the column sums of the sentence statistics: sacreBLEU's own
+    computation for its metrics, the mean for segment scores."""
+    if segment:
+        return lambda sums: float(sums[0]) / sentences
+    m = bleu_script.sacrebleu_metric(metric)
+    return lambda sums: float(m._compute_score_from_stats(list(sums)).score)
 
 
-def segment_test(base: np.ndarray, system: np.ndarray, test: str, samples: int, seed: Optional[int]) -> float:
-    """p-value of the difference of segment means, with the resamples sacreBLEU draws.
-
-    ``bs``: paired bootstrap (Koehn 2004): the mean of each system over the same resampled
-    sentences; the statistic is |difference| centred on its resampling mean.
-    ``ar``: approximate randomisation: each sentence's pair of scores swapped with
-    probability 1/2; the statistic is the |difference| of the shuffled systems."""
-    n = len(base)
-    observed = abs(system.mean() - base.mean())
-    rng = np.random.default_rng(seed)
-    if test == "bs":
-        idxs = rng.choice(n, size=(samples, n), replace=True)
-        diffs = np.abs(system[idxs].mean(1) - base[idxs].mean(1))
-        return _p_value(diffs - diffs.mean(), observed)
-    pos = rng.integers(2, size=(samples, n), dtype=bool)
-    a = np.where(pos, base, system).mean(1)
-    b = np.where(pos, system, base).mean(1)
-    return _p_value(np.abs(a - b), observed)
+def sentence_statistics(metric: str, run: Run, segment: bool) -> np.ndarray:
+    """(sentences, k) statistics of a run: sacreBLEU's per-sentence sufficient statistics
+    (n-gram matches and counts) of the files the run was scored on, or its segment scores."""
+    if segment:
+        return run.segments(metric)[:, None]
+    hyps, refs = run.texts(metric)
+    m = bleu_script.sacrebleu_metric(metric)
+    stats = np.array(m._extract_corpus_statistics(hyps, [refs]), dtype=np.float64)
+    recorded = run.report["metrics"][metric]["score"]
+    computed = float(m._compute_score_from_stats(list(stats.sum(0))).score)
+    if abs(computed - recorded) > 1e-6 * max(1.0, abs(recorded)):
+        raise SystemExit(f"ea-fairseq-compare: {run.path} records {metric} {recorded} but its files score "
+                         f"{computed}: the files were changed after scoring; score the run again")
+    return stats
 
 
-def sacrebleu_tests(metric: str, baseline: List[Run], systems: Dict[str, List[Run]], test: str,
-                    samples: int) -> Tuple[Dict[str, float], str]:
-    """Largest p-value over (baseline run, system run) pairs, per system, from sacreBLEU's
-    PairedTest; and the metric's signature with the test's settings."""
-    from sacrebleu.significance import PairedTest
+def compare(stats: Dict[str, List[np.ndarray]], score_of: sig.Scorer, bootstrap: int, trials: int,
+            seed: Optional[int], level: float = 0.95) -> Dict[str, dict]:
+    """Per system (the first is the baseline): its runs' scores, mean and std; for the others
+    Δ, the hierarchical bootstrap CI, Welch's t (two or more runs each), the p of the test the
+    pair allows (Welch, or approximate randomisation for one run against one run), Holm's
+    adjusted p over the systems, and the sign agreement of the pairs of runs."""
+    names = list(stats)
+    boot = sig.hierarchical_bootstrap([stats[n] for n in names], score_of, bootstrap, seed, level)
+    out: Dict[str, dict] = {}
+    base = np.array([score_of(x.sum(0)) for x in stats[names[0]]])
+    for i, n in enumerate(names):
+        scores = np.array([score_of(x.sum(0)) for x in stats[n]])
+        entry = {"scores": scores.tolist(), "mean": float(scores.mean()),
+                 "std": float(scores.std(ddof=1)) if len(scores) > 1 else None}
+        if i:
+            entry.update(delta=float(scores.mean() - base.mean()), ci=boot["ci"](i, 0), welch=None, p=None,
+                         test=None, sign=sig.sign_agreement(base, scores))
+            if len(scores) > 1 and len(base) > 1:
+                entry["welch"] = sig.welch(base, scores, level)
+                entry["p"], entry["test"] = entry["welch"]["p"], "Welch"
+            elif len(scores) == 1 and len(base) == 1:
+                entry["p"] = sig.randomisation_test(stats[names[0]][0], stats[n][0], score_of, trials, seed)
+                entry["test"] = "AR"
+            # the human-agreement range: every difference either CI holds (a bootstrap of few seeds
+            # underestimates their spread, Welch's t ignores the test set's sampling noise)
+            w = entry["welch"]["ci"] if entry["welch"] else entry["ci"]
+            entry["agreement_ci"] = (min(entry["ci"][0], w[0]), max(entry["ci"][1], w[1]))
+        out[n] = entry
+    others = names[1:]
+    for n, adjusted in zip(others, sig.holm([out[n]["p"] for n in others])):
+        out[n]["p_holm"] = adjusted
+    return out
 
-    worst: Dict[str, float] = {name: 0.0 for name in systems}
-    signature = ""
-    for base in baseline:
-        base_hyps, refs = base.texts(metric)
-        named = [("baseline", base_hyps)]
-        owner = {}
-        for name, runs in systems.items():
-            for i, run in enumerate(runs):
-                hyps = run.texts(metric)[0]
-                if hyps == base_hyps:  # identical outputs: no difference to test
-                    continue
-                named.append((f"{name}#{i}", hyps))
-                owner[f"{name}#{i}"] = name
-        if len(named) > 1:
-            paired = PairedTest(named, {metric: bleu_script.sacrebleu_metric(metric)}, [refs],
-                                test_type=test, n_samples=samples)
-            signatures, scores = paired()
-            key = next(iter(signatures))  # PairedTest keys its results by the score's name (BLEU, chrF2, ...)
-            signature = signatures[key].format()
-            for sys_name, result in zip(scores["System"][1:], scores[key][1:]):
-                worst[owner[sys_name]] = max(worst[owner[sys_name]], result.p_value)
-        for name, runs in systems.items():
-            if any(run.texts(metric)[0] == base_hyps for run in runs):
-                worst[name] = 1.0
-    if not signature:  # every output identical to the baseline's: no test run
-        signature = baseline[0].report["metrics"][metric]["signature"]
-    return worst, signature
+
+def _p(x: Optional[float]) -> str:
+    return "–" if x is None else "undefined" if np.isnan(x) else f"{x:.4f}"
 
 
 def _table(rows: List[List[str]], head: List[str]) -> List[str]:
     widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
     fmt = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
     return [fmt(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [fmt(r) for r in rows]
+
+
+CAVEAT = ("human agreement: Kocmi et al. (2024), Navigating the Metrics Maze, ACL: the range of pairwise accuracy "
+          "against human judgements that the differences in the CIs of Δ (both of them) reach; calibrated on differences "
+          "between WMT systems, a rough guide for other systems (small models, few updates, another domain)")
 
 
 def main(argv=None) -> int:
@@ -267,24 +270,22 @@ def main(argv=None) -> int:
                    help="metrics to compare: names of ea-fairseq-bleu's scores.json (tok, split-fairseq, "
                         "split-t2t, sacrebleu, chrf, chrf++) or of segment-score files SUBSET.SRC-TGT.seg.NAME "
                         "(default: every metric all runs have)")
-    p.add_argument("--test", choices=("bs", "ar"), default="bs",
-                   help="paired bootstrap resampling (bs, default) or approximate randomisation (ar)")
-    p.add_argument("--samples", type=int, default=None,
-                   help="bootstrap resamples / randomisation trials [sacreBLEU's: 1000 for bs, 10000 for ar]")
-    p.add_argument("--seed", type=int, default=12345, help="seed of the resampling [12345, sacreBLEU's]")
+    p.add_argument("--bootstrap", type=int, default=1000,
+                   help="resamples of the hierarchical bootstrap (sentences and seeds) [1000]")
+    p.add_argument("--trials", type=int, default=10000,
+                   help="approximate randomisation trials, for one run against one run [10000]")
+    p.add_argument("--seed", type=int, default=12345, help="seed of the resampling [12345]")
     p.add_argument("--agreement", action="store_true",
-                   help="beside each difference, how often humans agree on which system is better "
-                        "(Kocmi et al., 2024): for sacreBLEU's detokenized BLEU and chrF and for COMET-22 "
+                   help="beside each difference, the range of human agreement its CI implies (Kocmi et al., "
+                        "2024): for sacreBLEU's detokenized BLEU and chrF and for COMET-22 "
                         "(Unbabel/wmt22-comet-da) only, the variants the thresholds were fitted on")
     p.add_argument("-s", "--source-lang")
     p.add_argument("-t", "--target-lang")
     p.add_argument("--subset", default="test")
     args = p.parse_args(argv)
     logging.basicConfig(format="%(levelname)s | %(name)s | %(message)s", level=logging.WARNING)
-    samples = args.samples or {"bs": 1000, "ar": 10000}[args.test]
-    if samples < 1:
-        raise SystemExit("ea-fairseq-compare: --samples must be at least 1")
-    os.environ["SACREBLEU_SEED"] = str(args.seed)  # how sacreBLEU's PairedTest is seeded
+    if args.bootstrap < 1 or args.trials < 1:
+        raise SystemExit("ea-fairseq-compare: --bootstrap and --trials must be at least 1")
 
     direction = f"{args.source_lang}-{args.target_lang}" if args.source_lang and args.target_lang else "*"
     pattern = f"{args.subset}.{direction}.scores.json"
@@ -320,57 +321,58 @@ def main(argv=None) -> int:
         if ref_metric and hashlib.sha256("\n".join(run.texts(ref_metric)[1]).encode()).hexdigest() != refs_hash:
             raise SystemExit(f"ea-fairseq-compare: {run.path} was scored on other references "
                              f"(or other sentences) than {first.path}: not comparable")
+        if run.sentences != first.sentences:
+            raise SystemExit(f"ea-fairseq-compare: {run.path} translated {run.sentences} sentences, "
+                             f"{first.path} {first.sentences}: not comparable")
 
     names = list(systems)
-    baseline, others = systems[names[0]], {n: systems[n] for n in names[1:]}
     report = first.report
     coverage = (f"{report['translated']} of {report['sentences']} sentences"
                 if report["translated"] != report["sentences"] else f"{report['translated']} sentences")
-    test_name = {"bs": f"paired bootstrap, {samples} resamples",
-                 "ar": f"approximate randomisation, {samples} trials"}[args.test]
-    print(f"{args.subset} set, {coverage}; baseline: {names[0]}; p: {test_name} of the test "
-          f"sentences (seed {args.seed}), the largest over pairs of runs")
+    print(f"{args.subset} set, {coverage}; baseline: {names[0]}")
+    if len(names) > 1:
+        print(f"Δ: difference of the mean scores; 95% CI: hierarchical bootstrap over the runs and the test "
+              f"sentences ({args.bootstrap} resamples, seed {args.seed}) and Welch's t over the runs; p: Welch's t "
+              f"(two or more runs each) or a two-sided approximate randomisation test ({args.trials} trials; one "
+              f"run each); Holm: over the {len(names) - 1} system(s) compared; sign: pairs of runs differing "
+              "in Δ's direction. With few runs the bootstrap's resampling of them underestimates their spread: "
+              "read it with Welch's CI")
     for metric in sacre + segment:
-        print(f"ea-fairseq-compare: {metric}: {test_name} ...", file=sys.stderr, flush=True)
-        if metric in sacre:
-            scores = {n: np.array([r.report["metrics"][metric]["score"] for r in rs]) for n, rs in systems.items()}
-            pvalues, signature = sacrebleu_tests(metric, baseline, others, args.test, samples)
-            label = report["metrics"][metric]["label"]
-            title = f"{label}\nsacreBLEU signature: {signature}"
-        else:
-            segs = {n: [r.segments(metric) for r in rs] for n, rs in systems.items()}
-            scores = {n: np.array([s.mean() for s in ss]) for n, ss in segs.items()}
-            pvalues = {}
-            for n in others:
-                pvalues[n] = max(1.0 if np.array_equal(b, s) else
-                                 segment_test(b, s, args.test, samples, args.seed)
-                                 for b in segs[names[0]] for s in segs[n])
+        is_segment = metric not in sacre
+        print(f"ea-fairseq-compare: {metric} ...", file=sys.stderr, flush=True)
+        stats = {n: [sentence_statistics(metric, r, is_segment) for r in rs] for n, rs in systems.items()}
+        result = compare(stats, scorer(metric, first.sentences, is_segment), args.bootstrap, args.trials, args.seed)
+        if is_segment:
             title = f"{metric}: mean of the segment scores in {first.prefix}.seg.{metric} (and each run's)"
+        else:
+            m = bleu_script.sacrebleu_metric(metric)
+            m.corpus_score(["x"], [["x"]])  # (a signature names the number of references)
+            title = f"{report['metrics'][metric]['label']}\nsacreBLEU signature: {m.get_signature()}"
         agreed, why_not = agreement_of(metric, runs) if args.agreement else (None, "")
         thresholds = AGREEMENT[agreed] if agreed else None
-        small = all(np.abs(x).max() <= 1.5 for x in scores.values())  # e.g. COMET's 0-1 scale
+        small = is_segment and all(abs(x) <= 1.5 for e in result.values() for x in e["scores"])  # COMET: 0-1
         digits = 4 if small else 2
-        head = ["system", "runs", f"{metric} of each run", "mean ± std", "Δ mean", "p"]
+        head = ["system", "runs", f"{metric} of each run", "mean ± std", "Δ mean", "95% CI, bootstrap",
+                "95% CI, Welch", "p", "test", "p, Holm", "sign"]
         if thresholds:
             scale = ""
-            if metric in segment and small:
+            if is_segment and small:
                 thresholds, scale = (thresholds[0] / 100, thresholds[1] / 100), ", scores on a 0-1 scale"
-            head.append(f"human agreement of Δ (55% / 70% at {agreed} "
+            head.append(f"human agreement implied by the CIs (55% / 70% at {agreed} "
                         f"{thresholds[0]:.4g} / {thresholds[1]:.4g}{scale})")
+        rng = lambda ci: f"[{ci[0]:+.{digits}f}, {ci[1]:+.{digits}f}]"  # noqa: E731
         rows = []
-        base_mean = scores[names[0]].mean()
         for n in names:
-            s = scores[n]
-            spread = (f"{s.mean():.{digits}f} ± {s.std(ddof=1):.{digits}f}" if len(s) > 1
-                      else f"{s.mean():.{digits}f}")
-            row = [n, str(len(s)), " ".join(f"{x:.{digits}f}" for x in s), spread]
+            e = result[n]
+            spread = f"{e['mean']:.{digits}f}" + ("" if e["std"] is None else f" ± {e['std']:.{digits}f}")
+            row = [n, str(len(e["scores"])), " ".join(f"{x:.{digits}f}" for x in e["scores"]), spread]
             if n == names[0]:
-                row += ["–", "–"] + (["–"] if thresholds else [])
+                row += ["–"] * (len(head) - 4)
             else:
-                diff = s.mean() - base_mean
-                row += [f"{diff:+.{digits}f}", f"{pvalues[n]:.4f}"]
+                row += [f"{e['delta']:+.{digits}f}", rng(e["ci"]), rng(e["welch"]["ci"]) if e["welch"] else "–",
+                        _p(e["p"]), e["test"] or "–", _p(e["p_holm"]), "{}/{}".format(*e["sign"])]
                 if thresholds:
-                    row.append(agreement_label(diff, thresholds, n, names[0]))
+                    row.append(sig.agreement_range(e["agreement_ci"], thresholds, n, names[0]))
             rows.append(row)
         print()
         print(title)
@@ -378,8 +380,7 @@ def main(argv=None) -> int:
         if why_not:
             print(f"(no human-agreement thresholds: {why_not})")
     if args.agreement:
-        print("\nhuman agreement: Kocmi et al. (2024), Navigating the Metrics Maze, ACL; "
-              "the pairwise accuracy a metric difference of that size reaches against human judgements")
+        print(f"\n{CAVEAT}")
     return 0
 
 

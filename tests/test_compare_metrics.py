@@ -69,65 +69,123 @@ def test_bleu_prints_chrf_and_chrf_plus_plus_with_signatures(tmp_path, capsys):
     assert out.splitlines()[-1].startswith("COMET: not scored (")  # says how, in one line
 
 
-@pytest.mark.parametrize("test, flag", [("bs", "--paired-bs"), ("ar", "--paired-ar")])
-def test_compare_equals_sacrebleu_command_line_for_each_metric(tmp_path, capsys, test, flag):
-    """One run per system: score, p-value and signature of every metric are what
-    ``sacrebleu REF -i BASE SYS --paired-bs/-ar`` prints on the files evaluate.sh wrote."""
+def _stats(metric, hyps, refs):
+    m = bleu.sacrebleu_metric(metric)
+    return np.array(m._extract_corpus_statistics(hyps, [refs]), dtype=np.float64)
+
+
+def test_one_run_each_randomisation_test_and_bootstrap_ci(tmp_path, capsys):
+    """One run per system: every metric's score is sacreBLEU's (scores.json), Δ its difference,
+    the CI the sentence bootstrap's and p the two-sided approximate randomisation test's, on the
+    sentence statistics of the files evaluate.sh wrote; no Welch (one run)."""
     refs = _corpus()
     base, system = _noisy(refs, 0.15, 1), _noisy(refs, 0.18, 2)
-    ev = fx.write_scored_run(tmp_path / "base", refs, base)
+    fx.write_scored_run(tmp_path / "base", refs, base)
     fx.write_scored_run(tmp_path / "sys", refs, system)
     capsys.readouterr()
-    samples = ["--samples", "1000"] if test == "ar" else []  # (sacreBLEU's ar default is 10000)
-    assert compare.main([str(tmp_path / "base"), str(tmp_path / "sys"), "--test", test, *samples]) == 0
+    assert compare.main([str(tmp_path / "base"), str(tmp_path / "sys"), "--trials", "1000", "--bootstrap", "300",
+                         "--seed", "5"]) == 0
     tables = _tables(capsys.readouterr().out)
     assert list(tables) == ["tok", "chrf", "chrf++"]
-    for name, args in (("tok", ["-m", "bleu", "--tokenize", "none", "--smooth-method", "none", "--force"]),
-                       ("chrf", ["-m", "chrf"]), ("chrf++", ["-m", "chrf", "--chrf-word-order", "2"])):
-        cli_args = args + [flag] + (["--paired-ar-n", "1000"] if test == "ar" else [])
-        p, score, sig = _sacrebleu_cli(ev / "test.de-en.ref.tok", ev / "test.de-en.hyp.tok",
-                                       tmp_path / "sys" / "eval" / "test.de-en.hyp.tok", *cli_args)
+    report = json.load(open(tmp_path / "sys" / "eval" / "test.de-en.scores.json"))
+    base_report = json.load(open(tmp_path / "base" / "eval" / "test.de-en.scores.json"))
+    for name in tables:
+        score_of = compare.scorer(name, len(refs), False)
+        a, b = _stats(name, base, refs), _stats(name, system, refs)
         row = tables[name]["sys"]
-        assert f"{p:.4f}" == row[5], name
-        assert f"{score:.1f}" == f"{float(row[3]):.1f}", name
-        assert f"sacreBLEU signature: {sig}" in tables[name]["title"], name
+        assert row[2] == f"{report['metrics'][name]['score']:.2f}", name
+        assert row[4] == f"{report['metrics'][name]['score'] - base_report['metrics'][name]['score']:+.2f}", name
+        ci = compare.sig.hierarchical_bootstrap([[a], [b]], score_of, 300, 5)["ci"](1, 0)
+        assert row[5] == f"[{ci[0]:+.2f}, {ci[1]:+.2f}]" and ci[0] < float(row[4]) < ci[1], name
+        assert row[6] == "–" and row[8] == "AR" and row[10] in ("1/1", "0/1"), name
+        p = compare.sig.randomisation_test(a, b, score_of, 1000, 5)
+        assert row[7] == f"{p:.4f}" == row[9], name  # (one system: Holm changes nothing)
+        assert f"sacreBLEU signature: {report['metrics'][name]['signature']}" in tables[name]["title"], name
 
 
-def test_segment_scores_mean_std_and_paired_bootstrap(tmp_path, capsys):
-    """A metric computed elsewhere: mean ± std over seeds of the segment means; the paired
-    bootstrap over segment means with sacreBLEU's resamples (numpy default_rng(seed).choice)
-    and p-value, here written out as a loop."""
+def test_seeds_welch_holm_and_sign(tmp_path, capsys):
+    """Three runs of the baseline, three and two of two systems: Welch's t (scipy's), Holm over
+    the two systems, the sign agreement over the pairs of runs; the same CLI output twice
+    (seeded resampling)."""
+    stats = pytest.importorskip("scipy.stats")
+    refs = _corpus(80)
+    for k in range(3):
+        fx.write_scored_run(tmp_path / "base" / f"seed{k + 1}", refs, _noisy(refs, 0.2 + 0.02 * k, k))
+        fx.write_scored_run(tmp_path / "a" / f"seed{k + 1}", refs, _noisy(refs, 0.12 + 0.02 * k, 10 + k))
+    for k in range(2):
+        fx.write_scored_run(tmp_path / "b" / f"seed{k + 1}", refs, _noisy(refs, 0.19 + 0.03 * k, 20 + k))
+    argv = [str(tmp_path / d) for d in ("base", "a", "b")] + ["--metric", "tok", "--bootstrap", "200"]
+    capsys.readouterr()
+    assert compare.main(argv) == 0
+    out = capsys.readouterr().out
+    assert compare.main(argv) == 0
+    assert capsys.readouterr().out == out
+    table = _tables(out)["tok"]
+    scores = {n: [float(x) for x in table[n][2].split()] for n in ("base", "a", "b")}
+    ps = {}
+    for n in ("a", "b"):
+        ref = stats.ttest_ind(scores[n], scores["base"], equal_var=False)
+        ci = ref.confidence_interval()
+        row = table[n]
+        assert row[8] == "Welch" and row[1] == str(len(scores[n]))
+        # (the table's scores are rounded to 2 digits, its statistics computed from the exact ones)
+        assert float(row[7]) == pytest.approx(ref.pvalue, abs=0.02)
+        lo, hi = (float(x) for x in row[6].strip("[]").split(","))
+        assert lo == pytest.approx(ci.low, abs=0.05) and hi == pytest.approx(ci.high, abs=0.05)
+        ps[n] = float(row[7])
+        diffs = np.subtract.outer(scores[n], scores["base"])
+        agree = np.sum(diffs > 0) if np.mean(scores[n]) > np.mean(scores["base"]) else np.sum(diffs < 0)
+        assert row[10] == f"{agree}/{diffs.size}"
+    low, high = sorted(ps.values())
+    holm = {n: (min(1, 2 * low) if ps[n] == low else max(min(1, 2 * low), high)) for n in ps}
+    for n in ps:
+        assert float(table[n][9]) == pytest.approx(holm[n], abs=2e-4)
+
+
+def test_two_untrained_systems_at_zero_bleu_are_not_different(tmp_path, capsys):
+    """Two different outputs that share no word with the references: BLEU 0 both, Δ +0.00 and
+    p 1 (not the 1/(trials+1) of a test that counts only trials above |Δ|)."""
+    refs = _corpus(60)
+    fx.write_scored_run(tmp_path / "a", refs, ["xx yy zz"] * 60)
+    fx.write_scored_run(tmp_path / "b", refs, ["qq rr"] * 60)
+    capsys.readouterr()
+    assert compare.main([str(tmp_path / "a"), str(tmp_path / "b"), "--metric", "tok", "--bootstrap", "100"]) == 0
+    row = _tables(capsys.readouterr().out)["tok"]["b"]
+    assert row[2] == "0.00" and row[4] == "+0.00" and row[5] == "[+0.00, +0.00]"
+    assert row[7] == "1.0000" and row[8] == "AR" and row[10] == "0/1"
+
+
+def test_segment_scores_mean_std_and_welch(tmp_path, capsys):
+    """A metric computed elsewhere: mean ± std over seeds of the segment means, Δ and Welch's t
+    of the segment means, 4 digits on a 0-1 scale; a system identical to the baseline: Δ 0, p 1."""
     refs = _corpus(80)
     rng = np.random.default_rng(0)
-    base_seg = rng.uniform(0.6, 0.9, size=80)
-    seeds_seg = [base_seg + rng.normal(0.01, 0.05, size=80) for _ in range(3)]
-    fx.write_scored_run(tmp_path / "base", refs, _noisy(refs, 0.1, 1), {"metricx": base_seg})
+    base_seg = [rng.uniform(0.6, 0.9, size=80) for _ in range(2)]
+    seeds_seg = [base_seg[0] + rng.normal(0.01, 0.05, size=80) for _ in range(3)]
+    for k, seg in enumerate(base_seg, 1):
+        fx.write_scored_run(tmp_path / "base" / f"seed{k}", refs, _noisy(refs, 0.1, k), {"metricx": seg})
     for k, seg in enumerate(seeds_seg, 1):
         fx.write_scored_run(tmp_path / "sys" / f"seed{k}", refs, _noisy(refs, 0.1, 10 + k), {"metricx": seg})
     capsys.readouterr()
-    assert compare.main([str(tmp_path / "base"), str(tmp_path / "sys"), "--metric", "metricx", "chrf"]) == 0
+    assert compare.main([str(tmp_path / "base"), str(tmp_path / "sys"), "--metric", "metricx", "chrf",
+                         "--bootstrap", "200"]) == 0
     tables = _tables(capsys.readouterr().out)
     assert list(tables) == ["chrf", "metricx"]
     row = tables["metricx"]["sys"]
-    means = np.array([s.mean() for s in seeds_seg])
-    assert row[1] == "3" and row[2] == " ".join(f"{m:.4f}" for m in means)  # (4 digits on a 0-1 scale)
+    means, base_means = np.array([s.mean() for s in seeds_seg]), np.array([s.mean() for s in base_seg])
+    assert row[1] == "3" and row[2] == " ".join(f"{m:.4f}" for m in means)
     assert row[3] == f"{means.mean():.4f} ± {means.std(ddof=1):.4f}"
-    assert row[4] == f"{means.mean() - base_seg.mean():+.4f}"
-
-    def koehn(a, b, samples=1000, seed=12345):
-        idxs = np.random.default_rng(seed).choice(len(a), size=(samples, len(a)), replace=True)
-        observed = abs(b.mean() - a.mean())
-        diffs = np.array([abs(b[i].mean() - a[i].mean()) for i in idxs])
-        return (np.sum(diffs - diffs.mean() > observed) + 1) / (samples + 1)
-
-    assert row[5] == f"{max(koehn(base_seg, s) for s in seeds_seg):.4f}"
-    assert 0.001 < float(row[5]) < 1
-    # a system identical to the baseline: p = 1
-    fx.write_scored_run(tmp_path / "same", refs, _noisy(refs, 0.1, 1), {"metricx": base_seg})
+    assert row[4] == f"{means.mean() - base_means.mean():+.4f}"
+    w = compare.sig.welch(base_means, means)
+    assert row[6] == f"[{w['ci'][0]:+.4f}, {w['ci'][1]:+.4f}]" and row[7] == f"{w['p']:.4f}"
+    for k, seg in enumerate(base_seg, 1):
+        fx.write_scored_run(tmp_path / "same" / f"seed{k}", refs, _noisy(refs, 0.1, k), {"metricx": seg})
     capsys.readouterr()
-    assert compare.main([str(tmp_path / "base"), str(tmp_path / "same"), "--metric", "metricx", "tok"]) == 0
+    assert compare.main([str(tmp_path / "base"), str(tmp_path / "same"), "--metric", "metricx", "tok",
+                         "--bootstrap", "50"]) == 0
     tables = _tables(capsys.readouterr().out)
-    assert tables["metricx"]["same"][4:] == ["+0.0000", "1.0000"] and tables["tok"]["same"][4:] == ["+0.00", "1.0000"]
+    assert tables["metricx"]["same"][4] == "+0.0000" and tables["metricx"]["same"][7] == "1.0000"
+    assert tables["tok"]["same"][4] == "+0.00" and tables["tok"]["same"][7] == "1.0000"
 
 
 def test_segment_scores_bad_files_are_refused(tmp_path):
@@ -171,13 +229,15 @@ def test_agreement_only_for_the_variants_the_thresholds_were_fitted_on(tmp_path,
     _wmt_run(tmp_path / "base", refs, _noisy(refs, 0.1, 1), [0.80] * n)
     _wmt_run(tmp_path / "worse", refs, _noisy(refs, 0.4, 2), [0.7975] * n)
     capsys.readouterr()
-    assert compare.main(["base=" + str(tmp_path / "base"), "worse=" + str(tmp_path / "worse"), "--agreement"]) == 0
+    assert compare.main(["base=" + str(tmp_path / "base"), "worse=" + str(tmp_path / "worse"), "--agreement",
+                         "--bootstrap", "200"]) == 0
     out = capsys.readouterr().out
     tables = _tables(out)
     assert list(tables) == ["tok", "sacrebleu", "chrf", "chrf++", "comet"]
     assert tables["sacrebleu"]["head"][-1].endswith("(55% / 70% at BLEU 0.52 / 1.39)")
     delta = float(tables["sacrebleu"]["worse"][4])
-    assert delta < -1.39  # worse is worse: humans would prefer the baseline, not "worse"
+    hi = float(tables["sacrebleu"]["worse"][5].strip("[]").split(",")[1])
+    assert delta < hi < -1.39  # worse is worse: humans would prefer the baseline, not "worse"
     assert tables["sacrebleu"]["worse"][-1] == "70% or more: humans would prefer base"
     assert tables["chrf"]["head"][-1].endswith("(55% / 70% at chrF 0.33 / 1)")
     assert tables["chrf"]["worse"][-1] == "70% or more: humans would prefer base"
@@ -185,13 +245,13 @@ def test_agreement_only_for_the_variants_the_thresholds_were_fitted_on(tmp_path,
     assert tables["comet"]["head"][-1].endswith("(55% / 70% at COMET-22 0.001 / 0.0035, scores on a 0-1 scale)")
     assert tables["comet"]["worse"][4] == "-0.0025" and tables["comet"]["worse"][-1] == "55% to 70%: humans would prefer base"
     for name in ("tok", "chrf++"):
-        assert len(tables[name]["head"]) == 6, name  # no column
+        assert len(tables[name]["head"]) == 11, name  # no column
     assert "(no human-agreement thresholds: tokenized BLEU;" in out
     assert "Kocmi et al. (2024) give no thresholds for it" in out
     # the other direction: the system is better, the label names it
     capsys.readouterr()
     assert compare.main(["worse=" + str(tmp_path / "worse"), "base=" + str(tmp_path / "base"), "--agreement",
-                         "--metric", "sacrebleu", "comet"]) == 0
+                         "--metric", "sacrebleu", "comet", "--bootstrap", "200"]) == 0
     tables = _tables(capsys.readouterr().out)
     assert tables["sacrebleu"]["base"][-1] == "70% or more: humans would prefer base"
     assert tables["comet"]["base"][4] == "+0.0025"
@@ -202,22 +262,37 @@ def test_agreement_only_for_the_variants_the_thresholds_were_fitted_on(tmp_path,
     fx.write_scored_run(tmp_path / "i1", refs, _noisy(refs, 0.1, 1))
     fx.write_scored_run(tmp_path / "i2", refs, _noisy(refs, 0.4, 2))
     capsys.readouterr()
-    assert compare.main([str(tmp_path / "b2"), str(tmp_path / "s2"), "--agreement", "--metric", "comet"]) == 0
+    assert compare.main([str(tmp_path / "b2"), str(tmp_path / "s2"), "--agreement", "--metric", "comet",
+                         "--bootstrap", "50"]) == 0
     out = capsys.readouterr().out
-    assert len(_tables(out)["comet"]["head"]) == 6
+    assert len(_tables(out)["comet"]["head"]) == 11
     assert "(no human-agreement thresholds: the COMET model (Unbabel/wmt20-comet-da) is not Unbabel/wmt22-comet-da" in out
-    assert compare.main([str(tmp_path / "i1"), str(tmp_path / "i2"), "--agreement", "--metric", "chrf"]) == 0
+    assert compare.main([str(tmp_path / "i1"), str(tmp_path / "i2"), "--agreement", "--metric", "chrf",
+                         "--bootstrap", "50", "--trials", "100"]) == 0
     out = capsys.readouterr().out
-    assert len(_tables(out)["chrf"]["head"]) == 6 and "chrF on tokenized text (--mode iwslt)" in out
+    assert len(_tables(out)["chrf"]["head"]) == 11 and "chrF on tokenized text (--mode iwslt)" in out
 
 
-def test_agreement_label_follows_the_sign():
-    t = compare.AGREEMENT["BLEU"]
-    assert compare.agreement_label(+2.0, t, "sys", "base") == "70% or more: humans would prefer sys"
-    assert compare.agreement_label(-2.0, t, "sys", "base") == "70% or more: humans would prefer base"
-    assert compare.agreement_label(-1.0, t, "sys", "base") == "55% to 70%: humans would prefer base"
-    assert compare.agreement_label(0.3, t, "sys", "base").startswith("below 55%")
-    assert compare.agreement_label(0.0, t, "sys", "base") == "no difference"
+def test_agreement_names_the_system_with_the_higher_score(tmp_path, capsys):
+    """Two nearly untrained systems, chrF about 1 and 5: whichever is the baseline, the system
+    humans would prefer is the one with the higher chrF, and Δ's sign says the same."""
+    refs = _corpus()
+    junk = lambda seed: [" ".join(random.Random(seed * 1000 + i).choice(["zq", "xv", "tk"])  # noqa: E731
+                                  for _ in range(6)) for i in range(len(refs))]
+    _wmt_run(tmp_path / "ea", refs, junk(1))
+    _wmt_run(tmp_path / "base", refs, [h if i % 4 else r.split()[0] + " " + h for i, (h, r) in
+                                       enumerate(zip(junk(2), refs))])
+    for order in (["ea", "base"], ["base", "ea"]):
+        capsys.readouterr()
+        assert compare.main([f"{n}={tmp_path / n}" for n in order] + ["--agreement", "--metric", "chrf",
+                                                                       "--bootstrap", "200", "--trials", "200"]) == 0
+        table = _tables(capsys.readouterr().out)["chrf"]
+        first, second = (float(table[n][3]) for n in order)
+        assert first < 10 and second < 10 and abs(first - second) > 1
+        higher = order[0] if first > second else order[1]
+        row = table[order[1]]
+        assert (float(row[4]) > 0) == (higher == order[1])
+        assert row[-1].endswith(f"humans would prefer {higher}"), row[-1]
 
 
 def test_comet_scores_through_unbabel_comet_api(tmp_path, capsys, monkeypatch):

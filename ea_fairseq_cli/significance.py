@@ -1,0 +1,219 @@
+"""Seed-level inference for comparing translation systems: pure functions on scores.
+
+A system is a set of runs (one per training seed) scored on one test set. Every run's score
+is a corpus-level statistic of per-sentence sufficient statistics (``stats``: one row per
+sentence; sacreBLEU's n-gram counts for BLEU and chrF, one segment score for metrics computed
+elsewhere) and ``score_of`` turns their column sums into the corpus score.
+
+* ``hierarchical_bootstrap``: a percentile CI of the difference of the systems' mean scores,
+  resampling the test sentences (shared by every run: the runs translate the same sentences)
+  and, within each system, its seeds (with replacement); both sources of variance in one
+  interval.
+* ``welch``: Welch's t on the per-seed scores (unequal variances): Δ, its CI and the
+  two-sided p.
+* ``randomisation_test``: two-sided approximate randomisation of one run against one run,
+  centred on zero: each sentence's pair of statistics swapped with probability 1/2;
+  p = (c + 1) / (trials + 1), c counting trials whose |difference| is at least the observed
+  one. (sacreBLEU's ``--paired-ar`` counts only those above it, which gives p = 1/(trials+1)
+  to two outputs of equal score; its ``--paired-bs`` compares |Δ*| - mean |Δ*| to |Δ|, a
+  statistic not centred on zero that gives smaller p than the centred test.)
+* ``holm``: Holm's step-down adjustment over the systems compared to one baseline.
+* ``sign_agreement``: of the pairs (baseline run, system run), how many differ in the
+  direction of Δ.
+* ``agreement_range``: Kocmi et al. (2024)'s pairwise accuracy bands for every difference
+  in a CI.
+
+The t distribution is computed here (regularised incomplete beta function, Lentz's continued
+fraction as in Numerical Recipes §6.4), so the tool needs numpy only.
+"""
+import math
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+Scorer = Callable[[np.ndarray], float]  # column sums of the sentence statistics -> corpus score
+
+
+# ----------------------------------------------------------------------------- Student's t
+def _betacf(a: float, b: float, x: float) -> float:
+    tiny, eps = 1e-300, 1e-15
+    qab, qap, qam = a + b, a + 1.0, a - 1.0
+    c, d = 1.0, 1.0 - qab * x / qap
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 10000):
+        m2 = 2 * m
+        aa = m * (b - m) * x / ((qam + m2) * (a + m2))
+        d = 1.0 + aa * d
+        d = 1.0 / (d if abs(d) > tiny else tiny)
+        c = 1.0 + aa / c
+        c = c if abs(c) > tiny else tiny
+        h *= d * c
+        aa = -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))
+        d = 1.0 + aa * d
+        d = 1.0 / (d if abs(d) > tiny else tiny)
+        c = 1.0 + aa / c
+        c = c if abs(c) > tiny else tiny
+        delta = d * c
+        h *= delta
+        if abs(delta - 1.0) < eps:
+            break
+    return h
+
+
+def betainc(a: float, b: float, x: float) -> float:
+    """The regularised incomplete beta function I_x(a, b)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    if x < (a + 1.0) / (a + b + 2.0):
+        return front * _betacf(a, b, x) / a
+    return 1.0 - front * _betacf(b, a, 1.0 - x) / b
+
+
+def t_sf2(t: float, df: float) -> float:
+    """Two-sided tail probability P(|T| >= |t|) of Student's t with df degrees of freedom."""
+    if math.isinf(t):
+        return 0.0
+    return betainc(df / 2.0, 0.5, df / (df + t * t))
+
+
+def t_ppf(q: float, df: float) -> float:
+    """The q-quantile of Student's t (0.5 < q < 1), by bisection of the tail probability."""
+    if not 0.5 < q < 1.0:
+        raise ValueError("t_ppf: q must lie in (0.5, 1)")
+    target = 2.0 * (1.0 - q)  # two-sided tail beyond the quantile
+    lo, hi = 0.0, 1.0
+    while t_sf2(hi, df) > target:
+        hi *= 2.0
+    for _ in range(200):
+        mid = (lo + hi) / 2.0
+        if t_sf2(mid, df) > target:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo <= 1e-13 * hi:
+            break
+    return (lo + hi) / 2.0
+
+
+# ----------------------------------------------------------------------------- seed level
+def welch(base: Sequence[float], system: Sequence[float], level: float = 0.95) -> dict:
+    """Welch's unequal-variance t test of mean(system) - mean(base): delta, t, df,
+    two-sided p and the level CI. Needs two or more values on each side. With no spread on
+    either side, p is 1 for no difference and undefined (nan) otherwise, the CI a point."""
+    a, b = np.asarray(base, dtype=np.float64), np.asarray(system, dtype=np.float64)
+    if len(a) < 2 or len(b) < 2:
+        raise ValueError("welch: two or more runs per system")
+    delta = float(b.mean() - a.mean())
+    va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
+    se = math.sqrt(va + vb)
+    if se == 0.0:
+        return {"delta": delta, "t": math.nan, "df": math.nan, "p": 1.0 if delta == 0 else math.nan,
+                "ci": (delta, delta)}
+    df = (va + vb) ** 2 / ((va ** 2 / (len(a) - 1) if va else 0.0) + (vb ** 2 / (len(b) - 1) if vb else 0.0))
+    t = delta / se
+    half = t_ppf(0.5 + level / 2.0, df) * se
+    return {"delta": delta, "t": t, "df": df, "p": t_sf2(t, df), "ci": (delta - half, delta + half)}
+
+
+def holm(pvalues: Sequence[Optional[float]]) -> List[Optional[float]]:
+    """Holm's (1979) step-down adjusted p-values of a family of tests (None: no test, left
+    out of the family; nan counts as 1)."""
+    tested = [(i, 1.0 if p is None or math.isnan(p) else float(p)) for i, p in enumerate(pvalues) if p is not None]
+    m = len(tested)
+    out: List[Optional[float]] = [None] * len(pvalues)
+    running = 0.0
+    for rank, (i, p) in enumerate(sorted(tested, key=lambda x: x[1])):
+        running = max(running, min(1.0, (m - rank) * p))
+        out[i] = running
+    return out
+
+
+def sign_agreement(base: Sequence[float], system: Sequence[float]) -> Tuple[int, int]:
+    """(k, n): of the n pairs (baseline run, system run), k differ in the direction of the
+    difference of means (ties and a zero difference agree with nothing)."""
+    a, b = np.asarray(base, dtype=np.float64), np.asarray(system, dtype=np.float64)
+    delta = b.mean() - a.mean()
+    diffs = b[None, :] - a[:, None]
+    k = int(np.sum(diffs > 0)) if delta > 0 else int(np.sum(diffs < 0)) if delta < 0 else 0
+    return k, diffs.size
+
+
+# ----------------------------------------------------------------------------- resampling
+def _scores(score_of: Scorer, sums: np.ndarray) -> np.ndarray:
+    return np.array([score_of(row) for row in sums], dtype=np.float64)
+
+
+def sentence_weights(rng: np.random.Generator, n: int, samples: int) -> np.ndarray:
+    """(samples, n) counts of each sentence in each bootstrap resample of n sentences."""
+    idx = rng.integers(0, n, size=(samples, n))
+    return np.stack([np.bincount(row, minlength=n) for row in idx]).astype(np.float64)
+
+
+def hierarchical_bootstrap(systems: Sequence[Sequence[np.ndarray]], score_of: Scorer, samples: int,
+                           seed: Optional[int], level: float = 0.95) -> dict:
+    """Bootstrap of the mean score of each system over its runs, resampling the sentences
+    (one resample shared by every run) and each system's runs (with replacement).
+
+    ``systems[s][r]``: the (sentences, k) statistics of run r of system s. Draws, in this
+    order, from ``numpy.random.default_rng(seed)``: the sentence indices (samples x sentences),
+    then per system in order the run indices (samples x runs of the system). Returns the
+    replicated means ``means[s]`` (samples,) and ``ci(s, base)``, the percentile CI of
+    means[s] - means[base]."""
+    rng = np.random.default_rng(seed)
+    n = systems[0][0].shape[0]
+    weights = sentence_weights(rng, n, samples)
+    means = []
+    for runs in systems:
+        per_run = np.stack([_scores(score_of, weights @ stats) for stats in runs], axis=1)  # (samples, runs)
+        pick = rng.integers(0, len(runs), size=(samples, len(runs)))
+        means.append(np.take_along_axis(per_run, pick, axis=1).mean(axis=1))
+    tail = (1.0 - level) / 2.0 * 100.0
+
+    def ci(s: int, base: int = 0) -> Tuple[float, float]:
+        d = means[s] - means[base]
+        return float(np.percentile(d, tail)), float(np.percentile(d, 100.0 - tail))
+    return {"means": means, "ci": ci}
+
+
+def randomisation_test(base: np.ndarray, system: np.ndarray, score_of: Scorer, trials: int,
+                       seed: Optional[int]) -> float:
+    """Two-sided approximate randomisation p of score(system) - score(base), one run each:
+    the swap of each sentence's statistics drawn as ``default_rng(seed).integers(2, size=
+    (trials, sentences), dtype=bool)`` (sacreBLEU's draw); p = (c + 1) / (trials + 1), c the
+    trials with |difference| >= the observed |difference| (to a relative 1e-9: a difference
+    equal to the observed one is as extreme)."""
+    observed = abs(score_of(system.sum(0)) - score_of(base.sum(0)))
+    rng = np.random.default_rng(seed)
+    swap = rng.integers(2, size=(trials, base.shape[0]), dtype=bool)
+    keep = ~swap
+    a = _scores(score_of, swap @ base + keep @ system)
+    b = _scores(score_of, keep @ base + swap @ system)
+    c = int(np.sum(np.abs(a - b) >= observed - 1e-9 * max(observed, 1.0)))
+    return (c + 1) / (trials + 1)
+
+
+# ----------------------------------------------------------------------------- human agreement
+def _band(x: float, thresholds: Tuple[float, float]) -> int:
+    return 0 if x < thresholds[0] else 1 if x < thresholds[1] else 2
+
+
+#: (band of the smallest |Δ| in the CI, band of the largest) -> the range of pairwise accuracy
+SPANS = {(0, 0): "below 55%", (1, 1): "55% to 70%", (2, 2): "70% or more", (0, 1): "below 55% up to 70%",
+         (0, 2): "anywhere from below 55% to 70% or more", (1, 2): "55% or more"}
+UPPER = ("below 55%", "up to 70%", "up to 70% or more")
+
+
+def agreement_range(ci: Tuple[float, float], thresholds: Tuple[float, float], system: str, baseline: str) -> str:
+    """Kocmi et al.'s pairwise-accuracy bands that the differences in ``ci`` (system minus
+    baseline, higher-better metric) fall in, and the system humans would prefer: named only
+    when the CI excludes zero, and then the one whose score is higher."""
+    lo, hi = ci
+    if lo > 0 or hi < 0:
+        near, far = sorted((abs(lo), abs(hi)))
+        better = system if lo > 0 else baseline
+        return f"{SPANS[_band(near, thresholds), _band(far, thresholds)]}: humans would prefer {better}"
+    return f"no preferred system, the CI includes 0 ({UPPER[_band(max(abs(lo), abs(hi)), thresholds)]} for either)"
