@@ -67,6 +67,7 @@ def _threads(args) -> None:
 # -- dump -----------------------------------------------------------------------------------
 def cmd_dump(args) -> int:
     from ea_fairseq.analysis.maps import dump
+    from ea_fairseq.checkpoint_safety import architecture
 
     _threads(args)
     model, task, cfg = _load(args.checkpoint, args)
@@ -75,7 +76,7 @@ def cmd_dump(args) -> int:
     meta = dump(model, task, dataset, ids, args.out, hypothesis=args.hypothesis, beam=args.beam,
                 max_len=(args.max_len_a, args.max_len_b),
                 extra_meta={"checkpoint": os.path.abspath(args.checkpoint), "data": source,
-                            "arch": getattr(getattr(cfg, "model", None), "arch", None)})
+                            "arch": architecture(getattr(cfg, "model", None))})
     for s in meta["sentences"]:
         kinds = "; ".join(f"{a}: {', '.join(k)}" for a, k in s["maps"].items())
         print(f"sentence {s['id']}: {len(s['source'])} source / {len(s['target'])} target tokens; {kinds}")

@@ -53,18 +53,22 @@ def _flag(name: str) -> str:
 def _model_args(state: dict, path: str) -> argparse.Namespace:
     from fairseq.models import ARCH_MODEL_REGISTRY
 
+    from ea_fairseq.checkpoint_safety import architecture
+
     cfg = state.get("cfg")
     args = cfg.get("model") if isinstance(cfg, dict) else state.get("args")
-    if isinstance(args, dict) and args.get("_name") in ARCH_MODEL_REGISTRY:  # fairseq-hydra-train's
+    arch = architecture(args) if isinstance(args, (dict, argparse.Namespace)) else None
+    if isinstance(args, dict) and arch in ARCH_MODEL_REGISTRY:  # fairseq-hydra-train's
         from ea_fairseq.models.hydra_config import namespace_from_config
 
         try:
-            args = namespace_from_config(args, ARCH_MODEL_REGISTRY[args["_name"]])
+            args = namespace_from_config(args, ARCH_MODEL_REGISTRY[arch])
         except ValueError as err:
             raise WarmStartError(f"{path}: {err}") from None
-    if not isinstance(args, argparse.Namespace) or not getattr(args, "arch", None):
+    if not isinstance(args, argparse.Namespace) or not arch:
         raise WarmStartError(f"{path}: no model options (an argparse Namespace with an arch) in the "
                              "checkpoint: not a checkpoint of fairseq's transformer")
+    args.arch = arch  # the one fairseq builds
     return args
 
 

@@ -43,10 +43,11 @@ from .plain import (LIMIT_AMPLIFICATION, LIMIT_CHARS, LIMIT_CONFIG_NODES, LIMIT_
 from .reading import (TRUST_SWITCH, CheckpointError, CorruptCheckpointError, UnsafeCheckpointError,
                       checkpoint_globals, checkpoint_globals_allowed, fairseq_checkpoint_globals,
                       numpy_checkpoint_globals, read_checkpoint)
+from .model import architecture
 from .schema import PATH_FIELDS, Generator
 
 __all__ = [
-    "CheckpointError", "CorruptCheckpointError", "EVALUATED_FIELDS", "Form", "Generator", "LIMIT_AMPLIFICATION",
+    "CheckpointError", "CorruptCheckpointError", "architecture", "EVALUATED_FIELDS", "Form", "Generator", "LIMIT_AMPLIFICATION",
     "LIMIT_CHARS", "LIMIT_CONFIG_NODES", "LIMIT_DEPTH", "LIMIT_ITEMS", "LIMIT_POSITIONS", "LIMIT_STATE_NODES",
     "PATH_FIELDS", "TRUST_SWITCH", "UNUSED_FIELDS", "UnsafeCheckpointError", "check_model_sizes",
     "checkpoint_globals", "checkpoint_globals_allowed", "fairseq_checkpoint_globals", "install", "load_checkpoint",

@@ -42,6 +42,24 @@ REGISTRY_SECTIONS = ("task", "criterion", "optimizer", "lr_scheduler", "scoring"
 _INTEGER, _NUMBER = re.compile(r"[-+]?\d{1,19}"), re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d{1,3})?")
 
 
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9_.-]{1,100}")
+LIMIT_SHOWN_TEXT = 1000  # characters of a path shown as it is; longer, it is shown cut (repr, 100)
+
+
+def shown_key(key: Any) -> str:
+    """A key or name read from input, as a log line or message shows it: itself where it is a
+    plain name, else its ``repr`` cut to 100 characters (:func:`~.reading._shown`), so no
+    newline, control character or terminal escape in it reaches a log."""
+    return key if type(key) is str and _PLAIN_KEY.fullmatch(key) else _shown(key)
+
+
+def shown_text(text: Any) -> str:
+    """A path or other text from input, as a log line or message shows it: itself where every
+    character is printable (``str.isprintable``: no newline, control, escape or bidi-override
+    character) and it is at most :data:`LIMIT_SHOWN_TEXT` long, else its ``repr`` cut."""
+    return text if type(text) is str and text.isprintable() and len(text) <= LIMIT_SHOWN_TEXT else _shown(text)
+
+
 class Refusal(Exception):
     """A value refused: ``(path, value, why)``."""
 

@@ -12,6 +12,7 @@ import torch
 
 from .bounds import _check_family, check_model_sizes
 from .consistency import check_model_matches, check_training_state
+from .fields import shown_text
 from .plain import LIMIT_AMPLIFICATION, _Walk
 from .reading import TRUST_SWITCH, CheckpointError, UnsafeCheckpointError, _shown, read_checkpoint
 from .schema import Generator
@@ -32,6 +33,7 @@ def sanitize(state: Dict[str, Any], source: str, *, build_check: bool = True) ->
     weights and training state (:mod:`.consistency`), for a caller that builds the model or
     resumes training from it; a tool that only reads the weights (averaging) leaves it to the
     load that builds the model."""
+    source = shown_text(source)
     walk = _Walk(source)
     out = dict(state)
     config_roots = [root for root in ("args", "cfg") if state.get(root) is not None]
@@ -93,7 +95,8 @@ def _check_received(cfg: Dict[str, Any], source: str) -> None:
 
 def load_checkpoint(path: str, *, build_check: bool = True) -> Dict[str, Any]:
     """A fairseq checkpoint read onto the CPU, weights-only, and sanitized (:func:`sanitize`)."""
-    return sanitize(read_checkpoint(path), str(path), build_check=build_check)
+    source = shown_text(str(path))  # the name every message gives it (a file name is input too)
+    return sanitize(read_checkpoint(path, source), source, build_check=build_check)
 
 
 def nonfinite_weights(model_state: Mapping[str, Any]) -> List[str]:
@@ -158,7 +161,8 @@ def install() -> None:
 
     @functools.wraps(original)
     def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
-        state = sanitize(read_checkpoint(PathManager.get_local_path(path), str(path)), str(path))
+        source = shown_text(str(path))  # the name every message gives it (a file name is input too)
+        state = sanitize(read_checkpoint(PathManager.get_local_path(path), source), source)
         states = _pending.__dict__.setdefault("states", [])
         states.append(state)
         try:

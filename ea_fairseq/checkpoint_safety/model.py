@@ -10,16 +10,21 @@ rest) and un-prefixed aliases (``layers`` for both ``encoder_layers`` and ``deco
 they are read here into the flat fields, as fairseq would read them, and then checked and
 bounded like them (:func:`~ea_fairseq.checkpoint_safety.bounds.check_model_sizes`).
 ``*_layers_to_keep`` stays the comma-separated string the legacy model splits.
+
+The architecture is the one fairseq's ``build_model`` builds: ``_name``, else ``arch``
+(:func:`architecture`); a section whose two fields name different architectures is refused,
+so every tool that reads either field reads the model fairseq builds.
 """
 import argparse
 import dataclasses
 import functools
 import typing
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 from .literals import EVALUATED_FIELDS, UNUSED_FIELDS
 from .plain import _Refused
-from .fields import PATH_FIELDS, _fields, defaults, typed
+from .fields import PATH_FIELDS, _fields, defaults, shown_key, typed
+from .reading import UnsafeCheckpointError, _shown
 
 _NESTED = ("encoder", "decoder", "quant_noise")
 
@@ -97,7 +102,7 @@ def _flat_fields(fields: Dict[str, Any], path: str, table: Dict[str, Any]) -> Di
             sub = _fields(nested)
             for key in sub:
                 if key not in known and key != "_name":
-                    raise _Refused(f"{path}.{section}.{key}: not a field of fairseq's {section} section")
+                    raise _Refused(f"{path}.{section}.{shown_key(key)}: not a field of fairseq's {section} section")
             for key, default in known.items():  # fairseq builds the section from these, and
                 flat.setdefault(f"{section}_{key}", sub.get(key, default))  # flat fields override them
         else:
@@ -111,13 +116,29 @@ def _flat_fields(fields: Dict[str, Any], path: str, table: Dict[str, Any]) -> Di
     return flat
 
 
+def architecture(section: Any) -> Optional[str]:
+    """The architecture fairseq builds from the model ``section`` (a Namespace, a dict or
+    omegaconf's DictConfig): ``_name``, else ``arch``, as fairseq's ``build_model`` reads
+    them. The plugin's tools read the architecture here and nowhere else."""
+    if section is None:
+        return None
+    get = section.get if isinstance(section, Mapping) else (lambda key: getattr(section, key, None))
+    return get("_name") or get("arch")
+
+
 def model_section(gen, given: Any, path: str, legacy: bool):
     """The model section of the generated configuration (a Namespace where fairseq would
     hand the model one, else a dict), from the checkpoint's ``given`` section."""
     from fairseq.models import ARCH_MODEL_REGISTRY, MODEL_REGISTRY
 
     fields = _fields(given)
-    name = fields.get("_name") or fields.get("arch")
+    name = architecture(fields)
+    if fields.get("_name") is not None and fields.get("arch") is not None and fields["_name"] != fields["arch"]:
+        raise UnsafeCheckpointError(
+            f"{gen.source}: refused: {path}._name = {_shown(fields['_name'])} and {path}.arch = "
+            f"{_shown(fields['arch'])} name two architectures: fairseq builds {path}._name, while a tool "
+            "reading arch would report (and average, warm-start, analyse) the other. Nothing in the "
+            "checkpoint was run; if you wrote this checkpoint yourself, give both fields the same architecture.")
     model_class = ARCH_MODEL_REGISTRY.get(name) or MODEL_REGISTRY.get(name)
     table = dict(option_table(model_class))
     for key in _arch_keys(name):  # fields the architecture fills in that no option gives
@@ -128,7 +149,7 @@ def model_section(gen, given: Any, path: str, legacy: bool):
         raise gen.refuse(path, given, why) from None
     out: Dict[str, Any] = {}
     for key, value in flat.items():
-        here = f"{path}.{key}"
+        here = f"{path}.{shown_key(key)}"
         if key in ("_name", "arch"):
             out[key] = value
             continue
@@ -140,7 +161,7 @@ def model_section(gen, given: Any, path: str, legacy: bool):
             continue
         if key in PATH_FIELDS:
             if value is not None:
-                gen.paths.append(f"{here}={value!r}")
+                gen.paths.append(f"{here}={_shown(value)}")
             out[key] = None
             continue
         declared = table[key]

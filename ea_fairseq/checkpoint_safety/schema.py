@@ -26,7 +26,7 @@ import re
 from typing import Any, Dict, List, Optional
 
 from .fields import (OFFLINE_TEXT, PATH_FIELDS, REGISTRY_SECTIONS, VOUCHED_TASKS, _fields,  # noqa: F401
-                     _unwrap_optional, declared, defaults, typed)
+                     _unwrap_optional, declared, defaults, shown_key, shown_text, typed)
 from .literals import EVALUATED_FIELDS
 from .model import model_section
 from .plain import _Refused
@@ -39,7 +39,7 @@ class Generator:
     """Generates the configuration of one checkpoint: ``generate(cfg, args)``."""
 
     def __init__(self, source: str):
-        self.source = source
+        self.source = shown_text(source)  # every message and log line names it so
         self.dropped: List[str] = []  # fields no dataclass or option declares
         self.paths: List[str] = []  # path fields not honoured
         self.generation: List[str] = []  # generation values not applied
@@ -62,7 +62,7 @@ class Generator:
         for key, value in (given or {}).items():
             if key not in types:
                 if key != "_name" and not path.startswith("args"):
-                    self.dropped.append(f"{path}.{key}")
+                    self.dropped.append(f"{path}.{shown_key(key)}")
                 continue
             if key in PATH_FIELDS:
                 if value is not None and value != out[key]:
@@ -101,7 +101,7 @@ class Generator:
                               f"fairseq's hub builds this {kind} from the checkpoint, and only "
                               f"{', '.join(sorted(OFFLINE_TEXT[kind]))} need no download")
         if type(name) is not str or name not in dataclasses_:
-            self.dropped.append(f"cfg.{kind} ({name!r}: no configuration dataclass registered)")
+            self.dropped.append(f"cfg.{kind} ({_shown(name)}: no configuration dataclass registered)")
             return None
         return self.section(dataclasses_[name], fields, "args" if legacy is not None else f"cfg.{kind}", name=name)
 
@@ -137,7 +137,7 @@ class Generator:
         if legacy is None:
             for name in (cfg or {}):
                 if name not in out:
-                    self.dropped.append(f"cfg.{name}")
+                    self.dropped.append(f"cfg.{shown_key(name)}")
         _resolve_references(out)
         return out
 
@@ -147,7 +147,9 @@ class Generator:
                 self.generation.append(f"{key}={_shown(value)}")
 
     def log(self) -> None:
-        """One line for each kind of value not taken from the checkpoint."""
+        """One line for each kind of value not taken from the checkpoint; every key, name and
+        value in it from the checkpoint escaped and cut (:func:`~.fields.shown_key`,
+        :func:`~.reading._shown`): a checkpoint writes no line of its own into the log."""
         if self.generation:
             logger.warning("%s: the checkpoint's generation settings are not applied (%s); fairseq's defaults "
                            "and the caller's options are used (pass them to from_pretrained or on the "

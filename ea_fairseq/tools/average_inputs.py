@@ -42,13 +42,14 @@ def model_options(state: Mapping, path: str) -> Optional[Dict[str, Any]]:
     checkpoint holds no model configuration."""
     from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY
 
+    from ..checkpoint_safety import architecture
     from ..models.hydra_config import namespace_from_config, option_actions
 
     section = _section(state, "model")
     if section is None:
         return None
     if isinstance(section, Mapping):  # fairseq-hydra-train's layout
-        name = section.get("_name")
+        name = architecture(section)
         if name not in ARCH_MODEL_REGISTRY:
             raise InputMismatch(f"{path}: model configuration of unknown architecture {name!r}")
         try:
@@ -58,7 +59,7 @@ def model_options(state: Mapping, path: str) -> Optional[Dict[str, Any]]:
     if not isinstance(section, argparse.Namespace):
         raise InputMismatch(f"{path}: the model configuration is a {type(section).__name__}, not fairseq's")
     args = copy.deepcopy(section)
-    arch = getattr(args, "arch", None)
+    arch = args.arch = architecture(args)  # the one fairseq builds
     if arch not in ARCH_CONFIG_REGISTRY:
         raise InputMismatch(f"{path}: model configuration of unknown architecture {arch!r}")
     ARCH_CONFIG_REGISTRY[arch](args)  # the configuration fairseq builds the model from
