@@ -254,8 +254,8 @@ def hydra_train(name, data, save, *overrides, script=False, env=None, cwd=None):
 
 # the README's example (examples/translation/README.md), as printed
 ALPAH = ("fairseq-hydra-train: error: model.ea_alpah: not an option of --arch ea_transformer_lite (did you "
-         "mean model.ea_alpha?); its options are those of `fairseq-train --arch ea_transformer_lite --help`, "
-         "with '_' for '-'")
+         "mean model.ea_alpha?); `ea-fairseq-options ea_transformer_lite` lists them (option --a-b is key "
+         "model.a_b)")
 
 
 # an unknown option (ALPAH) is refused the same way: the README's example below, run through

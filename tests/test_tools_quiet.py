@@ -15,7 +15,8 @@ import pytest
 from conftest import REPO, cli
 from ea_fairseq_cli import curves
 
-TOOLS = ("ea-fairseq-bleu", "ea-fairseq-compare", "ea-fairseq-average-checkpoints", "ea-fairseq-analysis")
+TOOLS = ("ea-fairseq-bleu", "ea-fairseq-compare", "ea-fairseq-average-checkpoints", "ea-fairseq-analysis",
+         "ea-fairseq-options")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

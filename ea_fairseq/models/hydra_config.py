@@ -80,8 +80,8 @@ def unknown_key_message(key: str, arch: str, known) -> str:
                 f"{key}_layers, ...), not a nested {key} section")
     close = difflib.get_close_matches(key, sorted(known), n=1)
     hint = f" (did you mean model.{close[0]}?)" if close else ""
-    message = (f"model.{key}: not an option of --arch {arch}{hint}; its options are those of "
-               f"`fairseq-train --arch {arch} --help`, with '_' for '-'")
+    message = (f"model.{key}: not an option of --arch {arch}{hint}; `ea-fairseq-options {arch}` "
+               "lists them (option --a-b is key model.a_b)")
     plugin_model = MODEL_REGISTRY[PLUGIN_MODEL]
     model_class = ARCH_MODEL_REGISTRY[arch]
     if model_class is not plugin_model and key in plugin_option_names(plugin_model):
@@ -100,8 +100,8 @@ def namespace_from_config(cfg, model_class) -> argparse.Namespace:
     values = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
     arch = values.pop("_name", None) or values.get("arch")
     if arch not in ARCH_CONFIG_REGISTRY:
-        raise OptionError(f"model._name: {arch!r} is not an architecture; fairseq-train --help "
-                         "lists them under --arch")
+        raise OptionError(f"model._name: {arch!r} is not an architecture; `ea-fairseq-options` lists "
+                          "the plugin's, `fairseq-train --help` all of them under --arch")
     actions = option_actions(model_class)
     known = set(actions) | set(arch_keys(arch)) | {"arch"}
     unknown = [key for key in values if key not in known]
