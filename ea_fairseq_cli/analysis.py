@@ -6,6 +6,8 @@ import os
 import sys
 from typing import List, Optional
 
+from .inputs import need_file, need_files, need_folder
+
 logger = logging.getLogger("ea_fairseq.analysis")
 
 
@@ -176,8 +178,6 @@ def cmd_plot(args) -> int:
             raise SystemExit("--names needs one name per log")
         runs = {}
         for name, path in zip(names, args.logs):
-            if not os.path.isfile(path):
-                raise SystemExit(f"ea-fairseq-analysis plot curves: {path}: no such file")
             records = parse_log(path)
             if not has_curves(records):
                 raise SystemExit(f"ea-fairseq-analysis plot curves: no training statistics in {path} "
@@ -329,20 +329,45 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+CHECKPOINT = "a checkpoint fairseq-train wrote (e.g. SAVE_DIR/checkpoint_best.pt)"
+
+
+def check_inputs(args) -> None:
+    """Every file and folder the command line reads, before torch or fairseq is loaded: one
+    line for a mistake (outputs' folders are created)."""
+    program = f"ea-fairseq-analysis {args.command}" + (f" {args.what}" if args.command == "plot" else "")
+    if args.command == "plot":
+        if args.what in ("maps", "kinds"):
+            need_file(program, args.dump, "a dump that ea-fairseq-analysis dump wrote (its .npz)")
+        elif args.what in ("entropy", "js"):
+            need_files(program, args.metrics, "metrics files that ea-fairseq-analysis metrics wrote "
+                                              "(PREFIX.json)")
+        else:
+            need_files(program, args.logs, "a fairseq-train log (train.sh writes SAVE_DIR/train.log)")
+        return
+    need_files(program, [args.checkpoint] if args.command == "dump" else
+               args.checkpoints if args.command == "metrics" else args.checkpoint, CHECKPOINT)
+    need_folder(program, args.data, "--data the data directory with the model's dictionaries (dict.*.txt)")
+    need_file(program, getattr(args, "input", None), "--input the source sentences, one per line")
+    need_file(program, getattr(args, "reference", None), "--reference the reference translations, one per line")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s",
                         level=logging.WARNING, stream=sys.stderr)
     args = build_parser().parse_args(argv)
+    check_inputs(args)
     if args.command == "plot" and args.what in ("entropy", "js", "curves"):
         return args.func(args)  # JSON and log files in, PNG out: no fairseq, no torch
     from ea_fairseq import load_plugin
 
     load_plugin()
     from ea_fairseq.checkpoint_safety import CheckpointError
+    from ea_fairseq.errors import OptionError
 
     try:
         return args.func(args)
-    except CheckpointError as err:  # a refused checkpoint: its reason, not a traceback
+    except (CheckpointError, OptionError) as err:  # a refused checkpoint or data file: its reason, not a traceback
         raise SystemExit(f"ea-fairseq-analysis {args.command}: error: {err}")
 
 

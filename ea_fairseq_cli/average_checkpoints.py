@@ -32,6 +32,8 @@ import re
 import sys
 from typing import Any, Dict, List, Optional
 
+from .inputs import need_output_folder
+
 
 class AverageError(ValueError):
     """Inputs that cannot be averaged (or found)."""
@@ -155,6 +157,7 @@ def main(argv=None) -> int:
                         help="each input's data directory, in the inputs' order: their dict.*.txt "
                              "must be equal; then the data directories the inputs record may differ")
     args = parser.parse_args(argv)
+    need_output_folder("average_checkpoints", "--output", args.output)  # before minutes of averaging
     from ea_fairseq import load_plugin  # fairseq and torch, after the arguments (a fast --help)
 
     load_plugin()

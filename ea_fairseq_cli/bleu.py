@@ -59,6 +59,8 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from .inputs import need_file, need_output_folder
+
 _COMPOUND = re.compile(r"(\S)-(\S)")
 _FAIRSEQ_BLEU = re.compile(r"^Generate .*?: (BLEU4? = .*)$")
 
@@ -268,6 +270,17 @@ def _write(path: str, lines: List[str]) -> None:
         f.writelines(line + "\n" for line in lines)
 
 
+def check_inputs(args) -> None:
+    """Every file the command line names, before any scoring: one line for a mistake."""
+    program = "ea-fairseq-bleu"
+    need_file(program, args.generate_output,
+              "the file fairseq-generate's output was saved to (fairseq-generate DATA --path CKPT ... > gen.out)")
+    need_file(program, args.raw_ref, "--raw-ref the untokenized references, one per line")
+    need_file(program, args.expect_idx, "--expect-idx the binarized split's index (DATA/test.SRC-TGT.SRC.idx)")
+    need_file(program, args.raw_src, "--raw-src the untokenized sources, one per line")
+    need_output_folder(program, "--out-prefix", args.out_prefix)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("generate_output")
@@ -292,6 +305,7 @@ def main(argv=None) -> int:
     p.add_argument("--comet-batch-size", type=int, default=16)
     p.add_argument("--comet-gpus", type=int, help="GPUs for COMET (default: 1 if CUDA is available, else 0)")
     args = p.parse_args(argv)
+    check_inputs(args)
 
     gen = parse_generate(args.generate_output)
     ids = sorted(gen["H"])

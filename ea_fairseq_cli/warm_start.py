@@ -28,6 +28,8 @@ import sys
 from types import SimpleNamespace
 from typing import Dict, List, NamedTuple, Optional, Sequence
 
+from .inputs import need_file, need_output_folder
+
 # torch, fairseq and the plugin are imported where they are used: ``--help`` answers without them
 
 # options that decide the shapes or the computation shared with the vanilla model
@@ -268,6 +270,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--seed", type=int, default=1,
                         help="seed for the new parameters (fairseq-train's --seed; default 1)")
     args, model_options = parser.parse_known_args(argv)
+    need_file("warm_start", args.vanilla, "the checkpoint of a vanilla fairseq transformer "
+                                         "(e.g. SAVE_DIR/checkpoint_best.pt)")
+    need_output_folder("warm_start", "--output", args.output)
     from ea_fairseq import load_plugin  # fairseq and torch, after the arguments (a fast --help)
 
     load_plugin()  # registers the architectures
