@@ -60,6 +60,10 @@ class HardCodedGaussianAttention(PositionAttention):
         self.std = float(std)
         self.normalize = normalize
         self.offsets = tuple(o for o in offsets for _ in range(num_heads // len(offsets)))
+        # the offsets as a tensor on the module's device (it moves with the module): a
+        # forward pass builds nothing from Python values, so no host-to-device copy per call;
+        # not persistent, so checkpoints hold only the projections
+        self.register_buffer("head_offsets", torch.tensor(self.offsets, dtype=torch.long), persistent=False)
 
     def extra_repr(self) -> str:
         return f"offsets={self.offsets}, std={self.std}, normalize={self.normalize}"
@@ -67,7 +71,7 @@ class HardCodedGaussianAttention(PositionAttention):
     def position_logits(self, query_positions: Tensor, key_positions: Tensor,
                         padding_mask: Optional[Tensor], start: int, dtype: torch.dtype) -> Tensor:
         """``log N(pos_j; pos_i + o_h, σ²)``: the log-density."""
-        offsets = torch.tensor(self.offsets, dtype=dtype, device=query_positions.device)
+        offsets = self.head_offsets.to(dtype)
         distance = (key_positions[:, None, None, :] - query_positions[:, None, :, None]).to(dtype)
         log_norm = math.log(self.std * math.sqrt(2.0 * math.pi))
         return -((distance - offsets[None, :, None, None]) ** 2) / (2.0 * self.std ** 2) - log_norm
