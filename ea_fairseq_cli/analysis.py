@@ -144,9 +144,12 @@ def cmd_plot(args) -> int:
 
     written = []
     if args.what in ("maps", "kinds"):
-        from ea_fairseq.analysis.maps import AttentionDump
+        from ea_fairseq.analysis.maps import AttentionDump, DumpError
 
-        dump = AttentionDump(args.dump)
+        try:
+            dump = AttentionDump(args.dump)
+        except DumpError as err:
+            raise SystemExit(f"ea-fairseq-analysis plot {args.what}: error: {err}") from None
         sids = args.sentence if args.sentence else sorted(dump.sentences)
         os.makedirs(args.out_dir, exist_ok=True)
         for sid in sids:
@@ -157,14 +160,14 @@ def cmd_plot(args) -> int:
                     continue
                 if args.what == "kinds":
                     for head in args.heads or [1]:
-                        out = os.path.join(args.out_dir, f"s{sid}_{attention}_head{head}.png")
+                        out = plots.figure_path(args.out_dir, f"s{sid}", attention, f"head{head}")
                         written.append(plots.plot_kinds(dump, sid, attention, head, args.kind,
                                                         out, args.layers, args.window_start))
                     continue
                 for kind in kinds:
                     if "all" not in args.kind and kind not in args.kind:
                         continue
-                    out = os.path.join(args.out_dir, f"s{sid}_{attention}_{kind}.png")
+                    out = plots.figure_path(args.out_dir, f"s{sid}", attention, kind)
                     written.append(plots.plot_maps(dump, sid, attention, kind, out,
                                                    args.layers, args.heads, args.scale, args.window_start))
     elif args.what == "entropy":

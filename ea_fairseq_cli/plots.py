@@ -10,6 +10,7 @@
 import logging
 import math
 import os
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, List, Mapping, Optional, Sequence, Tuple
 
@@ -27,6 +28,36 @@ if TYPE_CHECKING:
 from . import ATTENTIONS  # noqa: E402
 
 logger = logging.getLogger(__name__)
+
+
+_NOT_IN_NAMES = re.compile(r"[^A-Za-z0-9_.-]")
+LIMIT_NAME_PART = 64
+
+
+def figure_name(*parts) -> str:
+    """The file name of a figure made of ``parts`` (sentence id, attention, kind, ...): in each,
+    every character outside ``[A-Za-z0-9_.-]`` replaced by ``_``, dots stripped from its ends,
+    cut to :data:`LIMIT_NAME_PART`; joined by ``_``, ``.png`` appended. Whatever the parts hold
+    (``/``, ``..``, NUL, an absolute path, unicode), the result is one plain file name."""
+    return "_".join(_NOT_IN_NAMES.sub("_", str(p))[:LIMIT_NAME_PART].strip(".") or "_" for p in parts) + ".png"
+
+
+def figure_path(out_dir: str, *parts) -> str:
+    """``out_dir``/:func:`figure_name` (``parts``): always a file directly in ``out_dir``."""
+    name = figure_name(*parts)
+    assert os.sep not in name and name not in (".", "..")  # (by construction)
+    return os.path.join(out_dir, name)
+
+
+def shown(value) -> str:
+    """A value from an input file as a message shows it: its repr, cut to 100 characters."""
+    text = repr(value)
+    return text if len(text) <= 100 else text[:97] + "..."
+
+
+def _label_text(token: str) -> str:
+    """A token as matplotlib draws it literally (``$`` would start its math mode)."""
+    return str(token).replace("$", r"\$")
 
 
 def _save(fig, out: str) -> str:
@@ -59,7 +90,8 @@ def _heatmap(ax, m, rows_tok, cols_tok, norm, row_labels: bool = True, col_label
                                         (ax.yaxis, rows_tok, row_labels, offsets[0], m.shape[0])):
         if toks is not None:
             axis.set_ticks(range(n))
-            axis.set_ticklabels(toks, fontsize=TOKEN_FONT, rotation=90 if axis is ax.xaxis else 0)
+            axis.set_ticklabels([_label_text(t) for t in toks], fontsize=TOKEN_FONT,
+                                rotation=90 if axis is ax.xaxis else 0)
         else:  # positions (1-based, in the sentence)
             axis.set_major_locator(matplotlib.ticker.FixedLocator(
                 [i for i in range(n) if (i + offset + 1) % 5 == 0 or i == 0]))
@@ -182,7 +214,7 @@ def _decorate(fig, dump, attention: str, title: str, note: str) -> None:
     queries, keys = SIDES.get(attention, ("queries", "keys"))
     fig.supylabel(f"queries: {queries}", fontsize=9)
     fig.supxlabel(f"keys: {keys}", fontsize=9)
-    fig.suptitle(f"{model_name(dump)}\n{title}" + (f"\n{note}" if note else ""), fontsize=10)
+    fig.suptitle(f"{_label_text(model_name(dump))}\n{title}" + (f"\n{note}" if note else ""), fontsize=10)
     if note:
         logger.warning("%s: %s", title, note)
 
@@ -298,7 +330,7 @@ def plot_entropy(results: Mapping[str, Mapping[str, dict]], out: str = "entropy.
             if r is None:
                 continue
             layers = np.arange(1, r["layers"] + 1)
-            ax.plot(layers, r[metric], marker="o", label=model)
+            ax.plot(layers, r[metric], marker="o", label=_label_text(model))
         ax.set_title(attention)
         ax.set_xlabel("layer")
         ax.set_ylabel(f"{metric} (nats)" if metric == "entropy" else metric)
@@ -329,7 +361,7 @@ def plot_js(results: Mapping[str, Mapping[str, dict]], out: str = "js.png") -> s
             for j in range(n):
                 ax.text(j, i, f"{js[i, j]:.2g}", ha="center", va="center", fontsize=7,
                         color="white" if js[i, j] > 0.6 * vmax else "black")
-        ax.set_title(f"{model}\n{attention}", fontsize=9)
+        ax.set_title(f"{_label_text(model)}\n{attention}", fontsize=9)
         ax.set_xlabel("layer")
         ax.set_ylabel("layer")
     for ax in list(axes.flat)[len(panels):]:
@@ -349,7 +381,7 @@ def plot_curves(runs: Mapping[str, Mapping[str, List[dict]]], out: str = "curves
     loss_ax = axes[0][0]
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for k, (name, records) in enumerate(runs.items()):
-        colour = colours[k % len(colours)]
+        colour, name = colours[k % len(colours)], _label_text(name)
 
         def points(tag, key):
             rs = [r for r in records.get(tag, []) if key in r and "num_updates" in r]

@@ -26,6 +26,7 @@ self-attention keys.
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass
 from functools import partial
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
@@ -350,13 +351,58 @@ class SentenceMaps:
     kinds: Dict[str, List[str]]
 
 
+class DumpError(ValueError):
+    """A file that is not a dump :func:`dump` wrote (its names are not those it writes)."""
+
+
+_KIND = re.compile(r"[A-Za-z0-9_]{1,64}(\.layer[0-9]{1,4})?")  # a mechanism's map, per layer where shapes differ
+LIMIT_SENTENCE_ID = 1 << 31
+
+
+def _checked_meta(meta, path: str) -> dict:
+    """``meta`` if its sentence ids, attentions and kinds are those :func:`dump` writes (an
+    int id, one of :data:`ATTENTIONS`, a map name): the figures' file names are made of them."""
+    def refuse(what, value):
+        from ea_fairseq_cli.plots import shown
+
+        raise DumpError(f"{path}: {what} {shown(value)}: not what ea-fairseq-analysis dump writes (the "
+                        "figures' file names are made of it); refused, nothing plotted. Make the dump again "
+                        "with ea-fairseq-analysis dump")
+    if not isinstance(meta, dict) or not isinstance(meta.get("sentences"), list):
+        refuse("the metadata", type(meta).__name__)
+    for s in meta["sentences"]:
+        if not isinstance(s, dict):
+            refuse("a sentence entry", s)
+        if type(s.get("id")) is not int or not 0 <= s["id"] < LIMIT_SENTENCE_ID:
+            refuse("the sentence id", s.get("id"))
+        if not isinstance(s.get("maps"), dict):
+            refuse("the maps of a sentence", s.get("maps"))
+        for attention, kinds in s["maps"].items():
+            if attention not in ATTENTIONS:
+                refuse("the attention", attention)
+            if not isinstance(kinds, list):
+                refuse("the kinds of an attention", kinds)
+            for kind in kinds:
+                if type(kind) is not str or not _KIND.fullmatch(kind):
+                    refuse("the kind", kind)
+        for side in ("source", "decoder_input", "target"):
+            if not isinstance(s.get(side), list) or not all(type(t) is str for t in s[side]):
+                refuse(f"the {side} tokens", s.get(side))
+    return meta
+
+
 class AttentionDump:
-    """Reads a dump written by :func:`dump`."""
+    """Reads a dump written by :func:`dump` (:class:`DumpError` for another file)."""
 
     def __init__(self, path: str):
         self.path = path
         self._npz = np.load(path, allow_pickle=False)
-        self.meta = json.loads(str(self._npz[META_KEY]))
+        try:
+            meta = json.loads(str(self._npz[META_KEY]))
+        except (KeyError, ValueError) as err:
+            raise DumpError(f"{path}: no dump metadata ({META_KEY}) that ea-fairseq-analysis dump writes "
+                            f"({type(err).__name__}); make the dump again with ea-fairseq-analysis dump") from None
+        self.meta = _checked_meta(meta, path)
         self.sentences = {
             s["id"]: SentenceMaps(s["id"], s["source"], s["decoder_input"], s["target"], s["maps"])
             for s in self.meta["sentences"]
