@@ -116,7 +116,11 @@ if [ -n "${SEEDS:-}" ]; then
   last="$base/seed${seeds[-1]}"
   if [ -f "$last/train.settings" ]; then  # the runs' evaluation, on the directory of all seeds
     hint=$(sed -n 's/^# evaluate with: //p' "$last/train.settings")
-    echo "[train] evaluate every seed (mean ± std) with: ${hint/"$last"/"$base"}" >&2
+    runner="$(printf '%q ' bash examples/translation/evaluate.sh)"  # the quoted words before SAVE_DIR
+    rest="${hint#"$runner$(printf '%q' "$last") "}"
+    if [ "$rest" != "$hint" ]; then
+      echo "[train] evaluate every seed (mean ± std) with: $runner$(printf '%q' "$base") $rest" >&2
+    fi
   fi
   exit 0
 fi
@@ -400,9 +404,11 @@ for ((i = 0; i < ${#extra[@]}; i++)); do
     *) settings_extra+=("$a") ;;
   esac
 done
-eval_hint="bash examples/translation/evaluate.sh $SAVE_DIR $DATA $mode"
-case "$size" in wmt17) eval_hint+=" -s $src -t $tgt" ;; esac
-if [ ${#eval_opts[@]} -gt 0 ]; then eval_hint+=" ${eval_opts[*]}"; fi
+# the evaluation command, each word quoted (printf %q): a shell reads it back as these words
+eval_words=(bash examples/translation/evaluate.sh "$SAVE_DIR" "$DATA" "$mode")
+case "$size" in wmt17) eval_words+=(-s "$src" -t "$tgt") ;; esac
+eval_words+=(${eval_opts[@]+"${eval_opts[@]}"})
+eval_hint=$(printf '%q ' "${eval_words[@]}"); eval_hint="${eval_hint% }"
 # the data as an absolute path and the plugin's location left out, so that a resume from
 # another working directory or checkout compares equal
 data_abs=$(cd "$DATA" 2>/dev/null && pwd || echo "$DATA")
