@@ -8,6 +8,11 @@
 # Options every prepare script accepts (each also as an environment variable):
 #   --raw-dir DIR     (EA_RAW_DIR)     already-downloaded archives; nothing is downloaded then
 #   --no-download     (EA_NO_DOWNLOAD=1) never touch the network
+# Downloads (HTTPS) are checked against the SHA-256 the recipe keeps after '#sha256=' before
+# they are used, and refused otherwise (exit code 4). A file with no published digest is not
+# downloaded unless EA_SHA256="NAME=HEX ..." gives one or EA_ALLOW_UNVERIFIED_DOWNLOADS=1
+# accepts it unverified (its digest is printed); EA_DOWNLOAD_MIRROR=BASE fetches NAME from
+# BASE/NAME (checked the same way). Files in --raw-dir are used as they are.
 #   --work-dir DIR    (EA_WORK_DIR)    raw/tokenized/BPE text       [work/NAME]
 #   --dest-dir DIR    (EA_DEST_DIR)    fairseq-preprocess output    [data-bin/NAME]
 #   --workers N       (WORKERS)        processes for tokenization/BPE/binarization [nproc]

@@ -32,7 +32,10 @@ src=de
 tgt=en
 lang=de-en
 
-ea_fetch "de-en.tgz=http://dl.fbaipublicfiles.com/fairseq/data/iwslt14/de-en.tgz"
+# Downloaded over HTTPS. No SHA-256 of this archive is published, so ea_fetch does not download it
+# unless given one (EA_SHA256="de-en.tgz=<sha256>") or told to use it unverified
+# (EA_ALLOW_UNVERIFIED_DOWNLOADS=1); or place it in --raw-dir yourself (README.md).
+ea_fetch "de-en.tgz=https://dl.fbaipublicfiles.com/fairseq/data/iwslt14/de-en.tgz"
 
 ea_log "pre-processing train data"
 # fairseq lowercases after cleaning; lowercasing leaves the token counts alone, so doing it

@@ -25,12 +25,12 @@ for arg in "$@"; do if [ "$arg" = --wmt17-news-commentary ]; then name=wmt14_en_
 ea_parse_args $name "$@"
 
 nc=v9
-nc_url="http://www.statmt.org/wmt14/training-parallel-nc-v9.tgz"
+nc_url="https://www.statmt.org/wmt14/training-parallel-nc-v9.tgz#sha256=cb8953f292298e6877ae433c98912b927cb0766b303f4540512ddd286c748485"
 for arg in ${EA_REST[@]+"${EA_REST[@]}"}; do
   case "$arg" in
     --wmt17-news-commentary)
       nc=v12
-      nc_url="http://data.statmt.org/wmt17/translation-task/training-parallel-nc-v12.tgz" ;;
+      nc_url="https://data.statmt.org/wmt17/translation-task/training-parallel-nc-v12.tgz#sha256=2b45f30ef1d550d302fd17dd3a5cbe19134ccc4c2cf50c2dae534aee600101a2" ;;
     *) ea_die "unknown option: $arg (see --help)" ;;
   esac
 done
@@ -38,12 +38,17 @@ done
 src=en
 tgt=de
 
+# Downloads over HTTPS, each checked against the SHA-256 after '#sha256=' before it is used
+# (common.sh, ea_fetch); the digests are those TensorFlow Datasets publishes for these URLs
+# (tensorflow_datasets/url_checksums/wmt*_translate.txt). No SHA-256 is published for
+# dev.tgz and test-full.tgz: give them (EA_SHA256="dev.tgz=... test-full.tgz=..."), set
+# EA_ALLOW_UNVERIFIED_DOWNLOADS=1, or place the files in --raw-dir yourself (README.md).
 ea_fetch \
-  "training-parallel-europarl-v7.tgz=http://www.statmt.org/wmt13/training-parallel-europarl-v7.tgz" \
-  "training-parallel-commoncrawl.tgz=http://www.statmt.org/wmt13/training-parallel-commoncrawl.tgz" \
+  "training-parallel-europarl-v7.tgz=https://www.statmt.org/wmt13/training-parallel-europarl-v7.tgz#sha256=0224c7c710c8a063dfd893b0cc0830202d61f4c75c17eb8e31836103d27d96e7" \
+  "training-parallel-commoncrawl.tgz=https://www.statmt.org/wmt13/training-parallel-commoncrawl.tgz#sha256=c7a74e2ea01ac6c920123108627e35278d4ccb5701e15428ffa34de86fa3a9e5" \
   "training-parallel-nc-$nc.tgz=$nc_url" \
-  "dev.tgz=http://www.statmt.org/wmt14/dev.tgz" \
-  "test-full.tgz=http://www.statmt.org/wmt14/test-full.tgz"
+  "dev.tgz=https://www.statmt.org/wmt14/dev.tgz" \
+  "test-full.tgz=https://www.statmt.org/wmt14/test-full.tgz"
 
 corpora=("europarl-v7.de-en" "commoncrawl.de-en" "news-commentary-$nc.de-en")
 

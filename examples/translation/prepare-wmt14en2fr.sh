@@ -23,14 +23,19 @@ ea_no_extra_args
 src=en
 tgt=fr
 
+# Downloads over HTTPS, each checked against the SHA-256 after '#sha256=' before it is used
+# (common.sh, ea_fetch); the digests are those TensorFlow Datasets publishes for these URLs
+# (tensorflow_datasets/url_checksums/wmt*_translate.txt). No SHA-256 is published for
+# dev.tgz and test-full.tgz: give them (EA_SHA256="dev.tgz=... test-full.tgz=..."), set
+# EA_ALLOW_UNVERIFIED_DOWNLOADS=1, or place the files in --raw-dir yourself (README.md).
 ea_fetch \
-  "training-parallel-europarl-v7.tgz=http://www.statmt.org/wmt13/training-parallel-europarl-v7.tgz" \
-  "training-parallel-commoncrawl.tgz=http://www.statmt.org/wmt13/training-parallel-commoncrawl.tgz" \
-  "training-parallel-un.tgz=http://www.statmt.org/wmt13/training-parallel-un.tgz" \
-  "training-parallel-nc-v9.tgz=http://www.statmt.org/wmt14/training-parallel-nc-v9.tgz" \
-  "training-giga-fren.tar=http://www.statmt.org/wmt10/training-giga-fren.tar" \
-  "dev.tgz=http://www.statmt.org/wmt14/dev.tgz" \
-  "test-full.tgz=http://www.statmt.org/wmt14/test-full.tgz"
+  "training-parallel-europarl-v7.tgz=https://www.statmt.org/wmt13/training-parallel-europarl-v7.tgz#sha256=0224c7c710c8a063dfd893b0cc0830202d61f4c75c17eb8e31836103d27d96e7" \
+  "training-parallel-commoncrawl.tgz=https://www.statmt.org/wmt13/training-parallel-commoncrawl.tgz#sha256=c7a74e2ea01ac6c920123108627e35278d4ccb5701e15428ffa34de86fa3a9e5" \
+  "training-parallel-un.tgz=https://www.statmt.org/wmt13/training-parallel-un.tgz#sha256=29141b5c1eba149a94f7a59d3b1a834b2e47fe0f8758d68dcd77a3d3f497ee47" \
+  "training-parallel-nc-v9.tgz=https://www.statmt.org/wmt14/training-parallel-nc-v9.tgz#sha256=cb8953f292298e6877ae433c98912b927cb0766b303f4540512ddd286c748485" \
+  "training-giga-fren.tar=https://www.statmt.org/wmt10/training-giga-fren.tar#sha256=3ff8319f6919393520559bfbc7ad6a747ec81b3abc7be9993b338d4b017b4d9a" \
+  "dev.tgz=https://www.statmt.org/wmt14/dev.tgz" \
+  "test-full.tgz=https://www.statmt.org/wmt14/test-full.tgz"
 
 ea_log "pre-processing train data"
 for l in $src $tgt; do

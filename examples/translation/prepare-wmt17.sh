@@ -37,19 +37,27 @@ ea_no_extra_args
 
 src=en
 tgt=$lang
-wmt17=http://data.statmt.org/wmt17/translation-task
-files=("dev.tgz=$wmt17/dev.tgz" "test.tgz=$wmt17/test.tgz")
+# Downloads over HTTPS, each checked against the SHA-256 after '#sha256=' before it is used
+# (common.sh, ea_fetch); the digests are those TensorFlow Datasets publishes for these URLs
+# (tensorflow_datasets/url_checksums/wmt*_translate.txt);
+# dev.tgz's, the one a public pipeline (stagedml) pins for this URL. No SHA-256 is published for
+# test.tgz, training-parallel-ep-v8.tgz, rapid2016.tgz (at these URLs) and en-tr.txt.zip: give
+# them (EA_SHA256="NAME=<sha256> ..."), set EA_ALLOW_UNVERIFIED_DOWNLOADS=1, or place the files in
+# --raw-dir yourself (README.md).
+wmt17=https://data.statmt.org/wmt17/translation-task
+files=("dev.tgz=$wmt17/dev.tgz#sha256=9d5ff04a28496b7796904ea65e50e3837bab14dbdca88b1e063105f17513dca9"
+       "test.tgz=$wmt17/test.tgz")
 case "$lang" in
   lv) files+=("training-parallel-ep-v8.tgz=$wmt17/training-parallel-ep-v8.tgz"
               "rapid2016.tgz=$wmt17/rapid2016.tgz"
-              "leta.v1.tgz=$wmt17/leta.v1.tgz"
-              "dcep.lv-en.v1.tgz=$wmt17/dcep.lv-en.v1.tgz"
-              "books.lv-en.v1.tgz=$wmt17/books.lv-en.v1.tgz")
+              "leta.v1.tgz=$wmt17/leta.v1.tgz#sha256=af3f1a4cbeb503a231856baa9f1fb06c628d43ebb78b6f35a4f71e0a53f60e49"
+              "dcep.lv-en.v1.tgz=$wmt17/dcep.lv-en.v1.tgz#sha256=871df6e7c96dc878f73a3864a8a2300c1c43725b3d24a7fdb560735e584bf515"
+              "books.lv-en.v1.tgz=$wmt17/books.lv-en.v1.tgz#sha256=0eb70ad3e8420b131ddd29d1988d1055c72c13cef3768975a1c1a8f7662f361b")
       corpora=("europarl-v8.lv-en" "rapid2016.en-lv" "LETA-lv-en/leta" "dcep.en-lv/dcep" "farewell/farewell")
       dev=newsdev2017 ;;
   fi) files+=("training-parallel-ep-v8.tgz=$wmt17/training-parallel-ep-v8.tgz"
               "rapid2016.tgz=$wmt17/rapid2016.tgz"
-              "wiki-titles.tgz=http://www.statmt.org/wmt15/wiki-titles.tgz")
+              "wiki-titles.tgz=https://www.statmt.org/wmt15/wiki-titles.tgz#sha256=cd7cf81dbc99ef00b57e3106a4731b54cebcb7cff19088913cdab1c8114d3660")
       corpora=("europarl-v8.fi-en" "rapid2016.en-fi")
       dev=newstest2016 ;;
   tr) files+=("en-tr.txt.zip=https://object.pouta.csc.fi/OPUS-SETIMES/v2/moses/en-tr.txt.zip")
