@@ -66,3 +66,18 @@ def test_other_names_read_back_too(env, tmp_path, name):  # noqa: F811
     assert read_back(hint, tmp_path)[2] == str(save)
     if name == "plain":
         assert f"evaluate.sh {save} " in hint  # a plain path shown as it is
+
+
+def test_evaluate_sh_s_checkpoint_hint_reads_back_too(env, tmp_path):  # noqa: F811
+    """evaluate.sh on a run that saved only checkpoint_last.pt names it as an option to paste."""
+    data, run_dir = tmp_path / "data", tmp_path / "run $(touch pwned); x"
+    data.mkdir()
+    run_dir.mkdir()
+    for name in ("test.de-en.de.idx", "test.de-en.en.idx"):
+        (data / name).write_text("")
+    (run_dir / "checkpoint_last.pt").write_bytes(b"")
+    proc = run(["bash", RECIPES / "evaluate.sh", run_dir, data, "iwslt", "--cpu"], env, tmp_path, check=False)
+    hint = proc.stderr.rsplit("evaluate with ", 1)[-1].strip()
+    assert proc.returncode == 1 and hint.startswith("--checkpoint "), proc.stderr
+    assert read_back(hint, tmp_path) == ["--checkpoint", str(run_dir / "checkpoint_last.pt")]
+    assert not (tmp_path / "pwned").exists()

@@ -153,7 +153,7 @@ else
       alternatives+=("--avg-by epoch --num-avg $n")
     fi
     [ ! -f "$ckpt_dir/checkpoint_best.pt" ] || alternatives+=("--best (checkpoint_best.pt)")
-    [ ! -f "$ckpt_dir/checkpoint_last.pt" ] || alternatives+=("--checkpoint $ckpt_dir/checkpoint_last.pt")
+    [ ! -f "$ckpt_dir/checkpoint_last.pt" ] || alternatives+=("--checkpoint $(printf '%q' "$ckpt_dir/checkpoint_last.pt")")
     [ ${#alternatives[@]} -gt 0 ] || die "no checkpoints in $ckpt_dir (checkpointE.pt, checkpoint_E_U.pt, checkpoint_best.pt, checkpoint_last.pt)"
     joined=$(printf '%s; or ' "${alternatives[@]}")
     die "no $avg_by checkpoints to average in $ckpt_dir (the run stopped before saving one): evaluate with ${joined%; or }"

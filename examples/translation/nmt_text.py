@@ -129,7 +129,9 @@ def _download(url: str, target: Path, expected) -> bool:
     digest = hashlib.sha256()
     try:
         req = urllib.request.Request(url, headers={"User-Agent": "ea_fairseq-recipes"})
-        with urllib.request.urlopen(req, timeout=60) as resp, open(part, "wb") as out:
+        part.unlink(missing_ok=True)  # a new file of its own (never through a link left in its place)
+        with urllib.request.urlopen(req, timeout=60) as resp, \
+                os.fdopen(os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "wb") as out:
             for block in iter(lambda: resp.read(1 << 20), b""):
                 digest.update(block)
                 out.write(block)
