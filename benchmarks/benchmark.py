@@ -202,7 +202,34 @@ def markdown(report) -> str:
             v = {int(t): ms for t, ms in v.items()}  # JSON keeps the step numbers as strings
             lines.append(f"| {arch} | " + " | ".join(f"{v[t]:.2f}" for t in steps) + " |")
         lines.append("")
+    for arch, p in report.get("profile", {}).items():
+        lines += profile_markdown(arch, PAIRS[arch][0], p)
     return "\n".join(lines)
+
+
+def profile_markdown(arch, twin, p) -> list:
+    """The profile of ``arch`` and its twin: totals side by side, then each one's top rows."""
+    phases = (("training", f"{p['updates']} training update{'s' * (p['updates'] != 1)} of {p['tokens_per_update']} tokens"),
+              ("generation", f"one beam search, beam {p['beam']}, batch 1, {p['length']} tokens"))
+    what = p[arch]["training"]["what"]
+    lines = [f"### Where the time goes: {arch} vs {twin} (torch.profiler, {what}, self time)", "",
+             "| phase | arch ms | twin ms | ratio | arch calls | twin calls | ratio |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for phase, label in phases:
+        a, t = p[arch][phase], p[twin][phase]
+        lines.append(f"| {label} | {a['total_ms']:.2f} | {t['total_ms']:.2f} | "
+                     f"{a['total_ms'] / max(t['total_ms'], 1e-9):.2f} | {a['calls']} | {t['calls']} | "
+                     f"{a['calls'] / max(t['calls'], 1):.2f} |")
+    lines.append("")
+    for phase, label in phases:
+        for name in (arch, twin):
+            rows = p[name][phase]["top"]
+            lines += [f"{name}, {label}: top {len(rows)}", "", "| name | ms | share | calls |",
+                      "| --- | --- | --- | --- |"]
+            lines += [f"| {r['name'][:90].replace('|', '/')} | {r['ms']:.3f} | {100 * r['share']:.1f}% | "
+                      f"{r['calls']} |" for r in rows]
+            lines.append("")
+    return lines
 
 
 def main():
@@ -210,6 +237,11 @@ def main():
     ap.add_argument("--quick", action="store_true", help="tiny settings: checks the pipeline, not speed")
     ap.add_argument("--only", nargs="+", choices=sorted(PAIRS), help="architectures to measure")
     ap.add_argument("--skip", nargs="+", default=[], choices=["training", "memory", "generation", "scaling"])
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile each model and its twin (torch.profiler): the top 20 CUDA kernels "
+                         "(on cuda) or operations (on cpu) by self time, over --profile-updates "
+                         "training updates and over one beam search, with totals and call counts")
+    ap.add_argument("--profile-updates", type=int, default=5, help="training updates profiled (default: 5)")
     ap.add_argument("--beams", nargs="+", type=int, help="beam sizes (default: 5 1)")
     ap.add_argument("--batch-sizes", nargs="+", type=int, help="generation batch sizes (default: 1 32 128)")
     ap.add_argument("--small-vocab", action="store_true", help="also generate with a 1k vocabulary")
@@ -265,7 +297,7 @@ def main():
                           "fairseq_reorder": args.fairseq_reorder},
               "busy": busy_processes(),
               "attention_paths": {}, "training": {}, "memory": {},
-              "generation": {}, "scaling": {}}
+              "generation": {}, "scaling": {}, "profile": {}}
     for arch in archs:
         twin, family = PAIRS[arch]
         vocab = 1000 if quick else VOCAB[family]
@@ -288,6 +320,9 @@ def main():
                                          length=6 if quick else 25,
                                          repeats=1 if quick else args.generation_repeats, **on_device)
             report["generation"][arch] = rows
+        if args.profile:
+            report["profile"][arch] = m.profile_pair(arch, twin, vocab, tokens, updates=1 if quick else args.profile_updates,
+                                                     beam=(args.beams or [5])[0], length=6 if quick else 25, **on_device)
     if "scaling" not in args.skip:
         scaled = [a for a in archs if a.startswith(("ea_transformer_lite", "ran_all_lite", "ran_d_lite"))]
         if scaled:
@@ -309,7 +344,7 @@ def main():
         if mixed:
             sys.exit(f"--append: {path} holds runs on {mixed}, not {args.device} {args.dtype}; "
                      "give another --out, or run without --append")
-        for section in ("attention_paths", "training", "memory", "scaling"):
+        for section in ("attention_paths", "training", "memory", "scaling", "profile"):
             report[section] = {**earlier.get(section, {}), **report[section]}
         generation = dict(earlier.get("generation", {}))
         for arch, rows in report["generation"].items():

@@ -471,3 +471,62 @@ def machine(device=CPU, dtype="fp32"):
         out["cudnn"] = torch.backends.cudnn.version()
         out["tf32_matmul"] = torch.backends.cuda.matmul.allow_tf32
     return out
+
+
+# -- profile --------------------------------------------------------------------------------
+def profile_table(events, device, top: int):
+    """What ran on ``device``, from a torch.profiler ``key_averages()``: the kernels on CUDA
+    (rows the GPU ran, with their self time on it), operations on CPU (aten's and the custom
+    autograd functions', with their self CPU time); the ``top`` rows by time, and the totals
+    over all rows."""
+    from torch.autograd import DeviceType
+
+    cuda = device.type == "cuda"
+    rows = [e for e in events if not e.is_user_annotation
+            and (e.device_type == DeviceType.CUDA if cuda else e.device_type == DeviceType.CPU)]
+    timed = [(e.key, (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1000.0, e.count) for e in rows]
+    timed = [r for r in timed if r[1] > 0 or not cuda]
+    timed.sort(key=lambda r: -r[1])
+    total_ms, calls = sum(r[1] for r in timed), sum(r[2] for r in timed)
+    return {"what": "CUDA kernels" if cuda else "CPU operations", "total_ms": total_ms, "calls": calls,
+            "top": [{"name": name, "ms": ms, "calls": n, "share": ms / total_ms if total_ms else 0.0}
+                    for name, ms, n in timed[:top]]}
+
+
+def profile_pair(arch, twin, vocab, tokens, updates, beam, length, device=CPU, dtype="fp32", top=20):
+    """Where the time goes: torch.profiler over ``updates`` training updates (the middle
+    length bucket, after one warm-up update) and over one beam search (batch 1, ``beam``,
+    ``length`` tokens), for ``arch`` and its twin on the same batches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync = synchronizer(device)
+    out = {}
+    for name in (arch, twin):
+        model, d = build(name, vocab)
+        model = place(model, device, dtype)
+        lo, hi = LENGTH_BUCKETS[1]
+        data = on(device, batch(d, tokens, seed=0, lo=lo, hi=hi))
+        model.train()
+        opt = optimizer(model, device, dtype)
+        train_step(model, opt, data, d.pad())  # warm-up: optimizer state, caches, autotuning
+        sync()
+        with profile(activities=activities) as prof:
+            for _ in range(updates):
+                train_step(model, opt, data, d.pad())
+            sync()
+        training = profile_table(prof.key_averages(), device, top)
+        model.eval()
+        src, lengths = on(device, batch(d, seed=1, lo=length, hi=length, sentences=1)[:2])
+        gen = SequenceGenerator([model], d, beam_size=beam, max_len_a=0, max_len_b=length, min_len=length)
+        sample = {"net_input": {"src_tokens": src, "src_lengths": lengths}}
+        with torch.no_grad():
+            gen.forward(sample)  # warm-up
+            sync()
+            with profile(activities=activities) as prof:
+                gen.forward(sample)
+                sync()
+        out[name] = {"training": training, "generation": profile_table(prof.key_averages(), device, top)}
+        del model, opt
+    return {**out, "updates": updates, "tokens_per_update": int(data[3].ne(d.pad()).sum()), "beam": beam,
+            "length": length}

@@ -56,7 +56,7 @@ def check_mixed_precision_report(out, device, dtype):
 def test_benchmark_runs_and_appends(tmp_path):
     bench(tmp_path, "--only", "ran_all_lite")
     bench(tmp_path, "--only", "ea_transformer_lite", "--skip", "training", "memory", "--append",
-          "--fairseq-reorder")
+          "--fairseq-reorder", "--profile")
     report = json.loads((tmp_path / "benchmark.json").read_text())
     assert [run["archs"] for run in report["runs"]] == [["ran_all_lite"], ["ea_transformer_lite"]]
     assert report["runs"][0]["machine"]["freed_memory_kept"] in (True, False)
@@ -87,7 +87,18 @@ def test_benchmark_runs_and_appends(tmp_path):
     assert twin["decoding"]["decoder self"] == "unfused"  # incremental: fairseq's own path
     assert set(paths["ran_all_lite"]["ran_all_lite"]["training"].values()) == {"unfused"}
 
+    # --profile: each side's operations by self time, for training updates and a beam search
+    assert set(report["profile"]) == {"ea_transformer_lite"}
+    profile = report["profile"]["ea_transformer_lite"]
+    for name in ("ea_transformer_lite", "transformer_lite"):
+        for phase in ("training", "generation"):
+            table = profile[name][phase]
+            assert table["what"] == "CPU operations" and table["calls"] > 0 and table["total_ms"] > 0
+            assert 0 < len(table["top"]) <= 20 and any(r["name"].startswith("aten::") for r in table["top"])
+            assert [r["ms"] for r in table["top"]] == sorted((r["ms"] for r in table["top"]), reverse=True)
+
     md = (tmp_path / "benchmark.md").read_text()
+    assert "### Where the time goes: ea_transformer_lite vs transformer_lite" in md
     assert "### Attention path each side ran" in md and "| transformer_lite (twin of ran_all_lite) | " in md
     assert "| ran_all_lite | transformer_lite |" in md
     assert "| ea_transformer_lite | 1000 | 1 | 2 |" in md
