@@ -139,37 +139,44 @@ def _read_metrics(paths: List[str]) -> dict:
     return merged
 
 
+def _plot_dump(args, plots, written: List[str]) -> None:
+    """``plot maps``/``plot kinds``: each figure of the dump, named by :func:`plots.figure_path`."""
+    from ea_fairseq.analysis.maps import AttentionDump
+
+    dump = AttentionDump(args.dump)
+    sids = args.sentence if args.sentence else sorted(dump.sentences)
+    os.makedirs(args.out_dir, exist_ok=True)
+    for sid in sids:
+        if sid not in dump.sentences:
+            raise SystemExit(f"sentence {sid} is not in {args.dump} ({sorted(dump.sentences)})")
+        for attention, kinds in dump.sentences[sid].kinds.items():
+            if args.attention and attention not in args.attention:
+                continue
+            if args.what == "kinds":
+                for head in args.heads or [1]:
+                    out = plots.figure_path(args.out_dir, f"s{sid}", attention, f"head{head}")
+                    written.append(plots.plot_kinds(dump, sid, attention, head, args.kind,
+                                                    out, args.layers, args.window_start))
+                continue
+            for kind in kinds:
+                if "all" not in args.kind and kind not in args.kind:
+                    continue
+                out = plots.figure_path(args.out_dir, f"s{sid}", attention, kind)
+                written.append(plots.plot_maps(dump, sid, attention, kind, out,
+                                               args.layers, args.heads, args.scale, args.window_start))
+
+
 def cmd_plot(args) -> int:
     from . import plots
 
     written = []
     if args.what in ("maps", "kinds"):
-        from ea_fairseq.analysis.maps import AttentionDump, DumpError
+        from ea_fairseq.analysis.maps import DumpError
 
         try:
-            dump = AttentionDump(args.dump)
-        except DumpError as err:
+            _plot_dump(args, plots, written)
+        except DumpError as err:  # a file that is not such a dump: one line, nothing more written
             raise SystemExit(f"ea-fairseq-analysis plot {args.what}: error: {err}") from None
-        sids = args.sentence if args.sentence else sorted(dump.sentences)
-        os.makedirs(args.out_dir, exist_ok=True)
-        for sid in sids:
-            if sid not in dump.sentences:
-                raise SystemExit(f"sentence {sid} is not in {args.dump} ({sorted(dump.sentences)})")
-            for attention, kinds in dump.sentences[sid].kinds.items():
-                if args.attention and attention not in args.attention:
-                    continue
-                if args.what == "kinds":
-                    for head in args.heads or [1]:
-                        out = plots.figure_path(args.out_dir, f"s{sid}", attention, f"head{head}")
-                        written.append(plots.plot_kinds(dump, sid, attention, head, args.kind,
-                                                        out, args.layers, args.window_start))
-                    continue
-                for kind in kinds:
-                    if "all" not in args.kind and kind not in args.kind:
-                        continue
-                    out = plots.figure_path(args.out_dir, f"s{sid}", attention, kind)
-                    written.append(plots.plot_maps(dump, sid, attention, kind, out,
-                                                   args.layers, args.heads, args.scale, args.window_start))
     elif args.what == "entropy":
         written.append(plots.plot_entropy(_read_metrics(args.metrics), args.out, args.metric))
     elif args.what == "curves":

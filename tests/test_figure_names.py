@@ -91,3 +91,32 @@ def test_a_figure_name_is_one_plain_file_name_whatever_its_parts(parts):
     plain = [p for p in parts if isinstance(p, int) or (p and set(p) <= set("abcdefgh0123456789_-") and len(p) < 64)]
     if len(plain) == len(parts):  # plain parts are kept as they are
         assert name == "_".join(map(str, parts)) + ".png"
+
+
+def write_declared(path, shape, data: bytes = b""):
+    """A dump whose weights member declares ``shape`` (float32) and holds ``data``."""
+    import io
+    import zipfile
+
+    sentence = {"id": 0, "source": ["a"], "decoder_input": ["a"], "target": ["a"], "maps": {"encoder.self": ["weights"]}}
+    with zipfile.ZipFile(path, "w") as zf:
+        meta = io.BytesIO()
+        np.lib.format.write_array(meta, np.array(json.dumps({"sentences": [sentence]})))
+        zf.writestr(META_KEY + ".npy", meta.getvalue())
+        header = io.BytesIO()
+        np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": shape})
+        zf.writestr("0/encoder.self/weights.npy", header.getvalue() + data)
+    return str(path)
+
+
+@pytest.mark.parametrize("shape, data", [((64, 64, 4096, 4096), b""), ((1, 1, 2, 2), b"\0" * 4)])
+def test_a_map_that_declares_more_than_it_holds_is_refused_before_numpy_allocates_it(tmp_path, shape, data):
+    dump = write_declared(tmp_path / "dump.npz", shape, data)
+    with pytest.raises(SystemExit) as stop:
+        analysis_cli.main(["plot", "maps", dump, "--out-dir", str(tmp_path / "figs")])
+    message = str(stop.value.code)
+    assert "declares a " + "x".join(map(str, shape)) in message and "\n" not in message, message
+    assert not os.path.exists(tmp_path / "figs") or files_under(tmp_path / "figs") == []
+    # negative control: numpy itself allocates the declared array first, then finds the data short
+    with pytest.raises((ValueError, MemoryError)):
+        np.load(dump)["0/encoder.self/weights"]

@@ -357,6 +357,8 @@ class DumpError(ValueError):
 
 _KIND = re.compile(r"[A-Za-z0-9_]{1,64}(\.layer[0-9]{1,4})?")  # a mechanism's map, per layer where shapes differ
 LIMIT_SENTENCE_ID = 1 << 31
+LIMIT_MAP_ELEMENTS = 1 << 28  # one stored map (layers x heads x queries x keys), 1 GiB of float32
+LIMIT_META_BYTES = 1 << 28  # the dump's metadata (its tokens)
 
 
 def _checked_meta(meta, path: str) -> dict:
@@ -398,6 +400,7 @@ class AttentionDump:
         self.path = path
         self._npz = np.load(path, allow_pickle=False)
         try:
+            self._stored_size(META_KEY, LIMIT_META_BYTES)
             meta = json.loads(str(self._npz[META_KEY]))
         except (KeyError, ValueError) as err:
             raise DumpError(f"{path}: no dump metadata ({META_KEY}) that ea-fairseq-analysis dump writes "
@@ -408,12 +411,31 @@ class AttentionDump:
             for s in self.meta["sentences"]
         }
 
+    def _stored_size(self, key: str, limit: int) -> None:
+        """Refuse member ``key`` unless the array its header declares is at most ``limit`` bytes
+        and is what the member holds: numpy allocates the declared array before it reads."""
+        zf, name = getattr(self._npz, "zip", None), key + ".npy"
+        if zf is None or name not in zf.namelist():
+            return  # (not stored: the caller's KeyError)
+        with zf.open(name) as f:
+            version = np.lib.format.read_magic(f)
+            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, _, dtype = read(f)
+            count = int(np.prod(shape, dtype=object))
+            declared, stored = count * dtype.itemsize, zf.getinfo(name).file_size - f.tell()
+        if declared > limit or declared != stored:
+            raise DumpError(f"{self.path}: {key} declares a {'x'.join(map(str, shape)) or 'scalar'} {dtype} "
+                            f"array ({declared} bytes) but holds {stored} bytes" + (
+                                f", over the {limit} bytes a dump holds there" if declared > limit else "")
+                            + "; not a dump ea-fairseq-analysis dump wrote: make the dump again")
+
     def get(self, sid: int, attention: str, kind: str = "weights") -> np.ndarray:
         key = f"{sid}/{attention}/{kind}"
         if key not in self._npz.files:
             known = self.sentences[sid].kinds.get(attention) if sid in self.sentences else None
             raise KeyError(f"{key} not in {self.path} (sentence ids {sorted(self.sentences)}; "
                            f"kinds of {attention}: {known})")
+        self._stored_size(key, LIMIT_MAP_ELEMENTS * 4)
         return self._npz[key]
 
     def axis_tokens(self, sid: int, attention: str) -> Tuple[List[str], List[str]]:
