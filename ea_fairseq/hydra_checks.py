@@ -9,6 +9,9 @@ behind. :class:`RunChecks` is a hydra callback, named by every recipe config und
 ``hydra.callbacks``; once hydra has composed the configuration, before the job starts and
 before any directory exists (hydra's ``on_run_start``), it
 
+* refuses a key of any other section that fairseq's configuration does not define
+  (``+optimization.lrr=0.1``: fairseq would train without reading it), naming the closest
+  key (:func:`check_keys`);
 * builds the model fairseq would build from ``cfg.model`` on the ``meta`` device, with the
   plugin's own code, so that an option of the model's arch it refuses
   (:class:`~ea_fairseq.errors.OptionError`) stops the run;
@@ -23,10 +26,12 @@ and an ``OptionError`` is printed as one line too;
 other errors are reported by fairseq and hydra as they are.
 """
 import copy
+import dataclasses
+import difflib
 import os
 import shutil
 import sys
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
@@ -58,6 +63,59 @@ def job_config(config: DictConfig) -> DictConfig:
         cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
     OmegaConf.set_struct(cfg, True)
     return cfg
+
+
+def _section_fields(section: str, value) -> Optional[Dict[str, Any]]:
+    """The fields of the dataclass fairseq reads ``section`` of its configuration into (a
+    registry's choice, by its ``_name``, for task, criterion, optimizer, ...); None where
+    fairseq has none (a choice without a dataclass, the model: :func:`check_model`)."""
+    from fairseq.dataclass.configs import FairseqConfig
+    from fairseq.registry import REGISTRIES
+    from fairseq.tasks import TASK_DATACLASS_REGISTRY
+
+    field = FairseqConfig.__dataclass_fields__[section]
+    if field.type is not Any:
+        return field.type.__dataclass_fields__ if dataclasses.is_dataclass(field.type) else None
+    name = value if isinstance(value, str) else value.get("_name") if isinstance(value, DictConfig) else None
+    if section == "task":
+        dc = TASK_DATACLASS_REGISTRY.get(name)
+    elif section in REGISTRIES:
+        dc = REGISTRIES[section]["dataclass_registry"].get(name)
+    else:
+        return None
+    return None if dc is None else dc.__dataclass_fields__
+
+
+def check_keys(config: DictConfig) -> None:
+    """Every key of the run's configuration outside ``model`` and ``hydra`` is a field of the
+    section fairseq reads it into: a typo (``+optimization.lrr=0.1``) stops the run, where
+    fairseq would ignore it (its fixed sections) or fail in a traceback (task, criterion, ...)."""
+    from fairseq.dataclass.configs import FairseqConfig
+
+    sections = [k for k in FairseqConfig.__dataclass_fields__ if k != "_name"]
+    for section in config:
+        if section in ("hydra", "model", "_name"):
+            continue
+        if section not in sections:
+            close = difflib.get_close_matches(str(section), sections, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            refuse(f"{section}: not a section of fairseq's configuration{hint}; the sections are "
+                   f"{', '.join(sections)}")
+        value = config[section]
+        fields = _section_fields(section, value)
+        if fields is None or not isinstance(value, DictConfig):
+            continue
+        for key in value:
+            if key == "_name" or key in fields:
+                continue
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f" (did you mean {section}.{close[0]}?)" if close else ""
+            chosen = f" {value.get('_name')}" if value.get("_name") else ""
+            arch = OmegaConf.select(config, "model._name", default=None) or "ARCH"
+            where = (f"`ea-fairseq-options {arch} --all --{section.replace('_', '-')}{chosen}`"
+                     if chosen else "`fairseq-train --help`")
+            refuse(f"{section}.{key}: not an option of fairseq's {section}{chosen}{hint}; {where} lists "
+                   "them (option --a-b is key a_b)")
 
 
 def check_model(cfg: DictConfig) -> None:
@@ -166,8 +224,12 @@ class RunChecks(Callback):
         try:
             run_dir = OmegaConf.select(config, "hydra.run.dir")
             self.created = None if run_dir is None else _outermost_missing(str(run_dir))
-            cfg = job_config(config)
         except Exception:  # noqa: BLE001  (e.g. a ${hydra:...} value not resolvable yet: no checks)
+            return
+        check_keys(config)  # before fairseq's defaults are merged in (a typo there is a traceback)
+        try:
+            cfg = job_config(config)
+        except Exception:  # noqa: BLE001
             return
         check_model(cfg)
         check_devices(cfg)

@@ -15,6 +15,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from conftest import REPO, cli, make_dictionary
+from ea_fairseq.hydra_checks import check_keys, job_config
 from ea_fairseq.models import building
 from ea_fairseq.models.ea_transformer import EATransformerModel
 from ea_fairseq.modules import EvolvingAttention, RecurrentAttention
@@ -109,6 +110,7 @@ def test_hydra_builds_the_model_fairseq_train_builds(name):
     hydra, cfg = hydra_model(name, meta=meta)
     train = train_model(arch, options, meta=meta)
     assert cfg.model._name == arch
+    check_keys(cfg)  # every key of the configuration fairseq receives passes the key check
     assert type(hydra) is type(train)
     assert signature(hydra) == signature(train)
     assert n_params(hydra) == n_params(train)
@@ -183,6 +185,42 @@ def test_overrides_on_the_command_line_change_the_model():
 def test_a_config_the_model_cannot_read_is_refused(name, overrides, message):
     with pytest.raises(ValueError, match=message):
         hydra_model(name, *overrides, meta=True)
+
+
+def composed(name: str, *overrides: str):
+    """The configuration as hydra composes it and hands the run's callbacks (hydra's own
+    section included), before fairseq adds its defaults."""
+    hydra_init(name)
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.1"):
+        return compose(config_name=name, overrides=list(overrides), return_hydra_config=True)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("+optimization.lrr=0.1", "optimization.lrr: not an option of fairseq's optimization (did you mean "
+                              "optimization.lr?); `fairseq-train --help` lists them (option --a-b is key a_b)"),
+    ("+task.eval_bleuu=true", "task.eval_bleuu: not an option of fairseq's task translation (did you mean "
+                              "task.eval_bleu?); `ea-fairseq-options ea_transformer_lite --all --task translation` "
+                              "lists them (option --a-b is key a_b)"),
+    ("+criterion.label_smoothin=0.2", "criterion.label_smoothin: not an option of fairseq's criterion "
+                                      "label_smoothed_cross_entropy (did you mean criterion.label_smoothing?)"),
+    ("+optimisation.lr=[0.1]", "optimisation: not a section of fairseq's configuration (did you mean optimization?)"),
+])
+def test_a_typo_outside_the_model_stops_the_run(override, message):
+    """The run's callback (in-process: the real command takes seconds to start) refuses a key
+    no section of fairseq's configuration defines, in one line naming the key."""
+    from ea_fairseq.hydra_checks import RunChecks
+
+    config = composed("ea_transformer_lite_iwslt14", override)
+    with pytest.raises(SystemExit) as refused:
+        RunChecks().on_run_start(config)
+    assert str(refused.value).split(": error: ", 1)[1].startswith(message), refused.value
+
+
+def test_negative_control_fairseq_receives_a_typo_in_a_fixed_section_silently():
+    """Without the key check the value reaches fairseq's training unread: the run would train
+    with optimization.lr as the config gives it."""
+    cfg = job_config(composed("ea_transformer_lite_iwslt14", "+optimization.lrr=0.1"))
+    assert cfg.optimization.lrr == 0.1 and list(cfg.optimization.lr) == [0.001]
 
 
 def test_fairseq_hydra_train_trains_and_its_checkpoint_reloads(tiny_data_bin, tmp_path):
