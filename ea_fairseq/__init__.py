@@ -19,7 +19,8 @@ def load_plugin() -> None:
     inside a fresh folder (:mod:`ea_fairseq.archives`), binary data files are checked against
     their sizes before fairseq opens them (:mod:`ea_fairseq.data_files`). In a process that runs
     a command line the plugin serves (fairseq's tools, the plugin's own), the plugin's option
-    errors print as one line (:mod:`ea_fairseq.errors`). Idempotent.
+    errors print as one line (:mod:`ea_fairseq.errors`) and the known warnings of fairseq's
+    stack are not shown (:mod:`ea_fairseq.known_warnings`). Idempotent.
 
     fairseq's import sets the root logger to DEBUG (``logging.basicConfig`` in
     ``fairseq.models.wav2vec``) and logs a tensorboardX hint at INFO: the root level is put
@@ -32,6 +33,9 @@ def load_plugin() -> None:
 
     if errors.serving_command_line():  # fairseq-train ... --user-dir ea_fairseq, the plugin's tools
         errors.install_excepthook()  # the plugin's option errors as one line on the command line
+        from . import known_warnings
+
+        known_warnings.install()  # fairseq's stack's warnings that say nothing about the run
 
 
 def _load() -> None:

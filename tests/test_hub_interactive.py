@@ -63,6 +63,7 @@ def test_interactive_ran_session_survives_an_overlong_line(checkpoints, tiny_dat
                      "--batch-size", "3"], input="".join(line + "\n" for line in lines))
     assert code == 0
     assert re.search(r"input line 2: 31 tokens .*more than the 16 this model takes .*--ran-max-positions", out)
+    assert "Warning" not in out and "DEBUG:" not in out  # fairseq's stack's known ones (ea_fairseq.known_warnings)
     assert sorted(re.findall(r"^H-(\d+)\t", out, flags=re.M)) == ["0", "2"]
     with caplog.at_level("WARNING", logger="ea_fairseq"):  # one line at a time
         hyps, _ = interactive_session(tiny_data_bin, checkpoints["ran"], lines, "--task", "translation_lines",

@@ -149,3 +149,31 @@ def test_curves_plot_from_logs(train_logs, tmp_path):
                           capture_output=True, text=True, env=_env(), cwd=REPO)
     assert proc.returncode == 1 and proc.stderr.strip().endswith("SAVE_DIR/train.log)")
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("show", ["", "1"])
+def test_known_warnings_of_fairseqs_stack_are_ignored_and_others_shown(show, monkeypatch):
+    """Each known warning, as its library words it, is not shown; any other warning, of the
+    same category and the same libraries, is (negative control); EA_FAIRSEQ_SHOW_WARNINGS=1
+    shows them all."""
+    import warnings
+
+    from ea_fairseq import known_warnings
+
+    monkeypatch.setenv("EA_FAIRSEQ_SHOW_WARNINGS", show)
+    emitted = [
+        (UserWarning, "hydra.experimental.initialize() is no longer experimental. Use hydra.initialize()"),
+        (UserWarning, "hydra.experimental.compose() is no longer experimental. Use hydra.compose()"),
+        (DeprecationWarning, "\nThe version_base parameter is not specified.\nHydra will assume defaults"),
+        (UserWarning, "In 'config': Usage of deprecated keyword in package header '# @package _group_'."),
+        (UserWarning, "\n'config' is validated against ConfigStore schema with the same name.\nThis behavior"),
+        (UserWarning, "\nThe strict flag in the compose API is deprecated.\nSee https://hydra.cc/docs"),
+        (UserWarning, "'pin_memory' argument is set as true but no accelerator is found, then device pinned"),
+    ]
+    others = [(UserWarning, "hydra.compose() got an unknown override"), (UserWarning, "pin_memory is slow")]
+    with warnings.catch_warnings(record=True) as caught:  # the filters installed are undone on exit
+        warnings.simplefilter("always")
+        known_warnings.install()
+        for category, message in emitted + others:
+            warnings.warn(message, category)
+    assert [str(w.message) for w in caught] == [m for _, m in (emitted if show else []) + others]
