@@ -633,7 +633,7 @@ def test_evaluate_other_wmt_mode_and_errors(wmt14_en_de, env, capsys):
     # fewer checkpoints than asked for: a clear error before anything is translated
     proc = run(["bash", RECIPES / "evaluate.sh", info["save"], info["data"], "wmt",
                 "--num-avg", "5", "--cpu"], env, info["root"], check=False)
-    assert proc.returncode != 0 and "only 2" in proc.stderr
+    assert proc.returncode != 0 and "evaluate with --num-avg 2" in proc.stderr
     proc = run(["bash", RECIPES / "evaluate.sh", info["save"], info["data"], "bogus"],
                env, info["root"], check=False)
     assert proc.returncode != 0 and "MODE must be" in proc.stderr
@@ -641,13 +641,17 @@ def test_evaluate_other_wmt_mode_and_errors(wmt14_en_de, env, capsys):
 
 def test_evaluate_without_comet_scores_bleu_and_says_why(wmt14_en_de, env, tmp_path):
     """--comet-model where no COMET venv exists: BLEU and chrF are still scored and shown,
-    one line says COMET was not, and the run succeeds (ea-fairseq-bleu's exit 3 is read)."""
+    one line says COMET was not and how to get it, and the run fails with ea-fairseq-bleu's
+    exit status 3 (COMET was asked for)."""
     env = dict(env, EA_FAIRSEQ_COMET_VENV=str(tmp_path / "no-comet-venv"))
-    proc = _evaluate(wmt14_en_de, "wmt", env, "--comet-model", str(tmp_path / "model.ckpt"),
-                     "--out-dir", str(tmp_path / "eval"))
+    info = wmt14_en_de
+    proc = run(["bash", RECIPES / "evaluate.sh", info["save"], info["data"], "wmt", "--num-avg", "2", "--cpu",
+                "--comet-model", str(tmp_path / "model.ckpt"), "--out-dir", str(tmp_path / "eval"), "--",
+                "--max-len-a", "0", "--max-len-b", "6"], env, info["root"], check=False)
+    assert proc.returncode == 3, proc.stderr[-3000:]
     assert re.search(r"^detokenized sacreBLEU .*: [0-9.]+", proc.stdout, re.M), proc.stdout
     assert "chrF" in proc.stdout
-    assert "[evaluate] COMET not scored" in proc.stderr and "setup_comet_env.sh" in proc.stderr
+    assert "[evaluate] error: COMET not scored" in proc.stderr and "setup_comet_env.sh" in proc.stderr
 
 
 def test_compound_split_conventions_on_a_known_example(tmp_path):

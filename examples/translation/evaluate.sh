@@ -22,9 +22,9 @@
 # (ea-fairseq-compare, which also compares systems: README.md, "Seeds").
 #
 # Options (defaults in brackets; the environment variable of the same role in parentheses)
-#   --num-avg N            average the last N checkpoints [10] (NUM_AVG); 1: no averaging,
-#                          the newest epoch/update checkpoint. A run without such checkpoints
-#                          (one shorter than an epoch) stops naming those it has
+#   --num-avg N            average the last N checkpoints [10, or all a shorter run has] (NUM_AVG);
+#                          1: no averaging, the newest epoch/update checkpoint. A run without
+#                          such checkpoints (one shorter than an epoch) stops naming those it has
 #   --avg-by epoch|update  checkpointE.pt or checkpoint_E_U.pt [epoch]
 #   --checkpoint-upper-bound K   ignore checkpoints after epoch/update K
 #   --best                 translate with the run's checkpoint_best.pt (RAN reports it)
@@ -63,12 +63,12 @@ ckpt_dir="$1"; data="$2"; mode="$3"; shift 3
 all_args=("$@")
 case "$mode" in iwslt|wmt14-en-de|wmt) ;; *) die "MODE must be iwslt, wmt14-en-de or wmt (got '$mode')" ;; esac
 
-num_avg="${NUM_AVG:-10}"; avg_by=epoch; upper=""; checkpoint=""; best=""; skip_long=""
+num_avg="${NUM_AVG:-10}"; num_avg_given="${NUM_AVG:+1}"; avg_by=epoch; upper=""; checkpoint=""; best=""; skip_long=""
 beam=5; lenpen=1.0; src=""; tgt=""; subset=test; raw_ref=""; out_dir=""; comet_model=""
 user_dir="$repo/ea_fairseq"; max_tokens=4096; cpu=(); extra=(); progress_every=10
 while [ $# -gt 0 ]; do
   case "$1" in
-    --num-avg) num_avg="$2"; shift 2 ;;
+    --num-avg) num_avg="$2"; num_avg_given=1; shift 2 ;;
     --avg-by) avg_by="$2"; shift 2 ;;
     --checkpoint-upper-bound) upper="$2"; shift 2 ;;
     --checkpoint) checkpoint="$2"; shift 2 ;;
@@ -99,6 +99,7 @@ ea_is_name "$subset" || die "--subset takes a split name ([A-Za-z0-9_-]+), not $
 for l in "$src" "$tgt"; do
   [ -z "$l" ] || ea_is_name "$l" || die "-s/-t take a language code ([A-Za-z0-9_-]+), not $(ea_shown "$l")"
 done
+[ -d "$ckpt_dir" ] || die "checkpoint directory $ckpt_dir not found (train.sh's SAVE_DIR, e.g. checkpoints/ea_lite.iwslt14_de_en)"
 [ -d "$data" ] || die "data-bin directory $data not found"
 [ -d "$user_dir" ] || die "plugin directory $user_dir not found (--user-dir)"
 [ -z "$best" ] || [ -z "$checkpoint" ] || die "--best and --checkpoint: choose one"
@@ -157,6 +158,13 @@ else
     [ ${#alternatives[@]} -gt 0 ] || die "no checkpoints in $ckpt_dir (checkpointE.pt, checkpoint_E_U.pt, checkpoint_best.pt, checkpoint_last.pt)"
     joined=$(printf '%s; or ' "${alternatives[@]}")
     die "no $avg_by checkpoints to average in $ckpt_dir (the run stopped before saving one): evaluate with ${joined%; or }"
+  fi
+  if [ "$have" -lt "$num_avg" ] && [ -z "$upper" ]; then  # a run shorter than the checkpoints asked for
+    [ -z "$num_avg_given" ] \
+      || die "--num-avg $num_avg, but $ckpt_dir has $have $avg_by checkpoint(s): evaluate with --num-avg $have"
+    echo "[evaluate] $ckpt_dir has $have $avg_by checkpoint(s), fewer than the default $num_avg: averaging" \
+         "those $have (--num-avg N chooses)" >&2
+    num_avg=$have
   fi
   model="$out_dir/average_last${num_avg}_${avg_by}s${upper:+_upto$upper}.pt"
   opts=(--inputs "$ckpt_dir" "--num-${avg_by}-checkpoints" "$num_avg" --output "$model")
@@ -260,8 +268,11 @@ status=0
 cat "$scores"
 # ea-fairseq-bleu exits 3 when BLEU and chrF are scored but COMET could not run (it said why)
 if [ "$status" = 3 ]; then
-  echo "[evaluate] COMET not scored (see the line above); BLEU and chrF are in $scores." \
-       "COMET runs in its own venv: bash scripts/setup_comet_env.sh" >&2
-elif [ "$status" != 0 ]; then
-  exit "$status"
+  if [ "$scorer" = "$PYTHON" ]; then
+    how="COMET runs in its own venv: bash scripts/setup_comet_env.sh (or EA_FAIRSEQ_COMET_VENV=DIR)"
+  else
+    how="it ran in the COMET venv $comet_venv"
+  fi
+  echo "[evaluate] error: COMET not scored (the line above says why; $how); BLEU and chrF are in $scores" >&2
 fi
+[ "$status" = 0 ] || exit "$status"

@@ -39,7 +39,8 @@
 #   (every command that trained it), train.settings (the resolved settings) and a copy of the
 #   data's subword model (code or sentencepiece.bpe.model: fairseq's hub looks there). A
 #   directory whose checkpoints were trained with other settings is not resumed: train.sh
-#   stops and shows the difference; ALLOW_CHANGED_SETTINGS=1 resumes anyway.
+#   stops and shows the difference; ALLOW_CHANGED_SETTINGS=1 resumes anyway. A larger
+#   MAX_EPOCH or MAX_UPDATE alone (the budget grows) resumes the run.
 #
 # Every value below can be overridden with the environment variable in capitals, and any
 # fairseq-train option given after PAIR is passed through last (so it wins):
@@ -59,6 +60,8 @@
 #     chosen by it (--best-checkpoint-metric bleu --maximize-best-checkpoint-metric)
 #   EA_FAIRSEQ_SHOW_WARNINGS=1  show the known warnings of fairseq's stack (hydra
 #     deprecations, torch FutureWarnings, ...), which are filtered out otherwise
+#   SHOW_CONFIG=1  print fairseq's configuration and the model's structure on the terminal too
+#     (they are always in SAVE_DIR/train.log)
 #   DRY_RUN=1 prints the command instead of running it (assuming GPUs where there are none).
 #
 # Where the defaults come from (README.md has the full table):
@@ -453,6 +456,52 @@ if is_on "${DRY_RUN:-}"; then
   exit 0
 fi
 
+# train_output N_VALID: fairseq-train's stdout as the terminal shows it. fairseq's configuration
+# (one line of some 12,000 characters) and the model's structure go to SAVE_DIR/train.log only
+# (fairseq's --log-file, which rank 0 writes; SHOW_CONFIG=1 shows them here too). With
+# EVAL_BLEU=1, fairseq translates the validation set after each epoch without a line: one says
+# so when it starts, with how long the last one took.
+train_output() {
+  local line skipping="" began="" last="" quiet=""
+  if [ "$rank" = 0 ] && ! is_on "${SHOW_CONFIG:-}"; then quiet=1; fi
+  while IFS= read -r line; do
+    if [ -n "$skipping" ]; then [ "$line" != ")" ] || skipping=""; continue; fi
+    if [ -n "$quiet" ]; then
+      case "$line" in
+        *" | INFO | fairseq_cli.train | {'_name': "*)
+          echo "[train] fairseq's configuration and the model's structure: in $SAVE_DIR/train.log (SHOW_CONFIG=1 shows them here)"
+          continue ;;
+        *" | INFO | fairseq_cli.train | "*"Model(") skipping=1; continue ;;
+      esac
+    fi
+    printf '%s\n' "$line"
+    if is_on "${EVAL_BLEU:-}"; then
+      case "$line" in
+        *" | fairseq_cli.train | begin validation on "*)
+          began=$SECONDS
+          echo "[train] EVAL_BLEU=1: translating the $1 validation sentences with beam 5; fairseq prints" \
+               "nothing until its 'valid on' line${last:+ (the last validation took $last s)}" ;;
+        *" | valid on '"*) if [ -n "$began" ]; then last=$((SECONDS - began)); began=""; fi ;;
+      esac
+    fi
+  done
+}
+
+# budget_grows RECORDED NEW: the settings differ only in --max-epoch / --max-update, and
+# neither limit is lower than before (none: no limit); prints the change
+budget_grows() {
+  local budget='^--(max-epoch|max-update) ' key old new changes=()
+  [ "$(grep -Ev "$budget" <<< "$1" || true)" = "$(grep -Ev "$budget" <<< "$2" || true)" ] || return 1
+  for key in max-epoch max-update; do
+    old=$(sed -n "s/^--$key //p" <<< "$1"); new=$(sed -n "s/^--$key //p" <<< "$2")
+    [ "$old" != "$new" ] || continue
+    if [ -z "$old" ] || { [ -n "$new" ] && [ "$new" -lt "$old" ]; }; then return 1; fi
+    changes+=("--$key ${old} -> ${new:-no limit}")
+  done
+  [ ${#changes[@]} -gt 0 ] || return 1
+  (IFS=,; echo "${changes[*]}")
+}
+
 # ---------------------------------------------------------------- run hygiene
 if [ "$rank" = 0 ]; then
   mkdir -p "$SAVE_DIR"
@@ -460,6 +509,9 @@ if [ "$rank" = 0 ]; then
   if [ -f "$SAVE_DIR/checkpoint_last.pt" ]; then
     if [ ! -f "$record" ]; then
       problem="its checkpoints have no record of the settings they were trained with ($record)"
+    elif grown=$(budget_grows "$(grep -v '^#' "$record")" "$settings"); then
+      problem=""
+      echo "[train] resuming $SAVE_DIR/checkpoint_last.pt with a larger budget: $grown (other settings the same)" >&2
     elif [ "$(grep -v '^#' "$record")" != "$settings" ]; then
       problem="its checkpoints were trained with other settings:
 $(diff <(grep -v '^#' "$record") <(echo "$settings") | grep '^[<>]' | sed 's/^</  was:/; s/^>/  now:/' || true)"
@@ -494,9 +546,13 @@ $(diff <(grep -v '^#' "$record") <(echo "$settings") | grep '^[<>]' | sed 's/^</
     if [ -f "$DATA/$f" ]; then cp "$DATA/$f" "$SAVE_DIR/"; fi
   done
 fi
-# fairseq-train's stderr without the known warnings of its stack (ea_quiet); its exit status kept
+# fairseq-train's stdout through train_output (line by line: PYTHONUNBUFFERED), its stderr
+# without the known warnings of its stack (ea_quiet); its exit status kept
+valid_idx="$DATA/valid.$src-$tgt.$src.idx"
+n_valid=$(od -An -t u8 -j 18 -N 8 "$valid_idx" 2>/dev/null | tr -d ' ' || true)
 set +e
-{ "${cmd[@]}" 2>&1 1>&3 3>&- | ea_quiet >&2 3>&-; status=${PIPESTATUS[0]}; } 3>&1
+{ { PYTHONUNBUFFERED=1 "${cmd[@]}" 2>&1 1>&3 3>&- | ea_quiet >&2 3>&-; exit "${PIPESTATUS[0]}"; } 3>&1 \
+    | train_output "${n_valid:-the}"; status=${PIPESTATUS[0]}; }
 set -e
 [ "$status" -eq 0 ] || exit "$status"
 echo "[train] done: $SAVE_DIR; evaluate with: $eval_hint" >&2
