@@ -131,3 +131,46 @@ def test_shown_keys_and_texts_hold_no_line_break_or_control(text):
     for shown in (shown_key(text), shown_text(text)):
         assert shown.isprintable() and len(shown) <= max(len(text), 1000)
         assert shown == text or shown.startswith(("'", '"'))
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture(scope="module")
+def vanilla_state(vanilla):  # noqa: F811
+    return trusted_state(vanilla)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.text(min_size=1, max_size=60), st.text(max_size=60))
+def test_no_key_or_value_from_a_checkpoint_breaks_a_log_line_or_a_message(vanilla_state, key, value):
+    """Hypothesis: keys dropped at the top, in a section and in a registry name, and a path
+    value not honoured, logged by the loader; a key in a nested model section refused."""
+    import copy
+
+    state = copy.copy(vanilla_state)
+    state["cfg"] = dict(state["cfg"], **{"~" + key: 1})
+    state["cfg"]["common"] = dict(state["cfg"]["common"], **{"~" + key: value})
+    state["cfg"]["scoring"] = {"_name": "s" + key}
+    model = argparse.Namespace(**vars(state["cfg"]["model"]))
+    model.encoder_embed_path = value or None
+    state["cfg"]["model"] = model
+    records, log = _Records(), logging.getLogger("ea_fairseq")
+    log.addHandler(records)
+    level, log.level = log.level, logging.DEBUG
+    try:
+        safety.sanitize(state, "c.pt", build_check=False)
+    finally:
+        log.removeHandler(records)
+        log.setLevel(level)
+    assert records.messages and all(m.isprintable() for m in records.messages), records.messages
+    model.encoder = {"~" + key: 1}
+    with pytest.raises(safety.UnsafeCheckpointError) as refused:
+        safety.sanitize(state, "c.pt", build_check=False)
+    assert str(refused.value).isprintable()
