@@ -174,3 +174,15 @@ def test_no_key_or_value_from_a_checkpoint_breaks_a_log_line_or_a_message(vanill
     with pytest.raises(safety.UnsafeCheckpointError) as refused:
         safety.sanitize(state, "c.pt", build_check=False)
     assert str(refused.value).isprintable()
+
+
+def test_a_weight_name_writes_no_line_into_the_averaging_tool_s_error(tmp_path, vanilla, capsys):  # noqa: F811
+    from ea_fairseq_cli import average_checkpoints
+
+    state = trusted_state(vanilla)
+    state["model"]["x\n" + FAKE] = torch.tensor([float("nan")])
+    path = saved(state, tmp_path)
+    assert average_checkpoints.main(["--inputs", str(path), str(vanilla), "--output", str(tmp_path / "a.pt")]) == 1
+    err = capsys.readouterr().err
+    assert "NaN or infinite weights in 1 tensors: 'x\\nGenerate test" in err, err
+    assert not [line for line in err.splitlines() if line.startswith(FAKE[:20])]

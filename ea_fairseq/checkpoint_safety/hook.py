@@ -12,7 +12,7 @@ import torch
 
 from .bounds import _check_family, check_model_sizes
 from .consistency import check_model_matches, check_training_state
-from .fields import shown_text
+from .fields import shown_key, shown_text
 from .plain import LIMIT_AMPLIFICATION, _Walk
 from .reading import TRUST_SWITCH, CheckpointError, UnsafeCheckpointError, _shown, read_checkpoint
 from .schema import Generator
@@ -100,8 +100,9 @@ def load_checkpoint(path: str, *, build_check: bool = True) -> Dict[str, Any]:
 
 
 def nonfinite_weights(model_state: Mapping[str, Any]) -> List[str]:
-    """Names of the floating-point tensors of ``model_state`` holding NaN or infinity."""
-    return [name for name, value in model_state.items()
+    """Names of the floating-point tensors of ``model_state`` holding NaN or infinity, as a
+    message shows them (:func:`~.fields.shown_key`: a name from the file writes no line of its own)."""
+    return [shown_key(name) for name, value in model_state.items()
             if torch.is_tensor(value) and value.is_floating_point() and not bool(torch.isfinite(value).all())]
 
 
