@@ -55,9 +55,17 @@ def shown(value) -> str:
     return text if len(text) <= 100 else text[:97] + "..."
 
 
+LIMIT_LABEL = 60  # characters of a token or name drawn on a figure
+
+
 def _label_text(token: str) -> str:
-    """A token as matplotlib draws it literally (``$`` would start its math mode)."""
-    return str(token).replace("$", r"\$")
+    """A token or name from an input file as matplotlib draws it literally: ``$`` escaped (it
+    would start math mode), characters that are not printable shown escaped, at most
+    :data:`LIMIT_LABEL` characters."""
+    text = str(token)
+    text = text if text.isprintable() else repr(text)[1:-1]
+    text = text if len(text) <= LIMIT_LABEL else text[:LIMIT_LABEL - 1] + "\u2026"
+    return text.replace("$", r"\$")
 
 
 def _save(fig, out: str) -> str:

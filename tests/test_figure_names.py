@@ -70,7 +70,7 @@ def test_a_dump_as_dump_writes_it_is_plotted_under_its_name(tmp_path, monkeypatc
     """Negative control of the refusal: names as ``dump`` writes them, tokens holding matplotlib's
     math markers (``$...$``) and a checkpoint path holding them, plot as before; drawn as math,
     such a token stops the plot with matplotlib's parse error."""
-    dump = write_dump(tmp_path / "dump.npz", sid=3, kind="weights", tokens=("$x$", r"$\frac{$", "c"),
+    dump = write_dump(tmp_path / "dump.npz", sid=3, kind="weights", tokens=("$x$", r"$\frac{$", "c" * 10 ** 6 + "\n"),
                       checkpoint="/m/$\\undefinedmacro$/c.pt", arch="ea_transformer_lite")
     assert analysis_cli.main(["plot", "maps", dump, "--out-dir", str(tmp_path / "figs")]) == 0
     assert files_under(tmp_path / "figs") == ["s3_encoder.self_weights.png"]
@@ -120,3 +120,10 @@ def test_a_map_that_declares_more_than_it_holds_is_refused_before_numpy_allocate
     # negative control: numpy itself allocates the declared array first, then finds the data short
     with pytest.raises((ValueError, MemoryError)):
         np.load(dump)["0/encoder.self/weights"]
+
+
+def test_labels_from_input_are_plain_one_line_and_short():
+    for token in ("c" * 10 ** 6, "a\nb\x1b[2J", "$\\frac{$", "plain"):
+        label = plots._label_text(token)
+        assert label.isprintable() and len(label) <= plots.LIMIT_LABEL + 2 * label.count("$")
+    assert plots._label_text("plain") == "plain" and plots._label_text("$5") == r"\$5"
