@@ -1,7 +1,8 @@
 """Reading a checkpoint file: torch's weights-only unpickler, the classes of a fairseq
 configuration and numpy's names for numeric values allow-listed only while a checkpoint is
-read, no omegaconf value resolved while the file is unpickled, compressed records refused;
-damaged files reported as such."""
+read, no omegaconf value resolved while the file is unpickled, the archive read as torch reads
+it (its own zip reader) and refused where a record would expand beyond the file; damaged files
+reported as such."""
 import argparse
 import collections
 import contextlib
@@ -11,7 +12,6 @@ import re
 import stat
 import threading
 import typing
-import zipfile
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
@@ -195,25 +195,16 @@ def read_checkpoint(path: str, source: Optional[str] = None) -> Dict[str, Any]:
     size = os.path.getsize(path)
     if size == 0:
         raise _corrupt(source, "the file is empty (0 bytes; a run that stopped while saving leaves one)")
-    if zipfile.is_zipfile(path):
-        try:
-            with zipfile.ZipFile(path) as archive:
-                packed = [i.filename for i in archive.infolist() if i.compress_type != zipfile.ZIP_STORED]
-        except (zipfile.BadZipFile, OSError, ValueError) as err:
-            raise _corrupt(source, f"a damaged zip archive ({err})") from err
-        if packed:  # torch stores records uncompressed: a record can never outgrow the file
-            raise UnsafeCheckpointError(
-                f"{source}: refused: it holds compressed records ({packed[0]}, ...), which torch.save "
-                "never writes; a compressed record could expand far beyond the file's size.")
-    else:
-        with open(path, "rb") as f:
-            head = f.read(16)
-        if head.startswith(b"PK"):
-            raise _corrupt(source, "a zip archive without its central directory (truncated: the file "
-                                   "was cut short or is still being written)")
-        if not head.startswith(b"\x80"):  # torch's legacy format is a pickle (protocol 2)
-            raise _corrupt(source, f"not a torch checkpoint (neither a zip archive nor a pickle; it begins "
-                                   f"with {head!r})")
+    with open(path, "rb") as f:
+        head = f.read(16)
+    if head.startswith(ZIP_RECORD):  # torch reads a zip archive where the file begins with a record, and
+        _check_records(path, size, source)  # a pickle (its legacy format) otherwise: so is it read here
+    elif head.startswith(b"PK"):
+        raise _corrupt(source, "a zip archive that does not begin with a record (torch reads only the archives "
+                               "torch.save writes)")
+    elif not head.startswith(b"\x80"):  # torch's legacy format is a pickle (protocol 2)
+        raise _corrupt(source, f"not a torch checkpoint (neither a zip archive nor a pickle; it begins "
+                               f"with {head!r})")
     with checkpoint_globals_allowed(), _no_interpolation_resolved() as resolved:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
@@ -230,6 +221,34 @@ def read_checkpoint(path: str, source: Optional[str] = None) -> Dict[str, Any]:
     if not isinstance(state, dict):
         raise _corrupt(source, f"it holds a {type(state).__name__}, not a fairseq checkpoint (a dict)")
     return state
+
+
+ZIP_RECORD = b"PK\x03\x04"  # what torch.load tests the start of a file for
+
+
+def _check_records(path: str, size: int, source: str) -> None:
+    """The archive as torch reads it (its own zip reader, the one ``torch.load`` opens): every
+    record's bytes, as many as torch's reader says it holds, lie in the file between its header
+    and the next record's, so that no record expands beyond the file (torch.save stores records
+    uncompressed, one after the other) and what is checked is what torch loads."""
+    try:
+        reader = torch._C.PyTorchFileReader(path)
+        records = sorted((reader.get_record_header_offset(name), reader.get_record_offset(name),
+                          reader.get_record_size(name), name) for name in reader.get_all_records())
+    except RuntimeError as err:
+        cause = str(err).split(". This is an internal")[0]
+        if "central directory" in cause:
+            raise _corrupt(source, "a zip archive without its central directory (truncated: the file was cut "
+                                   "short or is still being written)") from err
+        raise _corrupt(source, f"a damaged zip archive ({cause[:200]})") from err
+    for i, (header, start, length, name) in enumerate(records):
+        room = (records[i + 1][0] if i + 1 < len(records) else size) - start
+        if not header <= start <= size or length > room:
+            raise UnsafeCheckpointError(
+                f"{source}: refused: torch reads its record {_shown(name)} as {length} bytes, where the file holds "
+                f"{max(room, 0)} bytes for it (compressed records, or records that overlap or lie outside the file), "
+                "which torch.save never writes: torch would allocate what the record declares, beyond the file's "
+                "size. Nothing in the checkpoint was run.")
 
 
 def _classify_load_error(source: str, err: Exception) -> CheckpointError:
