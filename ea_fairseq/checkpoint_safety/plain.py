@@ -218,6 +218,10 @@ class _Walk:
         if t.layout is not torch.strided or t.is_quantized:
             raise self.refuse(path, f"a {t.layout} tensor{' (quantized)' if t.is_quantized else ''}; "
                                     "fairseq checkpoints hold dense tensors", config=False)
+        if t.device.type != "cpu":  # (a meta tensor: a shape with no data, as large as it likes)
+            raise self.refuse(path, f"a tensor on the {t.device.type} device, {tuple(t.shape)} {t.dtype} with no "
+                                    "data in the file; a checkpoint's tensors hold their data, read onto the CPU",
+                              config=False)
         storage = t.untyped_storage()
         available = storage.nbytes() - t.storage_offset() * t.element_size()
         declared = t.numel() * t.element_size()
