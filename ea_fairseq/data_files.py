@@ -22,6 +22,13 @@ that calls fairseq's own function on files that passed:
 
 - ``fairseq.data.data_utils.load_indexed_dataset``: every split a task loads (``translation``
   and the plugin's ``translation_lines``, in ``fairseq-train``, ``fairseq-generate``, ...);
+- ``fairseq.data.indexed_dataset.make_dataset``: every dataset format fairseq reads, named
+  (``--dataset-impl``, a checkpoint) or inferred from an index, is one whose files are checked
+  here (:data:`CHECKED_FORMATS`): ``fasta`` indexes its file through a shell command that holds
+  the file's path, ``huffman`` opens a vocabulary beside the index;
+- ``fairseq.data.data_utils.infer_language_pair``: a language pair fairseq infers from the file
+  names of a data or model directory is codes (:data:`LANGUAGE_CODE`; fairseq puts them in the
+  names of the files it opens);
 - ``fairseq.data.Dictionary.add_from_file``: every dictionary loaded from a path, by any task's
   ``load_dictionary``, ``Dictionary.load`` or a subclass (the hub, every command-line tool);
 - ``fairseq.data.encoders.build_bpe``: every BPE the hub, ``fairseq-interactive`` and
@@ -34,6 +41,7 @@ the file and what to do.
 import functools
 import itertools
 import os
+import re
 import stat
 import struct
 from typing import Optional
@@ -53,6 +61,14 @@ class DataFileError(OptionError):
 
 
 BINARY = "a damaged or crafted data file; rebuild the data directory with fairseq-preprocess"
+# the dataset formats (--dataset-impl) whose files are checked here; fairseq's others act beyond
+# their files: "fasta" indexes its file through a shell command that holds the file's path,
+# "huffman" opens a vocabulary beside the index
+CHECKED_FORMATS = ("raw", "lazy", "cached", "mmap")
+FORMATS = ("a dataset format whose files ea_fairseq checks (raw, lazy, cached, mmap: --dataset-impl mmap is "
+           "what fairseq-preprocess writes); rebuild the data directory with fairseq-preprocess")
+# a language, wherever fairseq takes one to put in file names (dict.{lang}.txt, {split}.{src}-{tgt}.{lang})
+LANGUAGE_CODE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 DICTIONARY_LIMIT = 256 * 2 ** 20  # fairseq-preprocess writes a few MB for 100k types
 BPE_LIMIT = 64 * 2 ** 20  # sentencepiece / BPE merges / vocab.json files are a few MB
 DICTIONARY = (f"a fairseq dictionary is a regular text file of at most {DICTIONARY_LIMIT // 2 ** 20} MiB: use "
@@ -127,9 +143,13 @@ def _check_mmap(idx: str, size: int, data_bytes: int) -> None:
         raise _error(idx, f"items that end at byte {end:,} of a data file of {data_bytes:,} bytes")
 
 
-def check(prefix: str) -> bool:
+def check(prefix: str, impl: Optional[str] = None) -> bool:
     """Check ``prefix.idx`` against itself and ``prefix.bin`` (and ``prefix`` itself, a raw-text
-    split, which fairseq reads whole); False if none of them exists."""
+    split, which fairseq reads whole), as fairseq would read them with dataset format ``impl``
+    (None: the format fairseq infers from the files); False if none of them exists. An index of
+    another format than fairseq's two binary ones is refused where fairseq would read it."""
+    if impl is not None and impl not in CHECKED_FORMATS:
+        raise _error(prefix, f"dataset format {impl!r}", FORMATS)
     raw = os.path.lexists(prefix) and not os.path.isdir(prefix)
     if raw and os.path.exists(prefix):
         check_file(prefix)
@@ -145,7 +165,9 @@ def check(prefix: str) -> bool:
         _check_legacy(idx, size, data_bytes)
     elif magic == MMAP_MAGIC:
         _check_mmap(idx, size, data_bytes)
-    return True  # other formats (raw text, fasta, huffman): fairseq's own readers
+    elif impl != "raw" and not (impl is None and raw):  # fairseq reads this index (huffman: and a vocabulary)
+        raise _error(idx, f"an index of another format (it begins with {magic!r})", FORMATS)
+    return True
 
 
 def _bpe_files(cfg):
@@ -173,8 +195,9 @@ def _bpe_files(cfg):
     return found
 
 
-def _wrap(owner, name: str, checked) -> None:
-    """Replace ``owner.name`` (once) by a function that runs ``checked(*args)`` first."""
+def _wrap(owner, name: str, checked, result=None) -> None:
+    """Replace ``owner.name`` (once) by a function that runs ``checked(*args)`` first (and
+    ``result(*args, what it returned)`` after, where given)."""
     original = getattr(owner, name)
     if getattr(original, "ea_fairseq_checks", False):
         return
@@ -182,7 +205,10 @@ def _wrap(owner, name: str, checked) -> None:
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
         checked(*args, **kwargs)
-        return original(*args, **kwargs)
+        value = original(*args, **kwargs)
+        if result is not None:
+            result(*args, value, **kwargs)
+        return value
 
     wrapper.ea_fairseq_checks = True
     setattr(owner, name, wrapper)
@@ -190,8 +216,21 @@ def _wrap(owner, name: str, checked) -> None:
 
 def _check_splits(path, dictionary=None, dataset_impl=None, combine=False, default="cached"):
     for k in itertools.count():  # PREFIX, PREFIX1, ... with combine
-        if not check(path + (str(k) if k > 0 else "")) or not combine:
+        if not check(path + (str(k) if k > 0 else ""), dataset_impl) or not combine:
             break
+
+
+def _check_format(path, impl, *args, **kwargs):
+    if impl not in CHECKED_FORMATS:  # (also one inferred from the files: fasta, huffman)
+        raise _error(path, f"dataset format {impl!r}", FORMATS)
+
+
+def _check_languages(path, pair) -> None:
+    if any(lang is not None and not (isinstance(lang, str) and LANGUAGE_CODE.fullmatch(lang)) for lang in pair):
+        raise DataFileError(
+            f"{path}: a file name there gives the language pair {pair[0]!r}-{pair[1]!r}, which are not language "
+            "codes ([A-Za-z0-9_-]+; fairseq puts them in the names of the files it opens): remove or rename that "
+            "file, or pass --source-lang and --target-lang")
 
 
 def _check_dictionary(dictionary, f):
@@ -207,9 +246,12 @@ def _check_bpe(cfg, *args, **kwargs):
 
 
 def install() -> None:
-    """Check every split, dictionary and BPE file before fairseq opens it. Idempotent."""
-    from fairseq.data import Dictionary, data_utils, encoders
+    """Check every split, dictionary and BPE file before fairseq opens it, every dataset format
+    before fairseq reads one, every language pair fairseq infers from file names. Idempotent."""
+    from fairseq.data import Dictionary, data_utils, encoders, indexed_dataset
 
     _wrap(data_utils, "load_indexed_dataset", _check_splits)
+    _wrap(indexed_dataset, "make_dataset", _check_format)
+    _wrap(data_utils, "infer_language_pair", lambda path: None, _check_languages)
     _wrap(Dictionary, "add_from_file", _check_dictionary)
     _wrap(encoders, "build_bpe", _check_bpe)
