@@ -14,6 +14,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from .literals import EVALUATED_FIELDS, _evaluated_value, _literal
 from .plain import _Refused
+from ..data_files import CHECKED_FORMATS, LANGUAGE_CODE
+from .bounds import LIMIT_POSITIONS
 from .reading import _shown
 
 
@@ -29,7 +31,20 @@ NAME_FIELDS = {"source_lang": "a language code", "target_lang": "a language code
                "train_subset": "a split name", "valid_subset": "comma-separated split names",
                "gen_subset": "a split name"}
 LANGUAGE_FIELDS = frozenset(k for k, v in NAME_FIELDS.items() if v == "a language code")
-_LANGUAGE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_LANGUAGE = LANGUAGE_CODE  # (the same codes as a language inferred from a data directory's file names)
+# integers by which fairseq sizes what it allocates when it loads data or translates with a
+# checkpoint's configuration (the analysis tool and the hub set their task up from it): padding
+# multiples, length buckets, position tables, ratios: (least, most); every other integer a
+# 64-bit one (fairseq's own defaults reach 2**63 - 1)
+INTEGER_BOUNDS = {
+    "max_source_positions": (1, LIMIT_POSITIONS), "max_target_positions": (1, LIMIT_POSITIONS),
+    "required_seq_len_multiple": (1, LIMIT_POSITIONS), "required_batch_size_multiple": (1, LIMIT_POSITIONS),
+    "num_batch_buckets": (0, LIMIT_POSITIONS), "upsample_primary": (-1, 1024), "num_workers": (0, 1024),
+    "data_buffer_size": (0, LIMIT_POSITIONS)}
+LIMIT_INTEGER = (1 << 63) - 1
+# enumerations fairseq would act on beyond what the plugin checks: the dataset formats (fasta
+# indexes its file through a shell command holding the path; huffman opens a third file)
+CHOICES_CHECKED = {"dataset_impl": CHECKED_FORMATS}
 _NAMES = re.compile(r"[A-Za-z0-9_-]{1,64}(,[A-Za-z0-9_-]{1,64}){0,63}")
 # the task families whose configuration this plugin has checked (its recipes and hub use these);
 # another task's dataclass may name files and directories fairseq opens when it sets the task up
@@ -95,10 +110,11 @@ def typed(value: Any, tp: Any, name: str) -> Any:
     if tp is Any or tp is object:
         return _any_value(value)
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        choices = [str(c.value) for c in tp]
+        choices = [str(c.value) for c in tp if name not in CHOICES_CHECKED or str(c.value) in CHOICES_CHECKED[name]]
         if type(value) is str and value in choices:
             return value
-        raise _Refused(f"not one of {choices}")
+        raise _Refused(f"not one of {choices}" + (" (the dataset formats whose files the plugin checks before fairseq "
+                                                  "reads them)" if name in CHOICES_CHECKED else ""))
     origin = typing.get_origin(tp)
     if origin in (list, List, tuple):
         item = (typing.get_args(tp) or (Any,))[0]
@@ -112,7 +128,7 @@ def typed(value: Any, tp: Any, name: str) -> Any:
     if tp is bool and type(value) is bool:
         return value
     if tp is int and type(value) is int:
-        return value
+        return _bounded(value, name)
     if tp is float and type(value) in (int, float) and math.isfinite(value):
         return float(value)
     if tp is str and type(value) is str:
@@ -120,6 +136,14 @@ def typed(value: Any, tp: Any, name: str) -> Any:
             raise _Refused(f"not {NAME_FIELDS[name]} ([A-Za-z0-9_-]+); fairseq puts it in file names")
         return value
     raise _Refused(f"a {type(value).__name__} where fairseq declares {_type_name(tp)}")
+
+
+def _bounded(value: int, name: str) -> int:
+    least, most = INTEGER_BOUNDS.get(name, (-LIMIT_INTEGER - 1, LIMIT_INTEGER))
+    if not least <= value <= most:
+        raise _Refused(f"not an integer from {least} to {most}" + (
+            " (fairseq sizes what it allocates by it)" if name in INTEGER_BOUNDS else " (a 64-bit integer)"))
+    return value
 
 
 def _legacy_scalar(text: str, tp) -> Any:
@@ -138,7 +162,9 @@ def _any_value(value: Any) -> Any:
         return [_any_value(v) for v in value]
     if type(value) is float and not math.isfinite(value):
         raise _Refused("a number that is not finite")
-    if type(value) in (type(None), bool, int, float, str):
+    if type(value) is int:
+        return _bounded(value, "")
+    if type(value) in (type(None), bool, float, str):
         return value
     raise _Refused(f"a {type(value).__name__} where fairseq declares a plain value")
 
