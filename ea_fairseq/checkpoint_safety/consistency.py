@@ -12,17 +12,28 @@ or a switched-on layer the weights do not hold never reaches a deep traceback).
 
 :func:`check_training_state` reads what fairseq's trainer reads back on ``--restore-file``:
 the metrics' meter classes (fairseq calls ``globals()[name]()`` in ``fairseq.logging.meters``:
-only its ``Meter`` subclasses, each loading its stored state), the update count, and the
-optimizer's per-parameter state shaped as the parameters it belongs to.
+only its ``Meter`` subclasses, each loading its stored state) and the update count. The
+optimizer's state, which generation never reads, is bounded only (:func:`check_optimizer_state`):
+its layout is the trainer's (one flat float32 master tensor under ``--fp16``, Adafactor's factored
+moments, a loss scale, ...), and fairseq's optimizer compares it with the parameters itself when
+training resumes.
 """
+import argparse
 import warnings
-from typing import Any, Dict, Mapping
+from typing import Any, Dict, Iterator, Mapping, Tuple
 
+import numpy as np
 import torch
 
 from .reading import UnsafeCheckpointError, _shown
 
 LIMIT_UPDATES = 10 ** 12  # far beyond any training run; fairseq schedules learning rates from it
+#: the optimizer state's numbers per number of the weights (fairseq's optimizers keep at most three:
+#: Adam's two moments and AMSGrad's maximum), plus :data:`LIMIT_OPTIMIZER_SLACK` (step counts,
+#: scalars, a criterion's own parameters)
+LIMIT_OPTIMIZER_FACTOR = 4
+LIMIT_OPTIMIZER_SLACK = 1 << 20
+_INTEGERS = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 def _refuse(source: str, what: str) -> UnsafeCheckpointError:
@@ -81,7 +92,7 @@ def check_model_matches(cfg: Dict[str, Any], weights: Any, source: str):
     return model
 
 
-def check_training_state(state: Mapping, model, source: str) -> None:
+def check_training_state(state: Mapping, source: str) -> None:
     """The trainer state fairseq reads back on ``--restore-file``."""
     _check_meters(state.get("extra_state"), source)
     history = state.get("optimizer_history")
@@ -91,8 +102,7 @@ def check_training_state(state: Mapping, model, source: str) -> None:
         if updates is not None and not (type(updates) is int and 0 <= updates <= LIMIT_UPDATES):
             raise _refuse(source, f"optimizer_history[-1].num_updates = {_shown(updates)}: not an update "
                                   f"count (an int from 0 to {LIMIT_UPDATES})")
-    if model is not None:
-        _check_optimizer_state(state.get("last_optimizer_state"), model, source)
+    check_optimizer_state(state, source)
 
 
 def _check_meters(extra: Any, source: str) -> None:
@@ -119,23 +129,35 @@ def _check_meters(extra: Any, source: str) -> None:
                                       f"({type(error).__name__}: {_shown(error)})") from None
 
 
-def _check_optimizer_state(optimizer: Any, model, source: str) -> None:
-    """Per-parameter tensors (Adam's moments, ...) shaped as their parameter, in fairseq's
-    trainer's order (the model's parameters that require gradients)."""
-    if not isinstance(optimizer, Mapping) or not isinstance(optimizer.get("state"), Mapping):
-        return
-    params = [p for p in model.parameters() if p.requires_grad]
-    for index, slots in optimizer["state"].items():
-        if type(index) is not int or not isinstance(slots, Mapping):
-            continue  # (fairseq's fp16 and sharded optimizers keep other layouts)
-        if not 0 <= index < len(params):
-            raise _refuse(source, f"last_optimizer_state.state[{index}]: no such parameter "
-                                  f"(the model has {len(params)})")
-        for slot, value in slots.items():
-            if torch.is_tensor(value) and value.dim() > 0 and tuple(value.shape) != tuple(params[index].shape) \
-                    and value.numel() != params[index].numel():
-                raise _refuse(source, f"last_optimizer_state.state[{index}][{slot!r}] has shape {tuple(value.shape)}, "
-                                      f"its parameter {tuple(params[index].shape)}")
-            if torch.is_tensor(value) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
-                raise _refuse(source, f"last_optimizer_state.state[{index}][{slot!r}] holds NaN or infinity")
+def _numbers(node: Any) -> Iterator[Tuple[str, Any]]:
+    """``(path, tensor or numpy array)`` of everything ``node`` holds (already walked once and
+    bounded in depth and size by :mod:`.plain`)."""
+    if torch.is_tensor(node) or isinstance(node, np.ndarray):
+        yield "", node
+    elif isinstance(node, (Mapping, argparse.Namespace)) or type(node) in (list, tuple):
+        items = vars(node).items() if type(node) is argparse.Namespace else (
+            node.items() if isinstance(node, Mapping) else enumerate(node))
+        for key, child in items:
+            for path, value in _numbers(child):
+                yield f"[{key!r}]{path}", value
 
+
+def check_optimizer_state(state: Mapping, source: str) -> None:
+    """``last_optimizer_state`` in whatever layout fairseq's trainer wrote it: tensors of real
+    numbers or booleans, together at most :data:`LIMIT_OPTIMIZER_FACTOR` times the numbers of
+    the weights plus :data:`LIMIT_OPTIMIZER_SLACK`. Generation never reads it; how it maps onto
+    the parameters is checked by fairseq's optimizer when training resumes from it."""
+    weights = state.get("model")
+    held = sum(value.numel() for value in weights.values() if torch.is_tensor(value)) \
+        if isinstance(weights, Mapping) else 0
+    limit = LIMIT_OPTIMIZER_FACTOR * held + LIMIT_OPTIMIZER_SLACK
+    total = 0
+    for path, value in _numbers(state.get("last_optimizer_state")):
+        if torch.is_tensor(value) and not (value.is_floating_point() or value.dtype in _INTEGERS):
+            raise _refuse(source, f"last_optimizer_state{path} is a {value.dtype} tensor; an optimizer's "
+                                  "state holds real numbers")
+        total += value.numel() if torch.is_tensor(value) else value.size
+        if total > limit:
+            raise _refuse(source, f"last_optimizer_state holds more than {limit} numbers "
+                                  f"({LIMIT_OPTIMIZER_FACTOR} x the {held} of its weights + {LIMIT_OPTIMIZER_SLACK}); "
+                                  "fairseq's optimizers keep at most 3 per weight")

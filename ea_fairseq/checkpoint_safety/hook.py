@@ -64,8 +64,8 @@ def sanitize(state: Dict[str, Any], source: str, *, build_check: bool = True) ->
     out["args"] = None
     _check_received(out["cfg"], source)
     if build_check:
-        built = check_model_matches(out["cfg"], out.get("model"), source)
-        check_training_state(out, built, source)
+        check_model_matches(out["cfg"], out.get("model"), source)
+        check_training_state(out, source)
     generator.log()
     return out
 
