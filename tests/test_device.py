@@ -11,11 +11,16 @@ causality, incremental == full pass, batch invariance, beam search -- run on the
 in test_decoding_properties.py):
 
 * outputs and gradients on the device against a float64 CPU model with the same weights,
-  within a bound derived from the same precision's reference on CPU (:func:`derived_bound`);
-* fp16 training through fairseq's ``FP16Optimizer`` at loss scale 128 with no update skipped;
+  no further than fairseq's transformer is on the same device in the same precision
+  (:func:`anchor_failures`);
+* fp16 training through fairseq's ``FP16Optimizer`` at loss scale 128, skipping only updates that
+  fairseq's transformer of the same size skips too (a failure names the overflowing gradients);
+* no tensor built from Python values or read back by the plugin's code in a training or a
+  decoding step (what would copy between host and device on a GPU);
 * on CUDA: ``fairseq-train --fp16/--bf16/--amp`` then ``fairseq-generate --fp16`` with no update
-  skipped, no host-device sync from the plugin's code in a training or a decoding step, and
-  what cuDNN's default TF32 does to float32 EA maps (measured and written to the report).
+  skipped, all pairs side by side (the runner itself runs on every device, in float32), no
+  host-device sync from the plugin's code in a training or a decoding step, and what cuDNN's
+  default TF32 does to float32 EA maps (measured and written to the report).
 
 ``EA_FAIRSEQ_DEVICE_REPORT=<file>`` appends the measurements (JSON lines) to ``<file>``.
 """
@@ -26,6 +31,7 @@ import os
 import re
 import subprocess
 import sys
+import traceback
 import warnings
 from contextlib import contextmanager, nullcontext
 
@@ -35,7 +41,7 @@ import torch.nn.functional as F
 from fairseq import optim
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
-from conftest import DEVICE, ON_CUDA, REPO, build_model, cli, decoder_out, make_dictionary, parse, random_batch, randomize_convs
+from conftest import DEVICE, ON_CUDA, REPO, THREADS, build_model, cli, decoder_out, make_dictionary, parse, random_batch, randomize_convs
 import ea_fairseq
 from ea_fairseq import accelerators
 from ea_fairseq.modules import AttentionMapConv
@@ -105,20 +111,34 @@ def family_model(family, dtype=torch.float32, device=DEVICE, *extra):
 #: precision -> (the model's dtype, autocast dtype or None)
 PRECISIONS = {"fp32": (torch.float32, None), "fp16": (torch.float16, None), "bf16": (torch.bfloat16, None),
               "autocast-fp16": (torch.float32, torch.float16), "autocast-bf16": (torch.float32, torch.bfloat16)}
-# How far the device may be from float64: FUDGE times as far as the same precision's
-# reference implementation on CPU is (PyTorch's SDPA tests do the same), and never less
-# than FUDGE units in the last place of the largest float64 value (a zero CPU error would
-# otherwise demand bit-identical results from another device). The device's kernels round
-# in another order (float32) and accumulate half-precision products in float32 where the
-# CPU reference may not, so its error is of the reference's size: FUDGE leaves room for
-# that, and a wrong tap, mask or gradient (errors of the order of the values) still fails.
-FUDGE = {torch.float32: 5.0, torch.float16: 3.0, torch.bfloat16: 3.0}
+# How far the device may be from float64: no further than fairseq's own transformer (the
+# family's twin, at its size) is on the same device, in the same precision, on the same
+# inputs -- FUDGE times as far, as PyTorch's SDPA tests hold a kernel to the math path's
+# error in the same dtype -- and never less than FUDGE units in the last place. Each error
+# is in units of its tensor's scale (the logits: their largest |value|; a gradient: the
+# model's largest gradient entry, since a gradient of exactly zero, a key projection's
+# bias, has no scale of its own): the logits against the twin's logits, every gradient
+# against the twin's worst gradient (the plugin's parameters have no one-to-one twin: RAN's
+# matrices, EA's convolutions). The device's kernels (the twin's fused attention, the
+# plugin's unfused one) round in their own order; FUDGE leaves room for that, and a wrong
+# beta, a dropped scale or (in float32) a gradient 1% off still fails
+# (test_the_float64_anchor_fails_a_defective_model).
+FUDGE = 5.0
+#: fairseq's transformer itself must be this close to float64 (units of its scale, times the
+#: precision's machine epsilon) for its error to be a yardstick
+YARDSTICK = 64
 
 
-def derived_bound(low: torch.Tensor, exact: torch.Tensor, dtype: torch.dtype) -> float:
-    """FUDGE x max(|low-precision CPU reference - float64|, one ulp of max|float64|)."""
-    ulp = torch.finfo(dtype).eps * exact.abs().max().item()
-    return FUDGE[dtype] * max((low.double() - exact).abs().max().item(), ulp)
+def twin_arch(family: str) -> str:
+    """fairseq's own transformer at the family's size: the yardstick of its precision."""
+    return "transformer" if FAMILIES[family].arch.endswith("_base") else "transformer_lite"
+
+
+def anchor_batch(dictionary):
+    g = torch.Generator().manual_seed(5)
+    src, lengths, prev = random_batch(dictionary, [7, 4, 9], 6)
+    target = torch.randint(dictionary.nspecial, len(dictionary), prev.shape, generator=g)
+    return src, lengths, prev, target
 
 
 @contextmanager
@@ -162,52 +182,117 @@ def outputs_and_gradients(model, batch, device, autocast_dtype=None):
     return logits.detach().double().cpu(), grads
 
 
-def runs_the_reference(dtype, autocast_dtype) -> bool:
-    """Whether the device's run is the CPU reference's own computation: on a CPU device, for
-    a model cast to a dtype no CPU accelerator takes (then it is not repeated)."""
-    if DEVICE.type != "cpu" or autocast_dtype is not None:
-        return False
-    from ea_fairseq.ops import evolving_attention_dispatch as dispatch
+def errors_from_float64(model, precision, batch, tamper=None):
+    """``model`` (float32, on the CPU) run on the device in ``precision`` against its float64
+    copy on the CPU (reference implementations): ``{tensor: |device - float64| at its
+    largest, in units of the tensor's scale}`` for ``"logits"`` and every parameter's
+    gradient. ``tamper(model)`` changes the device's copy only (the negative controls)."""
+    dtype, autocast_dtype = PRECISIONS[precision]
+    device_model = cast(copy.deepcopy(model), dtype).to(DEVICE)
+    if tamper:
+        tamper(device_model)
+    masks = []
+    with same_drop_masks(masks, record=True):
+        out, grads = outputs_and_gradients(device_model, batch, DEVICE, autocast_dtype)
+    with accelerators.reference_only(), same_drop_masks(masks, record=False):
+        exact_out, exact_grads = outputs_and_gradients(copy.deepcopy(model).double(), batch, torch.device("cpu"))
+    if any(isinstance(m, DropAttention) and m.p > 0 for m in model.modules()):
+        assert masks and any(m.any() for m in masks), "DropAttention dropped nothing: the check would not see it"
+    assert exact_grads.keys() == grads.keys()
+    scale = max(g.abs().max().item() for g in exact_grads.values())
+    found = {"logits": (out - exact_out).abs().max().item() / exact_out.abs().max().item()}
+    found.update({n: (grads[n] - exact_grads[n]).abs().max().item() / scale for n in exact_grads})
+    return found
 
-    return not dispatch.accelerated_dtype(DEVICE.type, dtype)
+
+def yardstick_errors(twin: str, precision: str, dictionary) -> dict:
+    """fairseq's ``twin`` on the device in ``precision`` against float64 (computed once per
+    twin and precision): ``{"logits": its logits' error, "gradients": its worst gradient's}``,
+    after checking that it is a yardstick (within :data:`YARDSTICK` epsilons of float64)."""
+    key = (twin, precision)
+    if key not in _YARDSTICKS:
+        model, _ = build_model(twin, *SMALL)
+        found = errors_from_float64(model.eval(), precision, anchor_batch(dictionary))
+        low = PRECISIONS[precision][1] or PRECISIONS[precision][0]
+        limit = YARDSTICK * torch.finfo(low).eps
+        far = {n: f"{e:.3g}" for n, e in found.items() if not e <= limit}
+        assert not far, f"fairseq's {twin} in {precision} is further than {limit:.3g} from float64: {far}"
+        _YARDSTICKS[key] = {"logits": found.pop("logits"), "gradients": max(found.values())}
+    return _YARDSTICKS[key]
+
+
+_YARDSTICKS = {}
+
+
+def anchor_failures(family: str, precision: str, dictionary, tamper=None) -> dict:
+    """The tensors (logits, gradients) of ``family`` on the device in ``precision`` that are
+    further from float64 than FUDGE times its twin's (see :data:`FUDGE`): ``{name: why}``."""
+    model = family_model(family, device="cpu")
+    found = errors_from_float64(model, precision, anchor_batch(dictionary), tamper)
+    yardstick = yardstick_errors(twin_arch(family), precision, dictionary)
+    low = PRECISIONS[precision][1] or PRECISIONS[precision][0]
+    failures = {}
+    for name, error in found.items():
+        twin = yardstick["logits" if name == "logits" else "gradients"]
+        bound = FUDGE * max(twin, torch.finfo(low).eps)
+        if not error <= bound:  # also catches NaN
+            failures[name] = f"{error:.3g} > {FUDGE:g} x {twin:.3g} (the twin's)"
+    return failures
 
 
 @EVERY_FAMILY
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 def test_outputs_and_gradients_match_float64_on_cpu(dictionary, family, precision):
     """The device's logits and every parameter's gradient against a float64 CPU model with
-    the same (rounded) weights, within :func:`derived_bound` of the same precision's
-    reference implementation on CPU (accelerators off; on a CPU device in float32 the
-    accelerator is what runs, so it is held to the reference here as well)."""
-    dtype, autocast_dtype = PRECISIONS[precision]
-    low = autocast_dtype or dtype
-    model = family_model(family, dtype, device="cpu")
-    g = torch.Generator().manual_seed(5)
-    src, lengths, prev = random_batch(dictionary, [7, 4, 9], 6)
-    target = torch.randint(dictionary.nspecial, len(dictionary), prev.shape, generator=g)
-    batch = (src, lengths, prev, target)
-    masks = []
-    with same_drop_masks(masks, record=True):
-        out, grads = outputs_and_gradients(copy.deepcopy(model).to(DEVICE), batch, DEVICE, autocast_dtype)
-    with accelerators.reference_only():
-        if runs_the_reference(dtype, autocast_dtype):
-            ref_out, ref_grads = out, grads
-        else:
-            with same_drop_masks(masks, record=False):
-                ref_out, ref_grads = outputs_and_gradients(model, batch, torch.device("cpu"), autocast_dtype)
-        with same_drop_masks(masks, record=False):
-            exact_out, exact_grads = outputs_and_gradients(model.double(), batch, torch.device("cpu"))
-    if "drop" in family:
-        assert masks and any(m.any() for m in masks), "DropAttention dropped nothing: the check would not see it"
-    assert exact_grads.keys() == grads.keys() == ref_grads.keys()
-    assert torch.isfinite(out).all()
-    failures = {}
-    for name, got, ref, exact in [("logits", out, ref_out, exact_out)] + [
-            (n, grads[n], ref_grads[n], exact_grads[n]) for n in exact_grads]:
-        gap, bound = (got - exact).abs().max().item(), derived_bound(ref, exact, low)
-        if not gap <= bound:  # also catches NaN
-            failures[name] = f"{gap:.3g} > {bound:.3g}"
+    the same (rounded) weights: no further than FUDGE times fairseq's transformer (the
+    family's twin) on the same device in the same precision (see :data:`FUDGE`; the
+    accelerator, where one applies, runs on the device as it does in training). For
+    ``vanilla`` (fairseq's transformer: the twin itself) what is checked is the yardstick,
+    within :data:`YARDSTICK` epsilons of float64."""
+    failures = anchor_failures(family, precision, dictionary)
     assert not failures, failures
+
+
+def scale_evolving_beta(model, factor=0.8):
+    from ea_fairseq.modules.evolving_attention import EvolvingAttention
+
+    attentions = [m for m in model.modules() if isinstance(m, EvolvingAttention)]
+    assert attentions
+    for m in attentions:
+        m.beta *= factor
+
+
+def drop_query_scaling(model):
+    from ea_fairseq.modules.evolving_attention import EvolvingAttention
+
+    for m in model.modules():
+        if isinstance(m, EvolvingAttention):
+            m.scaling = 1.0
+
+
+def skew_a_map_convolution_gradient(model, factor=1.01):
+    conv = next(m for m in model.modules() if isinstance(m, AttentionMapConv))
+    conv.weight.register_hook(lambda grad: grad * factor)
+
+
+DEFECTS = {"beta x 0.8": scale_evolving_beta, "query scaling dropped": drop_query_scaling,
+           "a map convolution's gradient x 1.01": skew_a_map_convolution_gradient}
+
+
+@pytest.mark.parametrize("precision,defect", [("fp32", d) for d in DEFECTS] + [
+    ("fp16", "beta x 0.8"), ("fp16", "query scaling dropped"), ("autocast-bf16", "query scaling dropped")])
+def test_the_float64_anchor_fails_a_defective_model(dictionary, precision, defect):
+    """Negative control of :func:`anchor_failures`: EA-Lite with a defect on the device (the
+    float64 model is right) fails -- in every precision where the defect is larger than
+    the precision's rounding (a gradient 1% off is smaller than fp16's, and is caught in
+    float32, which every family runs)."""
+    assert not anchor_failures("ea-lite", precision, dictionary)
+    failures = anchor_failures("ea-lite", precision, dictionary, tamper=DEFECTS[defect])
+    assert failures, f"{defect} passed the float64 anchor in {precision}"
+    if defect.startswith("a map"):
+        assert list(failures) == ["encoder.layers.0.self_attn.conv.weight"], failures
+    else:
+        assert "logits" in failures, failures
 
 
 # -- self-consistency on the device -----------------------------------------------------
@@ -347,25 +432,33 @@ FP16_BATCH = (48, 31) if ON_CUDA else (4, 8)
 FP16_UPDATES = 3 if ON_CUDA else 2
 
 
-@EVERY_FAMILY
-def test_fp16_training_skips_no_update_at_loss_scale_128(family):
+def fp16_updates(family_or_arch, updates=FP16_UPDATES, tamper=None):
     """fairseq's ``--fp16`` update, driven as its trainer drives it, on the device: the model
-    cast with ``.half()``, ``FP16Optimizer`` (float32 master weights, flat on CUDA as by
-    default; per parameter on CPU, ``--fp16-no-flatten-grads``, as flattening needs CUDA)
-    built from fairseq-train's own options, dynamic loss scale starting at 128 (fairseq's
-    default), label-smoothed loss summed over a :data:`FP16_BATCH`, :data:`FP16_UPDATES` updates:
-    none may overflow (the loss scale stays 128), every parameter moves and stays finite."""
+    (a family of tests/families.py, or fairseq's ``transformer``/``transformer_lite``) cast
+    with ``.half()``, ``FP16Optimizer`` (float32 master weights, flat on CUDA as by default;
+    per parameter on CPU, ``--fp16-no-flatten-grads``, as flattening needs CUDA) built from
+    fairseq-train's own options, dynamic loss scale starting at 128 (fairseq's default),
+    label-smoothed loss summed over a :data:`FP16_BATCH`; an update whose gradients overflow
+    is skipped, as the trainer skips it. Returns ``(skipped, model, before)``: ``{update:
+    the parameters whose fp16 gradient was not finite}``, the model, its weights before."""
     d = make_dictionary()
-    arch, options = FAMILIES[family].arch, FAMILIES[family].options
+    family = FAMILIES.get(family_or_arch)
+    arch, options = (family.arch, family.options) if family else (family_or_arch, ())
     extra = ("--fp16", "--fp16-init-scale", "128", "--optimizer", "adam", "--lr", "0.0005", "--clip-norm", "0.0",
              *(() if ON_CUDA else ("--fp16-no-flatten-grads",)))
     cfg = convert_namespace_to_omegaconf(parse(arch, *SMALL, *options, *extra))
-    model = family_model(family, torch.float16, DEVICE).train()
+    if family:
+        model = family_model(family_or_arch, torch.float16, DEVICE).train()
+    else:
+        model = build_model(arch, *SMALL)[0].half().to(DEVICE).train()
+    if tamper:
+        tamper(model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = optim.FP16Optimizer.build_optimizer(cfg, params)
     src, lengths, prev, tgt = (t.to(DEVICE) for t in coherent_batch(d, *FP16_BATCH))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    for update in range(FP16_UPDATES):
+    skipped = {}
+    for update in range(updates):
         optimizer.zero_grad()
         lprobs = F.log_softmax(model(src, lengths, prev)[0].float(), dim=-1)
         nll = -lprobs.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)
@@ -374,15 +467,60 @@ def test_fp16_training_skips_no_update_at_loss_scale_128(family):
         optimizer.multiply_grads(1.0 / tgt.numel())
         try:
             grad_norm = optimizer.clip_grad_norm(0.0)  # fairseq's overflow check
-        except OverflowError as err:
-            pytest.fail(f"update {update} skipped for an fp16 overflow at loss scale 128: {err}")
+        except OverflowError:  # fairseq has halved the loss scale; the trainer skips the update
+            skipped[update] = [n for n, p in model.named_parameters()
+                               if p.grad is not None and not torch.isfinite(p.grad).all()]
+            continue
         assert torch.isfinite(grad_norm)
         optimizer.step()
-    assert optimizer.scaler.loss_scale == 128
+    return skipped, model, before
+
+
+#: the twins' skipped updates, computed once per twin
+_TWIN_UPDATES = {}
+
+
+def skipped_beyond_the_twin(family, tamper=None) -> list:
+    """What :func:`fp16_updates` skips of ``family`` and not of its twin (fairseq's transformer
+    at its size, same batch, same scale): one line per such update, naming the parameters
+    whose gradient overflowed. Also checks that every parameter of the family moved and
+    stayed finite."""
+    twin = twin_arch(family)
+    if twin not in _TWIN_UPDATES:
+        _TWIN_UPDATES[twin] = fp16_updates(twin)[0]
+    skipped, model, before = fp16_updates(family, tamper=tamper)
     for name, p in model.named_parameters():
         assert torch.isfinite(p).all(), name
-    unchanged = [n for n, p in model.named_parameters() if torch.equal(p, before[n])]
-    assert not unchanged, unchanged
+    if len(skipped) < FP16_UPDATES:
+        unchanged = [n for n, p in model.named_parameters() if torch.equal(p, before[n])]
+        assert not unchanged, unchanged
+    return [f"update {update} skipped for an fp16 overflow at loss scale {128 / 2 ** i:g} (fairseq's {twin} "
+            f"skipped {sorted(_TWIN_UPDATES[twin])}): non-finite gradients of "
+            f"{', '.join(names[:8]) or '(none in fp16: the float32 master copy)'}"
+            f"{f' and {len(names) - 8} more' if len(names) > 8 else ''}"
+            for i, (update, names) in enumerate(sorted(skipped.items())) if update not in _TWIN_UPDATES[twin]]
+
+
+@EVERY_FAMILY
+def test_fp16_training_skips_no_update_at_loss_scale_128(family):
+    """:func:`fp16_updates` for :data:`FP16_UPDATES` updates skips no update that fairseq's
+    transformer of the family's size (its twin) does not skip on the same batch at the same
+    scale (where the twin skips none, none: the loss scale stays 128), and every parameter
+    moves and stays finite; a failure names the gradients that overflowed."""
+    beyond = skipped_beyond_the_twin(family)
+    assert not beyond, "\n".join(beyond)
+
+
+def test_an_overflowing_gradient_is_named():
+    """Negative control: one EA map convolution's gradient scaled past fp16's range
+    overflows in EA-Lite's first update, and the failure names that parameter."""
+    def overflow(model):
+        conv = model.encoder.layers[0].self_attn.conv
+        conv.weight.register_hook(lambda grad: grad * 1e9)
+
+    beyond = skipped_beyond_the_twin("ea-lite", tamper=overflow)
+    assert beyond and beyond[0].startswith("update 0 skipped for an fp16 overflow at loss scale 128"), beyond
+    assert beyond[0].endswith("non-finite gradients of encoder.layers.0.self_attn.conv.weight"), beyond
 
 
 # -- command-line tools (CUDA: fairseq's trainer runs --fp16/--bf16/--amp only there) -------
@@ -394,69 +532,161 @@ CLI_CASES = [(family, "fp16") for family in ANCHORED] + [
 BF16_TRAIN = [sys.executable, os.path.join(REPO, "tests", "drivers", "train_bf16_without_tpu.py")]
 
 
-def run(cmd):
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+#: fairseq-train + fairseq-generate pairs running at once: each process mostly waits on its
+#: own start-up (imports) and the tiny models leave the GPU idle, so the cores set the pace
+#: (conftest's THREADS threads each)
+CLI_WORKERS = max(1, (os.cpu_count() or 1) // THREADS)
+
+
+def run(cmd, timeout=600):
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     return proc.stdout + proc.stderr
 
 
-@needs_cuda("fairseq-train --fp16/--bf16/--amp")
-@pytest.mark.parametrize("family,precision", CLI_CASES)
-def test_train_and_generate_in_low_precision(tmp_path, tiny_data_bin, family, precision):
-    """fairseq-train in the precision (4 updates, loss scale 128 for fp16 and amp: none may be
-    skipped for an overflow, so the logged loss scale stays 128), then fairseq-generate
-    --fp16 with beam 5 translates every test sentence with finite scores."""
+def train_and_generate(family, precision, data_bin, save, extra=()):
+    """fairseq-train in the precision (``fp32``, ``fp16``, ``bf16``, ``amp``; 4 updates, loss
+    scale 128 for fp16 and amp: none may be skipped for an overflow, so the logged loss
+    scale stays 128), then fairseq-generate (``--fp16`` after low-precision training) with
+    beam 5 translates every test sentence with finite scores; on a CPU test device both
+    with ``--cpu``. Raises AssertionError saying what failed, with the command."""
     arch, options = FAMILIES[family].arch, FAMILIES[family].options
-    save = str(tmp_path / "ckpt")
     user_dir = os.path.join(REPO, "ea_fairseq")
+    device = () if ON_CUDA else ("--cpu",)
+    low = precision != "fp32"
     train = [cli("fairseq-train")] if precision != "bf16" else BF16_TRAIN
     log = run([
-        *train, tiny_data_bin, "--user-dir", user_dir, "--arch", arch, *TINY, *options,
+        *train, data_bin, "--user-dir", user_dir, "--arch", arch, *TINY, *options, *extra, *device,
         "--share-all-embeddings", "--optimizer", "adam", "--adam-betas", "(0.9,0.98)", "--lr", "1e-3",
         "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "4",
         "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
         "--max-tokens", "600", "--max-update", "4", "--no-epoch-checkpoints", "--save-dir", save,
         "--num-workers", "0", "--no-progress-bar", "--log-format", "simple", "--log-interval", "1",
-        "--seed", "3", f"--{precision}", *(("--fp16-init-scale", "128") if precision != "bf16" else ()),
-    ])
-    assert "done training" in log
-    assert "gradient overflow detected" not in log and "AMP: skipping this batch" not in log
+        "--seed", "3", *((f"--{precision}",) if low else ()),
+        *(("--fp16-init-scale", "128") if precision in ("fp16", "amp") else ()),
+    ], timeout=300)
+    assert "done training" in log, log[-2000:]
+    assert "gradient overflow detected" not in log and "AMP: skipping this batch" not in log, log[-2000:]
     losses = re.findall(r"\bloss[= ]([-+]?(?:\d[\d.e+-]*|nan|inf))", log)  # not "loss_scale"
     assert losses and all(math.isfinite(float(x)) for x in losses), losses
-    if precision != "bf16":
+    if precision in ("fp16", "amp"):
         scales = re.findall(r"\bloss_scale[= ]([\d.e+-]+)", log)
         assert scales and all(float(s) == 128 for s in scales), scales
     out = run([
-        cli("fairseq-generate"), tiny_data_bin, "--user-dir", user_dir,
-        "--path", os.path.join(save, "checkpoint_last.pt"), "--fp16", "--beam", "5",
+        cli("fairseq-generate"), data_bin, "--user-dir", user_dir, *device,
+        "--path", os.path.join(save, "checkpoint_last.pt"), *(("--fp16",) if low else ()), "--beam", "5",
         "--required-batch-size-multiple", "1", "--max-tokens", "2000", "--num-workers", "0",
-    ])
+    ], timeout=300)
     assert re.search(r"Generate test with beam=5: BLEU4 = \d+\.\d+", out), out[-2000:]
     scores = re.findall(r"^H-\d+\t(\S+)\t", out, flags=re.M)
-    assert len(scores) == 24  # every test sentence translated
+    assert len(scores) == 24, out[-2000:]  # every test sentence translated
     assert all(math.isfinite(float(s)) for s in scores), scores
+
+
+def train_and_generate_side_by_side(cases, data_bin, tmp_path, workers=CLI_WORKERS):
+    """:func:`train_and_generate` of every ``(family, precision[, extra options])`` in
+    ``cases``, ``workers`` at a time: ``{case: what failed}`` for the cases that failed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(index, case):
+        family, precision, *extra = case
+        try:
+            train_and_generate(family, precision, data_bin, str(tmp_path / f"{index}-{family}-{precision}"),
+                               *extra)
+        except (AssertionError, subprocess.TimeoutExpired) as err:
+            return f"{family} {precision}: {err}"
+        return None
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        results = list(pool.map(one, range(len(cases)), cases))
+    return {case: result for case, result in zip(cases, results) if result}
+
+
+@needs_cuda("fairseq-train --fp16/--bf16/--amp")
+def test_train_and_generate_in_low_precision(tmp_path, tiny_data_bin):
+    """:func:`train_and_generate` for every family in fp16 and EA, PA and RAN in bf16 and
+    amp (:data:`CLI_CASES`), :data:`CLI_WORKERS` pairs at a time; every failure is listed."""
+    failures = train_and_generate_side_by_side(CLI_CASES, tiny_data_bin, tmp_path)
+    assert not failures, "\n".join([f"{len(failures)} of {len(CLI_CASES)} pairs failed:"] + [
+        f"{case[0]} {case[1]}: {last_error_line(why)}" for case, why in failures.items()]) + "\n\n" + "\n\n".join(
+        failures.values())
+
+
+def last_error_line(text: str) -> str:
+    """The line of a failed command's output that says why (its last line naming an error)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    named = [line for line in lines if re.search(r"error|refused|exception", line, flags=re.I)]
+    return (named or lines or ["?"])[-1][:240]
+
+
+def test_train_and_generate_side_by_side_on_the_test_device(tmp_path, tiny_data_bin):
+    """The runner of the test above in float32 (fairseq-train's low precisions need CUDA):
+    EA-Lite (at width 32: what is tested is the runner) trains and translates, and a case
+    whose training fails (an alpha fairseq-train refuses) is reported with its command and
+    error while the other runs beside it."""
+    small = ("--encoder-embed-dim", "32", "--decoder-embed-dim", "32", "--encoder-ffn-embed-dim", "64",
+             "--decoder-ffn-embed-dim", "64", "--encoder-attention-heads", "2", "--decoder-attention-heads", "2")
+    cases = [("ea-lite", "fp32", small), ("ea-lite", "fp32", ("--ea-alpha", "2"))]
+    failures = train_and_generate_side_by_side(cases, tiny_data_bin, tmp_path, workers=2)
+    assert list(failures) == [cases[1]], failures
+    assert "fairseq-train" in failures[cases[1]] and "--ea-alpha 2" in failures[cases[1]], failures
+    assert "must lie in [0, 1]" in last_error_line(failures[cases[1]]), failures
 
 
 # -- CUDA only: host-device syncs, TF32 ------------------------------------------------------
 PACKAGE = os.path.dirname(os.path.abspath(ea_fairseq.__file__))
+#: who made a call, by the file of the innermost frame outside torch (see :func:`call_site`)
+OWNERS = {"plugin": PACKAGE, "harness": os.path.dirname(os.path.abspath(__file__)),
+          "fairseq": os.path.dirname(os.path.dirname(os.path.abspath(optim.__file__)))}
+TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 #: TF32 as this process had it before the suite switched it off (PyTorch's default: cuDNN
 #: convolutions in TF32, float32 matmuls not)
 DEFAULT_TF32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
 
 
+def call_site(stack, owners=None):
+    """``(owner, "file:line")`` of the code that made a call: the innermost frame of ``stack``
+    (``traceback.extract_stack()``, outermost first) outside torch and the warnings module,
+    owned by the first of :data:`OWNERS` whose folder holds its file ("other" if none) -- a
+    line of torch's own (``torch/cuda/__init__.py``) is its caller's, and a call the test
+    harness makes around a step is the harness's, not the plugin's."""
+    for frame in reversed(stack):
+        path = os.path.abspath(frame.filename)
+        if path.startswith(TORCH_DIR + os.sep) or os.path.basename(path) == "warnings.py":
+            continue
+        owner = next((o for o, folder in (owners or OWNERS).items() if path.startswith(folder + os.sep)), "other")
+        return owner, f"{frame.filename}:{frame.lineno}"
+    return "other", "?"
+
+
+@contextmanager
+def warning_sites(match: str):
+    """Yields a list that gets :func:`call_site` of every warning whose message contains
+    ``match``, raised while the context is open (each with the stack it was raised from)."""
+    sites = []
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if match in str(message):
+            sites.append(call_site(traceback.extract_stack()[:-1]))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        yield sites
+
+
 def synchronising_calls(fn):
-    """The Python lines that made a synchronising CUDA call while ``fn`` ran
+    """:func:`call_site` of every synchronising CUDA call made while ``fn`` ran
     (``torch.cuda.set_sync_debug_mode("warn")``; a call inside a backward pass is reported
     at its ``.backward()``)."""
     torch.cuda.synchronize(DEVICE)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with warning_sites("synchroniz") as sites:
         torch.cuda.set_sync_debug_mode("warn")
         try:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    return sites
 
 
 def training_and_decoding_steps(model, src, lengths, prev):
@@ -488,10 +718,10 @@ def training_and_decoding_steps(model, src, lengths, prev):
 @needs_cuda("torch.cuda.set_sync_debug_mode")
 @EVERY_FAMILY
 def test_no_host_device_sync_in_a_training_or_decoding_step(dictionary, family):
-    """No synchronising CUDA call from the plugin's files in a training step or in decoding,
-    and no more synchronising calls in all than fairseq's ``transformer_lite`` makes in the
-    same steps (fairseq's own, e.g. its encoder's ``if encoder_padding_mask.any()``, are
-    reported, not counted against the plugin)."""
+    """No synchronising CUDA call made from the plugin's code in a training step or in
+    decoding, and no more made from fairseq's than fairseq's ``transformer_lite`` makes in
+    the same steps (fairseq's own, e.g. its encoder's ``if encoder_padding_mask.any()``, are
+    reported, not counted against the plugin; the harness's and torch's own are neither)."""
     src, lengths, prev = random_batch(dictionary, [7, 4, 9], 6, device=DEVICE)
     found = {}
     twin, _ = build_model("transformer_lite", *SMALL)
@@ -500,11 +730,86 @@ def test_no_host_device_sync_in_a_training_or_decoding_step(dictionary, family):
         for fn in steps.values():  # warm-up: lazy initialisation outside the check
             fn()
         found[name] = {step: synchronising_calls(fn) for step, fn in steps.items()}
-    report("host-device syncs", family=family, **found)
+    report("host-device syncs", family=family,
+           **{name: {step: [f"{o}: {site}" for o, site in calls] for step, calls in steps.items()}
+              for name, steps in found.items()})
     for step, calls in found["plugin"].items():
-        ours = [c for c in calls if c.startswith(PACKAGE)]
+        ours = [site for owner, site in calls if owner == "plugin"]
         assert not ours, f"{step} of {family}: synchronising CUDA calls at {ours}"
-        assert len(calls) <= len(found["twin"][step]), (step, calls, found["twin"][step])
+        fairseqs = [site for owner, site in calls if owner == "fairseq"]
+        twins = [site for owner, site in found["twin"][step] if owner == "fairseq"]
+        assert len(fairseqs) <= len(twins), (step, fairseqs, twins)
+
+
+#: what hands a value between host and device when the tensor lives on a GPU: a tensor built
+#: from Python values (a host-to-device copy), a value read back (device-to-host, a sync)
+HOST_DEVICE = {torch: ("tensor", "as_tensor"), torch.Tensor: ("item", "tolist", "__bool__", "cpu", "numpy")}
+
+
+@contextmanager
+def host_device_calls(owners=None):
+    """Yields a list that gets :func:`call_site` of every call of :data:`HOST_DEVICE` while
+    the context is open: on any device, what would copy between host and device on a GPU."""
+    sites = []
+
+    def watched(name, original):
+        def call(*args, **kwargs):
+            sites.append((name, *call_site(traceback.extract_stack()[:-1], owners)))
+            return original(*args, **kwargs)
+        return call
+
+    originals = [(owner, name, getattr(owner, name)) for owner, names in HOST_DEVICE.items() for name in names]
+    for owner, name, original in originals:
+        setattr(owner, name, watched(name, original))
+    try:
+        yield sites
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+
+
+@EVERY_FAMILY
+def test_no_value_crosses_between_host_and_device_in_the_plugins_steps(dictionary, family):
+    """What the sync check sees on a GPU, seen on any device: in a training step and in
+    decoding, the plugin's code builds no tensor from Python values and reads none back
+    (``torch.tensor``, ``.item()``, ``bool(tensor)``, ...; fairseq's and the harness's own
+    calls are not the plugin's)."""
+    src, lengths, prev = random_batch(dictionary, [7, 4, 9], 6, device=DEVICE)
+    model = family_model(family)
+    for step, fn in training_and_decoding_steps(model, src, lengths, prev).items():
+        with host_device_calls() as sites:
+            fn()
+        ours = [f"{name} at {site}" for name, owner, site in sites if owner == "plugin"]
+        assert not ours, f"{step} of {family}: {ours}"
+
+
+def test_host_device_calls_and_sync_warnings_are_attributed_to_their_caller(dictionary, monkeypatch):
+    """Negative controls of the two checks above: HC-SA's offsets built from its Python tuple
+    in every call (compiled as the plugin's file) are the plugin's calls in a training step;
+    a warning raised here is the harness's; a frame of torch's own is its caller's."""
+    from ea_fairseq.modules import hard_coded_attention
+
+    source = ("def position_logits(self, query_positions, *args):\n"
+              "    self.head_offsets = torch.tensor(self.offsets, device=query_positions.device)\n"
+              "    return ORIGINAL(self, query_positions, *args)\n")
+    scope = {"torch": torch, "ORIGINAL": hard_coded_attention.HardCodedGaussianAttention.position_logits}
+    exec(compile(source, hard_coded_attention.__file__, "exec"), scope)
+    monkeypatch.setattr(hard_coded_attention.HardCodedGaussianAttention, "position_logits", scope["position_logits"])
+    src, lengths, prev = random_batch(dictionary, [7, 4, 9], 6, device=DEVICE)
+    step = training_and_decoding_steps(family_model("hcsa-lite"), src, lengths, prev)["training step"]
+    with host_device_calls() as sites:
+        step()
+    ours = [site for name, owner, site in sites if owner == "plugin" and name == "tensor"]
+    assert len(ours) == 4 and all(site.startswith(hard_coded_attention.__file__) for site in ours), sites
+    with warning_sites("synchroniz") as caught:
+        warnings.warn("called a synchronizing CUDA operation")
+        warnings.warn("something else")
+    assert [owner for owner, _ in caught] == ["harness"], caught
+    here = traceback.extract_stack()
+    frame = traceback.FrameSummary(os.path.join(TORCH_DIR, "cuda", "__init__.py"), 1270, "synchronize")
+    plugin = traceback.FrameSummary(os.path.join(PACKAGE, "modules", "x.py"), 7, "forward")
+    assert call_site([*here, frame])[0] == "harness"
+    assert call_site([*here, plugin, frame]) == ("plugin", f"{plugin.filename}:7")
 
 
 @needs_cuda("cuDNN's TF32")
