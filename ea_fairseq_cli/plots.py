@@ -78,22 +78,39 @@ def _save(fig, out: str) -> str:
 def _norm(values: np.ndarray, probabilities: bool):
     """Colour scale fitted to ``values``. Attention weights: 0 to the largest weight shown, on
     a square-root scale, so that a near-uniform head (every weight about 1/keys) is a mid tone
-    and the structure of peaked heads stays visible. Signed maps (logits, convolution terms):
-    symmetric around 0 up to the largest magnitude shown."""
-    finite = np.abs(values[np.isfinite(values)])
-    top = float(finite.max()) if finite.size else 0.0
+    and the structure of peaked heads stays visible. A map of one sign (EA's convolution term
+    β·ReLU(·) is never negative): linear from 0 to the largest magnitude shown, on a
+    sequential colour map (:func:`_cmap`). Maps of both signs (logits, dot products):
+    symmetric around 0 up to the largest magnitude shown, on a diverging one."""
+    finite = values[np.isfinite(values)]
+    top = float(np.abs(finite).max()) if finite.size else 0.0
     top = top or 1.0
     if probabilities:
         return matplotlib.colors.PowerNorm(gamma=0.5, vmin=0.0, vmax=top)
+    if not finite.size or finite.min() >= 0:
+        return matplotlib.colors.Normalize(vmin=0.0, vmax=top)
+    if finite.max() <= 0:
+        return matplotlib.colors.Normalize(vmin=-top, vmax=0.0)
     return matplotlib.colors.Normalize(vmin=-top, vmax=top)
+
+
+def _cmap(norm) -> str:
+    """The colour map of a scale made by :func:`_norm`: weights viridis; one sign, the half of
+    the diverging map that sign has (reds above 0, blues below); both signs, red-white-blue."""
+    if isinstance(norm, matplotlib.colors.PowerNorm):
+        return "viridis"
+    if norm.vmin >= 0:
+        return "Reds"
+    if norm.vmax <= 0:
+        return "Blues_r"
+    return "RdBu_r"
 
 
 def _heatmap(ax, m, rows_tok, cols_tok, norm, row_labels: bool = True, col_labels: bool = True,
              offsets=(0, 0)):
     """One panel; token labels on the figure's outer panels only (``row_labels``/``col_labels``),
     or every fifth position where there is no room for tokens (``rows_tok``/``cols_tok`` None)."""
-    cmap = "viridis" if isinstance(norm, matplotlib.colors.PowerNorm) else "RdBu_r"
-    im = ax.imshow(m, cmap=cmap, norm=norm, aspect="auto", interpolation="nearest")
+    im = ax.imshow(m, cmap=_cmap(norm), norm=norm, aspect="auto", interpolation="nearest")
     for axis, toks, show, offset, n in ((ax.xaxis, cols_tok, col_labels, offsets[1], m.shape[1]),
                                         (ax.yaxis, rows_tok, row_labels, offsets[0], m.shape[0])):
         if toks is not None:

@@ -81,6 +81,11 @@ def test_layer_metrics_ignore_padding_and_identical_layers_have_zero_js():
     acc = M.LayerMetrics()
     acc.update([uniform, uniform])
     assert acc.result()["entropy"] == pytest.approx([math.log(src)] * 2, abs=1e-6)
+    # the printed report reads the numbers for its reader: the caveats under the table
+    report = M.markdown({"uniform": {"encoder.self": acc.result()}})
+    table, caveats = report.split("\n\nHow to read them: ", 1)
+    assert "| uniform " in table and "larger means LESS diverse heads" in caveats
+    assert "not with the paper" in caveats and "log 2 = 0.6931" in caveats
     assert acc.result()["div"][0] == pytest.approx(heads * (1 / src - 1) ** 2 + heads * (heads - 1) / src ** 2)
 
 
@@ -233,7 +238,13 @@ def test_plot_colour_scales_fit_the_data(tmp_path, monkeypatch):
     assert norm.vmin == 0 and norm.vmax == pytest.approx(0.5 + 0.5 / keys)
     assert 0.4 < norm(1.0 / keys) < 0.6  # uniform head: mid tone (a fixed 0-1 scale gives 0.14)
     signed = plots._norm(np.array([-3.0, 0.5, np.nan]), probabilities=False)
-    assert (signed.vmin, signed.vmax) == (-3.0, 3.0)
+    assert (signed.vmin, signed.vmax) == (-3.0, 3.0) and plots._cmap(signed) == "RdBu_r"
+    # EA's convolution term, beta * ReLU(...), masked entries 0: one sign, a sequential scale from 0
+    convolution = plots._norm(np.array([[0.0, 0.2], [np.nan, 1.5]]), probabilities=False)
+    assert (convolution.vmin, convolution.vmax) == (0.0, 1.5) and plots._cmap(convolution) == "Reds"
+    assert convolution(0.0) == 0.0 and convolution(1.5) == 1.0  # the whole colour range is used
+    negative = plots._norm(np.array([-2.0, -0.5, 0.0]), probabilities=False)
+    assert (negative.vmin, negative.vmax) == (-2.0, 0.0) and plots._cmap(negative) == "Blues_r"
 
     class Dump:
         sentences = {0: type("S", (), {"kinds": {"encoder.self": ["weights", "logits"]}})()}

@@ -209,6 +209,17 @@ def js_rows(results) -> List[Dict[str, object]]:
     return rows
 
 
+#: how to read the numbers, printed under them (docs/analysis.md, "metrics")
+CAVEATS = (
+    "How to read them: entropy is RAN's Eq. 5 in nats, over real queries, averaged over heads "
+    "(log(keys) for uniform attention, so it grows with sentence length: compare models on the "
+    "same set). Div = ||AA^T - I||_F^2 (DropAttention Eq. 11 as written) is dominated by its "
+    "diagonal for spread-out attention and is not on the paper's scale: compare it between "
+    "models, not with the paper. Disagreement (Eq. 12) sums over i = j too: larger means LESS "
+    "diverse heads. JS divergence is at most log 2 = 0.6931; 0 on the diagonal."
+)
+
+
 def markdown(results, digits: int = 4) -> str:
     from tabulate import tabulate
 
@@ -218,6 +229,7 @@ def markdown(results, digits: int = 4) -> str:
     out.append(tabulate(table, headers=["model", "attention", "layer", "entropy (nats)", "Div",
                                         "Disagreement"],
                         tablefmt="github", floatfmt=f".{digits}f"))
+    out += ["", CAVEATS]
     for model, attentions in results.items():
         for attention, r in attentions.items():
             n = r["layers"]
