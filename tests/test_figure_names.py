@@ -79,7 +79,7 @@ def test_a_dump_as_dump_writes_it_is_plotted_under_its_name(tmp_path, monkeypatc
         analysis_cli.main(["plot", "maps", dump, "--out-dir", str(tmp_path / "math")])
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.lists(st.one_of(st.text(max_size=300), st.integers()), min_size=1, max_size=4))
 def test_a_figure_name_is_one_plain_file_name_whatever_its_parts(parts):
     name = plots.figure_name(*parts)
