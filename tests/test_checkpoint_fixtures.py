@@ -49,8 +49,8 @@ ACCELERATED = ("ea",)
 # 1 to 4 threads): at most a tenth of the bound; EA's alpha or beta 1 % larger moves the
 # logits by 2 and 8 times the bound, the encoder's output by 12 and 32 times
 # (test_a_real_change_is_seen).
-ROUNDINGS = 2 ** 10
-EPS = torch.finfo(torch.float32).eps
+ROUNDINGS = 2 ** 10  # that may differ between two implementations, per output (above)
+EPS = torch.finfo(torch.float32).eps  # 2^-23, twice float32's unit roundoff u
 
 
 def bound(want):
