@@ -29,6 +29,12 @@ fairseq receives has been generated here from it:
    while loading (:data:`PATH_FIELDS`) are not honoured (logged), and the model may not be
    larger than its weights for any field fairseq reads (nested sections, aliases,
    ``*_layers_to_keep``; :func:`~.bounds.check_model_sizes`).
+6. **The weights and the training state** (:mod:`.consistency`), where the caller builds the
+   model: the configured model, built on ``meta``, must take the weights; the meters and update
+   count ``--restore-file`` reads back must be fairseq's; the optimizer state, which generation
+   never reads, is only bounded, in whatever layout fairseq's trainer wrote it (``--fp16``'s flat
+   master tensor, Adafactor's factored moments, ...): fairseq's optimizer matches it with the
+   parameters when training resumes.
 
 :func:`install` (run when the plugin is imported) puts this in front of
 ``fairseq.checkpoint_utils.load_checkpoint_to_cpu``, through which fairseq's command-line
