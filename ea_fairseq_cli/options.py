@@ -24,6 +24,7 @@ Under ``fairseq-hydra-train`` the same options are ``model.NAME`` keys, with ``_
 """
 import argparse
 import difflib
+import os
 import sys
 from typing import List, Optional, Sequence
 
@@ -85,6 +86,14 @@ def _architectures() -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # its reader stopped early (| head, | less): nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("arch", nargs="?", help="the architecture (--arch of fairseq-train); "
