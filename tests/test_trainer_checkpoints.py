@@ -231,7 +231,9 @@ def larger_than_any_optimizer_keeps(optim, state):
     (lambda optim, state: optim["state"][0].update(exp_avg=torch.zeros(3, dtype=torch.complex64)),
      r"last_optimizer_state\['state'\]\[0\]\['exp_avg'\] is a torch.complex64 tensor; an optimizer's state "
      "holds real numbers"),
-], ids=["larger-than-any-optimizer-keeps", "not-real-numbers"])
+    (lambda optim, state: optim["state"][0].update(exp_avg=torch.empty(1 << 40, device="meta")),
+     r"\['last_optimizer_state'\]\['state'\]\[0\]\['exp_avg'\]: a tensor on the meta device"),
+], ids=["larger-than-any-optimizer-keeps", "not-real-numbers", "a-shape-without-data"])
 def test_unsafe_optimizer_state_is_refused_by_fairseq_generate(checkpoints, configurations, tmp_path, change,
                                                                message):
     """Negative controls: the bound bites, in one line, before fairseq builds anything; the same
