@@ -230,7 +230,7 @@ def _check_languages(path, pair) -> None:
         raise DataFileError(
             f"{path}: a file name there gives the language pair {pair[0]!r}-{pair[1]!r}, which are not language "
             "codes ([A-Za-z0-9_-]+; fairseq puts them in the names of the files it opens): remove or rename that "
-            "file, or pass --source-lang and --target-lang")
+            "file, or give the languages (--source-lang/--target-lang; source_lang=/target_lang= in the hub)")
 
 
 def _check_dictionary(dictionary, f):

@@ -80,12 +80,14 @@ def analysis_dump(directory, checkpoint="c.pt"):
 
 def hostile_names(directory):
     """Files whose names give fairseq the language pair (SHELL, 'x'): the dictionaries and a
-    split of each format's files (fasta's, and the binary pair a split must have to exist)."""
+    split of each format's files (fasta's, and the binary pair a split must have to exist);
+    without the guard ``ea-fairseq-analysis dump`` runs the command and exits 0."""
     for lang in (SHELL, "x"):
         shutil.copy(directory / "dict.src.txt", directory / f"dict.{lang}.txt")
-    for suffix in (".idx", ".bin"):
-        shutil.copy(directory / f"test.src-tgt.src{suffix}", directory / f"{HOSTILE_SPLIT}{suffix}")
-    (directory / f"{HOSTILE_SPLIT}.fasta").write_text(">s\ns1 s2\n")
+    for side, prefix in (("src", HOSTILE_SPLIT), ("tgt", f"test.{SHELL}-x.x")):
+        for suffix in (".idx", ".bin"):
+            shutil.copy(directory / f"test.src-tgt.{side}{suffix}", directory / f"{prefix}{suffix}")
+        (directory / f"{prefix}.fasta").write_text(">s\ns1 s2\n")
     for name in os.listdir(directory):
         if name.startswith("test.src-tgt"):
             os.unlink(directory / name)
@@ -331,6 +333,18 @@ def test_the_archive_is_checked_as_torch_reads_it(tmp_path):
     assert "bytes, where the file holds" in one_line(refusal.value) and "compressed records" in str(refusal.value)
     code, written = analysis_dump(tmp_path)
     assert "compressed records" in one_line(code) and not written
+
+
+def test_bytes_before_an_archive_make_it_what_torch_reads_it_as(tmp_path):
+    """torch reads a zip archive only where the file begins with one: an archive behind other
+    bytes is what torch would read, not a checkpoint (zipfile would still list it)."""
+    import zipfile
+
+    path = tmp_path / "c.pt"
+    path.write_bytes(b"#!/bin/sh\n" + open(os.path.join(FIXTURES, "vanilla", "checkpoint.pt"), "rb").read())
+    assert zipfile.is_zipfile(path)
+    with pytest.raises(safety.CorruptCheckpointError, match="not a torch checkpoint .torch reads a zip archive where"):
+        safety.load_checkpoint(str(path))
 
 
 # -- 6. unbounded integers -------------------------------------------------------------------------

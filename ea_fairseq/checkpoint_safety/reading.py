@@ -203,8 +203,8 @@ def read_checkpoint(path: str, source: Optional[str] = None) -> Dict[str, Any]:
         raise _corrupt(source, "a zip archive that does not begin with a record (torch reads only the archives "
                                "torch.save writes)")
     elif not head.startswith(b"\x80"):  # torch's legacy format is a pickle (protocol 2)
-        raise _corrupt(source, f"not a torch checkpoint (neither a zip archive nor a pickle; it begins "
-                               f"with {head!r})")
+        raise _corrupt(source, f"not a torch checkpoint (torch reads a zip archive where the file begins with one, "
+                               f"a pickle otherwise; it begins with {head!r})")
     with checkpoint_globals_allowed(), _no_interpolation_resolved() as resolved:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
