@@ -1,37 +1,52 @@
 #!/usr/bin/env python3
-"""Translation quality of every attention family on the demo's corpus, over seeds, with paired
-tests against transformer_lite: trained, translated and scored by the project's own tools.
+"""Training progress of every attention family after the demo's budget on its corpus, over
+seeds, with seed-level comparisons to transformer_lite: trained, translated and scored by the
+project's own tools.
 
-    .venv/bin/python benchmarks/quality.py run [--commit]        # trains what is not finished
+    .venv/bin/python benchmarks/quality.py run [--commit] [--allow-dirty]   # trains what is not finished
     .venv/bin/python benchmarks/quality.py report [--update-readme]
 
 ``run`` calls ``scripts/demo.sh`` once to prepare the data (DEMO_STOP_AFTER=data: the shipped
 Spanish->English Bible corpus, Moses tokenization, joint BPE, binarization), then once per
-system and seed (DEMO_ARCHS, DEMO_SEED, DEMO_STOP_AFTER=translation): the demo's training
-flags and budget (1200 updates of 2048 tokens on CPU), its checkpoint averaging (the last 5)
-and its beam-5 translation of the test set. Each translation is scored with
-``ea-fairseq-bleu --mode wmt`` (detokenized sacreBLEU, chrF, tokenized BLEU). Two runs at a time
-with one CPU thread each, as the demo trains its two models (``--parallel``, ``--threads``).
+system and seed (DEMO_ARCHS, DEMO_SEED, DEMO_LR, DEMO_DROPOUT, DEMO_STOP_AFTER=translation):
+the demo's training flags and budget (1200 updates of 2048 tokens on CPU), its checkpoint
+averaging (the last 5) and its beam-5 translation of the test set. Each translation is scored
+with ``ea-fairseq-bleu --mode wmt`` (detokenized sacreBLEU, chrF, tokenized BLEU). Two runs at
+a time with one CPU thread each, as the demo trains its two models (``--parallel``,
+``--threads``).
+
+Steps, per family (``SYSTEMS``):
+
+1. learning rate: seed 1 trained at each of ``--lrs`` (0.001 and 0.002), each run's averaged
+   checkpoint also translating the validation set; the rate of the best validation sacreBLEU
+   (then chrF, then the lower rate) is the family's, and its run is the family's seed 1
+   (``lr_selection/SYSTEM/lrX/``, ``lr_selection/SYSTEM/choice.json``; ``runs/SYSTEM/seed1``
+   links to it). The test set plays no part in the choice.
+2. the other seeds at that rate: 5 seeds for transformer_lite and ea_transformer_lite, 3 for
+   the others (``--seeds`` gives every family the same list).
+
+Every family trains with the same ``--dropout`` (0.0); a mechanism that defines a dropout of its
+own keeps it, and the report says which (``SYSTEMS``).
+
+Provenance: a run records the git commit it ran on, and the runner refuses a working tree with
+uncommitted changes (outside the results) unless ``--allow-dirty`` (then the changed files are
+recorded); each run keeps ``pip-freeze.txt`` (the environment), its logs (``demo.log``,
+``train.log``) and the output of ``benchmarks/collapse_probe.py`` on its averaged checkpoint
+(``probe.txt``).
 
 Results: ``--results-dir`` (default ``benchmarks/quality/``), one directory per finished run,
 ``runs/SYSTEM/seedK/``: ``eval/`` as ea-fairseq-bleu wrote it (hypotheses, scores.json; the
-references, identical for every run, are links to ``refs/``), ``train.log`` and ``run.json``
-(the exact commands, wall and CPU time, the machine and its load). A run is moved there only
-once it is scored, so a run that is there is finished and is skipped; any other starts from
-scratch (checkpoints and work files live in ``--work-dir``, outside the repository). A run that
-fails is recorded as failed (with its log's tail) and reported, not retried unless
+references, identical for every run, are links to ``refs/``), the logs and ``run.json`` (the
+exact commands, wall and CPU time, the machine and its load, the commit). A run is moved there
+only once it is scored, so a run that is there is finished and is skipped; any other starts
+from scratch (checkpoints and work files live in ``--work-dir``, outside the repository). A run
+that fails is recorded as failed (with its log's tail) and reported, not retried unless
 ``--retry-failed``. ``--commit`` commits every finished run, with the regenerated report, as it
 completes. One runner per work directory (a second is refused); stop one with
 ``kill -- -PID`` (its trainings with it), start it again to go on.
 
-``report`` writes ``quality.md`` and ``quality.json`` beside the runs from whatever is
-finished (missing runs are listed as missing): per system and metric (sacreBLEU, chrF) each
-seed's score, mean ± std (ddof 1), the difference of means to transformer_lite with
-ea-fairseq-compare's paired bootstrap p-values (seed k against seed k, and the largest over
-every pair of runs, which is what ``ea-fairseq-compare`` prints) and Kocmi et al.'s (2024)
-human-agreement thresholds beside it; the copy-the-source baseline; findings (failed runs,
-NaN or rising training loss, scores at or below the copy baseline); the output of
-``ea-fairseq-compare`` itself. ``--update-readme`` rewrites the README's table between its
+``report`` writes ``quality.md`` and ``quality.json`` beside the runs from whatever is stored,
+offline (``quality_report.py``); ``--update-readme`` rewrites the README's table between its
 markers.
 """
 import argparse
@@ -46,6 +61,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -54,21 +70,28 @@ import quality_report  # noqa: E402
 from quality_report import venv_bin  # noqa: E402
 
 BASELINE = "transformer_lite"
-SYSTEMS = {  # name -> (arch, extra fairseq-train options); the first is the baseline
-    "transformer_lite": ("transformer_lite", ""),
-    "ea_transformer_lite": ("ea_transformer_lite", ""),
-    "pa_transformer_lite": ("pa_transformer_lite", ""),
-    "ran_d_lite": ("ran_d_lite", ""),
-    "ran_all_lite": ("ran_all_lite", ""),
-    "realformer_lite": ("realformer_lite", ""),
-    "resformer_lite": ("resformer_lite", ""),
+#: name -> (arch, extra fairseq-train options, seeds); the first is the baseline. The dropout a
+#: mechanism defines itself: quality_report.OWN_DROPOUT
+SYSTEMS = {
+    "transformer_lite": ("transformer_lite", "", 5),
+    "ea_transformer_lite": ("ea_transformer_lite", "", 5),
+    "pa_transformer_lite": ("pa_transformer_lite", "", 3),
+    "ran_d_lite": ("ran_d_lite", "", 3),
+    "ran_all_lite": ("ran_all_lite", "", 3),
+    "realformer_lite": ("realformer_lite", "", 3),
+    "resformer_lite": ("resformer_lite", "", 3),
     # DropAttention(e) with the paper's MT setting (README: p 0.2, window 2)
     "transformer_lite_dropattention_e": ("transformer_lite", "--drop-attention element --drop-attention-p 0.2 "
-                                                             "--drop-attention-window 2"),
+                                                             "--drop-attention-window 2", 3),
 }
+LRS = (0.001, 0.002)
 SRC, TGT = "es", "en"
 BUDGET_ENV = {"updates": "DEMO_UPDATES", "max_tokens": "DEMO_MAX_TOKENS", "bpe_merges": "DEMO_BPE_MERGES",
-              "avg": "DEMO_AVG", "warmup": "DEMO_WARMUP", "corpus": "DEMO_CORPUS"}
+              "avg": "DEMO_AVG", "warmup": "DEMO_WARMUP", "corpus": "DEMO_CORPUS", "dropout": "DEMO_DROPOUT"}
+#: the demo's translation of the test set (scripts/demo.sh, gen_args), here of the validation set
+GEN_ARGS = ["--source-lang", SRC, "--target-lang", TGT, "--beam", "5", "--remove-bpe", "--max-tokens", "6000",
+            "--required-batch-size-multiple", "1", "--max-len-a", "1.5", "--max-len-b", "10", "--num-workers", "0",
+            "--cpu"]
 
 
 def die(msg: str):
@@ -86,6 +109,29 @@ def machine() -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "host": platform.node(),
             "python": platform.python_version(), "torch": version("torch"), "fairseq": version("ve-fairseq"),
             "nice": os.nice(0)}
+
+
+def git_state(repo: str, exclude) -> dict:
+    """The commit checked out in ``repo`` and the files changed or untracked outside the
+    ``exclude`` paths (the results); None for the commit outside a git checkout."""
+    def git(*argv):
+        return subprocess.run(["git", *argv], cwd=repo, capture_output=True, text=True)
+    head = git("rev-parse", "HEAD")
+    if head.returncode != 0:
+        return {"commit": None, "dirty": []}
+    specs = ["."] + [f":(exclude){os.path.relpath(p, repo)}" for p in exclude
+                     if not os.path.relpath(p, repo).startswith("..")]
+    status = git("status", "--porcelain", "--untracked-files=normal", "--", *specs)
+    return {"commit": head.stdout.strip(), "dirty": [line[3:] for line in status.stdout.splitlines() if line]}
+
+
+def pip_freeze() -> str:
+    done = subprocess.run([venv_bin("python"), "-m", "pip", "freeze", "--all"], capture_output=True, text=True)
+    return done.stdout if done.returncode == 0 else f"pip freeze failed (exit {done.returncode}): {done.stderr}"
+
+
+def lr_name(lr: float) -> str:
+    return f"lr{lr:g}"
 
 
 def demo_env(args, **extra) -> dict:
@@ -120,13 +166,19 @@ class Runner:
         self.lock = threading.Lock()
         self.publishers = []
         self.machine = machine()
+        self.git = git_state(REPO, [self.results, *report_outputs(self.results, args)])
+        self.freeze = pip_freeze()
+
+    def seeds(self, system: str):
+        return list(self.args.seeds) if self.args.seeds else list(range(1, SYSTEMS[system][2] + 1))
 
     # ------------------------------------------------------------------ data, configuration
     def check_config(self):
         budget = {k: getattr(self.args, k) for k in BUDGET_ENV}
         budget["corpus"] = os.path.abspath(budget["corpus"]) if budget["corpus"] else None
+        budget["lrs"] = sorted(self.args.lrs)
         path = os.path.join(self.results, "config.json")
-        planned = [[s, k] for k in self.args.seeds for s in self.args.systems]
+        planned = [[s, k] for s in self.args.systems for k in self.seeds(s)]
         if os.path.exists(path):
             with open(path, encoding="utf-8") as f:
                 config = json.load(f)
@@ -136,7 +188,9 @@ class Runner:
             planned = config["planned"] + [p for p in planned if p not in config["planned"]]
         os.makedirs(self.results, exist_ok=True)
         config = {"budget": budget, "planned": planned, "baseline": BASELINE,
-                  "systems": {s: {"arch": a, "train_args": x} for s, (a, x) in SYSTEMS.items()}}
+                  "systems": {s: {"arch": a, "train_args": x, "seeds": n,
+                                  "own_dropout": quality_report.OWN_DROPOUT.get(s, "")}
+                              for s, (a, x, n) in SYSTEMS.items()}}
         quality_report.write_json(path, config)
 
     def prepare_data(self):
@@ -157,58 +211,61 @@ class Runner:
         quality_report.write_json(os.path.join(self.results, "copy_source.json"), copy)
 
     # ------------------------------------------------------------------ one run
-    def finished(self, system: str, seed: int):
-        path = os.path.join(self.results, "runs", system, f"seed{seed}", "run.json")
+    def finished_at(self, final: str):
+        path = os.path.join(final, "run.json")
         if not os.path.exists(path):
             return None
         with open(path, encoding="utf-8") as f:
             return json.load(f)
 
-    def run_one(self, system: str, seed: int) -> None:
-        arch, train_args = SYSTEMS[system]
-        name = f"{system} seed {seed}"
-        work = os.path.join(self.work, "runs", system, f"seed{seed}")
-        final = os.path.join(self.results, "runs", system, f"seed{seed}")
-        stage = os.path.join(self.results, "runs", system, f".seed{seed}.partial")
+    def candidate_dir(self, system: str, lr: float) -> str:
+        return os.path.join(self.results, "lr_selection", system, lr_name(lr))
+
+    def run_dir(self, system: str, seed: int) -> str:
+        return os.path.join(self.results, "runs", system, f"seed{seed}")
+
+    def run_one(self, system: str, seed: int, lr: float, final: str, validate: bool = False) -> None:
+        """Train, translate and score one run into ``final`` (staged beside it, moved there
+        once scored); ``validate``: also translate and score the validation set."""
+        arch, train_args, _ = SYSTEMS[system]
+        name = f"{system} seed {seed} lr {lr:g}"
+        work = os.path.join(self.work, os.path.relpath(final, self.results))
+        stage = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.partial")
         for d in (work, stage):
             shutil.rmtree(d, ignore_errors=True)
         os.makedirs(work)
         os.makedirs(os.path.join(stage, "eval"))
         os.symlink(self.data, os.path.join(work, "data"))  # the demo reuses it (same stamp)
-        env = demo_env(self.args, DEMO_DIR=work, DEMO_ARCHS=arch, DEMO_SEED=seed, DEMO_PARALLEL=1,
+        env = demo_env(self.args, DEMO_DIR=work, DEMO_ARCHS=arch, DEMO_SEED=seed, DEMO_LR=f"{lr:g}", DEMO_PARALLEL=1,
                        DEMO_THREADS=self.args.threads, DEMO_STOP_AFTER="translation", DEMO_TRAIN_ARGS=train_args)
         demo = ["bash", os.path.join(REPO, "scripts", "demo.sh")]
-        record = {"system": system, "seed": seed, "arch": arch, "train_args": train_args,
-                  "machine": self.machine, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        with open(os.path.join(stage, "pip-freeze.txt"), "w", encoding="utf-8") as f:
+            f.write(self.freeze)
+        record = {"system": system, "seed": seed, "lr": lr, "arch": arch, "train_args": train_args,
+                  "git": self.git, "machine": self.machine, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                   "load_at_start": os.getloadavg(), "commands": [command_line(env, demo)]}
         print(f"[quality] {name}: training ({work}/demo.log)", file=sys.stderr, flush=True)
         rc, wall, cpu = run_measured(demo, env, os.path.join(work, "demo.log"))
         run_dir = os.path.join(work, "train", arch)
-        if os.path.exists(os.path.join(run_dir, "train.log")):
-            shutil.copy(os.path.join(run_dir, "train.log"), os.path.join(stage, "train.log"))
+        for log in (os.path.join(run_dir, "train.log"), os.path.join(work, "demo.log")):
+            if os.path.exists(log):
+                shutil.copy(log, os.path.join(stage, os.path.basename(log)))
         if rc < 0 or rc in (130, 143):  # interrupted: nothing to record, the next sitting restarts it
             shutil.rmtree(stage, ignore_errors=True)
             raise SystemExit(f"quality.py: {name} interrupted (exit {rc}); run again to restart it")
         record.update(demo_wall_s=wall, demo_cpu_s=cpu, demo_exit=rc)
         if rc == 0:
-            gen = os.path.join(run_dir, "eval", "generate.out")
-            prefix = os.path.join(stage, "eval", f"test.{SRC}-{TGT}")
-            bleu = [venv_bin("ea-fairseq-bleu"), gen, "--mode", "wmt", "--target-lang", TGT,
-                    "--raw-ref", os.path.join(self.data, "raw", f"test.{TGT}"),
-                    "--expect-idx", os.path.join(self.data, "bin", f"test.{SRC}-{TGT}.{SRC}.idx"),
-                    "--out-prefix", prefix]
-            record["commands"].append(command_line({}, bleu))
-            rc_b, wall_b, cpu_b = run_measured(bleu, {}, os.path.join(stage, "eval", f"bleu-test.{SRC}-{TGT}.txt"))
-            record.update(score_wall_s=wall_b, score_cpu_s=cpu_b)
-            if rc_b != 0:
-                rc = rc_b
-                record["failure"] = f"ea-fairseq-bleu exited {rc_b}"
+            rc = self.score(record, os.path.join(run_dir, "eval", "generate.out"), "test", os.path.join(stage, "eval"))
+        averaged = os.path.join(run_dir, "eval", "averaged.pt")
+        if rc == 0 and validate:
+            rc = self.validate(record, averaged, os.path.join(work, "valid"), os.path.join(stage, "valid"))
         if rc == 0:
             with open(os.path.join(run_dir, "train_seconds"), encoding="utf-8") as f:
                 record["train_wall_s"] = int(f.read())
             with open(os.path.join(run_dir, ".done"), encoding="utf-8") as f:
                 record["demo_train_stamp"] = f.read().strip()
             self.link_refs(os.path.join(stage, "eval"))
+            self.probe(record, averaged, os.path.join(stage, "probe.txt"))
             record["status"] = "finished"
         else:
             record["status"] = "failed"
@@ -217,7 +274,8 @@ class Runner:
             record.setdefault("failure", f"scripts/demo.sh exited {rc}")
         if os.path.exists(os.path.join(stage, "train.log")):
             record["training"] = quality_report.training_summary(os.path.join(stage, "train.log"))
-        record.update(wall_s=wall + record.get("score_wall_s", 0), cpu_s=cpu + record.get("score_cpu_s", 0),
+        extra = [record.get(k, (0, 0)) for k in ("score_s", "valid_s", "valid_score_s", "probe_s")]
+        record.update(wall_s=wall + sum(x[0] for x in extra), cpu_s=cpu + sum(x[1] for x in extra),
                       load_at_end=os.getloadavg(), ended=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
         quality_report.write_json(os.path.join(stage, "run.json"), record)
         shutil.rmtree(final, ignore_errors=True)
@@ -228,6 +286,50 @@ class Runner:
         publisher = threading.Thread(target=self.publish, args=(name, final))
         publisher.start()
         self.publishers.append(publisher)
+
+    def score(self, record: dict, generated: str, subset: str, out_dir: str) -> int:
+        """ea-fairseq-bleu on a translation of ``subset`` into ``out_dir``; its exit status."""
+        os.makedirs(out_dir, exist_ok=True)
+        bleu = [venv_bin("ea-fairseq-bleu"), generated, "--mode", "wmt", "--target-lang", TGT,
+                "--raw-ref", os.path.join(self.data, "raw", f"{subset}.{TGT}"),
+                "--expect-idx", os.path.join(self.data, "bin", f"{subset}.{SRC}-{TGT}.{SRC}.idx"),
+                "--out-prefix", os.path.join(out_dir, f"{subset}.{SRC}-{TGT}")]
+        record["commands"].append(command_line({}, bleu))
+        rc, wall, cpu = run_measured(bleu, {}, os.path.join(out_dir, f"bleu-{subset}.{SRC}-{TGT}.txt"))
+        key = "score_s" if subset == "test" else "valid_score_s"
+        record[key] = [wall, cpu]
+        if rc != 0:
+            record["failure"] = f"ea-fairseq-bleu exited {rc} ({subset})"
+        return rc
+
+    def validate(self, record: dict, averaged: str, work: str, out_dir: str) -> int:
+        """The averaged checkpoint's translation of the validation set (the demo's beam search),
+        scored as the test set is: what the learning rate is chosen on."""
+        os.makedirs(work, exist_ok=True)
+        gen = [venv_bin("fairseq-generate"), os.path.join(self.data, "bin"), "--user-dir",
+               os.path.join(REPO, "ea_fairseq"), "--path", averaged, "--gen-subset", "valid", *GEN_ARGS]
+        record["commands"].append(command_line({}, gen))
+        out = os.path.join(work, "generate.out")
+        t0 = time.monotonic()
+        with open(out, "w", encoding="utf-8") as f, open(os.path.join(work, "generate.log"), "w") as log:
+            proc = subprocess.Popen(gen, stdout=f, stderr=log, cwd=REPO,
+                                    env={**os.environ, "OMP_NUM_THREADS": str(self.args.threads)})
+            _, status, usage = os.wait4(proc.pid, 0)
+        rc = os.waitstatus_to_exitcode(status)
+        record["valid_s"] = [time.monotonic() - t0, usage.ru_utime + usage.ru_stime]
+        if rc != 0:
+            record["failure"] = f"fairseq-generate on the validation set exited {rc}"
+            return rc
+        return self.score(record, out, "valid", out_dir)
+
+    def probe(self, record: dict, averaged: str, out: str) -> None:
+        """benchmarks/collapse_probe.py on the averaged checkpoint, its output kept beside the
+        run (a probe that fails is recorded, the run stands)."""
+        argv = [venv_bin("python"), os.path.join(HERE, "collapse_probe.py"), averaged, os.path.join(self.data, "bin"),
+                "--batch", str(self.args.probe_batch)]
+        record["commands"].append(command_line({}, argv))
+        rc, wall, cpu = run_measured(argv, {"OMP_NUM_THREADS": str(self.args.threads)}, out)
+        record.update(probe_s=[wall, cpu], probe_exit=rc)
 
     def publish(self, name: str, final: str):
         with self.lock:
@@ -252,6 +354,35 @@ class Runner:
             os.remove(mine)
             os.symlink(os.path.relpath(shared, eval_dir), mine)
 
+    # ------------------------------------------------------------------ learning rate
+    def choose_lr(self, system: str) -> Optional[float]:
+        """The family's rate from its finished candidates (all of them finished), written to
+        lr_selection/SYSTEM/choice.json, its run linked as runs/SYSTEM/seed1; None if not all
+        finished."""
+        scores = {}
+        for lr in self.args.lrs:
+            record = self.finished_at(self.candidate_dir(system, lr))
+            if not record or record["status"] != "finished":
+                return None
+            valid = os.path.join(self.candidate_dir(system, lr), "valid", f"valid.{SRC}-{TGT}.scores.json")
+            with open(valid, encoding="utf-8") as f:
+                metrics = json.load(f)["metrics"]
+            scores[lr] = {m: metrics[m]["score"] for m in quality_report.METRICS}
+        best = max(scores, key=lambda lr: (scores[lr]["sacrebleu"], scores[lr]["chrf"], -lr))
+        quality_report.write_json(os.path.join(self.results, "lr_selection", system, "choice.json"),
+                                  {"system": system, "lr": best, "seed": 1, "subset": "valid",
+                                   "rule": "best validation sacreBLEU, then chrF, then the lower rate",
+                                   "valid": {f"{lr:g}": v for lr, v in sorted(scores.items())}})
+        link = self.run_dir(system, 1)
+        os.makedirs(os.path.dirname(link), exist_ok=True)
+        target = os.path.relpath(self.candidate_dir(system, best), os.path.dirname(link))
+        if os.path.islink(link) and os.readlink(link) == target:
+            return best
+        if os.path.lexists(link):
+            shutil.rmtree(link) if not os.path.islink(link) else os.remove(link)
+        os.symlink(target, link)
+        return best
+
     def after_run(self, name: str, final: str):
         if not (self.args.commit or self.args.report):
             return
@@ -262,15 +393,19 @@ class Runner:
         done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True)
         if done.returncode != 0:
             print(f"[quality] report failed: {done.stderr.strip()[-1000:]}", file=sys.stderr, flush=True)
-        outputs = [quality_report.report_stem(self.results) + x for x in (".json", ".md")]
-        outputs += [self.args.readme] if self.args.update_readme else []
         if self.args.commit:
             paths = [final, os.path.join(self.results, "refs"), os.path.join(self.results, "config.json"),
-                     os.path.join(self.results, "copy_source.json")] + outputs
+                     os.path.join(self.results, "copy_source.json"), os.path.join(self.results, "runs"),
+                     os.path.join(self.results, "lr_selection")] + report_outputs(self.results, self.args)
             status = json.load(open(os.path.join(final, "run.json"), encoding="utf-8"))["status"]
             git_commit(paths, f"Quality benchmark: {name} {status}, report regenerated\n\n"
                               "benchmarks/quality.py run --commit records every run as it finishes, "
                               "so the table grows across sittings.")
+
+
+def report_outputs(results: str, args) -> list:
+    outputs = [quality_report.report_stem(results) + x for x in (".json", ".md")]
+    return outputs + ([os.path.abspath(args.readme)] if getattr(args, "update_readme", False) else [])
 
 
 def git_commit(paths, message: str):
@@ -286,12 +421,29 @@ def git_commit(paths, message: str):
     print(f"[quality] git commit failed: {(add.stderr or done.stderr).strip()}", file=sys.stderr)
 
 
+def check_provenance(runner: Runner, allow_dirty: bool) -> None:
+    """Every run records the commit it ran on: a tree with uncommitted changes outside the
+    results is refused unless allow_dirty (the changed files are then recorded)."""
+    state = runner.git
+    if state["commit"] is None and not allow_dirty:
+        die(f"{REPO} is not a git checkout, so the runs could not record their commit: run from one, "
+            "or give --allow-dirty to run without")
+    if state["dirty"] and not allow_dirty:
+        shown = ", ".join(state["dirty"][:5]) + (f" and {len(state['dirty']) - 5} more" if len(state["dirty"]) > 5 else "")
+        die(f"the working tree has uncommitted changes ({shown}): commit them so the runs record the code "
+            "they ran, or give --allow-dirty (the changed files are recorded in each run)")
+
+
 def cmd_run(args):
     unknown = [s for s in args.systems if s not in SYSTEMS]
     if unknown:
         die(f"unknown system(s) {', '.join(unknown)}; known: {', '.join(SYSTEMS)}")
     if args.parallel < 1 or args.threads < 1:
         die("--parallel and --threads must be at least 1")
+    if not args.lrs or any(not 0 < lr < 1 for lr in args.lrs) or len(set(args.lrs)) != len(args.lrs):
+        die(f"--lrs takes distinct learning rates between 0 and 1 (got {' '.join(map(str, args.lrs))})")
+    if args.seeds and (1 not in args.seeds or any(k < 1 for k in args.seeds)):
+        die("--seeds must hold seed 1 (the learning rate is chosen on it) and positive seeds only")
     runner = Runner(args)
     if args.commit and os.path.relpath(runner.results, REPO).startswith(".."):
         die(f"--commit: the results directory {runner.results} is outside the repository {REPO}")
@@ -303,23 +455,38 @@ def cmd_run(args):
         lock.seek(0)
         die(f"another quality.py run (pid {lock.read().strip() or '?'}) is using {runner.work}: wait for it "
             "or stop it (kill -- -PID stops it and its trainings)")
+    check_provenance(runner, args.allow_dirty)
     lock.truncate(0)
     lock.write(str(os.getpid()))
     lock.flush()
     runner.check_config()
     runner.prepare_data()
-    todo = []
-    for seed in args.seeds:
-        for system in args.systems:
-            done = runner.finished(system, seed)
-            if done and (done["status"] == "finished" or not args.retry_failed):
-                print(f"[quality] {system} seed {seed}: {done['status']}, kept", file=sys.stderr)
-            else:
-                todo.append((system, seed))
-    print(f"[quality] {len(todo)} run(s) to do, {args.parallel} at a time with {args.threads} thread(s) each; "
-          f"work files in {runner.work}", file=sys.stderr, flush=True)
+
+    def pending(final: str, name: str) -> bool:
+        done = runner.finished_at(final)
+        if done and (done["status"] == "finished" or not args.retry_failed):
+            print(f"[quality] {name}: {done['status']}, kept", file=sys.stderr)
+            return False
+        return True
+
+    # 1. the learning rate of each family, on the validation set (seed 1)
+    candidates = [(s, lr) for s in args.systems for lr in args.lrs
+                  if pending(runner.candidate_dir(s, lr), f"{s} seed 1 lr {lr:g}")]
+    print(f"[quality] learning rates: {len(candidates)} run(s) to do, {args.parallel} at a time with "
+          f"{args.threads} thread(s) each; work files in {runner.work}", file=sys.stderr, flush=True)
     with ThreadPoolExecutor(args.parallel) as pool:
-        for future in [pool.submit(runner.run_one, s, k) for s, k in todo]:
+        for future in [pool.submit(runner.run_one, s, 1, lr, runner.candidate_dir(s, lr), True)
+                       for s, lr in candidates]:
+            future.result()
+    chosen = {s: runner.choose_lr(s) for s in args.systems}
+    # 2. the other seeds at the chosen rate
+    todo = [(s, k) for s in args.systems for k in runner.seeds(s)
+            if k != 1 and chosen[s] is not None and pending(runner.run_dir(s, k), f"{s} seed {k}")]
+    print(f"[quality] {len(todo)} run(s) to do at the chosen rates "
+          f"({', '.join(f'{s} {lr:g}' for s, lr in chosen.items() if lr is not None) or 'none chosen'})",
+          file=sys.stderr, flush=True)
+    with ThreadPoolExecutor(args.parallel) as pool:
+        for future in [pool.submit(runner.run_one, s, k, chosen[s], runner.run_dir(s, k)) for s, k in todo]:
             future.result()
     for publisher in runner.publishers:
         publisher.join()
@@ -340,7 +507,14 @@ def main(argv=None) -> int:
     r = sub.choices["run"]
     r.add_argument("--systems", nargs="+", default=list(SYSTEMS), metavar="SYSTEM",
                    help=f"[all: {' '.join(SYSTEMS)}]")
-    r.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
+    r.add_argument("--seeds", nargs="+", type=int,
+                   help="the seeds of every system [5 for transformer_lite and ea_transformer_lite, 3 for the others]")
+    r.add_argument("--lrs", nargs="+", type=float, default=list(LRS),
+                   help="learning rates tried per family on the validation set, seed 1 [0.001 0.002]")
+    r.add_argument("--probe-batch", type=int, default=20,
+                   help="the training batch benchmarks/collapse_probe.py probes [20]")
+    r.add_argument("--allow-dirty", action="store_true",
+                   help="run on a working tree with uncommitted changes (recorded in each run)")
     r.add_argument("--work-dir", default="~/.cache/ea_fairseq/quality",
                    help="checkpoints, logs and data, outside the repository [~/.cache/ea_fairseq/quality]")
     r.add_argument("--parallel", type=int, default=2, help="runs at a time [2]")
@@ -355,6 +529,7 @@ def main(argv=None) -> int:
     budget.add_argument("--warmup", type=int)
     budget.add_argument("--avg", type=int, help="checkpoints averaged")
     budget.add_argument("--bpe-merges", type=int)
+    budget.add_argument("--dropout", type=float, default=0.0, help="--dropout of every family [0.0]")
     budget.add_argument("--corpus", help="directory of {train,valid,test}.{es,en}.xz")
     args = p.parse_args(argv)
     if args.command == "run":

@@ -1,7 +1,8 @@
-"""benchmarks/quality.py end to end on a tiny budget: two systems x two seeds trained through the
-demo on a few hundred short verses of the shipped corpus, scored, and reported. The report's
-arithmetic is checked against sacreBLEU itself (scores, paired bootstrap p-values of every pair
-of runs on the same files) and the statistics module; Kocmi et al.'s thresholds are the paper's."""
+"""benchmarks/quality.py end to end on a tiny budget: two systems, two learning rates for
+seed 1 and a second seed, trained through the demo on a few hundred short verses of the
+shipped corpus, scored, probed and reported. The report's numbers are checked against
+sacreBLEU (scores), scipy (Welch's t) and the choice rule (learning rates); the records against
+git and pip."""
 import json
 import lzma
 import os
@@ -13,12 +14,12 @@ from pathlib import Path
 import pytest
 import sacrebleu
 from sacrebleu.metrics import BLEU, CHRF
-from sacrebleu.significance import PairedTest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "quality.py"
-SYSTEMS, SEEDS = ("transformer_lite", "realformer_lite"), (1, 2)
-BUDGET = ["--updates", "4", "--bpe-merges", "100", "--avg", "2", "--max-tokens", "512", "--warmup", "2"]
+SYSTEMS, SEEDS, LRS = ("transformer_lite", "realformer_lite"), (1, 2), ("0.002", "0.001")
+BUDGET = ["--updates", "4", "--bpe-merges", "100", "--avg", "2", "--max-tokens", "512", "--warmup", "2",
+          "--lrs", *LRS]
 KOCMI = {"sacrebleu": (0.52, 1.39), "chrf": (0.33, 1.00)}  # Kocmi et al. (2024), Table 1
 
 
@@ -46,7 +47,9 @@ def finished(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("quality")
     tiny_corpus(tmp / "corpus")
     readme = tmp / "README.md"
-    readme.write_text((REPO / "README.md").read_text(encoding="utf-8"), encoding="utf-8")
+    original = (REPO / "README.md").read_text(encoding="utf-8")
+    readme.write_text(original, encoding="utf-8")
+    (tmp / "README.original.md").write_text(original, encoding="utf-8")
     res = tmp / "res"
     # what a run killed half-way leaves: its staging directory and its work files
     (res / "runs" / "realformer_lite" / ".seed2.partial" / "eval").mkdir(parents=True)
@@ -54,7 +57,7 @@ def finished(tmp_path_factory):
     (tmp / "work" / "runs" / "realformer_lite" / "seed2" / "train" / "realformer_lite").mkdir(parents=True)
     (tmp / "work" / "runs" / "realformer_lite" / "seed2" / "train" / "realformer_lite" / "checkpoint_9_99.pt").write_text("")
     common = ["--results-dir", res, "--work-dir", tmp / "work", "--corpus", tmp / "corpus", *BUDGET,
-              "--systems", *SYSTEMS, "--seeds", *SEEDS]
+              "--systems", *SYSTEMS, "--seeds", *SEEDS, "--allow-dirty", "--probe-batch", "0"]
     done = quality("run", *common, "--update-readme", "--readme", readme, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     return tmp, res, common, json.loads((tmp / "res.json").read_text())
@@ -69,36 +72,68 @@ def run_files(res: Path, system: str, seed: int, name: str):
     return lines(eval_dir / f"test.es-en.hyp.{name}"), lines(eval_dir / f"test.es-en.ref.{name}")
 
 
-def sacrebleu_p(metric, base, hyp, refs) -> float:
-    if base == hyp:  # ea-fairseq-compare's rule for identical outputs
-        return 1.0
-    os.environ["SACREBLEU_SEED"] = "12345"
-    _, scores = PairedTest([("base", base), ("sys", hyp)], {"m": metric}, [refs], test_type="bs", n_samples=1000)()
-    return next(v for k, v in scores.items() if k != "System")[1].p_value
+def in_history(commit: str) -> bool:
+    """A commit of this checkout's history (others may commit while the runs train)."""
+    return len(commit) == 40 and subprocess.run(["git", "merge-base", "--is-ancestor", commit, "HEAD"],
+                                                cwd=REPO).returncode == 0
 
 
 def test_runs_are_recorded_in_the_repository_layout(finished):
     tmp, res, _, report = finished
     for system in SYSTEMS:
+        choice = json.loads((res / "lr_selection" / system / "choice.json").read_text())
+        assert (res / "runs" / system / "seed1").resolve() == (res / "lr_selection" / system / f"lr{choice['lr']:g}")
         for seed in SEEDS:
             run = res / "runs" / system / f"seed{seed}"
             record = json.loads((run / "run.json").read_text())
             assert record["status"] == "finished" and record["seed"] == seed and record["arch"] == system
+            assert record["lr"] == choice["lr"] and f"DEMO_LR={choice['lr']:g}" in record["commands"][0]
+            assert "DEMO_DROPOUT=0.0" in record["commands"][0] and "--dropout 0.0" in record["demo_train_stamp"]
             assert record["wall_s"] > 0 and record["cpu_s"] > 0 and record["train_wall_s"] >= 0
             assert record["machine"]["cores"] == os.cpu_count() and record["training"]["updates"] == 4
             assert f"DEMO_SEED={seed}" in record["commands"][0] and f"DEMO_ARCHS={system}" in record["commands"][0]
             assert "ea-fairseq-bleu" in record["commands"][1]
-            assert (run / "train.log").exists()
+            # provenance: the commit, the environment, the logs, the collapse probe's output
+            assert in_history(record["git"]["commit"]) and isinstance(record["git"]["dirty"], list)
+            freeze = (run / "pip-freeze.txt").read_text()
+            assert any(line.startswith("torch==") for line in freeze.splitlines())
+            assert (run / "train.log").exists() and "[demo" in (run / "demo.log").read_text()
+            assert "decoder NLL" in (run / "probe.txt").read_text() and record["probe_exit"] == 0
             # references are one shared copy, linked; the hypotheses are the run's own
             assert (run / "eval" / "test.es-en.ref.sacrebleu").is_symlink()
             assert len(lines(run / "eval" / "test.es-en.hyp.sacrebleu")) == 16
-    assert not list(res.glob("runs/*/.seed*.partial"))  # the half-finished run started again, cleanly
+    assert not list(res.glob("runs/*/.seed*.partial")) and not list(res.glob("lr_selection/*/.lr*.partial"))
     assert not list((tmp / "work").glob("runs/realformer_lite/seed2/train/*/checkpoint_9_99.pt"))
     assert list((tmp / "work").glob("**/*.pt"))  # checkpoints live in the work dir, not in the results
     assert not list(res.glob("**/*.pt"))
 
 
-def test_report_arithmetic_matches_sacrebleu(finished):
+def test_learning_rate_chosen_on_the_validation_set(finished):
+    """Seed 1 at each rate; the validation sacreBLEU (then chrF, then the lower rate) decides, on
+    the validation set's stored translations, never the test set's; both in the report."""
+    tmp, res, _, report = finished
+    raw = lzma.open(tmp / "corpus" / "valid.en.xz", "rt", encoding="utf-8").read().splitlines()
+    md = (tmp / "res.md").read_text(encoding="utf-8")
+    for system in SYSTEMS:
+        choice = json.loads((res / "lr_selection" / system / "choice.json").read_text())
+        valid = {}
+        for lr in LRS:
+            d = res / "lr_selection" / system / f"lr{float(lr):g}"
+            hyp = lines(d / "valid" / "valid.es-en.hyp.sacrebleu")
+            assert lines(d / "valid" / "valid.es-en.ref.sacrebleu") == raw and len(hyp) == 10
+            valid[float(lr)] = (BLEU().corpus_score(hyp, [raw]).score, CHRF().corpus_score(hyp, [raw]).score)
+            assert choice["valid"][f"{float(lr):g}"]["sacrebleu"] == pytest.approx(valid[float(lr)][0])
+            assert choice["valid"][f"{float(lr):g}"]["chrf"] == pytest.approx(valid[float(lr)][1])
+        assert choice["lr"] == max(valid, key=lambda lr: (*valid[lr], -lr))
+        assert report["systems"][system]["lr_selection"] == choice and report["systems"][system]["lr"] == [f"{choice['lr']}"]
+        row = f"| {system} | " + " | ".join(f"{valid[float(lr)][0]:.2f} / {valid[float(lr)][1]:.2f}"
+                                            for lr in sorted(LRS, key=float)) + f" | {choice['lr']:g} |"
+        assert row in md
+    assert "chosen on the validation set" in md and "No learning-rate selection" not in md
+
+
+def test_report_arithmetic_matches_sacrebleu_and_scipy(finished):
+    stats = pytest.importorskip("scipy.stats")
     tmp, res, _, report = finished
     raw = {lang: lzma.open(tmp / "corpus" / f"test.{lang}.xz", "rt", encoding="utf-8").read().splitlines()
            for lang in ("es", "en")}
@@ -122,45 +157,63 @@ def test_report_arithmetic_matches_sacrebleu(finished):
             assert x["mean"] == pytest.approx(statistics.fmean(values))
             assert x["std"] == pytest.approx(statistics.stdev(values))
         x = report["systems"]["realformer_lite"]["metrics"][m]
-        delta = statistics.fmean(score["realformer_lite", k] - score["transformer_lite", k] for k in SEEDS)
-        assert x["delta"] == pytest.approx(delta)
-        p = {(i, k): sacrebleu_p(metric(), run_files(res, "transformer_lite", i, "sacrebleu")[0],
-                                 run_files(res, "realformer_lite", k, "sacrebleu")[0], raw["en"])
-             for i in SEEDS for k in SEEDS}
-        assert {int(k): v for k, v in x["p_same_seed"].items()} == {k: pytest.approx(p[k, k]) for k in SEEDS}
-        assert x["p_all_pairs"] == pytest.approx(max(p.values()))
+        base, other = ([score[s, k] for k in SEEDS] for s in SYSTEMS)
+        assert x["delta"] == pytest.approx(statistics.fmean(other) - statistics.fmean(base))
+        if statistics.stdev(base) + statistics.stdev(other) > 0:
+            welch = stats.ttest_ind(other, base, equal_var=False)
+            assert x["test"] == "Welch" and x["p"] == pytest.approx(welch.pvalue, rel=1e-6)
+            assert x["welch_ci"] == [pytest.approx(welch.confidence_interval().low, rel=1e-6),
+                                     pytest.approx(welch.confidence_interval().high, rel=1e-6)]
+        assert x["p_holm"] == x["p"]  # one system compared
+        assert x["ci"][0] <= x["delta"] <= x["ci"][1]
+        diffs = [b - a for a in base for b in other]
+        assert x["sign"] == [sum(d > 0 for d in diffs) if x["delta"] > 0 else sum(d < 0 for d in diffs)
+                             if x["delta"] < 0 else 0, 4]
         low, high = KOCMI[m]
         assert x["agreement_thresholds"] == [low, high]
-        assert x["agreement"] == ("below 55%" if abs(delta) < low else "55% to 70%" if abs(delta) < high
-                                  else "70% or more")
+        hull = x["agreement_ci"]
+        assert hull[0] <= min(x["ci"][0], x["welch_ci"][0] if x["welch_ci"] else x["ci"][0])
+        assert ("humans would prefer" in x["agreement"]) == (hull[0] > 0 or hull[1] < 0)
+        if "humans would prefer" in x["agreement"]:
+            assert x["agreement"].endswith("realformer_lite" if x["delta"] > 0 else "transformer_lite")
     flagged = {f.split(",")[0].rsplit(" ", 1)[0] for f in report["findings"] if "copy-the-source" in f}
     assert flagged == below
+    (commit, names), = report["provenance"]["commits"].items()  # one runner, one commit
+    assert in_history(commit) and sorted(names) == sorted(f"{s} seed {k}" for s in SYSTEMS for k in SEEDS)
+    assert report["provenance"]["pip_freeze"] == 4 and not report["provenance"]["unrecorded"]
+    params = [report["systems"][s]["params"] for s in SYSTEMS]
+    assert all(p and int(p.replace(",", "")) > 0 for p in params)
 
 
 def test_markdown_readme_and_ea_fairseq_compare_agree(finished):
     tmp, res, _, report = finished
     md = (tmp / "res.md").read_text(encoding="utf-8")
+    assert md.startswith("# Progress after 4 updates on a corpus of 300 training pairs: every family from scratch")
+    assert "### sacreBLEU after 4 updates" in md
     for m in ("sacrebleu", "chrf"):
         x = report["systems"]["realformer_lite"]["metrics"][m]
         base = report["systems"]["transformer_lite"]["metrics"][m]
         assert f"| transformer_lite | 2 of 2 | {' / '.join(f'{v:.2f}' for v in base['scores'])} | " \
                f"{base['mean']:.2f} ± {base['std']:.2f} | – |" in md
-        assert f"| {x['delta']:+.2f} | {x['p_same_seed']['1']:.4f} / {x['p_same_seed']['2']:.4f} | " \
-               f"{x['p_all_pairs']:.4f} | {x['agreement']} |" in md
-    # ea-fairseq-compare's own table (appended verbatim) prints the same largest p
+        ci = f"[{x['ci'][0]:+.2f}, {x['ci'][1]:+.2f}]"
+        assert f"| {x['delta']:+.2f} | {ci} | " in md
+    # ea-fairseq-compare's own table (appended verbatim) prints the same Δ, CI and p
     compare = report["ea_fairseq_compare"]["output"]
     assert report["ea_fairseq_compare"]["command"].startswith("ea-fairseq-compare --agreement")
-    rows = [r for r in compare.splitlines() if r.startswith("| realformer_lite")]
-    assert [r.split("|")[6].strip() for r in rows] == \
-        [f"{report['systems']['realformer_lite']['metrics'][m]['p_all_pairs']:.4f}" for m in ("sacrebleu", "chrf")]
+    rows = [[c.strip() for c in r.split("|")] for r in compare.splitlines() if r.startswith("| realformer_lite")]
+    for row, m in zip(rows, ("sacrebleu", "chrf")):
+        x = report["systems"]["realformer_lite"]["metrics"][m]
+        assert row[5:7] == [f"{x['delta']:+.2f}", f"[{x['ci'][0]:+.2f}, {x['ci'][1]:+.2f}]"]
+        assert row[8] == (f"{x['p']:.4f}" if x["p"] is not None else "–") and row[-2] == x["agreement"]
     readme = (tmp / "README.md").read_text(encoding="utf-8")
-    original = (REPO / "README.md").read_text(encoding="utf-8")
+    original = (tmp / "README.original.md").read_text(encoding="utf-8")  # (the checkout's may change meanwhile)
     begin, end = "<!-- begin: generated", "<!-- end: generated"
     assert readme[:readme.index(begin)] == original[:original.index(begin)]
     assert readme[readme.index(end):] == original[original.index(end):]
     b = report["systems"]["realformer_lite"]["metrics"]["sacrebleu"]
-    assert f"| {b['delta']:+.2f} (p {b['p_all_pairs']:.4f}; {b['agreement']}) |" in readme
-    assert "CPU budget (4 updates, one CPU thread per run)" in readme
+    ci = b["welch_ci"] or b["ci"]
+    assert f"| {b['delta']:+.2f} [{ci[0]:+.2f}, {ci[1]:+.2f}] (p " in readme
+    assert "Progress after 4 updates on a corpus of 300 training pairs" in readme
 
 
 def test_a_finished_run_is_kept_and_another_budget_refused(finished):
@@ -203,3 +256,34 @@ def test_a_second_runner_on_the_same_work_dir_is_refused(tmp_path):
     (line,) = second.stderr.strip().splitlines()
     assert line.startswith(f"quality.py: another quality.py run (pid 4242) is using {tmp_path / 'w'}")
     assert not (tmp_path / "r").exists()  # refused before anything was written
+
+
+def test_a_dirty_tree_is_refused_unless_allowed(tmp_path, monkeypatch):
+    """The runner records the commit each run ran on: uncommitted changes outside the results
+    are refused (one line) unless --allow-dirty; git_state lists them, leaving out the results."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import quality as q
+
+    repo = tmp_path / "repo"
+    (repo / "res").mkdir(parents=True)
+    git = lambda *a: subprocess.run(["git", *a], cwd=repo, capture_output=True, text=True, check=True)  # noqa: E731
+    git("init", "-q")
+    (repo / "code.py").write_text("x = 1\n")
+    git("add", "code.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "c")
+    assert q.git_state(str(repo), [str(repo / "res")]) == {"commit": git("rev-parse", "HEAD").stdout.strip(),
+                                                           "dirty": []}
+    (repo / "code.py").write_text("x = 2\n")
+    (repo / "new.py").write_text("")
+    (repo / "res" / "run.json").write_text("{}")
+    assert sorted(q.git_state(str(repo), [str(repo / "res")])["dirty"]) == ["code.py", "new.py"]
+
+    monkeypatch.setattr(q, "git_state", lambda repo, exclude: {"commit": "abc", "dirty": ["ea_fairseq/x.py"]})
+    monkeypatch.setattr(q, "pip_freeze", lambda: "torch==0\n")
+    with pytest.raises(SystemExit, match=r"^quality.py: the working tree has uncommitted changes \(ea_fairseq/x.py\): "
+                                         r"commit them .* or give --allow-dirty"):
+        q.main(["run", "--results-dir", str(tmp_path / "r"), "--work-dir", str(tmp_path / "w")])
+    assert not (tmp_path / "r").exists()  # refused before anything was written
+    monkeypatch.setattr(q, "git_state", lambda repo, exclude: {"commit": None, "dirty": []})
+    with pytest.raises(SystemExit, match="is not a git checkout"):
+        q.main(["run", "--results-dir", str(tmp_path / "r"), "--work-dir", str(tmp_path / "w")])
