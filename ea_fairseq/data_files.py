@@ -13,8 +13,10 @@ FIFO makes the first ``open()`` wait forever.
 :func:`check_file` is the one check of such a file (links followed): a regular file, and at
 most a bound for its kind (:data:`DICTIONARY_LIMIT`, :data:`BPE_LIMIT`). :func:`check` adds,
 for a binary split, a comparison of what the index declares with the sizes of the two files
-and then every item's place with the data file, with nothing allocated beyond the index itself
-(mapped, never copied); a raw-text split (``--dataset-impl raw``) must be a regular file.
+and then every item's place with the data file and its length (at most :data:`ITEM_LIMIT`
+tokens: a data file with holes stores a declared item in no space), with nothing allocated
+beyond the index itself (mapped, never copied), and the index's format with the one fairseq is
+told to read it as; a raw-text split (``--dataset-impl raw``) must be a regular file.
 
 :func:`install` puts the checks where fairseq opens these files, each the one function every
 caller goes through, looked up at each call, replaced once (no swap and restore) by a wrapper
@@ -69,6 +71,8 @@ FORMATS = ("a dataset format whose files ea_fairseq checks (raw, lazy, cached, m
            "what fairseq-preprocess writes); rebuild the data directory with fairseq-preprocess")
 # a language, wherever fairseq takes one to put in file names (dict.{lang}.txt, {split}.{src}-{tgt}.{lang})
 LANGUAGE_CODE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+ITEM_LIMIT = 2 ** 24  # tokens in one item (a sentence), which fairseq reads whole, as int64s: a data
+# file with holes (sparse) holds a declared item of any size in no space
 DICTIONARY_LIMIT = 256 * 2 ** 20  # fairseq-preprocess writes a few MB for 100k types
 BPE_LIMIT = 64 * 2 ** 20  # sentencepiece / BPE merges / vocab.json files are a few MB
 DICTIONARY = (f"a fairseq dictionary is a regular text file of at most {DICTIONARY_LIMIT // 2 ** 20} MiB: use "
@@ -116,9 +120,17 @@ def _check_legacy(idx: str, size: int, data_bytes: int) -> None:
         raise _error(idx, "items that are not sequences of one dimension (translation data)")
     if offsets[0] != 0 or (sizes < 0).any() or (np.diff(offsets) != sizes).any():
         raise _error(idx, "item offsets that do not follow the item sizes")
+    _check_items(idx, sizes)
     if int(offsets[-1]) * element_size > data_bytes:
         raise _error(idx, f"items that end at byte {int(offsets[-1]) * element_size:,} of a data file "
                           f"of {data_bytes:,} bytes")
+
+
+def _check_items(idx: str, sizes) -> None:
+    longest = int(sizes.max()) if len(sizes) else 0
+    if longest > ITEM_LIMIT:
+        raise _error(idx, f"an item of {longest:,} tokens, more than the {ITEM_LIMIT:,} a sentence may hold "
+                          "(fairseq reads an item whole)")
 
 
 def _check_mmap(idx: str, size: int, data_bytes: int) -> None:
@@ -138,6 +150,7 @@ def _check_mmap(idx: str, size: int, data_bytes: int) -> None:
     pointers = np.memmap(idx, dtype="<i8", mode="r", offset=26 + 4 * n, shape=(n,))
     if (sizes < 0).any() or (pointers < 0).any():
         raise _error(idx, "negative item sizes or offsets")
+    _check_items(idx, sizes)
     end = int((pointers + sizes.astype("<i8") * np.dtype(dtype).itemsize).max())
     if end > data_bytes:
         raise _error(idx, f"items that end at byte {end:,} of a data file of {data_bytes:,} bytes")
@@ -149,7 +162,7 @@ def check(prefix: str, impl: Optional[str] = None) -> bool:
     (None: the format fairseq infers from the files); False if none of them exists. An index of
     another format than fairseq's two binary ones is refused where fairseq would read it."""
     if impl is not None and impl not in CHECKED_FORMATS:
-        raise _error(prefix, f"dataset format {impl!r}", FORMATS)
+        raise _error(prefix, f"dataset format '{impl}'", FORMATS)
     raw = os.path.lexists(prefix) and not os.path.isdir(prefix)
     if raw and os.path.exists(prefix):
         check_file(prefix)
@@ -161,9 +174,14 @@ def check(prefix: str, impl: Optional[str] = None) -> bool:
     size, data_bytes = check_file(idx), check_file(data)
     with open(idx, "rb") as f:
         magic = f.read(9)
-    if magic[:8] == LEGACY_MAGIC:
+    found = "lazy" if magic[:8] == LEGACY_MAGIC else "mmap" if magic == MMAP_MAGIC else None
+    if found and impl not in (None, "raw") and (impl == "mmap") != (found == "mmap"):
+        raise _error(idx, f"an index of the {found} format (fairseq-preprocess --dataset-impl {found}), read as "
+                          f"'{impl}'", f"give --dataset-impl {found} (or leave it unset: fairseq reads the index's "
+                                       "own format)")
+    if found == "lazy":
         _check_legacy(idx, size, data_bytes)
-    elif magic == MMAP_MAGIC:
+    elif found == "mmap":
         _check_mmap(idx, size, data_bytes)
     elif impl != "raw" and not (impl is None and raw):  # fairseq reads this index (huffman: and a vocabulary)
         raise _error(idx, f"an index of another format (it begins with {magic!r})", FORMATS)
@@ -222,7 +240,7 @@ def _check_splits(path, dictionary=None, dataset_impl=None, combine=False, defau
 
 def _check_format(path, impl, *args, **kwargs):
     if impl not in CHECKED_FORMATS:  # (also one inferred from the files: fasta, huffman)
-        raise _error(path, f"dataset format {impl!r}", FORMATS)
+        raise _error(path, f"dataset format '{impl}'", FORMATS)
 
 
 def _check_languages(path, pair) -> None:

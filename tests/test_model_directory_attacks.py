@@ -388,3 +388,45 @@ def test_every_integer_arrives_within_its_bounds_or_is_refused(field, section, v
     received = out["cfg"][section].get(field)
     least, most = INTEGER_BOUNDS.get(field, (-LIMIT_INTEGER - 1, LIMIT_INTEGER))
     assert received is None or least <= received <= most
+
+
+# -- the red team's own: items in holes, a format read as another -----------------------------------
+def sparse_split(prefix, tokens: int):
+    """An mmap split (fairseq's own index writer) of one item of ``tokens`` uint16 tokens, its
+    data file all one hole: the declared size, none of it stored."""
+    with indexed_dataset.MMapIndexedDataset.Index.writer(f"{prefix}.idx", np.uint16) as index:
+        index.write([tokens])
+    with open(f"{prefix}.bin", "wb") as f:
+        f.truncate(2 * tokens)
+
+
+def test_an_item_in_a_hole_is_read_whole_without_the_guard(tmp_path):
+    """Negative control: a data file of no stored bytes gives fairseq an item it reads whole
+    (2**24 + 8 tokens: 128 MiB as int64; the index could declare 2**31)."""
+    from ea_fairseq.data_files import ITEM_LIMIT
+
+    prefix = str(tmp_path / "test.src-tgt.src")
+    sparse_split(prefix, ITEM_LIMIT + 8)
+    assert os.stat(f"{prefix}.bin").st_blocks * 512 < 2 ** 20
+    assert indexed_dataset.MMapIndexedDataset(prefix)[0].numel() == ITEM_LIMIT + 8
+
+
+def test_an_item_longer_than_a_sentence_is_refused_by_the_analysis_tool(model_dir):
+    from ea_fairseq.data_files import ITEM_LIMIT
+
+    sparse_split(str(model_dir / "test.src-tgt.src"), ITEM_LIMIT + 8)
+    code, written = analysis_dump(model_dir)
+    assert f"test.src-tgt.src.idx: an item of {ITEM_LIMIT + 8:,} tokens, more than the" in one_line(code)
+    assert not written
+
+
+def test_an_index_read_as_another_format_is_one_line(model_dir):
+    """A checkpoint (or --dataset-impl) naming the legacy format for fairseq-preprocess's mmap
+    split: one line saying which format the index is, not fairseq's assertion deep inside."""
+    state = trusted_state()
+    state["cfg"]["dataset"]["dataset_impl"] = state["cfg"]["task"]["dataset_impl"] = "lazy"
+    saved(state, model_dir)
+    code, written = analysis_dump(model_dir)
+    assert "test.src-tgt.src.idx: an index of the mmap format (fairseq-preprocess --dataset-impl mmap), read as " \
+           "'lazy': give --dataset-impl mmap" in one_line(code)
+    assert not written
