@@ -700,7 +700,7 @@ def _table(out: str, metric: str = None):
     return tables[metric] if metric else next(iter(tables.values()))
 
 
-def test_significance_on_known_different_and_identical_systems(tmp_path, capsys):
+def test_significance_on_known_different_and_identical_systems(tmp_path, capsys, monkeypatch):
     import random
     from sacrebleu.metrics import BLEU
     from sacrebleu.significance import PairedTest
@@ -723,15 +723,18 @@ def test_significance_on_known_different_and_identical_systems(tmp_path, capsys)
     assert compare.main([str(tmp_path / d) for d in ("base", "same", "worse", "seeds")]) == 0
     out = capsys.readouterr().out
     table = _table(out, "tok")
-    assert table["same"][4:] == ["+0.00", "1.0000"]  # identical: nothing to see
-    assert float(table["worse"][4]) < -10 and float(table["worse"][5]) < 0.01  # clearly different
+    assert table["same"][4] == "+0.00" and table["same"][7:9] == ["1.0000", "AR"]  # identical: nothing to see
+    assert float(table["worse"][4]) < -10 and float(table["worse"][7]) < 0.01  # clearly different
     assert table["seeds"][1] == "3" and len(table["seeds"][2].split()) == 3 and "±" in table["seeds"][3]
-    assert "150 sentences" in out.splitlines()[0] and "tokenized BLEU" in out.splitlines()[2]
+    assert table["seeds"][7:9] == ["–", "–"]  # one run against three: no seed-level test, only the CI
+    assert "150 sentences" in out.splitlines()[0] and "tokenized BLEU" in out.splitlines()[3]
     assert set(_table(out, "chrf")) == set(_table(out, "chrf++")) == set(table)  # every metric
-    # one run per system: the p-value is sacreBLEU's paired bootstrap (same resamples, seed 12345)
+    # one run per system: approximate randomisation with sacreBLEU's draws (seed 12345, 10,000
+    # trials), which here (no trial ties |Δ|) gives sacreBLEU's --paired-ar p
+    monkeypatch.setenv("SACREBLEU_SEED", "12345")
     test = PairedTest([("base", good), ("worse", bad)], {"BLEU": BLEU(tokenize="none", smooth_method="none")},
-                      [refs], test_type="bs", n_samples=1000)
-    assert f"{test()[1]['BLEU'][1].p_value:.4f}" == table["worse"][5]
+                      [refs], test_type="ar", n_samples=10000)
+    assert f"{test()[1]['BLEU'][1].p_value:.4f}" == table["worse"][7]
     # systems scored on other references are not compared
     fx.write_scored_run(tmp_path / "other", [r + " x" for r in refs], good)
     with pytest.raises(SystemExit, match="other references"):
@@ -783,7 +786,9 @@ def test_seeds_train_one_run_each_and_evaluate_to_one_table(iwslt, env, tmp_path
                f"one_epoch={base}"], env, tmp_path).stdout
     table = _table(out)
     assert table["two_epochs"][1] == "1" and table["one_epoch"][1] == "2"
-    assert re.fullmatch(r"[+-][0-9.]+", table["one_epoch"][4]) and re.fullmatch(r"0\.\d{4}|1\.0000", table["one_epoch"][5])
+    assert re.fullmatch(r"[+-][0-9.]+", table["one_epoch"][4])
+    assert re.fullmatch(r"\[[+-][0-9.]+, [+-][0-9.]+\]", table["one_epoch"][5])  # the bootstrap CI
+    assert table["one_epoch"][7] == "–"  # one run against two: no seed-level test
 
 
 def test_ran_with_over_long_test_sentences(iwslt, env, tmp_path):
