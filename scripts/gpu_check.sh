@@ -149,11 +149,12 @@ EOF
 cuda=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))")
 
 # The suite in two processes side by side: the fairseq-train/-generate pairs (one test that
-# runs them side by side itself) and everything else (pytest-xdist's workers where installed).
+# runs them side by side itself) and everything else (on a GPU machine in 4 pytest-xdist
+# workers where it is installed).
 # On a GPU, two benchmark runs follow it: up to 90 s each are kept for them.
 pytest_args=(-p no:cacheprovider -v -rfEs --durations=20 tests/test_device.py tests/test_decoding_properties.py)
 only="${SELECT:+ and ($SELECT)}"
-xdist=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 4")
+xdist=$([ "$cuda" = 1 ] && "$PY" -c "import xdist" 2>/dev/null && echo "-n 4")
 suite_limit=$(limit 250 $([ "$cuda" = 1 ] && echo 200 || echo 20))
 timeout -s INT -k 30 "$suite_limit" "$PY" -m pytest "${pytest_args[@]}" -k "train_and_generate$only" \
   --junitxml="$LOGS/suite-cli.xml" >"$LOGS/suite-cli.log" 2>&1 &
