@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, cli
+from conftest import cli
 from ea_fairseq.models.hydra_config import unknown_key_message
 from ea_fairseq_cli import bleu, options
 
