@@ -149,7 +149,8 @@ def test_two_untrained_systems_at_zero_bleu_are_not_different(tmp_path, capsys):
     fx.write_scored_run(tmp_path / "a", refs, ["xx yy zz"] * 60)
     fx.write_scored_run(tmp_path / "b", refs, ["qq rr"] * 60)
     capsys.readouterr()
-    assert compare.main([str(tmp_path / "a"), str(tmp_path / "b"), "--metric", "tok", "--bootstrap", "100"]) == 0
+    assert compare.main([str(tmp_path / "a"), str(tmp_path / "b"), "--metric", "tok", "--bootstrap", "100",
+                         "--trials", "1000"]) == 0
     row = _tables(capsys.readouterr().out)["tok"]["b"]
     assert row[2] == "0.00" and row[4] == "+0.00" and row[5] == "[+0.00, +0.00]"
     assert row[7] == "1.0000" and row[8] == "AR" and row[10] == "0/1"
@@ -230,7 +231,7 @@ def test_agreement_only_for_the_variants_the_thresholds_were_fitted_on(tmp_path,
     _wmt_run(tmp_path / "worse", refs, _noisy(refs, 0.4, 2), [0.7975] * n)
     capsys.readouterr()
     assert compare.main(["base=" + str(tmp_path / "base"), "worse=" + str(tmp_path / "worse"), "--agreement",
-                         "--bootstrap", "200"]) == 0
+                         "--bootstrap", "200", "--trials", "500"]) == 0
     out = capsys.readouterr().out
     tables = _tables(out)
     assert list(tables) == ["tok", "sacrebleu", "chrf", "chrf++", "comet"]
@@ -251,7 +252,7 @@ def test_agreement_only_for_the_variants_the_thresholds_were_fitted_on(tmp_path,
     # the other direction: the system is better, the label names it
     capsys.readouterr()
     assert compare.main(["worse=" + str(tmp_path / "worse"), "base=" + str(tmp_path / "base"), "--agreement",
-                         "--metric", "sacrebleu", "comet", "--bootstrap", "200"]) == 0
+                         "--metric", "sacrebleu", "comet", "--bootstrap", "200", "--trials", "500"]) == 0
     tables = _tables(capsys.readouterr().out)
     assert tables["sacrebleu"]["base"][-1] == "70% or more: humans would prefer base"
     assert tables["comet"]["base"][4] == "+0.0025"
@@ -263,7 +264,7 @@ def test_agreement_only_for_the_variants_the_thresholds_were_fitted_on(tmp_path,
     fx.write_scored_run(tmp_path / "i2", refs, _noisy(refs, 0.4, 2))
     capsys.readouterr()
     assert compare.main([str(tmp_path / "b2"), str(tmp_path / "s2"), "--agreement", "--metric", "comet",
-                         "--bootstrap", "50"]) == 0
+                         "--bootstrap", "50", "--trials", "100"]) == 0
     out = capsys.readouterr().out
     assert len(_tables(out)["comet"]["head"]) == 11
     assert "(no human-agreement thresholds: the COMET model (Unbabel/wmt20-comet-da) is not Unbabel/wmt22-comet-da" in out
