@@ -378,8 +378,11 @@ class Runner:
         target = os.path.relpath(self.candidate_dir(system, best), os.path.dirname(link))
         if os.path.islink(link) and os.readlink(link) == target:
             return best
+        if os.path.lexists(link) and not os.path.islink(link):
+            die(f"{link} is a run of its own, not a link to its family's learning-rate run: give another "
+                "--results-dir (this one holds runs of another layout)")
         if os.path.lexists(link):
-            shutil.rmtree(link) if not os.path.islink(link) else os.remove(link)
+            os.remove(link)
         os.symlink(target, link)
         return best
 
