@@ -63,7 +63,8 @@ def last_checkpoints(directory: str, n: int, by_update: bool,
     if len(found) < n:
         raise AverageError(
             f"asked for the last {n} {kind} but {directory} has only {len(found)}{bound}: "
-            f"{', '.join(os.path.basename(p) for _, p in sorted(found))}")
+            f"{', '.join(os.path.basename(p) for _, p in sorted(found))}; average those with "
+            f"--num-{'update' if by_update else 'epoch'}-checkpoints {len(found)}")
     found.sort(reverse=True)
     return [path for _, path in found[:n]]
 

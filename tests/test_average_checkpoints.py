@@ -110,6 +110,7 @@ def test_errors_name_the_problem(tmp_path, capsys):
     fake_checkpoint(tmp_path / "checkpoint2.pt", seed=2)
     err = error("--inputs", tmp_path, "--num-epoch-checkpoints", "3", "--output", out)
     assert "only 2" in err and "checkpoint1.pt, checkpoint2.pt" in err
+    assert err.rstrip().endswith("average those with --num-epoch-checkpoints 2")  # what to do
     assert "at or below 1" in error("--inputs", tmp_path, "--num-epoch-checkpoints", "2",
                                     "--checkpoint-upper-bound", "1", "--output", out)
     assert "no update checkpoints" in error("--inputs", tmp_path, "--num-update-checkpoints", "1", "--output", out)
