@@ -14,7 +14,7 @@ FIFO makes the first ``open()`` wait forever.
 most a bound for its kind (:data:`DICTIONARY_LIMIT`, :data:`BPE_LIMIT`). :func:`check` adds,
 for a binary split, a comparison of what the index declares with the sizes of the two files
 and then every item's place with the data file and its length (at most :data:`ITEM_LIMIT`
-tokens: a data file with holes stores a declared item in no space), with nothing allocated
+tokens), no file with holes (a sparse file stores what it declares in no space), with nothing allocated
 beyond the index itself (mapped, never copied), and the index's format with the one fairseq is
 told to read it as; a raw-text split (``--dataset-impl raw``) must be a regular file.
 
@@ -96,6 +96,21 @@ def check_file(path: str, remedy: str = BINARY, limit: Optional[int] = None) -> 
     return info.st_size
 
 
+def _check_stored(path: str, size: int) -> None:
+    """``path`` stores every byte it declares: no hole (a sparse file declares its size in no
+    space, and fairseq reads or allocates by the size; fairseq-preprocess never writes one)."""
+    if size == 0 or not hasattr(os, "SEEK_HOLE"):
+        return
+    with open(path, "rb") as f:
+        try:
+            hole = os.lseek(f.fileno(), 0, os.SEEK_HOLE)
+        except OSError:  # (a file system that cannot say)
+            return
+    if hole < size:
+        raise _error(path, f"a file with holes ({size:,} bytes declared, the first hole at byte {hole:,}: a sparse "
+                           "file stores what it declares in no space)")
+
+
 def _dtypes():
     from fairseq.data.indexed_dataset import _code_to_dtype
 
@@ -165,13 +180,15 @@ def check(prefix: str, impl: Optional[str] = None) -> bool:
         raise _error(prefix, f"dataset format '{impl}'", FORMATS)
     raw = os.path.lexists(prefix) and not os.path.isdir(prefix)
     if raw and os.path.exists(prefix):
-        check_file(prefix)
+        _check_stored(prefix, check_file(prefix))
     idx, data = prefix + ".idx", prefix + ".bin"
     if not (os.path.lexists(idx) or os.path.lexists(data)):
         return raw
     if not os.path.exists(idx) or not os.path.exists(data):
         return True  # fairseq reports the missing file itself
     size, data_bytes = check_file(idx), check_file(data)
+    _check_stored(idx, size)
+    _check_stored(data, data_bytes)
     with open(idx, "rb") as f:
         magic = f.read(9)
     found = "lazy" if magic[:8] == LEGACY_MAGIC else "mmap" if magic == MMAP_MAGIC else None

@@ -411,13 +411,25 @@ def test_an_item_in_a_hole_is_read_whole_without_the_guard(tmp_path):
     assert indexed_dataset.MMapIndexedDataset(prefix)[0].numel() == ITEM_LIMIT + 8
 
 
-def test_an_item_longer_than_a_sentence_is_refused_by_the_analysis_tool(model_dir):
+@pytest.mark.parametrize("items", [1, 64], ids=["one-long-item", "many-items"])
+def test_a_data_file_with_holes_is_refused_by_the_analysis_tool(model_dir, items):
     from ea_fairseq.data_files import ITEM_LIMIT
 
-    sparse_split(str(model_dir / "test.src-tgt.src"), ITEM_LIMIT + 8)
+    prefix = model_dir / "test.src-tgt.src"
+    if items == 1:  # one item longer than a sentence may be
+        sparse_split(str(prefix), ITEM_LIMIT + 8)
+        os.truncate(f"{prefix}.bin", 0)
+        with open(f"{prefix}.bin", "wb") as f:  # (stored, so that the item's length is what is refused)
+            f.write(b"\x01" * 64)
+        shown = f"test.src-tgt.src.idx: an item of {ITEM_LIMIT + 8:,} tokens, more than the"
+    else:  # sentence-long items in a data file that stores none of them
+        with indexed_dataset.MMapIndexedDataset.Index.writer(f"{prefix}.idx", np.uint16) as index:
+            index.write([ITEM_LIMIT] * items)
+        with open(f"{prefix}.bin", "wb") as f:
+            f.truncate(2 * ITEM_LIMIT * items)
+        shown = f"test.src-tgt.src.bin: a file with holes ({2 * ITEM_LIMIT * items:,} bytes declared"
     code, written = analysis_dump(model_dir)
-    assert f"test.src-tgt.src.idx: an item of {ITEM_LIMIT + 8:,} tokens, more than the" in one_line(code)
-    assert not written
+    assert shown in one_line(code) and not written
 
 
 def test_an_index_read_as_another_format_is_one_line(model_dir):
