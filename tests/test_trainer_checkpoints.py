@@ -32,7 +32,7 @@ from fairseq.models.transformer import TransformerModel
 from fairseq.optim import OPTIMIZER_REGISTRY
 from fairseq_cli import generate, interactive, train
 
-from ea_fairseq.checkpoint_safety import CheckpointError, load_checkpoint
+from ea_fairseq.checkpoint_safety import CheckpointError
 from ea_fairseq.checkpoint_safety.consistency import LIMIT_OPTIMIZER_FACTOR, LIMIT_OPTIMIZER_SLACK
 from ea_fairseq_cli import analysis, average_checkpoints, warm_start
 
@@ -190,8 +190,8 @@ def test_averaging_warm_start_and_analysis(checkpoints, tiny_data_bin, tmp_path,
     they loaded) and dumped by the analysis tool."""
     path = checkpoints[case]
     assert average_checkpoints.main(["--inputs", str(path), "--output", str(tmp_path / "avg.pt")]) == 0
-    averaged = load_checkpoint(str(tmp_path / "avg.pt"))
-    assert ("last_optimizer_state" in averaged) == ("last_optimizer_state" in torch.load(path, weights_only=False))
+    averaged, written = (torch.load(p, weights_only=False) for p in (tmp_path / "avg.pt", path))
+    assert averaged.get("last_optimizer_state", {}).keys() == written.get("last_optimizer_state", {}).keys()
     vanilla = (CASES.get(case) or RESUMED[case])[0] == "transformer"
     code = warm_start.main([str(path), "--arch", "ea_transformer_lite", "--output", str(tmp_path / "warm.pt")])
     assert code == (0 if vanilla else 1) and (tmp_path / "warm.pt").exists() == vanilla
