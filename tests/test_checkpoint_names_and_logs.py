@@ -186,3 +186,31 @@ def test_a_weight_name_writes_no_line_into_the_averaging_tool_s_error(tmp_path, 
     err = capsys.readouterr().err
     assert "NaN or infinite weights in 1 tensors: 'x\\nGenerate test" in err, err
     assert not [line for line in err.splitlines() if line.startswith(FAKE[:20])]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("epoch", "1) @ 0 updates\n" + FAKE), ("iterations_in_epoch", 10 ** 15), ("shuffle", "yes"),
+    ("previous_training_time", "\x1b[2J")])
+def test_the_training_position_fairseq_logs_on_resuming_is_a_number(tmp_path, vanilla, field, value):  # noqa: F811
+    """``fairseq-train --restore-file`` logs the stored epoch as it is ("Loaded checkpoint ...
+    (epoch N @ U updates)"), picks the data shard and learning rate from it and fast-forwards the
+    iterator by the stored count: through the loader fairseq-train calls, each is refused in one
+    line unless it has the type fairseq writes."""
+    import inspect
+
+    from fairseq import checkpoint_utils, trainer
+
+    assert "(epoch {} @ {} updates)" in inspect.getsource(trainer.Trainer.load_checkpoint)  # as it is
+    state = trusted_state(vanilla)
+    extra = state.setdefault("extra_state", {})
+    assert type(extra["train_iterator"]["epoch"]) is int  # what fairseq-train wrote
+    (extra if field == "previous_training_time" else extra["train_iterator"])[field] = value
+    path = saved(state, tmp_path)
+    with pytest.raises(safety.UnsafeCheckpointError) as refused:
+        checkpoint_utils.load_checkpoint_to_cpu(str(path))
+    message = str(refused.value)
+    assert field in message and "\n" not in message and "\x1b" not in message, message
+    extra.pop("previous_training_time", None)
+    extra["train_iterator"] = {"epoch": 3, "iterations_in_epoch": 0, "version": 2, "shuffle": True}
+    assert checkpoint_utils.load_checkpoint_to_cpu(str(saved(state, tmp_path / "clean")))["extra_state"][
+        "train_iterator"]["epoch"] == 3

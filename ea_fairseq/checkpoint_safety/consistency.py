@@ -95,6 +95,7 @@ def check_model_matches(cfg: Dict[str, Any], weights: Any, source: str):
 def check_training_state(state: Mapping, source: str) -> None:
     """The trainer state fairseq reads back on ``--restore-file``."""
     _check_meters(state.get("extra_state"), source)
+    _check_train_iterator(state.get("extra_state"), source)
     history = state.get("optimizer_history")
     if type(history) is list and history:
         last = history[-1]
@@ -103,6 +104,29 @@ def check_training_state(state: Mapping, source: str) -> None:
             raise _refuse(source, f"optimizer_history[-1].num_updates = {_shown(updates)}: not an update "
                                   f"count (an int from 0 to {LIMIT_UPDATES})")
     check_optimizer_state(state, source)
+
+
+#: the data iterator's position fairseq's ``EpochBatchIterator.state_dict`` writes, and the type
+#: each field must have: fairseq logs the epoch ("Loaded checkpoint ... (epoch N ...)"), picks
+#: the data shard and the learning rate from it, and fast-forwards the iterator by the count
+_ITERATOR_FIELDS = {"epoch": int, "iterations_in_epoch": int, "version": int, "shuffle": bool}
+
+
+def _check_train_iterator(extra: Any, source: str) -> None:
+    iterator = extra.get("train_iterator") if isinstance(extra, Mapping) else None
+    if iterator is None:
+        return
+    if not isinstance(iterator, Mapping):
+        raise _refuse(source, f"extra_state.train_iterator = {_shown(iterator)}: not the data iterator's "
+                              "position fairseq writes (a dict)")
+    for key, kind in _ITERATOR_FIELDS.items():
+        value = iterator.get(key)
+        if value is not None and not (type(value) is kind and (kind is bool or 0 <= value <= LIMIT_UPDATES)):
+            bound = "True or False" if kind is bool else f"an int from 0 to {LIMIT_UPDATES}"
+            raise _refuse(source, f"extra_state.train_iterator[{key!r}] = {_shown(value)}: not {bound}")
+    elapsed = extra.get("previous_training_time")
+    if elapsed is not None and not (type(elapsed) in (int, float) and 0 <= elapsed < float("inf")):
+        raise _refuse(source, f"extra_state.previous_training_time = {_shown(elapsed)}: not a number of seconds")
 
 
 def _check_meters(extra: Any, source: str) -> None:
