@@ -768,14 +768,18 @@ def test_no_host_device_sync_in_a_training_or_decoding_step(dictionary, family):
         for fn in steps.values():  # warm-up: lazy initialisation outside the check
             fn()
         found[name] = {step: synchronising_calls(fn) for step, fn in steps.items()}
+    def made_by(owner, side, step):
+        return [site for o, site in found[side][step] if o == owner]
+
+    steps = list(found["plugin"])
     report("host-device syncs", family=family,
-           **{name: {step: [f"{o}: {site}" for o, site in calls] for step, calls in steps.items()}
-              for name, steps in found.items()})
-    for step, calls in found["plugin"].items():
-        ours = [site for owner, site in calls if owner == "plugin"]
+           plugins_code={step: made_by("plugin", "plugin", step) for step in steps},
+           fairseqs_code_in_model_and_twin={step: [len(made_by("fairseq", side, step)) for side in found]
+                                            for step in steps})
+    for step in steps:
+        ours = made_by("plugin", "plugin", step)
         assert not ours, f"{step} of {family}: synchronising CUDA calls at {ours}"
-        fairseqs = [site for owner, site in calls if owner == "fairseq"]
-        twins = [site for owner, site in found["twin"][step] if owner == "fairseq"]
+        fairseqs, twins = made_by("fairseq", "plugin", step), made_by("fairseq", "twin", step)
         assert len(fairseqs) <= len(twins), (step, fairseqs, twins)
 
 
