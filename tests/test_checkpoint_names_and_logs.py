@@ -189,7 +189,7 @@ def test_a_weight_name_writes_no_line_into_the_averaging_tool_s_error(tmp_path, 
 
 
 @pytest.mark.parametrize("field, value", [
-    ("epoch", "1) @ 0 updates\n" + FAKE), ("iterations_in_epoch", 10 ** 15), ("shuffle", "yes"),
+    ("epoch", "1) @ 0 updates\n" + FAKE), ("epoch", 2 ** 40), ("iterations_in_epoch", 10 ** 15), ("shuffle", "yes"),
     ("previous_training_time", "\x1b[2J")])
 def test_the_training_position_fairseq_logs_on_resuming_is_a_number(tmp_path, vanilla, field, value):  # noqa: F811
     """``fairseq-train --restore-file`` logs the stored epoch as it is ("Loaded checkpoint ...

@@ -110,6 +110,8 @@ def check_training_state(state: Mapping, source: str) -> None:
 #: each field must have: fairseq logs the epoch ("Loaded checkpoint ... (epoch N ...)"), picks
 #: the data shard and the learning rate from it, and fast-forwards the iterator by the count
 _ITERATOR_FIELDS = {"epoch": int, "iterations_in_epoch": int, "version": int, "shuffle": bool}
+#: epochs are seeds too (fairseq adds the epoch to the run's seed, which numpy takes below 2**32)
+LIMIT_EPOCHS = 10 ** 6
 
 
 def _check_train_iterator(extra: Any, source: str) -> None:
@@ -121,8 +123,9 @@ def _check_train_iterator(extra: Any, source: str) -> None:
                               "position fairseq writes (a dict)")
     for key, kind in _ITERATOR_FIELDS.items():
         value = iterator.get(key)
-        if value is not None and not (type(value) is kind and (kind is bool or 0 <= value <= LIMIT_UPDATES)):
-            bound = "True or False" if kind is bool else f"an int from 0 to {LIMIT_UPDATES}"
+        limit = LIMIT_EPOCHS if key == "epoch" else LIMIT_UPDATES
+        if value is not None and not (type(value) is kind and (kind is bool or 0 <= value <= limit)):
+            bound = "True or False" if kind is bool else f"an int from 0 to {limit}"
             raise _refuse(source, f"extra_state.train_iterator[{key!r}] = {_shown(value)}: not {bound}")
     elapsed = extra.get("previous_training_time")
     if elapsed is not None and not (type(elapsed) in (int, float) and 0 <= elapsed < float("inf")):
