@@ -32,6 +32,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import traceback
 import warnings
 from contextlib import contextmanager, nullcontext
@@ -623,7 +624,8 @@ def train_and_generate(family, precision, data_bin, save, extra=()):
 
 def train_and_generate_side_by_side(cases, data_bin, tmp_path, workers=CLI_WORKERS):
     """:func:`train_and_generate` of every ``(family, precision[, extra options])`` in
-    ``cases``, ``workers`` at a time: ``{case: what failed}`` for the cases that failed."""
+    ``cases``, ``workers`` at a time: ``{case: what failed}`` for the cases that failed (also
+    reported, with each failure's error line and the time taken, as a measurement)."""
     from concurrent.futures import ThreadPoolExecutor
 
     def one(index, case):
@@ -635,9 +637,14 @@ def train_and_generate_side_by_side(cases, data_bin, tmp_path, workers=CLI_WORKE
             return f"{family} {precision}: {err}"
         return None
 
+    began = time.monotonic()
     with ThreadPoolExecutor(max_workers=workers) as pool:
         results = list(pool.map(one, range(len(cases)), cases))
-    return {case: result for case, result in zip(cases, results) if result}
+    failures = {case: result for case, result in zip(cases, results) if result}
+    report("fairseq-train/-generate pairs", pairs=len(cases), side_by_side=workers,
+           seconds=round(time.monotonic() - began, 1),
+           failed={" ".join(case[:2]): last_error_line(why) for case, why in failures.items()})
+    return failures
 
 
 @needs_cuda("fairseq-train --fp16/--bf16/--amp")
