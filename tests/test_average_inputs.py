@@ -49,7 +49,7 @@ MODEL_CHANGES = {  # every one keeps every weight's shape
     "heads": ({"encoder_attention_heads": 2}, "--encoder-attention-heads is 2 there, 4 in"),
     "pre-norm": ({"decoder_normalize_before": True}, "--decoder-normalize-before is True there, False in"),
     "dropout": ({"attention_dropout": 0.3}, "--attention-dropout is 0.3 there, 0.0 in"),
-    "arch": ({"arch": "transformer_iwslt_de_en"}, "--arch is 'transformer_iwslt_de_en' there, 'transformer_lite' in"),
+    "arch": ({"arch": "transformer_iwslt_de_en", "_name": "transformer_iwslt_de_en"}, "--arch is 'transformer_iwslt_de_en' there, 'transformer_lite' in"),
 }
 
 
