@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-command check of a GPU machine: the device suite (tests/test_device.py and the decoding
 # properties, tests/test_decoding_properties.py) on the GPU, then the GPU benchmark in fp16 and
-# bf16 with reduced repeats (EA-Lite, EA-Base, RAN-ALL against their fairseq twins). It leaves
+# bf16 with reduced repeats (EA-Lite, EA-Base, RAN-ALL against their fairseq twins; in fp16 also
+# their profile: the top CUDA kernels of each model and its twin, `--profile`). It leaves
 # two files in OUT_DIR, whatever happens (a GPU machine may return only a few files):
 #
 #   OUT_DIR/gpu_check.md             the report: environment, every failure, measurements, benchmark
@@ -173,7 +174,7 @@ if [ "$cuda" = 1 ]; then
     timeout -s INT -k 10 "$(limit 120 $([ "$dtype" = fp16 ] && echo 90 || echo 20))" "$PY" benchmarks/benchmark.py \
       --device cuda --dtype "$dtype" --only ea_transformer_lite ea_transformer_base ran_all --beams 5 \
       --batch-sizes 1 32 128 --skip scaling --training-repeats 3 --generation-repeats 2 --out "$LOGS" \
-      >"$LOGS/bench-$dtype.log" 2>&1
+      $([ "$dtype" = fp16 ] && echo --profile) >"$LOGS/bench-$dtype.log" 2>&1
     bench_rcs+=("$dtype:$?")
   done
 fi
