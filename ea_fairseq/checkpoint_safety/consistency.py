@@ -172,12 +172,19 @@ def _numbers(node: Any) -> Iterator[Tuple[str, Any]]:
 def check_optimizer_state(state: Mapping, source: str) -> None:
     """``last_optimizer_state`` in whatever layout fairseq's trainer wrote it: tensors of real
     numbers or booleans, together at most :data:`LIMIT_OPTIMIZER_FACTOR` times the numbers of
-    the weights plus :data:`LIMIT_OPTIMIZER_SLACK`. Generation never reads it; how it maps onto
+    the weights plus :data:`LIMIT_OPTIMIZER_SLACK`, and ``--fp16``'s loss scale a finite number
+    above 0 (fairseq's trainer sets it as stored). Generation never reads it; how it maps onto
     the parameters is checked by fairseq's optimizer when training resumes from it."""
     weights = state.get("model")
     held = sum(value.numel() for value in weights.values() if torch.is_tensor(value)) \
         if isinstance(weights, Mapping) else 0
     limit = LIMIT_OPTIMIZER_FACTOR * held + LIMIT_OPTIMIZER_SLACK
+    optim = state.get("last_optimizer_state")
+    scale = optim.get("loss_scale") if isinstance(optim, Mapping) else None
+    if scale is not None and not (type(scale) in (int, float) and 0 < scale < float("inf")):
+        raise _refuse(source, f"last_optimizer_state['loss_scale'] = {_shown(scale)}: not a loss scale (a finite "
+                              "number above 0); fairseq's fp16 optimizer multiplies the loss by it when training "
+                              "resumes (NaN skips every update)")
     total = 0
     for path, value in _numbers(state.get("last_optimizer_state")):
         if torch.is_tensor(value) and not (value.is_floating_point() or value.dtype in _INTEGERS):

@@ -111,7 +111,7 @@ class Generator:
         from fairseq.dataclass.configs import FairseqConfig
 
 
-        legacy = args
+        legacy = None if args is None else _upgraded(args)
         out: Dict[str, Any] = {"_name": None}
         for field in dataclasses.fields(FairseqConfig):
             name = field.name
@@ -165,6 +165,29 @@ class Generator:
         if self.dropped:
             logger.info("%s: configuration fields fairseq does not declare were dropped: %s", self.source,
                         ", ".join(self.dropped[:20]) + (", ..." if len(self.dropped) > 20 else ""))
+
+
+def _upgraded(args: argparse.Namespace) -> argparse.Namespace:
+    """A copy of the legacy ``args`` with the renames fairseq's ``_upgrade_state_dict`` makes
+    before it converts them (which it does not get to do here: it receives the generated
+    ``cfg``): a missing task is ``translation``, ``max_positions`` both position limits,
+    ``--raw-text``/``--lazy-load`` a dataset format, ``min_lr`` ``stop_min_lr``, ``remove_bpe``
+    ``post_process``, a list of data directories its first. The values are typed after this."""
+    fields = dict(vars(args))
+    fields.setdefault("task", "translation")
+    if "max_positions" in fields and "max_source_positions" not in fields:
+        fields["max_source_positions"] = fields["max_target_positions"] = fields["max_positions"]
+    if fields.get("raw_text") is True:
+        fields["dataset_impl"] = "raw"
+    elif fields.get("lazy_load") is True:
+        fields["dataset_impl"] = "lazy"
+    if "min_lr" in fields:
+        fields["stop_min_lr"] = fields.pop("min_lr")
+    if "remove_bpe" in fields:
+        fields["post_process"] = fields["remove_bpe"]
+    if type(fields.get("data")) in (list, tuple) and fields["data"]:
+        fields["data"] = fields["data"][0]
+    return argparse.Namespace(**fields)
 
 
 def _differs(a, b) -> bool:

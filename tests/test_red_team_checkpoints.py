@@ -1,0 +1,93 @@
+"""Checkpoints an outsider would hand the loader, through fairseq's real entry points: layouts
+fairseq reads that the guard must accept, and values fairseq acts on that it must refuse.
+
+One tiny ``fairseq-train --fp16`` run (in process, one update) is the source of every file:
+its state is rewritten the way an older fairseq wrote it (the legacy ``args`` layout, which
+fairseq's ``_upgrade_state_dict`` renames before it converts it) or with a hostile value.
+"""
+import copy
+
+import pytest
+import torch
+from fairseq import options
+from fairseq.models.transformer import TransformerModel
+
+from ea_fairseq.checkpoint_safety import CheckpointError
+from test_trainer_checkpoints import fairseq_train, train_argv
+from trained_checkpoints import USER_DIR
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def fp16_run(tmp_path_factory, tiny_data_bin):
+    """(checkpoint_last.pt of ``fairseq-train --fp16`` with Adam, its training argv)."""
+    save = tmp_path_factory.mktemp("red_team") / "fp16"
+    argv = train_argv(tiny_data_bin, save, "transformer", "fp16", "adam")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "current_device", lambda: None)  # (test_trainer_checkpoints' docstring)
+        fairseq_train(argv)
+    return save / "checkpoint_last.pt", argv
+
+
+def legacy(path, argv, dst, change):
+    """The checkpoint as an older fairseq wrote it: ``args`` (the parsed Namespace), no ``cfg``."""
+    state = torch.load(path, weights_only=False)
+    state.pop("cfg", None)
+    state["args"] = options.parse_args_and_arch(options.get_training_parser(), argv)
+    change(state["args"])
+    dst.mkdir()
+    torch.save(state, dst / "model.pt")
+    return dst
+
+
+def _no_task(args):  # fairseq's upgrade: a checkpoint without a task is a translation one
+    del args.task
+
+
+def _data_list(args):  # fairseq's upgrade: an older list of data directories is its first
+    args.data = [args.data]
+
+
+def _max_positions(args):  # fairseq's upgrade: max_positions is both position limits
+    vars(args).pop("max_source_positions", None)
+    vars(args).pop("max_target_positions", None)
+    args.max_positions = 512
+
+
+@pytest.mark.parametrize("change", [_no_task, _data_list, _max_positions])
+def test_legacy_args_layouts_fairseq_upgrades_load_through_the_hub(fp16_run, tiny_data_bin, tmp_path, change):
+    path, argv = fp16_run
+    directory = legacy(path, argv, tmp_path / "old", change)
+    hub = TransformerModel.from_pretrained(str(directory), checkpoint_file="model.pt",
+                                           data_name_or_path=tiny_data_bin, user_dir=USER_DIR)
+    assert hub.cfg.task._name == "translation"
+    assert hub.cfg.task.max_source_positions == (512 if change is _max_positions else 1024)
+    assert all(hub.translate(["s1 s2 s3"], beam=2, max_len_a=0, max_len_b=4))
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), 0.0, -128.0, "128"])
+def test_a_loss_scale_fairseq_cannot_train_with_is_refused_by_restore_file(fp16_run, tmp_path, scale):
+    """fairseq's FP16Optimizer sets the stored loss scale as it is: with NaN every update is
+    skipped as an overflow (NaN halved is NaN, and NaN is never below the minimum scale)."""
+    path, argv = fp16_run
+    state = torch.load(path, weights_only=False)
+    state["last_optimizer_state"]["loss_scale"] = scale
+    torch.save(state, tmp_path / "hostile.pt")
+    resumed = [a if a != str(path.parent) else str(tmp_path / "run") for a in argv]
+    with pytest.raises(CheckpointError, match=r"refused: last_optimizer_state\['loss_scale'\] = .*: not a loss "
+                                              r"scale \(a finite number above 0\)"):
+        fairseq_train([*resumed, "--restore-file", str(tmp_path / "hostile.pt"), "--max-update", "2"])
+    assert not (tmp_path / "run" / "checkpoint_last.pt").exists()
+
+
+def test_the_loss_scale_fairseq_writes_resumes(fp16_run, tmp_path):
+    """Negative control: the same file as fairseq wrote it (an int 128 or a float) resumes."""
+    path, argv = fp16_run
+    assert type(torch.load(path, weights_only=False)["last_optimizer_state"]["loss_scale"]) in (int, float)
+    resumed = [a if a != str(path.parent) else str(tmp_path / "run") for a in argv]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "current_device", lambda: None)
+        fairseq_train([*resumed, "--restore-file", str(path), "--max-update", "2"])
+    assert torch.load(tmp_path / "run" / "checkpoint_last.pt", weights_only=False)["optimizer_history"][-1][
+        "num_updates"] == 2
