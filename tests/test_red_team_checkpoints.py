@@ -5,8 +5,7 @@ One tiny ``fairseq-train --fp16`` run (in process, one update) is the source of 
 its state is rewritten the way an older fairseq wrote it (the legacy ``args`` layout, which
 fairseq's ``_upgrade_state_dict`` renames before it converts it) or with a hostile value.
 """
-import copy
-
+import numpy as np
 import pytest
 import torch
 from fairseq import options
@@ -81,13 +80,45 @@ def test_a_loss_scale_fairseq_cannot_train_with_is_refused_by_restore_file(fp16_
     assert not (tmp_path / "run" / "checkpoint_last.pt").exists()
 
 
-def test_the_loss_scale_fairseq_writes_resumes(fp16_run, tmp_path):
-    """Negative control: the same file as fairseq wrote it (an int 128 or a float) resumes."""
+def _best(state):  # fairseq's save_checkpoint compares every validation score with it (min/max)
+    state["extra_state"]["best"] = "0"
+
+
+def _scheduler_best(state):  # fairseq's schedulers (ReduceLROnPlateau: torch's) compare losses with it
+    state["optimizer_history"][-1]["lr_scheduler_state"] = {"best": [1.0], "last_epoch": 1}
+
+
+def _criterion_name(state):  # fairseq's trainer prints it in its mismatch message
+    state["optimizer_history"][-1]["criterion_name"] = "X\nINFO | fairseq_cli.train | done"
+
+
+@pytest.mark.parametrize("change,field", [
+    (_best, r"extra_state\['best'\] = '0': not a number"),
+    (_scheduler_best, r"optimizer_history\[-1\].lr_scheduler_state = .*: not a learning-rate scheduler's state"),
+    (_criterion_name, r"optimizer_history\[-1\].criterion_name = 'X\\nINFO.*: not a class name"),
+], ids=["best", "scheduler-best", "criterion-name"])
+def test_training_state_fairseq_compares_or_prints_is_refused_by_restore_file(fp16_run, tmp_path, change, field):
     path, argv = fp16_run
-    assert type(torch.load(path, weights_only=False)["last_optimizer_state"]["loss_scale"]) in (int, float)
+    state = torch.load(path, weights_only=False)
+    change(state)
+    torch.save(state, tmp_path / "hostile.pt")
+    resumed = [a if a != str(path.parent) else str(tmp_path / "run") for a in argv]
+    with pytest.raises(CheckpointError, match=field):
+        fairseq_train([*resumed, "--restore-file", str(tmp_path / "hostile.pt"), "--max-update", "2"])
+
+
+def test_the_training_state_fairseq_writes_resumes(fp16_run, tmp_path):
+    """Negative control: the file as fairseq wrote it (a loss scale of 128, an int, or a float),
+    with the best scores as numpy and tensor numbers (--eval-bleu, --best-checkpoint-metric), resumes."""
+    path, argv = fp16_run
+    state = torch.load(path, weights_only=False)
+    assert type(state["last_optimizer_state"]["loss_scale"]) in (int, float)
+    state["extra_state"]["best"] = np.float64(21.5)
+    state["optimizer_history"][-1]["lr_scheduler_state"] = {"best": torch.tensor(3.5), "last_epoch": 1}
+    torch.save(state, tmp_path / "written.pt")
     resumed = [a if a != str(path.parent) else str(tmp_path / "run") for a in argv]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch.cuda, "current_device", lambda: None)
-        fairseq_train([*resumed, "--restore-file", str(path), "--max-update", "2"])
+        fairseq_train([*resumed, "--restore-file", str(tmp_path / "written.pt"), "--max-update", "2"])
     assert torch.load(tmp_path / "run" / "checkpoint_last.pt", weights_only=False)["optimizer_history"][-1][
         "num_updates"] == 2

@@ -12,13 +12,16 @@ or a switched-on layer the weights do not hold never reaches a deep traceback).
 
 :func:`check_training_state` reads what fairseq's trainer reads back on ``--restore-file``:
 the metrics' meter classes (fairseq calls ``globals()[name]()`` in ``fairseq.logging.meters``:
-only its ``Meter`` subclasses, each loading its stored state) and the update count. The
+only its ``Meter`` subclasses, each loading its stored state), the update count, the best score
+and the scheduler's numbers (numbers: fairseq compares every validation score with them) and the
+criterion's and optimizer's class names (which fairseq prints when they do not match). The
 optimizer's state, which generation never reads, is bounded only (:func:`check_optimizer_state`):
 its layout is the trainer's (one flat float32 master tensor under ``--fp16``, Adafactor's factored
 moments, a loss scale, ...), and fairseq's optimizer compares it with the parameters itself when
 training resumes.
 """
 import argparse
+import re
 import warnings
 from typing import Any, Dict, Iterator, Mapping, Tuple
 
@@ -96,6 +99,10 @@ def check_training_state(state: Mapping, source: str) -> None:
     """The trainer state fairseq reads back on ``--restore-file``."""
     _check_meters(state.get("extra_state"), source)
     _check_train_iterator(state.get("extra_state"), source)
+    extra = state.get("extra_state")
+    if isinstance(extra, Mapping) and not _real(extra.get("best")):
+        raise _refuse(source, f"extra_state['best'] = {_shown(extra.get('best'))}: not a number (fairseq compares "
+                              "every validation score with it)")
     history = state.get("optimizer_history")
     if type(history) is list and history:
         last = history[-1]
@@ -103,7 +110,33 @@ def check_training_state(state: Mapping, source: str) -> None:
         if updates is not None and not (type(updates) is int and 0 <= updates <= LIMIT_UPDATES):
             raise _refuse(source, f"optimizer_history[-1].num_updates = {_shown(updates)}: not an update "
                                   f"count (an int from 0 to {LIMIT_UPDATES})")
+        for key in ("criterion_name", "optimizer_name"):  # fairseq prints them when they do not match
+            name = last.get(key) if type(last) is dict else None
+            if name is not None and not (type(name) is str and _CLASS_NAME.fullmatch(name)):
+                raise _refuse(source, f"optimizer_history[-1].{key} = {_shown(name)}: not a class name "
+                                      "([A-Za-z_][A-Za-z0-9_]*, what fairseq's trainer writes)")
+        scheduler = last.get("lr_scheduler_state") if type(last) is dict else None
+        if scheduler is not None and not (isinstance(scheduler, Mapping) and all(
+                _real(value) for key, value in scheduler.items() if key in _SCHEDULER_NUMBERS)):
+            raise _refuse(source, f"optimizer_history[-1].lr_scheduler_state = {_shown(scheduler)}: not a "
+                                  "learning-rate scheduler's state (a dict of numbers: best, last_epoch, lr), which "
+                                  "fairseq's scheduler compares validation losses with")
     check_optimizer_state(state, source)
+
+
+_CLASS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,99}")
+#: the numbers fairseq's learning-rate schedulers write and read back (``best``: compared with
+#: every validation loss; ``last_epoch``: torch's ReduceLROnPlateau count; ``lr``)
+_SCHEDULER_NUMBERS = ("best", "last_epoch", "lr")
+
+
+def _real(value: Any) -> bool:
+    """None or one real number, as fairseq writes a best score: a Python, numpy or 0-dim tensor one."""
+    if value is None or type(value) in (int, float):
+        return True
+    if isinstance(value, (np.integer, np.floating)):
+        return True
+    return torch.is_tensor(value) and value.dim() == 0 and (value.is_floating_point() or value.dtype in _INTEGERS[1:])
 
 
 #: the data iterator's position fairseq's ``EpochBatchIterator.state_dict`` writes, and the type
