@@ -92,11 +92,23 @@ def _criterion_name(state):  # fairseq's trainer prints it in its mismatch messa
     state["optimizer_history"][-1]["criterion_name"] = "X\nINFO | fairseq_cli.train | done"
 
 
+def _meter_name(state):  # fairseq logs a restored meter's name and value in its progress lines
+    state["extra_state"]["metrics"]["train_inner"] = [
+        (10, "zz\nINFO | fairseq_cli.train | done training", "AverageMeter", {"val": 1.0, "sum": 1.0, "count": 1})]
+
+
+def _meter_value(state):
+    state["extra_state"]["metrics"]["train_inner"] = [
+        (10, "zz", "AverageMeter", {"val": "1\nINFO | fairseq_cli.train | done training", "sum": 1.0, "count": 1})]
+
+
 @pytest.mark.parametrize("change,field", [
+    (_meter_name, r"extra_state.metrics\['train_inner'\]\[0\]: meter name 'zz\\nINFO.*: not a metric name"),
+    (_meter_value, r"extra_state.metrics\['train_inner'\]\[0\]: meter state .*: not a meter's numbers"),
     (_best, r"extra_state\['best'\] = '0': not a number"),
     (_scheduler_best, r"optimizer_history\[-1\].lr_scheduler_state = .*: not a learning-rate scheduler's state"),
     (_criterion_name, r"optimizer_history\[-1\].criterion_name = 'X\\nINFO.*: not a class name"),
-], ids=["best", "scheduler-best", "criterion-name"])
+], ids=["meter-name", "meter-value", "best", "scheduler-best", "criterion-name"])
 def test_training_state_fairseq_compares_or_prints_is_refused_by_restore_file(fp16_run, tmp_path, change, field):
     path, argv = fp16_run
     state = torch.load(path, weights_only=False)
@@ -109,12 +121,16 @@ def test_training_state_fairseq_compares_or_prints_is_refused_by_restore_file(fp
 
 def test_the_training_state_fairseq_writes_resumes(fp16_run, tmp_path):
     """Negative control: the file as fairseq wrote it (a loss scale of 128, an int, or a float),
-    with the best scores as numpy and tensor numbers (--eval-bleu, --best-checkpoint-metric), resumes."""
+    with the best scores and --eval-bleu's meters as numpy and tensor numbers, resumes."""
     path, argv = fp16_run
     state = torch.load(path, weights_only=False)
     assert type(state["last_optimizer_state"]["loss_scale"]) in (int, float)
     state["extra_state"]["best"] = np.float64(21.5)
     state["optimizer_history"][-1]["lr_scheduler_state"] = {"best": torch.tensor(3.5), "last_epoch": 1}
+    state["extra_state"]["metrics"]["valid"] = [  # --eval-bleu's meters, as fairseq writes them
+        (0, "loss", "AverageMeter", {"val": torch.tensor(7.5), "sum": torch.tensor(7.5), "count": 1, "round": 3}),
+        (1, "_bleu_counts", "AverageMeter", {"val": np.arange(4), "sum": np.arange(4), "count": 1, "round": None}),
+        (2, "wps", "TimeMeter", {"init": 0.5, "n": 12, "round": 1})]
     torch.save(state, tmp_path / "written.pt")
     resumed = [a if a != str(path.parent) else str(tmp_path / "run") for a in argv]
     with pytest.MonkeyPatch.context() as patch:

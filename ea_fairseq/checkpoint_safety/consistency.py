@@ -12,7 +12,8 @@ or a switched-on layer the weights do not hold never reaches a deep traceback).
 
 :func:`check_training_state` reads what fairseq's trainer reads back on ``--restore-file``:
 the metrics' meter classes (fairseq calls ``globals()[name]()`` in ``fairseq.logging.meters``:
-only its ``Meter`` subclasses, each loading its stored state), the update count, the best score
+only its ``Meter`` subclasses, each loading its stored state; their names plain names and their
+states numbers, which fairseq adds to and logs in its progress lines), the update count, the best score
 and the scheduler's numbers (numbers: fairseq compares every validation score with them) and the
 criterion's and optimizer's class names (which fairseq prints when they do not match). The
 optimizer's state, which generation never reads, is bounded only (:func:`check_optimizer_state`):
@@ -130,6 +131,18 @@ _CLASS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,99}")
 _SCHEDULER_NUMBERS = ("best", "last_epoch", "lr")
 
 
+_METRIC_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,100}")
+
+
+def _numeric(value: Any) -> bool:
+    """None, a real number or an array or tensor of real numbers (--eval-bleu's counts)."""
+    if isinstance(value, np.ndarray):
+        return value.dtype.kind in "biuf"
+    if torch.is_tensor(value):
+        return value.is_floating_point() or value.dtype in _INTEGERS
+    return _real(value)
+
+
 def _real(value: Any) -> bool:
     """None or one real number, as fairseq writes a best score: a Python, numpy or 0-dim tensor one."""
     if value is None or type(value) in (int, float):
@@ -174,10 +187,19 @@ def _check_meters(extra: Any, source: str) -> None:
     if not isinstance(metrics, Mapping):
         raise _refuse(source, f"extra_state.metrics = {_shown(metrics)}: not fairseq's metrics (a dict)")
     for name, entries in metrics.items():
+        if not (type(name) is str and _METRIC_NAME.fullmatch(name)):
+            raise _refuse(source, f"extra_state.metrics[{_shown(name)}]: not a metrics name ([A-Za-z0-9_.:/-], "
+                                  "what fairseq writes; fairseq logs it)")
         for i, entry in enumerate(entries if type(entries) in (list, tuple) else [entries]):
             where = f"extra_state.metrics[{name!r}][{i}]"
             if type(entry) not in (list, tuple) or len(entry) != 4:
                 raise _refuse(source, f"{where} = {_shown(entry)}: not a (priority, key, meter class, state) entry")
+            if not (type(entry[1]) is str and _METRIC_NAME.fullmatch(entry[1])):
+                raise _refuse(source, f"{where}: meter name {_shown(entry[1])}: not a metric name ([A-Za-z0-9_.:/-], "
+                                      "what fairseq writes; fairseq logs it with its value)")
+            if not (isinstance(entry[3], Mapping) and all(_numeric(v) for v in entry[3].values())):
+                raise _refuse(source, f"{where}: meter state {_shown(entry[3])}: not a meter's numbers (None, "
+                                      "numbers, numeric arrays; fairseq adds to them and logs them)")
             cls = getattr(meters, entry[2], None) if type(entry[2]) is str else None
             if not (isinstance(cls, type) and issubclass(cls, meters.Meter) and cls is not meters.Meter):
                 raise _refuse(source, f"{where}: meter class {_shown(entry[2])}: not one of fairseq's meters "
