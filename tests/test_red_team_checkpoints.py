@@ -138,3 +138,21 @@ def test_the_training_state_fairseq_writes_resumes(fp16_run, tmp_path):
         fairseq_train([*resumed, "--restore-file", str(tmp_path / "written.pt"), "--max-update", "2"])
     assert torch.load(tmp_path / "run" / "checkpoint_last.pt", weights_only=False)["optimizer_history"][-1][
         "num_updates"] == 2
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda s: {"cfg": s["cfg"], "model": s["model"]}, r"refused: no optimizer_history \(nor the oldest layout's"),
+    (lambda s: {**s, "optimizer_history": []}, r"refused: optimizer_history = \[\]: not fairseq's optimizer history"),
+    (lambda s: {key: value for key, value in s.items() if key != "extra_state"}, r"refused: no extra_state"),
+    (lambda s: {**s, "extra_state": [1]}, r"refused: extra_state = \[1\]: not a dict"),
+], ids=["no-history", "empty-history", "no-extra-state", "extra-state-list"])
+def test_a_layout_fairseqs_loader_cannot_upgrade_is_refused_in_one_line_by_the_hub(fp16_run, tiny_data_bin, tmp_path,
+                                                                                   change, message):
+    """fairseq's ``_upgrade_state_dict`` indexes these in every checkpoint (a KeyError, IndexError
+    or AttributeError deep in its loader otherwise); the file as written loads (the tests above)."""
+    path, _ = fp16_run
+    (tmp_path / "model").mkdir()
+    torch.save(change(torch.load(path, weights_only=False)), tmp_path / "model" / "model.pt")
+    with pytest.raises(CheckpointError, match=message):
+        TransformerModel.from_pretrained(str(tmp_path / "model"), checkpoint_file="model.pt",
+                                         data_name_or_path=tiny_data_bin, user_dir=USER_DIR)

@@ -152,6 +152,31 @@ def _real(value: Any) -> bool:
     return torch.is_tensor(value) and value.dim() == 0 and (value.is_floating_point() or value.dtype in _INTEGERS[1:])
 
 
+def check_upgradable(state: Mapping, source: str) -> None:
+    """The layout fairseq's ``_upgrade_state_dict`` indexes in every checkpoint its loader reads
+    (the hub, fairseq-generate, ``--restore-file``): ``optimizer_history`` a non-empty list of
+    dicts (or the oldest layout's ``optimizer`` and ``best_loss``), ``extra_state`` a dict (or
+    the oldest layout's ``epoch``, ``batch_offset`` and ``val_loss``); without them fairseq
+    stops in a KeyError deep in its loader."""
+    history = state.get("optimizer_history")
+    if "optimizer_history" not in state and not {"optimizer", "best_loss"} <= set(state):
+        raise _refuse(source, "no optimizer_history (nor the oldest layout's optimizer and best_loss): fairseq's "
+                              "loader reads it in every checkpoint (a list of dicts, as fairseq's trainer writes "
+                              "it; a converted model needs [{'criterion_name': ..., 'lr_scheduler_state': {}, "
+                              "'num_updates': 0}] and extra_state {})")
+    if "optimizer_history" in state and not (type(history) is list and history
+                                             and all(isinstance(h, Mapping) for h in history)):
+        raise _refuse(source, f"optimizer_history = {_shown(history)}: not fairseq's optimizer history (a "
+                              "non-empty list of dicts), which fairseq's loader reads in every checkpoint")
+    extra = state.get("extra_state")
+    if "extra_state" not in state and not {"epoch", "batch_offset", "val_loss"} <= set(state):
+        raise _refuse(source, "no extra_state (nor the oldest layout's epoch, batch_offset and val_loss): fairseq's "
+                              "loader reads it in every checkpoint (a dict; {} where there is no training state)")
+    if "extra_state" in state and not isinstance(extra, Mapping):
+        raise _refuse(source, f"extra_state = {_shown(extra)}: not a dict, which fairseq's loader reads in every "
+                              "checkpoint")
+
+
 #: the data iterator's position fairseq's ``EpochBatchIterator.state_dict`` writes, and the type
 #: each field must have: fairseq logs the epoch ("Loaded checkpoint ... (epoch N ...)"), picks
 #: the data shard and the learning rate from it, and fast-forwards the iterator by the count

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Mapping
 import torch
 
 from .bounds import _check_family, check_model_sizes
-from .consistency import check_model_matches, check_training_state
+from .consistency import check_model_matches, check_training_state, check_upgradable
 from .fields import shown_key, shown_text
 from .plain import LIMIT_AMPLIFICATION, _Walk
 from .reading import TRUST_SWITCH, CheckpointError, UnsafeCheckpointError, _shown, read_checkpoint
@@ -164,6 +164,7 @@ def install() -> None:
     def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
         source = shown_text(str(path))  # the name every message gives it (a file name is input too)
         state = sanitize(read_checkpoint(PathManager.get_local_path(path), source), source)
+        check_upgradable(state, source)  # what fairseq's own upgrade indexes before anything else
         states = _pending.__dict__.setdefault("states", [])
         states.append(state)
         try:
