@@ -156,3 +156,23 @@ def test_a_layout_fairseqs_loader_cannot_upgrade_is_refused_in_one_line_by_the_h
     with pytest.raises(CheckpointError, match=message):
         TransformerModel.from_pretrained(str(tmp_path / "model"), checkpoint_file="model.pt",
                                          data_name_or_path=tiny_data_bin, user_dir=USER_DIR)
+
+
+def test_an_embedding_without_data_sizes_no_placeholder_dictionary(fp16_run, tiny_data_bin, tmp_path, monkeypatch):
+    """A (10**6, 0) embedding is stored in no bytes; the meta build's placeholder dictionary,
+    made symbol by symbol, would take its rows (10**9 rows: a 100 KB file, ~100 GB of memory)."""
+    from ea_fairseq.models import building
+
+    path, _ = fp16_run
+    state = torch.load(path, weights_only=False)
+    state["model"]["encoder.embed_tokens.weight"] = torch.zeros(10 ** 6, 0)
+    (tmp_path / "model").mkdir()
+    torch.save(state, tmp_path / "model" / "model.pt")
+    sizes = []
+    original = building.placeholder_dictionary
+    monkeypatch.setattr(building, "placeholder_dictionary", lambda size: sizes.append(size) or original(size))
+    with pytest.raises(CheckpointError, match=r"its weights are not those of the model its configuration describes: "
+                                              r"size mismatch for encoder.embed_tokens.weight"):
+        TransformerModel.from_pretrained(str(tmp_path / "model"), checkpoint_file="model.pt",
+                                         data_name_or_path=tiny_data_bin, user_dir=USER_DIR)
+    assert sizes and max(sizes) == state["model"]["decoder.embed_tokens.weight"].shape[0]

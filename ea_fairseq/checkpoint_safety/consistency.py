@@ -46,8 +46,11 @@ def _refuse(source: str, what: str) -> UnsafeCheckpointError:
 
 
 def _vocabulary(weights: Mapping, side: str) -> int:
+    """The rows of ``side``'s embedding (or output projection) holding data: the placeholder
+    dictionary is built symbol by symbol, so a (10**9, 0) tensor, which the file stores in no
+    bytes, sizes nothing (its rows are bounded by the bytes stored only where it holds elements)."""
     for key in (f"{side}.embed_tokens.weight", f"{side}.output_projection.weight"):
-        if torch.is_tensor(weights.get(key)) and weights[key].dim() == 2:
+        if torch.is_tensor(weights.get(key)) and weights[key].dim() == 2 and weights[key].numel() > 0:
             return int(weights[key].shape[0])
     return 0
 
