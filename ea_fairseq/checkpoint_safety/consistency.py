@@ -46,9 +46,9 @@ def _refuse(source: str, what: str) -> UnsafeCheckpointError:
 
 
 def _vocabulary(weights: Mapping, side: str) -> int:
-    """The rows of ``side``'s embedding (or output projection) holding data: the placeholder
-    dictionary is built symbol by symbol, so a (10**9, 0) tensor, which the file stores in no
-    bytes, sizes nothing (its rows are bounded by the bytes stored only where it holds elements)."""
+    """The rows of ``side``'s embedding (or output projection) holding data (a (10**9, 0)
+    tensor, stored in no bytes, sizes nothing; the placeholder dictionaries store no symbol per
+    row either, :class:`~ea_fairseq.models.building.SizedDictionary`)."""
     for key in (f"{side}.embed_tokens.weight", f"{side}.output_projection.weight"):
         if torch.is_tensor(weights.get(key)) and weights[key].dim() == 2 and weights[key].numel() > 0:
             return int(weights[key].shape[0])

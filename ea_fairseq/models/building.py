@@ -22,6 +22,24 @@ def placeholder_dictionary(size: int) -> Dictionary:
     return d
 
 
+class SizedDictionary(Dictionary):
+    """fairseq's dictionary with its four special symbols and a length of ``size``: what a
+    model reads when it is built (``len``, ``pad()``, ``eos()``, ...), without a stored
+    symbol for every entry."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        if size < len(self.symbols):
+            raise ValueError(f"a fairseq dictionary has at least {len(self.symbols)} symbols (its specials), got {size}")
+        self.size = size
+
+    def __len__(self):
+        return self.size
+
+    def __eq__(self, other):
+        return isinstance(other, SizedDictionary) and other.size == self.size and other.indices == self.indices
+
+
 def parse_options(arch: str, *model_options: str):
     """fairseq-train's arguments for ``--arch arch`` and ``model_options`` (no data needed)."""
     parser = options.get_training_parser()
@@ -56,8 +74,8 @@ def build_on_meta(model_cfg, source_size: int, target_size: int, task_class=None
 
     from fairseq import models
 
-    source = placeholder_dictionary(source_size)
-    target = source if target_size == source_size else placeholder_dictionary(target_size)
+    source = SizedDictionary(source_size)
+    target = source if target_size == source_size else SizedDictionary(target_size)
     with torch.device("meta"):
         if task_class is None:
             task = SimpleNamespace(source_dictionary=source, target_dictionary=target)
