@@ -108,12 +108,11 @@ def _parse_new_options(arch: str, options: Sequence[str]) -> argparse.Namespace:
 
 
 def _dictionary(size: int):
-    from fairseq.data import Dictionary
+    """A stand-in dictionary of ``size`` symbols: fairseq's specials and a length, no symbol
+    stored per row (a checkpoint's embedding of many one-byte rows costs the build nothing more)."""
+    from ea_fairseq.models.building import SizedDictionary
 
-    d = Dictionary()
-    while len(d) < size:
-        d.add_symbol(f"<warm-start-{len(d)}>")
-    return d
+    return SizedDictionary(size)
 
 
 def _grouped(keys: Sequence[str]) -> List[str]:

@@ -12,6 +12,7 @@ from fairseq import options
 from fairseq.models.transformer import TransformerModel
 
 from ea_fairseq.checkpoint_safety import CheckpointError
+from ea_fairseq_cli import warm_start
 from test_trainer_checkpoints import fairseq_train, train_argv
 from trained_checkpoints import USER_DIR
 
@@ -179,3 +180,24 @@ def test_the_rows_of_an_embedding_cost_the_meta_build_no_symbols(fp16_run, tiny_
         TransformerModel.from_pretrained(str(tmp_path / "model"), checkpoint_file="model.pt",
                                          data_name_or_path=tiny_data_bin, user_dir=USER_DIR)
     assert 0 < len(added) < 10 ** 4  # the specials of the placeholders and of the data directory's dictionaries
+
+
+def test_the_warm_start_builds_its_vanilla_model_without_a_symbol_per_row(fp16_run, tmp_path, monkeypatch):
+    """``python -m ea_fairseq_cli.warm_start`` builds the new model with stand-in dictionaries
+    of the vanilla embedding's rows: int8 rows of a joined embedding (which the loader takes:
+    it copies them into the model) cost no symbol each."""
+    from fairseq.data import Dictionary
+
+    path, _ = fp16_run
+    state = torch.load(path, weights_only=False)
+    rows = torch.zeros(2 * 10 ** 5, 16, dtype=torch.int8)
+    for key in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "decoder.output_projection.weight"):
+        state["model"][key] = rows
+    torch.save(state, tmp_path / "vanilla.pt")
+    added = []
+    original = Dictionary.add_symbol
+    monkeypatch.setattr(Dictionary, "add_symbol", lambda self, *a, **k: added.append(1) or original(self, *a, **k))
+    code = warm_start.main([str(tmp_path / "vanilla.pt"), "--arch", "ea_transformer_lite",
+                            "--output", str(tmp_path / "warm.pt")])
+    assert code == 0 and (tmp_path / "warm.pt").exists()
+    assert len(added) < 10 ** 4
