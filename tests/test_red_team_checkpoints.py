@@ -201,3 +201,16 @@ def test_the_warm_start_builds_its_vanilla_model_without_a_symbol_per_row(fp16_r
                             "--output", str(tmp_path / "warm.pt")])
     assert code == 0 and (tmp_path / "warm.pt").exists()
     assert len(added) < 10 ** 4
+
+
+def test_an_ema_copy_that_is_not_the_models_is_refused_by_restore_file(fp16_run, tmp_path, monkeypatch):
+    """``--store-ema`` resumes by loading ``extra_state['ema']`` into a copy of the model (a
+    RuntimeError deep in fairseq's EMA otherwise)."""
+    path, argv = fp16_run
+    state = torch.load(path, weights_only=False)
+    state["extra_state"]["ema"] = {**state["model"], "encoder.embed_tokens.weight": torch.zeros(3, 3)}
+    torch.save(state, tmp_path / "hostile.pt")
+    resumed = [a if a != str(path.parent) else str(tmp_path / "run") for a in argv]
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # (unguarded, fairseq reaches its EMA)
+    with pytest.raises(CheckpointError, match=r"refused: extra_state\['ema'\]\[.*\]: not a weight of the model"):
+        fairseq_train([*resumed, "--store-ema", "--restore-file", str(tmp_path / "hostile.pt"), "--max-update", "2"])

@@ -104,6 +104,7 @@ def check_training_state(state: Mapping, source: str) -> None:
     _check_meters(state.get("extra_state"), source)
     _check_train_iterator(state.get("extra_state"), source)
     extra = state.get("extra_state")
+    _check_ema(state, extra, source)
     if isinstance(extra, Mapping) and not _real(extra.get("best")):
         raise _refuse(source, f"extra_state['best'] = {_shown(extra.get('best'))}: not a number (fairseq compares "
                               "every validation score with it)")
@@ -126,6 +127,26 @@ def check_training_state(state: Mapping, source: str) -> None:
                                   "learning-rate scheduler's state (a dict of numbers: best, last_epoch, lr), which "
                                   "fairseq's scheduler compares validation losses with")
     check_optimizer_state(state, source)
+
+
+def _check_ema(state: Mapping, extra: Any, source: str) -> None:
+    """``--store-ema``'s copies (``ema``, ``ema_fp32_params``), which fairseq's trainer loads into
+    a copy of the model on ``--restore-file``: the model's own names and shapes."""
+    weights = state.get("model")
+    if not isinstance(extra, Mapping) or not isinstance(weights, Mapping):
+        return
+    for key in ("ema", "ema_fp32_params"):
+        copies = extra.get(key)
+        if copies is None:
+            continue
+        if not isinstance(copies, Mapping):
+            raise _refuse(source, f"extra_state[{key!r}] = {_shown(copies)}: not the model's weights (a dict of "
+                                  "tensors), which fairseq loads into its EMA model")
+        for name, value in copies.items():
+            if not (torch.is_tensor(value) and name in weights and torch.is_tensor(weights[name])
+                    and value.shape == weights[name].shape):
+                raise _refuse(source, f"extra_state[{key!r}][{_shown(name)}]: not a weight of the model with its "
+                                      f"shape (fairseq loads the EMA copy into the model)")
 
 
 _CLASS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,99}")
