@@ -176,8 +176,8 @@ def check(prefix: str, impl: Optional[str] = None) -> bool:
     split, which fairseq reads whole), as fairseq would read them with dataset format ``impl``
     (None: the format fairseq infers from the files); False if none of them exists. An index of
     another format than fairseq's two binary ones is refused where fairseq would read it."""
-    if impl is not None and impl not in CHECKED_FORMATS:
-        raise _error(prefix, f"dataset format '{impl}'", FORMATS)
+    if impl is not None:
+        _check_format(prefix, impl)
     raw = os.path.lexists(prefix) and not os.path.isdir(prefix)
     if raw and os.path.exists(prefix):
         _check_stored(prefix, check_file(prefix))
@@ -256,7 +256,9 @@ def _check_splits(path, dictionary=None, dataset_impl=None, combine=False, defau
 
 
 def _check_format(path, impl, *args, **kwargs):
-    if impl not in CHECKED_FORMATS:  # (also one inferred from the files: fasta, huffman)
+    """``impl``, the format fairseq reads ``path`` as (named, or inferred from the files: fasta,
+    huffman), is one of :data:`CHECKED_FORMATS`."""
+    if impl not in CHECKED_FORMATS:
         raise _error(path, f"dataset format '{impl}'", FORMATS)
 
 
