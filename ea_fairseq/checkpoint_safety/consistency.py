@@ -108,6 +108,9 @@ def check_training_state(state: Mapping, source: str) -> None:
     if isinstance(extra, Mapping) and not _real(extra.get("best")):
         raise _refuse(source, f"extra_state['best'] = {_shown(extra.get('best'))}: not a number (fairseq compares "
                               "every validation score with it)")
+    elapsed = extra.get("previous_training_time") if isinstance(extra, Mapping) else None
+    if elapsed is not None and not (type(elapsed) in (int, float) and 0 <= elapsed < float("inf")):
+        raise _refuse(source, f"extra_state.previous_training_time = {_shown(elapsed)}: not a number of seconds")
     history = state.get("optimizer_history")
     if type(history) is list and history:
         last = history[-1]
@@ -222,9 +225,6 @@ def _check_train_iterator(extra: Any, source: str) -> None:
         if value is not None and not (type(value) is kind and (kind is bool or 0 <= value <= limit)):
             bound = "True or False" if kind is bool else f"an int from 0 to {limit}"
             raise _refuse(source, f"extra_state.train_iterator[{key!r}] = {_shown(value)}: not {bound}")
-    elapsed = extra.get("previous_training_time")
-    if elapsed is not None and not (type(elapsed) in (int, float) and 0 <= elapsed < float("inf")):
-        raise _refuse(source, f"extra_state.previous_training_time = {_shown(elapsed)}: not a number of seconds")
 
 
 def _check_meters(extra: Any, source: str) -> None:
