@@ -1,1 +1,0 @@
-"""CPU accelerators (a C++ extension built on first use, see :mod:`.build`)."""

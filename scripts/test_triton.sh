@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# EA's Triton kernels (Eq. 4, ea_ops/triton) against the float64 reference, on
+# this CPU under Triton's interpreter (TRITON_INTERPRET=1): installs the `triton` extra into the
+# venv where it is missing (triton has no dependencies: the venv's torch stays as it is), then runs
+# tests/test_triton_kernels.py. The default suite (scripts/test.sh) skips that file without triton.
+# Extra arguments go to pytest, e.g. `bash scripts/test_triton.sh -k causal`.
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${EA_FAIRSEQ_VENV:-$repo/.venv}"
+cd "$repo"
+if ! "$venv/bin/python" -c "import triton" 2>/dev/null; then
+  "$venv/bin/python" -m pip install --no-deps "triton>=3.0"
+fi
+export PYTHONDONTWRITEBYTECODE=1 TRITON_INTERPRET=1
+exec "$venv/bin/python" -m pytest -q -p no:cacheprovider -rs -n 0 "$@" tests/test_triton_kernels.py
