@@ -1,7 +1,8 @@
 """The recipes on short runs and on a quiet terminal, with stand-ins for fairseq's programs (each
 test is a few bash runs): evaluate.sh averages what a short run has and refuses a mistyped
 folder without making it; train.sh resumes a run whose budget alone grows, keeps fairseq's
-configuration and model dump in train.log, and says when validation BLEU starts."""
+configuration and model dump in train.log, and trains EVAL_BLEU=1 runs with the task that reports
+validation's progress."""
 import os
 import stat
 
@@ -19,9 +20,11 @@ echo "  (encoder): EATransformerEncoder("
 echo "  )"
 echo ")"
 echo "2026-01-01 00:00:01 | INFO | fairseq_cli.train | num. shared model params: 2,501,864"
+echo "2026-01-01 00:00:02 | INFO | fairseq.tasks.fairseq_task | can_reuse_epoch_itr = True"
+echo "2026-01-01 00:00:02 | INFO | fairseq.tasks.fairseq_task | creating new batches for epoch 1"
 echo "2026-01-01 00:00:02 | INFO | fairseq_cli.train | begin validation on \\"valid\\" subset"
+echo "2026-01-01 00:00:09 | INFO | ea_fairseq.tasks.translation_progress | [valid BLEU] 'valid': 40/40 sentences in 7 s"
 echo "2026-01-01 00:00:09 | INFO | valid | epoch 001 | valid on 'valid' subset | loss 7.4 | bleu 0.07"
-echo "2026-01-01 00:00:09 | INFO | fairseq_cli.train | begin validation on \\"valid\\" subset"
 """
 
 
@@ -52,19 +55,21 @@ def train(env, tmp_path):  # noqa: F811
     return go
 
 
-def test_train_keeps_the_config_in_its_log_and_says_when_validation_bleu_starts(train):
+def test_train_keeps_the_config_in_its_log_and_validation_bleu_reports_progress(train):
     proc = train(EVAL_BLEU="1", MAX_EPOCH="1")
     out = proc.stdout
     assert "{'_name'" not in out and "EATransformerModel(" not in out and "(encoder)" not in out
+    assert "can_reuse_epoch_itr" not in out and "creating new batches" not in out
     assert out.splitlines()[0] == (f"[train] fairseq's configuration and the model's structure: in {train.save}/"
                                    "train.log (SHOW_CONFIG=1 shows them here)")
-    assert "num. shared model params" in out  # fairseq's other lines pass
-    notes = [line for line in out.splitlines() if line.startswith("[train] EVAL_BLEU=1")]
-    assert notes[0] == ("[train] EVAL_BLEU=1: translating the 40 validation sentences with beam 5; fairseq "
-                        "prints nothing until its 'valid on' line")
-    assert len(notes) == 2 and "(the last validation took " in notes[1]
+    assert "num. shared model params" in out and "[valid BLEU] 'valid': 40/40 sentences in 7 s" in out
+    given = (train.save.parent / "bin" / "given").read_text().split()
+    assert given[given.index("--task") + 1] == "translation_progress"  # (the plugin's task logs the progress)
     shown = train(EVAL_BLEU="1", MAX_EPOCH="1", SHOW_CONFIG="1", ALLOW_CHANGED_SETTINGS="1").stdout
-    assert "{'_name'" in shown and "  (encoder): EATransformerEncoder(" in shown
+    assert "{'_name'" in shown and "  (encoder): EATransformerEncoder(" in shown and "can_reuse_epoch_itr" in shown
+    train(MAX_EPOCH="1", ALLOW_CHANGED_SETTINGS="1")
+    given = (train.save.parent / "bin" / "given").read_text().split()
+    assert given[given.index("--task") + 1] == "translation"  # without EVAL_BLEU: fairseq's own task
 
 
 def test_train_resumes_when_only_the_budget_grows(train):

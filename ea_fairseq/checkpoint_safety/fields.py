@@ -48,7 +48,7 @@ CHOICES_CHECKED = {"dataset_impl": CHECKED_FORMATS}
 _NAMES = re.compile(r"[A-Za-z0-9_-]{1,64}(,[A-Za-z0-9_-]{1,64}){0,63}")
 # the task families whose configuration this plugin has checked (its recipes and hub use these);
 # another task's dataclass may name files and directories fairseq opens when it sets the task up
-VOUCHED_TASKS = frozenset({"translation", "translation_lines"})
+VOUCHED_TASKS = frozenset({"translation", "translation_lines", "translation_progress"})
 # text processors the hub may build from a checkpoint: those that need no network (gpt2, bert,
 # hf_byte_bpe, ... download their vocabularies or reach for other packages' files)
 OFFLINE_TEXT = {"bpe": frozenset({"sentencepiece", "subword_nmt", "fastbpe", "characters", "bytes", "byte_bpe"}),

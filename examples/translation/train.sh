@@ -57,7 +57,9 @@
 #     CPU run prints within a minute]
 #   EVAL_BLEU=1   validation BLEU after every epoch (fairseq's --eval-bleu: beam 5, Moses-
 #     detokenized, subwords removed, sacreBLEU), and checkpoint_best.pt and early stopping
-#     chosen by it (--best-checkpoint-metric bleu --maximize-best-checkpoint-metric)
+#     chosen by it (--best-checkpoint-metric bleu --maximize-best-checkpoint-metric); with
+#     --task translation_progress, which logs the validation's progress every 30 s
+#     (--valid-progress-seconds N after PAIR changes that)
 #   EA_FAIRSEQ_SHOW_WARNINGS=1  show the known warnings of fairseq's stack (hydra
 #     deprecations, torch FutureWarnings, ...), which are filtered out otherwise
 #   SHOW_CONFIG=1  print fairseq's configuration and the model's structure on the terminal too
@@ -351,7 +353,10 @@ esac
 
 # ---------------------------------------------------------------- the command
 # run: what defines the experiment (train.settings); layout: how it is spread over devices
-run=("$DATA" --user-dir "$USER_DIR" --task translation
+# (EVAL_BLEU=1: the plugin's translation_progress, fairseq's translation task that logs how far
+# the validation's translation has got)
+task=translation; ! is_on "${EVAL_BLEU:-}" || task=translation_progress
+run=("$DATA" --user-dir "$USER_DIR" --task "$task"
      --source-lang "$src" --target-lang "$tgt" --arch "$arch" "${share_flags[@]}"
      --optimizer adam --adam-betas "(0.9, 0.98)" --clip-norm 0.0 --weight-decay "$WEIGHT_DECAY"
      --lr "$LR" --lr-scheduler inverse_sqrt --warmup-updates "$WARMUP" --warmup-init-lr 1e-07
@@ -456,13 +461,13 @@ if is_on "${DRY_RUN:-}"; then
   exit 0
 fi
 
-# train_output N_VALID: fairseq-train's stdout as the terminal shows it. fairseq's configuration
-# (one line of some 12,000 characters) and the model's structure go to SAVE_DIR/train.log only
-# (fairseq's --log-file, which rank 0 writes; SHOW_CONFIG=1 shows them here too). With
-# EVAL_BLEU=1, fairseq translates the validation set after each epoch without a line: one says
-# so when it starts, with how long the last one took.
+# train_output: fairseq-train's stdout as the terminal shows it. fairseq's configuration (one
+# line of some 12,000 characters), the model's structure and the data loader's bookkeeping
+# (fairseq_task's "can_reuse_epoch_itr = True", ... at every epoch and validation) go to
+# SAVE_DIR/train.log only (fairseq's --log-file, which rank 0 writes; SHOW_CONFIG=1 shows them
+# here too).
 train_output() {
-  local line skipping="" began="" last="" quiet=""
+  local line skipping="" quiet=""
   if [ "$rank" = 0 ] && ! is_on "${SHOW_CONFIG:-}"; then quiet=1; fi
   while IFS= read -r line; do
     if [ -n "$skipping" ]; then [ "$line" != ")" ] || skipping=""; continue; fi
@@ -472,18 +477,13 @@ train_output() {
           echo "[train] fairseq's configuration and the model's structure: in $SAVE_DIR/train.log (SHOW_CONFIG=1 shows them here)"
           continue ;;
         *" | INFO | fairseq_cli.train | "*"Model(") skipping=1; continue ;;
+        *" | INFO | fairseq.tasks.fairseq_task | can_reuse_epoch_itr = "* \
+          | *" | INFO | fairseq.tasks.fairseq_task | reuse_dataloader = "* \
+          | *" | INFO | fairseq.tasks.fairseq_task | rebuild_batches = "* \
+          | *" | INFO | fairseq.tasks.fairseq_task | creating new batches for epoch "*) continue ;;
       esac
     fi
     printf '%s\n' "$line"
-    if is_on "${EVAL_BLEU:-}"; then
-      case "$line" in
-        *" | fairseq_cli.train | begin validation on "*)
-          began=$SECONDS
-          echo "[train] EVAL_BLEU=1: translating the $1 validation sentences with beam 5; fairseq prints" \
-               "nothing until its 'valid on' line${last:+ (the last validation took $last s)}" ;;
-        *" | valid on '"*) if [ -n "$began" ]; then last=$((SECONDS - began)); began=""; fi ;;
-      esac
-    fi
   done
 }
 
@@ -548,11 +548,9 @@ $(diff <(grep -v '^#' "$record") <(echo "$settings") | grep '^[<>]' | sed 's/^</
 fi
 # fairseq-train's stdout through train_output (line by line: PYTHONUNBUFFERED), its stderr
 # without the known warnings of its stack (ea_quiet); its exit status kept
-valid_idx="$DATA/valid.$src-$tgt.$src.idx"
-n_valid=$(od -An -t u8 -j 18 -N 8 "$valid_idx" 2>/dev/null | tr -d ' ' || true)
 set +e
 { { PYTHONUNBUFFERED=1 "${cmd[@]}" 2>&1 1>&3 3>&- | ea_quiet >&2 3>&-; exit "${PIPESTATUS[0]}"; } 3>&1 \
-    | train_output "${n_valid:-the}"; status=${PIPESTATUS[0]}; }
+    | train_output; status=${PIPESTATUS[0]}; }
 set -e
 [ "$status" -eq 0 ] || exit "$status"
 echo "[train] done: $SAVE_DIR; evaluate with: $eval_hint" >&2

@@ -1,0 +1,117 @@
+"""``--task translation_progress``: fairseq's ``translation`` task that says how far validation has got.
+
+With ``--eval-bleu``, fairseq's validation translates the whole validation set with beam search
+and prints nothing until its ``valid on`` line: minutes on a CPU. This task logs, on the process
+that logs (rank 0), what it is doing when a validation with BLEU starts, a progress line every
+``--valid-progress-seconds`` (sentences translated of this process's share, time spent, time
+left at the rate so far) and the time the pass took; a validation without BLEU logs progress only
+when it runs longer than that interval. Everything else (data, models, BLEU, the checkpoints'
+contents) is fairseq's ``translation``.
+
+Only the task's own hooks are used: :meth:`begin_valid_epoch` marks a validation, the
+validation iterator fairseq asks for gives the pass's subset and size (:meth:`get_batch_iterator`),
+and :meth:`valid_step` counts sentences after fairseq's own step; :meth:`begin_epoch` and
+:meth:`train_step` end the validation.
+"""
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from fairseq.tasks import register_task
+from fairseq.tasks.translation import TranslationConfig, TranslationTask
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TranslationProgressConfig(TranslationConfig):
+    valid_progress_seconds: float = field(
+        default=30.0, metadata={"help": "seconds between validation progress lines (0: after every batch)"})
+
+
+def _seconds(value: float) -> str:
+    value = int(round(value))
+    return f"{value} s" if value < 120 else f"{value // 60} min {value % 60:02d} s"
+
+
+def progress_line(label: str, subset: str, done: int, total: Optional[int], elapsed: float,
+                  shards: int = 1) -> str:
+    """One progress line: ``[valid BLEU] 'valid': 120/400 sentences, 35 s, ~80 s left``; without a
+    known total, the count alone; with several processes, the count is this process's share."""
+    share = f" (this process's share; {shards} processes)" if shards > 1 else ""
+    if total is None:
+        return f"[{label}] '{subset}': {done} sentences{share}, {_seconds(elapsed)}"
+    if done >= total:
+        return f"[{label}] '{subset}': {total}/{total} sentences{share} in {_seconds(elapsed)}"
+    left = f", ~{_seconds(elapsed / done * (total - done))} left" if done else ""
+    return f"[{label}] '{subset}': {done}/{total} sentences{share}, {_seconds(elapsed)}{left}"
+
+
+class _Pass:
+    """The validation pass of one subset: its size, the sentences done, its clock."""
+
+    def __init__(self, subset: str, total: Optional[int], shards: int):
+        self.subset, self.total, self.shards = subset, total, shards
+        self.done, self.reported = 0, False
+        self.start = self.last = time.monotonic()
+
+
+@register_task("translation_progress", dataclass=TranslationProgressConfig)
+class TranslationProgressTask(TranslationTask):
+    def __init__(self, cfg, src_dict, tgt_dict):
+        super().__init__(cfg, src_dict, tgt_dict)
+        self._validating = False
+        self._pass: Optional[_Pass] = None
+
+    def _label(self) -> str:
+        return "valid BLEU" if self.cfg.eval_bleu else "valid"
+
+    def begin_epoch(self, epoch, model):
+        self._validating, self._pass = False, None
+        return super().begin_epoch(epoch, model)
+
+    def begin_valid_epoch(self, epoch, model):
+        self._validating, self._pass = True, None
+        return super().begin_valid_epoch(epoch, model)
+
+    def train_step(self, *args, **kwargs):
+        self._validating, self._pass = False, None
+        return super().train_step(*args, **kwargs)
+
+    def get_batch_iterator(self, dataset, *args, **kwargs):
+        iterator = super().get_batch_iterator(dataset, *args, **kwargs)
+        subset = next((name for name, d in self.datasets.items() if d is dataset), None)
+        # (fairseq asks for the next epoch's training batches between validation and begin_epoch)
+        if self._validating and subset is not None and subset != self.cfg.train_subset:
+            shards, shard = getattr(iterator, "num_shards", 1), getattr(iterator, "shard_id", 0)
+            batches = getattr(iterator, "frozen_batches", None)
+            total = None if batches is None else sum(len(b) for b in batches[shard::shards])
+            self._pass = _Pass(subset, total, shards)
+            if self.cfg.eval_bleu:
+                beam = json.loads(self.cfg.eval_bleu_args or "{}").get("beam", 5)
+                every = ("after every batch" if self.cfg.valid_progress_seconds <= 0
+                         else f"every {_seconds(self.cfg.valid_progress_seconds)}")
+                size = "its" if total is None else f"{total}"
+                logger.info(f"[{self._label()}] '{subset}': translating {size} sentences with beam {beam} "
+                            f"for BLEU; progress {every} (--valid-progress-seconds)")
+        return iterator
+
+    def valid_step(self, sample, model, criterion):
+        result = super().valid_step(sample, model, criterion)
+        p = self._pass
+        if p is not None and sample:
+            p.done += int(sample.get("nsentences", 0) or 0)
+            if p.total is not None:
+                p.done = min(p.done, p.total)
+            now = time.monotonic()
+            finished = p.total is not None and p.done >= p.total
+            if finished:
+                if self.cfg.eval_bleu or p.reported:
+                    logger.info(progress_line(self._label(), p.subset, p.done, p.total, now - p.start, p.shards))
+                self._pass = None
+            elif now - p.last >= self.cfg.valid_progress_seconds:
+                logger.info(progress_line(self._label(), p.subset, p.done, p.total, now - p.start, p.shards))
+                p.last, p.reported = now, True
+        return result
