@@ -1,0 +1,47 @@
+"""EA Eq. (4) on CUDA as Triton kernels (:mod:`.evolving_attention`, which imports triton):
+a backend of the operation :func:`ea_ops.evolving_attention`, which its dispatcher
+(:mod:`ea_ops.dispatch`) gives full passes on CUDA in float16, bfloat16 and float32 where
+triton is installed (the ``triton`` extra).
+
+This module imports neither triton nor the kernels: it says whether they can run and holds the
+switch that gives them CPU calls under Triton's interpreter (``TRITON_INTERPRET=1``, set before
+triton is imported), which is how their tests run on a machine without a GPU
+(``bash scripts/test_triton.sh``).
+"""
+import importlib.util
+import os
+import threading
+from contextlib import contextmanager
+
+# The kernels keep one query row of every head in registers (the softmax's row and the
+# convolution's heads): next_pow2(heads) * next_pow2(keys) float32 values per row.
+MAX_ROW_ELEMENTS = 16384
+
+_local = threading.local()
+
+
+def installed() -> bool:
+    """Whether triton can be imported (asked of the import system, without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreted() -> bool:
+    """Whether triton runs its kernels in its interpreter here (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip() == "1"
+
+
+def on_cpu() -> bool:
+    """Whether CPU calls go to the kernels: inside :func:`interpret_on_cpu`, under the interpreter."""
+    return bool(getattr(_local, "on_cpu", 0)) and interpreted()
+
+
+@contextmanager
+def interpret_on_cpu():
+    """Give CPU calls of the operation that the kernels take to the kernels, run by Triton's
+    interpreter, inside the block (this thread): their tests on a machine without a GPU.
+    Without ``TRITON_INTERPRET=1`` in the environment the block changes nothing."""
+    _local.on_cpu = getattr(_local, "on_cpu", 0) + 1
+    try:
+        yield
+    finally:
+        _local.on_cpu -= 1
