@@ -17,10 +17,26 @@ test modules pick from :data:`FAMILIES` by these fields, never keep a list of th
 * ``cli``: whether it goes through fairseq-train/-generate (test_cli_end_to_end.py; the
   others are saved and loaded in process there);
 * ``variant_of``: the family whose modules it builds at other option values or sizes (its
-  checkpoint round trip is that family's).
+  checkpoint round trip is that family's);
+* ``twin``: fairseq's transformer of the same size: every parameter or buffer of the family
+  that the twin does not have (by name) is the mechanism's;
+* ``mechanism``: those parameters' names (``fnmatch`` patterns), each with the spread of the
+  noise :meth:`Family.perturb` adds to it;
+* ``held``: the mechanism's scalar settings (``module.attribute`` patterns) that are the
+  configuration under test and keep their value (e.g. the papers' decoder α = 0).
+
+The decoding properties run every family perturbed (:meth:`Family.perturb`): every
+mechanism parameter and every scalar setting (:data:`SETTINGS`: α, β, λ, σ, DropAttention's
+p and window) moved off its initial value, so that a mechanism which starts as the identity
+(a layer norm's scale of 1, a bias of 0) or at a round value is exercised as trained;
+test_families.py checks that nothing is left where it started.
 """
+import fnmatch
+import functools
 from dataclasses import dataclass
-from typing import Dict, FrozenSet, Tuple
+from typing import Dict, FrozenSet, Iterator, Tuple
+
+import torch
 
 ALL_PRECISIONS = ("fp32", "fp16", "bf16", "autocast-fp16", "autocast-bf16")
 FP32 = ("fp32",)
@@ -39,9 +55,123 @@ class Family:
     anchor: bool = True
     cli: bool = False
     variant_of: str = ""
+    twin: str = "transformer_lite"
+    mechanism: Tuple[Tuple[str, float], ...] = ()
+    held: Tuple[str, ...] = ()
 
     def args(self) -> Tuple[str, ...]:
         return (self.arch, *self.options)
+
+    def mechanism_tensors(self, model, twin) -> Dict[str, torch.Tensor]:
+        """name -> every parameter and buffer of ``model`` that ``twin`` (this family's
+        fairseq twin, built at the same size) does not have."""
+        own = dict(twin.named_parameters())
+        own.update(twin.named_buffers())
+        tensors = dict(model.named_parameters())
+        tensors.update(model.named_buffers())
+        return {name: t for name, t in tensors.items() if name not in own}
+
+    def spread(self, name: str) -> float:
+        """The noise :meth:`perturb` adds to mechanism tensor ``name``; a tensor no pattern
+        of :attr:`mechanism` names is an error that says what to add."""
+        for pattern, spread in self.mechanism:
+            if fnmatch.fnmatchcase(name, pattern):
+                return spread
+        raise KeyError(f"{name} is a mechanism parameter (fairseq's {self.twin} has none of that name) that "
+                       f"{self.arch} {' '.join(self.options)} does not list: add its pattern and spread to "
+                       "the family's `mechanism` in tests/families.py")
+
+    def perturb(self, model, twin, generator: torch.Generator) -> None:
+        """Move every mechanism parameter and buffer (floating: plus noise of its spread;
+        integer, e.g. HC-SA's offsets: minus 1 to its spread) and every scalar setting not
+        :attr:`held` (a value drawn in :data:`SETTINGS`' range, other than the current one)."""
+        with torch.no_grad():
+            for name, t in self.mechanism_tensors(model, twin).items():
+                spread = self.spread(name)
+                if t.is_floating_point():
+                    noise = torch.randn(t.shape, generator=generator, dtype=torch.float64) * spread
+                    t.add_(noise.to(device=t.device, dtype=t.dtype))
+                else:
+                    shift = torch.randint(1, int(spread) + 1, t.shape, generator=generator)
+                    t.sub_(shift.to(device=t.device, dtype=t.dtype))
+        for module, attribute, value in settings(model):
+            if not any(fnmatch.fnmatchcase(f"{module_name(model, module)}.{attribute}", p) for p in self.held):
+                setattr(module, attribute, draw(attribute, value, generator))
+
+
+@functools.lru_cache(maxsize=None)
+def twin_model(arch: str, *options: str):
+    """fairseq's ``arch`` built with ``options`` (the sizes of the family it is the twin of)."""
+    from ea_fairseq.models import building
+
+    return building.build_model(arch, *options, seed=1, dictionary=building.placeholder_dictionary(44))[0]
+
+
+def build_perturbed(name: str, *sizes: str, dictionary, seed: int = 3):
+    """Family ``name`` built with ``sizes`` (fairseq's options only: its twin is built with
+    them too) and perturbed (:meth:`Family.perturb`, from ``seed``); returns (model, args)."""
+    from ea_fairseq.models import building
+
+    family = FAMILIES[name]
+    model, args = building.build_model(*family.args(), *sizes, seed=1, dictionary=dictionary)
+    family.perturb(model, twin_model(family.twin, *sizes), torch.Generator().manual_seed(seed))
+    return model, args
+
+
+#: the plugin's scalar mechanism settings (attributes of its modules) -> the range
+#: :meth:`Family.perturb` draws a new value from; a float setting not named here, nor in
+#: :data:`NOT_SETTINGS`, is an error that says to add it
+SETTINGS = {
+    "alpha": (0.1, 0.9),  # EA's α (Eq. 4), PA's α
+    "beta": (0.1, 0.9),  # EA's β
+    "lambdas": (0.2, 1.0),  # ResFormer's λ1, λ2
+    "std": (0.5, 2.0),  # HC-SA's σ
+    "p": (0.05, 0.5),  # DropAttention's rate (training only)
+    "window": (1, 4),  # DropAttention's window (an integer)
+}
+#: float attributes of the plugin's modules that are sizes, not mechanism settings
+NOT_SETTINGS = frozenset({"scaling", "embed_scale"})
+
+
+def is_plugin_module(module) -> bool:
+    return type(module).__module__.startswith("ea_fairseq.")
+
+
+def settings(model) -> Iterator[Tuple[torch.nn.Module, str, object]]:
+    """(module, attribute, value) of every scalar mechanism setting of ``model``'s plugin
+    modules: attributes named in :data:`SETTINGS`, and every other float (or tuple of floats)
+    attribute outside :data:`NOT_SETTINGS` (which then has no range: :func:`draw` says so)."""
+    for module in model.modules():
+        if not is_plugin_module(module):
+            continue
+        for attribute, value in vars(module).items():
+            if attribute.startswith("_") or attribute in NOT_SETTINGS or isinstance(value, bool):
+                continue
+            floats = isinstance(value, float) or (
+                isinstance(value, tuple) and value and all(isinstance(v, float) for v in value))
+            if attribute in SETTINGS and isinstance(value, (int, float, tuple)) or floats:
+                yield module, attribute, value
+
+
+def module_name(model, module) -> str:
+    return next(name for name, m in model.named_modules() if m is module)
+
+
+def draw(attribute: str, value, generator: torch.Generator):
+    """A value of setting ``attribute`` in its range, other than ``value`` (each element of a tuple)."""
+    if attribute not in SETTINGS:
+        raise KeyError(f"{attribute}={value!r} is a scalar mechanism setting without a range: add it to "
+                       "SETTINGS in tests/families.py (or to NOT_SETTINGS if it is a size)")
+    low, high = SETTINGS[attribute]
+    if isinstance(value, tuple):
+        return tuple(draw(attribute, v, generator) for v in value)
+    if isinstance(value, int):
+        choices = [v for v in range(low, high + 1) if v != value]
+        return choices[int(torch.randint(len(choices), (), generator=generator))]
+    while True:
+        new = low + (high - low) * float(torch.rand((), generator=generator, dtype=torch.float64))
+        if new != value:
+            return new
 
 
 EA_ON = ("--ea-alpha", "0.5", "--ea-beta", "0.5", "--ea-decoder-alpha", "0.3")
@@ -50,48 +180,62 @@ SYN_ON = ("--synthesizer-max-positions", "32")
 LSRA = ("--lsra-weight-dropout", "0.0")
 DROP_ELEMENT = ("--drop-attention", "element", "--drop-attention-p", "0.3", "--drop-attention-window", "3")
 
+# the mechanisms' parameters (beside fairseq's twin), as (name pattern, spread of the noise)
+MAP_CONV = (("*attn.conv.weight", 0.5), ("*attn.conv.bias", 0.5))  # EA's (and PA's) 3x3 map convolutions
+PA_CNN = (("*.predictor.*", 0.5),)  # PA's CNN (Eq. 4), in every encoder layer but the first
+RAN_MATRICES = (("*.recurrent_matrices.*", 0.5),)  # A_1, W, b and the layer norm of Eq. 3
+SYN_R = (("*self_attn.logits", 0.5),)
+HCSA_OFFSETS = (("*self_attn.head_offsets", 2),)  # each head's centre moves back 1 or 2 positions
+# LSRA: the light convolution branch, and the attention branch's projections (named anew)
+LSRA_BRANCHES = (("*self_attn.conv.weight", 0.5), ("*self_attn.conv.linear_*", 0.05),
+                 ("*self_attn.attention.*_proj.*", 0.05))
+LSRA_MAP_CONV = (("*self_attn.attention.conv.*", 0.5),)  # EA's map convolution in LSRA's attention branch
+
 #: every family, one line each
 FAMILIES: Dict[str, Family] = {
     # fairseq's own transformer: the control every mechanism is compared with
     "vanilla": Family("transformer_lite", dtypes=FP32, cli=True),
-    "ea-lite": Family("ea_transformer_lite", EA_ON, EVERY_ROLE, accelerator=True, cli=True),
+    "ea-lite": Family("ea_transformer_lite", EA_ON, EVERY_ROLE, accelerator=True, cli=True, mechanism=MAP_CONV),
     # decoder alpha 0 (the papers' decoder): no layer reads A_logit, the fused step returns weights
     "ea-lite-paper-decoder": Family("ea_transformer_lite", EA_ON + ("--ea-decoder-alpha", "0"), EVERY_ROLE,
-                                    accelerator=True, dtypes=FP32, anchor=False, variant_of="ea-lite"),
+                                    accelerator=True, dtypes=FP32, anchor=False, variant_of="ea-lite",
+                                    mechanism=MAP_CONV, held=("decoder.*.alpha",)),
     "ea-lite-k1": Family("ea_transformer_lite", EA_ON + ("--ea-kernel-size", "1"), EVERY_ROLE,
-                         accelerator=True, dtypes=FP32, anchor=False, variant_of="ea-lite"),
+                         accelerator=True, dtypes=FP32, anchor=False, variant_of="ea-lite", mechanism=MAP_CONV),
     "ea-lite-k5": Family("ea_transformer_lite", EA_ON + ("--ea-kernel-size", "5"), EVERY_ROLE,
-                         accelerator=True, dtypes=FP32, anchor=False, variant_of="ea-lite"),
+                         accelerator=True, dtypes=FP32, anchor=False, variant_of="ea-lite", mechanism=MAP_CONV),
     "ea-base": Family("ea_transformer_base", EA_ON, EVERY_ROLE, accelerator=True, decoding=False,
-                      variant_of="ea-lite"),
-    "pa-lite": Family("pa_transformer_lite", ("--pa-alpha", "0.5"), frozenset({"encoder"})),
+                      variant_of="ea-lite", twin="transformer", mechanism=MAP_CONV),
+    "pa-lite": Family("pa_transformer_lite", ("--pa-alpha", "0.5"), frozenset({"encoder"}), mechanism=PA_CNN),
     "pa-lite-2-conv-layers": Family("pa_transformer_lite", ("--pa-alpha", "0.5", "--pa-conv-layers", "2"),
-                                    frozenset({"encoder"}), dtypes=FP32, anchor=False, variant_of="pa-lite"),
-    "ran-e-lite": Family("ran_e_lite", RAN_ON, frozenset({"encoder"})),
-    "ran-d-lite": Family("ran_d_lite", RAN_ON, frozenset({"decoder"})),
-    "ran-all-lite": Family("ran_all_lite", RAN_ON, BOTH, cli=True),
+                                    frozenset({"encoder"}), dtypes=FP32, anchor=False, variant_of="pa-lite",
+                                    mechanism=PA_CNN),
+    "ran-e-lite": Family("ran_e_lite", RAN_ON, frozenset({"encoder"}), mechanism=RAN_MATRICES),
+    "ran-d-lite": Family("ran_d_lite", RAN_ON, frozenset({"decoder"}), mechanism=RAN_MATRICES),
+    "ran-all-lite": Family("ran_all_lite", RAN_ON, BOTH, cli=True, mechanism=RAN_MATRICES),
     "ran-d-lite+ea-encoder": Family("ran_d_lite", RAN_ON + ("--encoder-attention", "ea", "--ea-alpha", "0.5",
                                                             "--ea-beta", "0.5"), BOTH, accelerator=True,
-                                    dtypes=FP32, anchor=False),
-    "hcsa-lite": Family("hcsa_lite", (), BOTH),
-    "syn-r-lite": Family("syn_r_lite", SYN_ON, BOTH),
+                                    dtypes=FP32, anchor=False, mechanism=RAN_MATRICES + MAP_CONV),
+    "hcsa-lite": Family("hcsa_lite", (), BOTH, mechanism=HCSA_OFFSETS),
+    "syn-r-lite": Family("syn_r_lite", SYN_ON, BOTH, mechanism=SYN_R),
     "realformer-lite": Family("realformer_lite", (), EVERY_ROLE),
     "resformer-lite": Family("resformer_lite", ("--value-residual-lambdas", "0.7", "0.6"), BOTH),
     "ea-lite+resformer": Family("ea_transformer_lite", ("--ea-decoder-alpha", "0.3", "--value-residual-on",
                                                         "encoder", "decoder"), EVERY_ROLE, accelerator=True,
-                                dtypes=FP32, anchor=False),
+                                dtypes=FP32, anchor=False, mechanism=MAP_CONV),
     "ran-e-lite+realformer-decoder": Family("ran_e_lite", RAN_ON + ("--decoder-attention", "realformer",
                                                                     "--value-residual-on", "encoder"), BOTH,
-                                            dtypes=FP32, anchor=False),
-    "conv-transformer-lite": Family("conv_transformer_lite", LSRA, BOTH),
-    "pa-conv-transformer-lite": Family("pa_conv_transformer_lite", ("--pa-alpha", "0.5") + LSRA, BOTH),
+                                            dtypes=FP32, anchor=False, mechanism=RAN_MATRICES),
+    "conv-transformer-lite": Family("conv_transformer_lite", LSRA, BOTH, mechanism=LSRA_BRANCHES),
+    "pa-conv-transformer-lite": Family("pa_conv_transformer_lite", ("--pa-alpha", "0.5") + LSRA, BOTH,
+                                      mechanism=LSRA_BRANCHES + PA_CNN),
     "lsra+ea-lite+dropattention": Family("ea_transformer_lite", ("--lsra-on", "encoder", "decoder",
                                                                  "--ea-decoder-alpha", "0.3", "--drop-attention",
                                                                  "column") + LSRA, EVERY_ROLE, accelerator=True,
-                                         dtypes=FP32, anchor=False),
+                                         dtypes=FP32, anchor=False, mechanism=LSRA_BRANCHES + LSRA_MAP_CONV + MAP_CONV),
     "lsra+realformer+resformer": Family("realformer_lite", ("--lsra-on", "encoder", "decoder", "--value-residual-on",
                                                             "encoder", "decoder") + LSRA, EVERY_ROLE,
-                                        dtypes=FP32, anchor=False),
+                                        dtypes=FP32, anchor=False, mechanism=LSRA_BRANCHES),
     # DropAttention acts in training only; alone it decodes in float32 (its eval-mode path)
     "dropattention-column": Family("transformer_lite", ("--drop-attention", "column", "--drop-attention-p", "0.3",
                                                         "--drop-attention-window", "2"), EVERY_ROLE, dtypes=FP32),
@@ -99,9 +243,9 @@ FAMILIES: Dict[str, Family] = {
                                                                  "--drop-attention-on", "decoder"),
                                             frozenset({"decoder"}), dtypes=FP32, anchor=False),
     "ea-lite+dropattention-element": Family("ea_transformer_lite", EA_ON + DROP_ELEMENT, EVERY_ROLE,
-                                            accelerator=True),
-    "ran-all-lite+dropattention": Family("ran_all_lite", RAN_ON + DROP_ELEMENT, BOTH),
-    "syn-r-lite+dropattention": Family("syn_r_lite", SYN_ON + DROP_ELEMENT, BOTH),
+                                            accelerator=True, mechanism=MAP_CONV),
+    "ran-all-lite+dropattention": Family("ran_all_lite", RAN_ON + DROP_ELEMENT, BOTH, mechanism=RAN_MATRICES),
+    "syn-r-lite+dropattention": Family("syn_r_lite", SYN_ON + DROP_ELEMENT, BOTH, mechanism=SYN_R),
 }
 
 #: the float64 anchor (outputs and gradients) runs these in every precision

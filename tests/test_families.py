@@ -1,0 +1,79 @@
+"""The family table itself (tests/families.py): every family's perturbation moves every
+mechanism parameter and scalar setting off its initial value, so the decoding properties
+(test_decoding_properties.py) exercise each mechanism as trained, never at an identity.
+
+A mechanism parameter is every parameter or buffer the family's fairseq twin (the
+``transformer`` of the same size) does not have; a scalar setting is a float attribute of the
+plugin's modules (:func:`families.settings`). A new family, or a new parameter or setting of a
+mechanism, without a perturbation fails here with a line that says what to add.
+"""
+import fnmatch
+import functools
+
+import pytest
+import torch
+
+from conftest import build_model
+from families import FAMILIES, Family, draw, module_name, settings
+
+SMALL = ("--encoder-layers", "2", "--decoder-layers", "1")  # PA predicts from the second layer on
+
+
+@functools.lru_cache(maxsize=None)
+def twin(arch: str):
+    return build_model(arch, *SMALL)[0]
+
+
+def snapshot(model):
+    return {f"{module_name(model, m)}.{a}": v for m, a, v in settings(model)}
+
+
+@functools.lru_cache(maxsize=None)
+def perturbed(name: str):
+    """(mechanism tensors and settings before, after) one perturbation of family ``name``."""
+    family = FAMILIES[name]
+    model, _ = build_model(*family.args(), *SMALL)
+    before = ({n: t.clone() for n, t in family.mechanism_tensors(model, twin(family.twin)).items()}, snapshot(model))
+    family.perturb(model, twin(family.twin), torch.Generator().manual_seed(0))
+    return before, (family.mechanism_tensors(model, twin(family.twin)), snapshot(model))
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_perturbation_moves_every_mechanism_parameter_and_setting(name):
+    family = FAMILIES[name]
+    (tensors, values), (moved, now) = perturbed(name)
+    for pattern, _ in family.mechanism:  # no stale pattern: each names a parameter of this family
+        assert any(fnmatch.fnmatchcase(n, pattern) for n in tensors), f"{name}: {pattern} names no parameter"
+    assert set(moved) == set(tensors)
+    still = [n for n, t in moved.items() if (t == tensors[n]).any()]
+    assert not still, f"{name}: perturb() left these (in part) at their initial values: {still}"
+    for key, value in values.items():
+        if any(fnmatch.fnmatchcase(key, p) for p in family.held):
+            assert now[key] == value, f"{name}: {key} is held at {value}, perturb() set {now[key]}"
+        else:
+            pairs = zip(value, now[key]) if isinstance(value, tuple) else [(value, now[key])]
+            assert all(a != b for a, b in pairs), f"{name}: {key} stayed {now[key]}"
+
+
+def test_every_mechanism_has_a_perturbed_setting_or_parameter():
+    """Each family but fairseq's own has something to perturb, and the settings the
+    mechanisms are known by are found on the modules (a renamed one would go unperturbed)."""
+    found = {}
+    for name in FAMILIES:
+        (tensors, values), _ = perturbed(name)
+        found[name] = {key.rsplit(".", 1)[1] for key in values} | set(tensors)
+    expected = {"ea-lite": {"alpha", "beta"}, "pa-lite": {"alpha"}, "hcsa-lite": {"std"},
+                "resformer-lite": {"lambdas"}, "dropattention-column": {"p", "window"}}
+    for name, attributes in expected.items():
+        assert attributes <= found[name], (name, found[name])
+    # fairseq's transformer has none; RealFormer adds the previous logits as they are
+    assert [name for name in FAMILIES if not found[name]] == ["vanilla", "realformer-lite"]
+
+
+def test_a_new_setting_or_parameter_without_a_perturbation_is_named():
+    """Negative controls: the table's errors say what to add."""
+    with pytest.raises(KeyError, match="add it to SETTINGS"):
+        draw("gamma", 0.5, torch.Generator())
+    family = Family("ea_transformer_lite")  # its map convolutions unlisted
+    with pytest.raises(KeyError, match="does not list: add its pattern"):
+        family.perturb(build_model(family.arch, *SMALL)[0], twin("transformer_lite"), torch.Generator())
