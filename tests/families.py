@@ -23,7 +23,9 @@ test modules pick from :data:`FAMILIES` by these fields, never keep a list of th
 * ``mechanism``: those parameters' names (``fnmatch`` patterns), each with the spread of the
   noise :meth:`Family.perturb` adds to it;
 * ``held``: the mechanism's scalar settings (``module.attribute`` patterns) that are the
-  configuration under test and keep their value (e.g. the papers' decoder α = 0).
+  configuration under test and keep their value (e.g. the papers' decoder α = 0);
+* ``reduces``: the options with which the mechanism computes its twin's function from the
+  twin's weights (EA with α = β = 0, a one-layer RealFormer, ...), ``None`` where none does.
 
 The decoding properties run every family perturbed (:meth:`Family.perturb`): every
 mechanism parameter and every scalar setting (:data:`SETTINGS`: α, β, λ, σ, DropAttention's
@@ -34,7 +36,7 @@ test_families.py checks that nothing is left where it started.
 import fnmatch
 import functools
 from dataclasses import dataclass
-from typing import Dict, FrozenSet, Iterator, Tuple
+from typing import Dict, FrozenSet, Iterator, Optional, Tuple
 
 import torch
 
@@ -58,6 +60,7 @@ class Family:
     twin: str = "transformer_lite"
     mechanism: Tuple[Tuple[str, float], ...] = ()
     held: Tuple[str, ...] = ()
+    reduces: Optional[Tuple[str, ...]] = None
 
     def args(self) -> Tuple[str, ...]:
         return (self.arch, *self.options)
@@ -195,7 +198,8 @@ LSRA_MAP_CONV = (("*self_attn.attention.conv.*", 0.5),)  # EA's map convolution 
 FAMILIES: Dict[str, Family] = {
     # fairseq's own transformer: the control every mechanism is compared with
     "vanilla": Family("transformer_lite", dtypes=FP32, cli=True),
-    "ea-lite": Family("ea_transformer_lite", EA_ON, EVERY_ROLE, accelerator=True, cli=True, mechanism=MAP_CONV),
+    "ea-lite": Family("ea_transformer_lite", EA_ON, EVERY_ROLE, accelerator=True, cli=True, mechanism=MAP_CONV,
+                      reduces=("--ea-alpha", "0", "--ea-beta", "0", "--ea-decoder-alpha", "0")),
     # decoder alpha 0 (the papers' decoder): no layer reads A_logit, the fused step returns weights
     "ea-lite-paper-decoder": Family("ea_transformer_lite", EA_ON + ("--ea-decoder-alpha", "0"), EVERY_ROLE,
                                     accelerator=True, dtypes=FP32, anchor=False, variant_of="ea-lite",
@@ -206,7 +210,8 @@ FAMILIES: Dict[str, Family] = {
                          accelerator=True, dtypes=FP32, anchor=False, variant_of="ea-lite", mechanism=MAP_CONV),
     "ea-base": Family("ea_transformer_base", EA_ON, EVERY_ROLE, accelerator=True, decoding=False,
                       variant_of="ea-lite", twin="transformer", mechanism=MAP_CONV),
-    "pa-lite": Family("pa_transformer_lite", ("--pa-alpha", "0.5"), frozenset({"encoder"}), mechanism=PA_CNN),
+    "pa-lite": Family("pa_transformer_lite", ("--pa-alpha", "0.5"), frozenset({"encoder"}), mechanism=PA_CNN,
+                      reduces=("--pa-alpha", "0")),
     "pa-lite-2-conv-layers": Family("pa_transformer_lite", ("--pa-alpha", "0.5", "--pa-conv-layers", "2"),
                                     frozenset({"encoder"}), dtypes=FP32, anchor=False, variant_of="pa-lite",
                                     mechanism=PA_CNN),
@@ -218,8 +223,11 @@ FAMILIES: Dict[str, Family] = {
                                     dtypes=FP32, anchor=False, mechanism=RAN_MATRICES + MAP_CONV),
     "hcsa-lite": Family("hcsa_lite", (), BOTH, mechanism=HCSA_OFFSETS),
     "syn-r-lite": Family("syn_r_lite", SYN_ON, BOTH, mechanism=SYN_R),
-    "realformer-lite": Family("realformer_lite", (), EVERY_ROLE),
-    "resformer-lite": Family("resformer_lite", ("--value-residual-lambdas", "0.7", "0.6"), BOTH),
+    # one layer: no previous scores; λ = (0, 1): V_n alone
+    "realformer-lite": Family("realformer_lite", (), EVERY_ROLE,
+                              reduces=("--encoder-layers", "1", "--decoder-layers", "1")),
+    "resformer-lite": Family("resformer_lite", ("--value-residual-lambdas", "0.7", "0.6"), BOTH,
+                             reduces=("--value-residual-lambdas", "0", "1")),
     "ea-lite+resformer": Family("ea_transformer_lite", ("--ea-decoder-alpha", "0.3", "--value-residual-on",
                                                         "encoder", "decoder"), EVERY_ROLE, accelerator=True,
                                 dtypes=FP32, anchor=False, mechanism=MAP_CONV),
@@ -238,7 +246,8 @@ FAMILIES: Dict[str, Family] = {
                                         dtypes=FP32, anchor=False, mechanism=LSRA_BRANCHES),
     # DropAttention acts in training only; alone it decodes in float32 (its eval-mode path)
     "dropattention-column": Family("transformer_lite", ("--drop-attention", "column", "--drop-attention-p", "0.3",
-                                                        "--drop-attention-window", "2"), EVERY_ROLE, dtypes=FP32),
+                                                        "--drop-attention-window", "2"), EVERY_ROLE, dtypes=FP32,
+                                   reduces=()),  # in eval mode
     "dropattention-element-decoder": Family("transformer_lite", ("--drop-attention", "element",
                                                                  "--drop-attention-on", "decoder"),
                                             frozenset({"decoder"}), dtypes=FP32, anchor=False),

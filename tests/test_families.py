@@ -13,8 +13,8 @@ import functools
 import pytest
 import torch
 
-from conftest import build_model
-from families import FAMILIES, Family, draw, module_name, settings
+from conftest import build_model, decoder_out, random_batch
+from families import FAMILIES, Family, draw, module_name, settings, twin_model
 
 SMALL = ("--encoder-layers", "2", "--decoder-layers", "1")  # PA predicts from the second layer on
 
@@ -77,3 +77,36 @@ def test_a_new_setting_or_parameter_without_a_perturbation_is_named():
     family = Family("ea_transformer_lite")  # its map convolutions unlisted
     with pytest.raises(KeyError, match="does not list: add its pattern"):
         family.perturb(build_model(family.arch, *SMALL)[0], twin("transformer_lite"), torch.Generator())
+
+
+REDUCING = [name for name, f in FAMILIES.items() if f.reduces is not None]
+SIZES = ("--encoder-layers", "--decoder-layers")
+
+
+@pytest.mark.parametrize("name", REDUCING)
+def test_reduces_to_its_twin(dictionary, name):
+    """With ``Family.reduces``' options and its twin's weights, the family computes fairseq's
+    transformer (float64, eval); perturbed as the decoding properties run it, it does not."""
+    family = FAMILIES[name]
+    options, sizes = list(family.reduces), ["--encoder-layers", "2", "--decoder-layers", "2", "--dropout", "0.0"]
+    reduced_sizes = list(sizes)
+    for flag in SIZES:  # a size among the options: the twin's too
+        if flag in options:
+            i = options.index(flag)
+            reduced_sizes[reduced_sizes.index(flag) + 1] = options[i + 1]
+            del options[i : i + 2]
+    src, lengths, prev = random_batch(dictionary, [7, 4, 9], 6)
+    gaps = {}
+    for case, size, extra in (("reduced", reduced_sizes, options), ("perturbed", sizes, ())):
+        fairseq_twin, _ = build_model(family.twin, *size, dictionary=dictionary)
+        model, _ = build_model(*family.args(), *size, *extra, dictionary=dictionary)
+        if case == "perturbed":
+            family.perturb(model, twin_model(family.twin, *size), torch.Generator().manual_seed(0))
+        missing, unexpected = model.load_state_dict(fairseq_twin.state_dict(), strict=False)
+        assert not unexpected and set(missing) <= set(family.mechanism_tensors(model, fairseq_twin))
+        out = decoder_out(model.double(), src, lengths, prev)
+        gaps[case] = (out - decoder_out(fairseq_twin.double(), src, lengths, prev)).abs().max().item()
+    # float64, but fairseq's softmax computes in float32 (utils.softmax): ~1e-7
+    assert gaps["reduced"] <= 1e-6, gaps
+    if name != "dropattention-column":  # (in eval DropAttention is the attention as built)
+        assert gaps["perturbed"] > 1e-3, gaps

@@ -1,28 +1,16 @@
-"""PA-Transformer (predictive attention): Eq. 4, reduction to vanilla, sizes. (Padding and
-the decoding properties: test_decoding_properties.py.)"""
+"""PA-Transformer (predictive attention): Eq. 4, sizes. (Padding, the decoding properties
+and the reduction to fairseq's transformer at α = 0: test_decoding_properties.py,
+test_families.py.)"""
 import pytest
 import torch
 import torch.nn.functional as F
 from fairseq.modules import MultiheadAttention
 
-from conftest import build_model, decoder_out, make_dictionary, random_batch
+from conftest import build_model, make_dictionary
 from ea_fairseq.modules import AttentionMapCarrier, PredictiveAttention
-
-SMALL = ("--encoder-layers", "3", "--decoder-layers", "2", "--dropout", "0.0")
-
 
 def non_embedding(model):
     return sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
-
-
-def test_alpha_zero_is_the_vanilla_transformer(dictionary):
-    pa, _ = build_model("pa_transformer_lite", *SMALL, "--pa-alpha", "0")
-    vanilla, _ = build_model("transformer_lite", *SMALL)
-    missing, unexpected = pa.load_state_dict(vanilla.state_dict(), strict=False)
-    assert not unexpected and all(".predictor." in k for k in missing) and missing
-    pa.double(), vanilla.double()
-    src, lengths, prev = random_batch(dictionary, [7, 4, 9], 6)
-    assert (decoder_out(pa, src, lengths, prev) - decoder_out(vanilla, src, lengths, prev)).abs().max() <= 1e-6
 
 
 @pytest.mark.parametrize("layers", [0, 1, 2])

@@ -1,8 +1,9 @@
 """RealFormer (residual attention) and ResFormer (value residual learning): each held to its
 paper's equation, re-implemented here from the module's parameters, on models built by
-fairseq's path; reductions to the Transformer, parameter counts, refused options. (Causality,
-incremental decoding, batch invariance, alone and combined with other mechanisms:
-test_decoding_properties.py.)"""
+fairseq's path; parameter counts, refused options. (Causality, incremental decoding, batch
+invariance, alone and combined with other mechanisms: test_decoding_properties.py; the
+reductions to the Transformer, a one-layer RealFormer and ResFormer at λ = (0, 1):
+test_families.py.)"""
 import pytest
 from fairseq.modules import MultiheadAttention
 
@@ -85,24 +86,6 @@ def test_resformer_follows_its_equation(dictionary, lambdas):
                 weights = masked_softmax(dot_product_logits(attn, query, key), causal=causal)
                 worst = max(worst, (attend(attn, weights, v) - out).abs().max().item())
     assert worst <= 1e-12
-
-
-ONE_LAYER = ("--encoder-layers", "1", "--decoder-layers", "1")
-
-
-@pytest.mark.parametrize("arch, options, layers", [
-    ("realformer_lite", (), ONE_LAYER),
-    ("resformer_lite", ("--value-residual-lambdas", "0", "1"), ()),
-], ids=["realformer-one-layer", "resformer-lambdas-0-1"])
-def test_reduces_to_the_transformer(dictionary, arch, options, layers):
-    """A one-layer RealFormer has no previous scores; ResFormer with λ = (0, 1) keeps V_n."""
-    dims = ("--dropout", "0.0", "--encoder-layers", "2", "--decoder-layers", "2", *layers)
-    model, _ = build_model(arch, *dims, *options)
-    vanilla, _ = build_model("transformer_lite", *dims)
-    model.load_state_dict(vanilla.state_dict(), strict=True)
-    model.double(), vanilla.double()
-    src, lengths, prev = random_batch(dictionary, LENGTHS, 6)
-    assert (decoder_out(model, src, lengths, prev) - decoder_out(vanilla, src, lengths, prev)).abs().max() <= 1e-6
 
 
 @pytest.mark.parametrize("arch", ["realformer_lite", "resformer_lite", "realformer_base", "resformer_base"])
