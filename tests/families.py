@@ -6,7 +6,7 @@ test modules pick from :data:`FAMILIES` by these fields, never keep a list of th
 
 * ``roles``: which attentions are the plugin's mechanism (``encoder``, ``decoder`` self-
   attention, ``cross`` = encoder-decoder attention); the others are fairseq's own;
-* ``accelerator``: whether a CPU accelerator applies (``ea_fairseq.accelerators``: EA in
+* ``accelerator``: whether a CPU accelerator applies (``ea_ops.accelerators``: EA in
   float32/float64), so that the decoding properties also run with it switched off;
 * ``dtypes``: the precisions the decoding properties run it in (``fp32``, ``fp16``/``bf16`` =
   the model cast as ``--fp16``/``--bf16`` do, ``autocast-fp16``/``autocast-bf16`` = a float32
