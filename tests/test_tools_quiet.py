@@ -169,8 +169,13 @@ def test_known_warnings_of_fairseqs_stack_are_ignored_and_others_shown(show, mon
         (UserWarning, "\n'config' is validated against ConfigStore schema with the same name.\nThis behavior"),
         (UserWarning, "\nThe strict flag in the compose API is deprecated.\nSee https://hydra.cc/docs"),
         (UserWarning, "'pin_memory' argument is set as true but no accelerator is found, then device pinned"),
+        (FutureWarning, "`torch.cuda.amp.autocast(args...)` is deprecated. Please use `torch.amp.autocast('cuda', "
+                        "args...)` instead."),
+        (UserWarning, "Support for mismatched key_padding_mask and attn_mask is deprecated. Use same type for both "
+                      "instead."),
     ]
-    others = [(UserWarning, "hydra.compose() got an unknown override"), (UserWarning, "pin_memory is slow")]
+    others = [(UserWarning, "hydra.compose() got an unknown override"), (UserWarning, "pin_memory is slow"),
+              (FutureWarning, "`torch.cuda.amp.autocast` keeps its dtype"), (UserWarning, "Support for masks")]
     with warnings.catch_warnings(record=True) as caught:  # the filters installed are undone on exit
         warnings.simplefilter("always")
         known_warnings.install()
