@@ -6,9 +6,15 @@ padded keys, left-padded targets, float32/float16/bfloat16, k = 3 and k = 1, α 
 On CUDA the kernels are compiled; on a CPU they run in Triton's interpreter
 (``bash scripts/test_triton.sh`` sets ``TRITON_INTERPRET=1``). Without triton, or on a CPU
 without the interpreter, the file is skipped (the default suite). Shapes are tiny: the
-interpreter runs every program in Python.
+interpreter runs every program in Python. The kernels are also compiled for a GPU (sm_90,
+Hopper) on any machine, no GPU needed: what the interpreter cannot show (that they compile,
+and their registers), checked before a GPU ever runs them.
 """
+import json
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -168,3 +174,65 @@ def test_the_comparison_bites():
                                                False, True, None)
         with pytest.raises(AssertionError):
             close(got.detach(), want.detach(), relative, "values")
+
+
+# Compiled in a process of its own: under the interpreter, triton.jit makes interpreted
+# functions, which the compiler does not take. For sm_90 with cuobjdump's resource count
+# (both ship in the triton wheel), every kernel in the variants the backend launches, at
+# EA-Base's 8 heads and a 32-key row: no registers spilled to local memory.
+COMPILE = textwrap.dedent("""
+    import json, os, subprocess, tempfile, triton
+    from triton.compiler import ASTSource
+    from triton.backends.compiler import GPUTarget
+    from ea_ops.triton import evolving_attention as ea
+    CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    block_h, block_t, block_s, warps = ea.blocks(8, 32, 32)
+    shape = dict(BLOCK_H=block_h, BLOCK_T=block_t, BLOCK_S=block_s, K=3)
+
+    def build(kernel, pointers, constants):
+        signature, values = {}, {}
+        for i, name in enumerate(kernel.arg_names):
+            if name in constants or (name in pointers and pointers[name] is None):
+                signature[name], values[(i,)] = "constexpr", constants.get(name)
+            else:
+                signature[name] = pointers.get(name, "fp32" if name in ("alpha", "beta") else "i32")
+        compiled = triton.compile(ASTSource(kernel, signature, values), target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": warps})
+        with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+            f.write(compiled.asm["cubin"])
+        usage = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True, check=True)
+        os.unlink(f.name)
+        line = next(l for l in usage.stdout.splitlines() if "REG:" in l)
+        print(kernel.__name__, json.dumps(dict(field.split(":") for field in line.split()[:5])))
+
+    maps = dict(x_ptr="*fp16", p_ptr="*fp16", w_ptr="*fp16", bias_ptr="*fp16", m_ptr="*u8", n_ptr="*u8")
+    first = dict(maps, p_ptr=None, bias_ptr=None, m_ptr=None, n_ptr=None)
+    every = dict(HAS_PREV=True, HAS_BIAS=True, HAS_MASK=True, HAS_NEUTRAL=True, NEUTRAL_PER_HEAD=False)
+    none = dict(HAS_PREV=False, HAS_BIAS=False, HAS_MASK=False, HAS_NEUTRAL=False, NEUTRAL_PER_HEAD=False)
+    causal = dict(shape, R0=2, C0=2, CAUSAL=True)
+    full = dict(shape, R0=1, C0=1, CAUSAL=False)
+    build(ea._forward_kernel, dict(maps, out_ptr="*fp16", carry_ptr="*fp16"),
+          dict(causal, **every, SOFTMAX=False, HAND_ON=True))
+    build(ea._forward_kernel, dict(first, out_ptr="*fp32", carry_ptr=None),
+          dict(full, **none, SOFTMAX=True, HAND_ON=False))
+    backward = dict(dconv_ptr="*fp32", gin_ptr="*fp32", pw_ptr="*fp32", pb_ptr="*fp32")
+    build(ea._backward_conv_kernel, dict(maps, probs_ptr=None, gout_ptr="*fp16", gcarry_ptr="*fp16", **backward),
+          dict(causal, **every, SOFTMAX=False, HAS_GOUT=True, HAS_GCARRY=True))
+    build(ea._backward_conv_kernel, dict(first, probs_ptr="*fp32", gout_ptr="*fp32", gcarry_ptr=None, **backward),
+          dict(full, **none, SOFTMAX=True, HAS_GOUT=True, HAS_GCARRY=False))
+    build(ea._backward_input_kernel, dict(w_ptr="*fp16", n_ptr="*u8", dconv_ptr="*fp32", gin_ptr="*fp32",
+                                          gx_ptr="*fp16", gp_ptr="*fp16"), dict(causal, HAS_PREV=True, HAS_NEUTRAL=True))
+""")
+
+
+def test_the_kernels_compile_for_a_gpu_without_spilling_registers():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    done = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert len(lines) == 5, done.stdout
+    for line in lines:
+        name, usage = line.split(" ", 1)
+        usage = json.loads(usage)
+        assert usage["STACK"] == "0" and usage["LOCAL"] == "0", f"{name} spills registers: {usage}"

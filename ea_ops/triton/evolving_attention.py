@@ -32,8 +32,11 @@ from torch import Tensor
 from . import MAX_ROW_ELEMENTS
 
 NAME = "cuda_triton"
-# query rows per program: at most this many float32 values of a (heads x rows x keys) tile
-TILE_ELEMENTS = 4096
+# query rows per program: at most this many float32 values of a (heads x rows x keys) tile,
+# and threads for 16 of them each: compiled for sm_90 (H = 8, S = 32), the backward's
+# convolution kernel then holds 128 registers a thread, no spills (32 each: 252 registers)
+TILE_ELEMENTS = 2048
+ELEMENTS_PER_THREAD = 16
 
 
 @triton.jit
@@ -48,20 +51,19 @@ def _a_input(x_ptr, p_ptr, off, keep, alpha, HAS_PREV: tl.constexpr):
 
 
 @triton.jit
-def _kept(n_ptr, heads, rows, cols, inside, b, snb, snh, snt, sns, HAS_NEUTRAL: tl.constexpr):
-    """Inside the map and not neutral, at (heads, rows, cols) of sentence ``b``."""
+def _kept(n_ptr, heads, rows, cols, inside, snh, snt, sns, HAS_NEUTRAL: tl.constexpr):
+    """Inside the map and not neutral, at (heads, rows, cols) of the program's sentence."""
     if HAS_NEUTRAL:
-        n = tl.load(n_ptr + b * snb + heads * snh + rows * snt + cols * sns, mask=inside, other=1)
+        n = tl.load(n_ptr + heads * snh + rows * snt + cols * sns, mask=inside, other=1)
         return inside & (n == 0)
     return inside
 
 
 @triton.jit
-def _convolution(x_ptr, p_ptr, w_ptr, n_ptr, base, b, hh, tt, jj, H, T, S,
-                 snb, snh, snt, sns, alpha, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
-                 BLOCK_S: tl.constexpr, K: tl.constexpr, R0: tl.constexpr, C0: tl.constexpr,
-                 CAUSAL: tl.constexpr, HAS_PREV: tl.constexpr, HAS_NEUTRAL: tl.constexpr,
-                 NEUTRAL_PER_HEAD: tl.constexpr):
+def _convolution(x_ptr, p_ptr, w_ptr, n_ptr, hh, tt, jj, H, T, S, snh, snt, sns, alpha,
+                 BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
+                 K: tl.constexpr, R0: tl.constexpr, C0: tl.constexpr, CAUSAL: tl.constexpr,
+                 HAS_PREV: tl.constexpr, HAS_NEUTRAL: tl.constexpr, NEUTRAL_PER_HEAD: tl.constexpr):
     """``Conv(A_input)`` (no bias) at (every head, tt, jj): output (t, j) reads input
     (t + a - R0, j + c - C0) through tap (a, c); the causal layout keeps taps c <= a.
     A tap's offsets and (one for all heads) neutral entries are derived once for every
@@ -75,13 +77,13 @@ def _convolution(x_ptr, p_ptr, w_ptr, n_ptr, base, b, hh, tt, jj, H, T, S,
                 rows = tt + (a - R0)
                 cols = jj + (c - C0)
                 inside = (rows >= 0) & (rows < T) & (cols >= 0) & (cols < S)
-                off = base + rows * S + cols
+                off = rows * S + cols
                 keep = inside
                 if not NEUTRAL_PER_HEAD:
-                    keep = _kept(n_ptr, 0, rows, cols, inside, b, snb, snh, snt, sns, HAS_NEUTRAL)
+                    keep = _kept(n_ptr, 0, rows, cols, inside, snh, snt, sns, HAS_NEUTRAL)
                 for g in range(H):
                     if NEUTRAL_PER_HEAD:
-                        keep = _kept(n_ptr, g, rows, cols, inside, b, snb, snh, snt, sns, HAS_NEUTRAL)
+                        keep = _kept(n_ptr, g, rows, cols, inside, snh, snt, sns, HAS_NEUTRAL)
                     x = _a_input(x_ptr, p_ptr, off + g * T * S, keep, alpha, HAS_PREV)
                     w = tl.load(w_rows + (g * K + a) * K + c, mask=heads, other=0.0)
                     acc += w.to(tl.float32) * x
@@ -96,25 +98,35 @@ def _forward_kernel(x_ptr, p_ptr, w_ptr, bias_ptr, m_ptr, n_ptr, out_ptr, carry_
                     HAS_NEUTRAL: tl.constexpr, NEUTRAL_PER_HEAD: tl.constexpr, SOFTMAX: tl.constexpr,
                     HAND_ON: tl.constexpr,
                     BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
+    # the program's sentence: its pointers moved once (64-bit), offsets within it 32-bit
     b = tl.program_id(1).to(tl.int64)
     base = b * H * T * S
+    x_ptr += base
+    if HAS_PREV:
+        p_ptr += base
+    out_ptr += base
+    if HAND_ON:
+        carry_ptr += base
+    if HAS_MASK:
+        m_ptr += b * smb
+    if HAS_NEUTRAL:
+        n_ptr += b * snb
     hh = tl.arange(0, BLOCK_H)[:, None, None]
     tt = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T))[None, :, None]
     jj = tl.arange(0, BLOCK_S)[None, None, :]
     valid = (hh < H) & (tt < T) & (jj < S)
-    conv = _convolution(x_ptr, p_ptr, w_ptr, n_ptr, base, b, hh, tt, jj, H, T, S, snb, snh, snt, sns,
-                        alpha, BLOCK_H, BLOCK_T, BLOCK_S, K, R0, C0, CAUSAL, HAS_PREV, HAS_NEUTRAL,
-                        NEUTRAL_PER_HEAD)
+    conv = _convolution(x_ptr, p_ptr, w_ptr, n_ptr, hh, tt, jj, H, T, S, snh, snt, sns, alpha, BLOCK_H, BLOCK_T,
+                        BLOCK_S, K, R0, C0, CAUSAL, HAS_PREV, HAS_NEUTRAL, NEUTRAL_PER_HEAD)
     if HAS_BIAS:
         conv += tl.load(bias_ptr + hh, mask=hh < H, other=0.0).to(tl.float32)
-    off = base + (hh * T + tt) * S + jj
-    keep = _kept(n_ptr, hh, tt, jj, valid, b, snb, snh, snt, sns, HAS_NEUTRAL)
+    off = (hh * T + tt) * S + jj
+    keep = _kept(n_ptr, hh, tt, jj, valid, snh, snt, sns, HAS_NEUTRAL)
     center = _a_input(x_ptr, p_ptr, off, keep, alpha, HAS_PREV)
     a_logit = center + beta * (tl.maximum(conv, 0.0) - center)
     if HAND_ON:
         tl.store(carry_ptr + off, a_logit.to(carry_ptr.dtype.element_ty), mask=valid)
     if HAS_MASK:
-        masked = tl.load(m_ptr + b * smb + hh * smh + tt * smt + jj * sms, mask=valid, other=1) != 0
+        masked = tl.load(m_ptr + hh * smh + tt * smt + jj * sms, mask=valid, other=1) != 0
     else:
         masked = jj >= S
     scores = tl.where(masked, float("-inf"), a_logit)
@@ -141,15 +153,29 @@ def _backward_conv_kernel(x_ptr, p_ptr, w_ptr, bias_ptr, m_ptr, n_ptr, probs_ptr
     b = tl.program_id(1).to(tl.int64)
     program = b * tl.num_programs(0) + tl.program_id(0)
     base = b * H * T * S
+    x_ptr += base
+    if HAS_PREV:
+        p_ptr += base
+    if HAS_MASK:
+        m_ptr += b * smb
+    if HAS_NEUTRAL:
+        n_ptr += b * snb
+    if SOFTMAX:
+        probs_ptr += base
+    if HAS_GOUT:
+        gout_ptr += base
+    if HAS_GCARRY:
+        gcarry_ptr += base
+    dconv_ptr += base
+    gin_ptr += base
     h1 = tl.arange(0, BLOCK_H)
     hh = h1[:, None, None]
     tt = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T))[None, :, None]
     jj = tl.arange(0, BLOCK_S)[None, None, :]
     valid = (hh < H) & (tt < T) & (jj < S)
-    off = base + (hh * T + tt) * S + jj
-    conv = _convolution(x_ptr, p_ptr, w_ptr, n_ptr, base, b, hh, tt, jj, H, T, S, snb, snh, snt, sns,
-                        alpha, BLOCK_H, BLOCK_T, BLOCK_S, K, R0, C0, CAUSAL, HAS_PREV, HAS_NEUTRAL,
-                        NEUTRAL_PER_HEAD)
+    off = (hh * T + tt) * S + jj
+    conv = _convolution(x_ptr, p_ptr, w_ptr, n_ptr, hh, tt, jj, H, T, S, snh, snt, sns, alpha, BLOCK_H, BLOCK_T,
+                        BLOCK_S, K, R0, C0, CAUSAL, HAS_PREV, HAS_NEUTRAL, NEUTRAL_PER_HEAD)
     if HAS_BIAS:
         conv += tl.load(bias_ptr + hh, mask=hh < H, other=0.0).to(tl.float32)
     # the gradient of A_logit: through the softmax, or through the -inf fill
@@ -161,7 +187,7 @@ def _backward_conv_kernel(x_ptr, p_ptr, w_ptr, bias_ptr, m_ptr, n_ptr, probs_ptr
             grad = probs * (g_out - tl.sum(probs * g_out, axis=2)[:, :, None])
         else:
             if HAS_MASK:
-                masked = tl.load(m_ptr + b * smb + hh * smh + tt * smt + jj * sms, mask=valid, other=1)
+                masked = tl.load(m_ptr + hh * smh + tt * smt + jj * sms, mask=valid, other=1)
                 g_out = tl.where(masked != 0, 0.0, g_out)
             grad = g_out
     if HAS_GCARRY:
@@ -179,13 +205,13 @@ def _backward_conv_kernel(x_ptr, p_ptr, w_ptr, bias_ptr, m_ptr, n_ptr, probs_ptr
                 rows = tt + (a - R0)
                 cols = jj + (c - C0)
                 inside = (rows >= 0) & (rows < T) & (cols >= 0) & (cols < S)
-                tap_off = base + rows * S + cols
+                tap_off = rows * S + cols
                 keep = inside
                 if not NEUTRAL_PER_HEAD:
-                    keep = _kept(n_ptr, 0, rows, cols, inside, b, snb, snh, snt, sns, HAS_NEUTRAL)
+                    keep = _kept(n_ptr, 0, rows, cols, inside, snh, snt, sns, HAS_NEUTRAL)
                 for g in range(H):
                     if NEUTRAL_PER_HEAD:
-                        keep = _kept(n_ptr, g, rows, cols, inside, b, snb, snh, snt, sns, HAS_NEUTRAL)
+                        keep = _kept(n_ptr, g, rows, cols, inside, snh, snt, sns, HAS_NEUTRAL)
                     x = _a_input(x_ptr, p_ptr, tap_off + g * T * S, keep, alpha, HAS_PREV)
                     share = tl.sum(tl.sum(dconv * x, axis=2), axis=1)
                     tl.store(shares + (g * K + a) * K + c, share, mask=h1 < H)
@@ -199,11 +225,18 @@ def _backward_input_kernel(w_ptr, n_ptr, dconv_ptr, gin_ptr, gx_ptr, gp_ptr,
                            BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
     b = tl.program_id(1).to(tl.int64)
     base = b * H * T * S
+    dconv_ptr += base
+    gin_ptr += base
+    gx_ptr += base
+    if HAS_PREV:
+        gp_ptr += base
+    if HAS_NEUTRAL:
+        n_ptr += b * snb
     gg = tl.arange(0, BLOCK_H)[:, None, None]
     uu = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T))[None, :, None]
     vv = tl.arange(0, BLOCK_S)[None, None, :]
     valid = (gg < H) & (uu < T) & (vv < S)
-    off = base + (gg * T + uu) * S + vv
+    off = (gg * T + uu) * S + vv
     acc = tl.load(gin_ptr + off, mask=valid, other=0.0)
     # input (u, v) of head g fed output (u - a + R0, v - c + C0) of head h through tap (a, c)
     w_cols = w_ptr + gg * (K * K)
@@ -214,13 +247,13 @@ def _backward_input_kernel(w_ptr, n_ptr, dconv_ptr, gin_ptr, gx_ptr, gp_ptr,
                 rows = uu - (a - R0)
                 cols = vv - (c - C0)
                 inside = (rows >= 0) & (rows < T) & (cols >= 0) & (cols < S)
-                tap_off = base + rows * S + cols
+                tap_off = rows * S + cols
                 for h in range(H):
                     d = tl.load(dconv_ptr + tap_off + h * T * S, mask=inside, other=0.0)
                     w = tl.load(w_cols + (h * H * K + a) * K + c, mask=heads, other=0.0)
                     acc += w.to(tl.float32) * d
     if HAS_NEUTRAL:
-        neutral = tl.load(n_ptr + b * snb + gg * snh + uu * snt + vv * sns, mask=valid, other=0)
+        neutral = tl.load(n_ptr + gg * snh + uu * snt + vv * sns, mask=valid, other=0)
         acc = tl.where(neutral != 0, 0.0, acc)
     if HAS_PREV:
         tl.store(gx_ptr + off, ((1.0 - alpha) * acc).to(gx_ptr.dtype.element_ty), mask=valid)
@@ -238,7 +271,8 @@ def _offsets(layout: str, k: int):
 
 
 def blocks(heads: int, tgt_len: int, src_len: int, block_t: Optional[int] = None):
-    """(BLOCK_H, BLOCK_T, BLOCK_S) for a (heads, T, S) map."""
+    """(BLOCK_H, BLOCK_T, BLOCK_S, warps) for a (heads, T, S) map: a program's tile holds
+    about :data:`TILE_ELEMENTS` float32 values, ``ELEMENTS_PER_THREAD`` per thread."""
     block_h, block_s = triton.next_power_of_2(heads), triton.next_power_of_2(src_len)
     if block_h * block_s > MAX_ROW_ELEMENTS:
         raise ValueError(f"EA's Triton kernels take at most {MAX_ROW_ELEMENTS} (heads x keys, rounded up to "
@@ -246,7 +280,8 @@ def blocks(heads: int, tgt_len: int, src_len: int, block_t: Optional[int] = None
                          "to the reference")
     if block_t is None:
         block_t = max(1, min(triton.next_power_of_2(tgt_len), TILE_ELEMENTS // (block_h * block_s)))
-    return block_h, block_t, block_s
+    warps = max(4, min(16, block_h * block_t * block_s // (32 * ELEMENTS_PER_THREAD)))
+    return block_h, block_t, block_s, warps
 
 
 def _mask_args(mask: Optional[Tensor], shape):
@@ -270,7 +305,7 @@ class EvolvingAttentionTriton(torch.autograd.Function):
         weight = weight.contiguous()
         bsz, heads, tgt_len, src_len = shape = logits.shape
         k = weight.size(-1)
-        block_h, block_t, block_s = blocks(heads, tgt_len, src_len, block_t)
+        block_h, block_t, block_s, warps = blocks(heads, tgt_len, src_len, block_t)
         m, m_strides = _mask_args(masked, shape)
         n, n_strides = _mask_args(neutral, shape)
         out = torch.empty(shape, device=logits.device, dtype=torch.float32 if softmax else logits.dtype)
@@ -282,7 +317,7 @@ class EvolvingAttentionTriton(torch.autograd.Function):
             float(alpha), float(beta), K=k, R0=rows, C0=cols, CAUSAL=layout == "causal",
             HAS_PREV=previous is not None, HAS_BIAS=bias is not None, HAS_MASK=m is not None,
             HAS_NEUTRAL=n is not None, NEUTRAL_PER_HEAD=n_strides[1] != 0, SOFTMAX=softmax, HAND_ON=hand_on,
-            BLOCK_H=block_h, BLOCK_T=block_t, BLOCK_S=block_s)
+            BLOCK_H=block_h, BLOCK_T=block_t, BLOCK_S=block_s, num_warps=warps)
         ctx.setup = (alpha, beta, layout, softmax, block_t, previous is not None)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(logits, previous, weight, bias, masked, neutral, out if softmax else None)
@@ -294,7 +329,7 @@ class EvolvingAttentionTriton(torch.autograd.Function):
         logits, previous, weight, bias, masked, neutral, probs = ctx.saved_tensors
         bsz, heads, tgt_len, src_len = shape = logits.shape
         k = weight.size(-1)
-        block_h, block_t, block_s = blocks(heads, tgt_len, src_len, block_t)
+        block_h, block_t, block_s, warps = blocks(heads, tgt_len, src_len, block_t)
         m, m_strides = _mask_args(masked, shape)
         n, n_strides = _mask_args(neutral, shape)
         rows, cols = _offsets(layout, k)
@@ -308,7 +343,8 @@ class EvolvingAttentionTriton(torch.autograd.Function):
         grad_out = None if grad_out is None else grad_out.contiguous()
         grad_carried = None if grad_carried is None else grad_carried.contiguous()
         constants = dict(K=k, R0=rows, C0=cols, CAUSAL=layout == "causal", HAS_PREV=has_previous,
-                         HAS_NEUTRAL=n is not None, BLOCK_H=block_h, BLOCK_T=block_t, BLOCK_S=block_s)
+                         HAS_NEUTRAL=n is not None, BLOCK_H=block_h, BLOCK_T=block_t, BLOCK_S=block_s,
+                         num_warps=warps)
         _backward_conv_kernel[grid](
             logits, previous, weight, bias, m, n, probs, grad_out, grad_carried, dconv, grad_in,
             weight_shares, bias_shares, heads, tgt_len, src_len, *m_strides, *n_strides, float(alpha), float(beta),
@@ -323,4 +359,5 @@ class EvolvingAttentionTriton(torch.autograd.Function):
         grad_weight = weight_shares.sum(0).to(weight.dtype)
         grad_bias = bias_shares.sum(0).to(bias.dtype) if bias is not None else None
         return grad_logits, grad_previous, grad_weight, grad_bias, None, None, None, None, None, None, None, None
+
 
