@@ -7,7 +7,7 @@ filter: a member named ``../x`` or ``/x`` is written anywhere the process may wr
 a symbolic link leads later members outside, and a device or FIFO member is created. It then
 deletes the user's archive and moves the extracted directory to its name.
 
-:func:`load_archive_file` replaces that function: every member is checked before anything
+:func:`archive_loader` replaces that function: every member is checked before anything
 is written (:func:`check_members`): only regular files, directories and links to an earlier
 regular file of the archive, no absolute name, no ``..``; then the archive is extracted with
 tarfile's ``data`` filter into a fresh directory (``tempfile.mkdtemp``, removed at exit). The
@@ -28,8 +28,8 @@ Why a module function and not a method of the plugin's models: users load every 
 the plugin through fairseq's own ``TransformerModel.from_pretrained`` (the arch in the
 checkpoint chooses the class), and fairseq's hub resolves archives before it imports a
 ``user_dir``; its only hook, ``hub_models()``, is a class method of fairseq's classes. The
-hub looks ``load_archive_file`` up on its module at every call, so :func:`install` replaces
-it there once, for good (no swap and restore, so no race between threads); the replacement
+hub looks ``load_archive_file`` up on its module at every call, so :func:`archive_loader`
+replaces it there once (:mod:`ea_fairseq.side_effects`), for good (no swap and restore, so no race between threads); the replacement
 never calls fairseq's extraction.
 """
 import atexit
@@ -241,30 +241,21 @@ def extract(path: str, source: Optional[str] = None) -> str:
     return os.path.join(destination, _top(members))
 
 
-def load_archive_file(archive_file):
-    """fairseq's ``file_utils.load_archive_file``, with :func:`extract` for archives: a
-    directory (or URL already cached as one) is returned as is, a missing path as fairseq
-    reports it (None, logged)."""
-    from fairseq import file_utils
+def archive_loader(fairseq_load_archive_file):
+    """fairseq's ``file_utils.load_archive_file`` (``fairseq_load_archive_file``), with
+    :func:`extract` for archives (installed by :mod:`ea_fairseq.side_effects`)."""
 
-    try:
-        resolved = file_utils.cached_path(archive_file, cache_dir=None)
-    except EnvironmentError:
-        resolved = None
-    if resolved is None or os.path.isdir(resolved):
-        return _fairseq_load_archive_file(archive_file)  # no extraction on these paths
-    return extract(resolved, str(archive_file))
+    def load_archive_file(archive_file):
+        """An archive extracted by :func:`extract`; a directory (or URL already cached as one)
+        returned as is, a missing path as fairseq reports it (None, logged)."""
+        from fairseq import file_utils
 
+        try:
+            resolved = file_utils.cached_path(archive_file, cache_dir=None)
+        except EnvironmentError:
+            resolved = None
+        if resolved is None or os.path.isdir(resolved):
+            return fairseq_load_archive_file(archive_file)  # no extraction on these paths
+        return extract(resolved, str(archive_file))
 
-_fairseq_load_archive_file = None
-
-
-def install() -> None:
-    """Make fairseq's hub extract archives with :func:`load_archive_file` (idempotent)."""
-    global _fairseq_load_archive_file
-    from fairseq import file_utils
-
-    if file_utils.load_archive_file is load_archive_file:
-        return
-    _fairseq_load_archive_file = file_utils.load_archive_file
-    file_utils.load_archive_file = load_archive_file
+    return load_archive_file

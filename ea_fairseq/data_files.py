@@ -18,9 +18,9 @@ tokens), no file with holes (a sparse file stores what it declares in no space),
 beyond the index itself (mapped, never copied), and the index's format with the one fairseq is
 told to read it as; a raw-text split (``--dataset-impl raw``) must be a regular file.
 
-:func:`install` puts the checks where fairseq opens these files, each the one function every
-caller goes through, looked up at each call, replaced once (no swap and restore) by a wrapper
-that calls fairseq's own function on files that passed:
+The checks go where fairseq opens these files, each the one function every caller goes
+through, looked up at each call, replaced once (no swap and restore; :mod:`ea_fairseq.side_effects`)
+by a function that calls fairseq's own on files that passed (:data:`split_checks`, ...):
 
 - ``fairseq.data.data_utils.load_indexed_dataset``: every split a task loads (``translation``
   and the plugin's ``translation_lines``, in ``fairseq-train``, ``fairseq-generate``, ...);
@@ -40,7 +40,6 @@ that calls fairseq's own function on files that passed:
 A failure raises :class:`DataFileError`, printed by the command-line tools as one line naming
 the file and what to do.
 """
-import functools
 import itertools
 import os
 import re
@@ -230,23 +229,22 @@ def _bpe_files(cfg):
     return found
 
 
-def _wrap(owner, name: str, checked, result=None) -> None:
-    """Replace ``owner.name`` (once) by a function that runs ``checked(*args)`` first (and
-    ``result(*args, what it returned)`` after, where given)."""
-    original = getattr(owner, name)
-    if getattr(original, "ea_fairseq_checks", False):
-        return
+def _checked_first(checked, result=None):
+    """What makes of a fairseq function one that runs ``checked(*args)`` first (and
+    ``result(*args, what it returned)`` after, where given), then fairseq's with the same
+    arguments (installed by :mod:`ea_fairseq.side_effects`)."""
 
-    @functools.wraps(original)
-    def wrapper(*args, **kwargs):
-        checked(*args, **kwargs)
-        value = original(*args, **kwargs)
-        if result is not None:
-            result(*args, value, **kwargs)
-        return value
+    def replacement(original):
+        def checked_call(*args, **kwargs):
+            checked(*args, **kwargs)
+            value = original(*args, **kwargs)
+            if result is not None:
+                result(*args, value, **kwargs)
+            return value
 
-    wrapper.ea_fairseq_checks = True
-    setattr(owner, name, wrapper)
+        return checked_call
+
+    return replacement
 
 
 def _check_splits(path, dictionary=None, dataset_impl=None, combine=False, default="cached"):
@@ -282,13 +280,12 @@ def _check_bpe(cfg, *args, **kwargs):
                          f"put the model's own file there or pass one with {option}", BPE_LIMIT)
 
 
-def install() -> None:
-    """Check every split, dictionary and BPE file before fairseq opens it, every dataset format
-    before fairseq reads one, every language pair fairseq infers from file names. Idempotent."""
-    from fairseq.data import Dictionary, data_utils, encoders, indexed_dataset
-
-    _wrap(data_utils, "load_indexed_dataset", _check_splits)
-    _wrap(indexed_dataset, "make_dataset", _check_format)
-    _wrap(data_utils, "infer_language_pair", lambda path: None, _check_languages)
-    _wrap(Dictionary, "add_from_file", _check_dictionary)
-    _wrap(encoders, "build_bpe", _check_bpe)
+#: fairseq's readers, each checking first what it is about to open (:mod:`ea_fairseq.side_effects`):
+#: every split (``data_utils.load_indexed_dataset``), every dataset format (``indexed_dataset.make_dataset``),
+#: every language pair inferred from file names (``data_utils.infer_language_pair``), every dictionary
+#: (``Dictionary.add_from_file``) and BPE file (``encoders.build_bpe``)
+split_checks = _checked_first(_check_splits)
+format_check = _checked_first(_check_format)
+language_check = _checked_first(lambda path: None, _check_languages)
+dictionary_check = _checked_first(_check_dictionary)
+bpe_check = _checked_first(_check_bpe)

@@ -6,7 +6,7 @@ where argparse sees them, but combinations (EA with ``--checkpoint-activations``
 values that reach a model another way (hydra, a checkpoint) are checked when the model is
 built, deep inside fairseq. Those checks raise :class:`OptionError`, and in a process that
 runs one of those tools or one of the plugin's own (:func:`serving_command_line`),
-:func:`install_excepthook` prints an uncaught one as a single line, as argparse would (the
+the ``sys.excepthook`` :func:`chained_excepthook` makes prints an uncaught one as a single line, as argparse would (the
 process still exits with status 1), and so a checkpoint the plugin refuses or finds damaged
 (an exception class with ``one_line = True``). Every other exception goes to the previous hook
 unchanged, except fairseq's refusal of an over-long input when a model built in this
@@ -57,16 +57,12 @@ def serving_command_line() -> bool:
                for name in names)
 
 
-def install_excepthook() -> None:
-    """Put :func:`excepthook` in front of the current ``sys.excepthook`` (once). Called for a
-    process that runs a command line the plugin serves (:func:`serving_command_line`), never
-    by importing the plugin into a program of one's own."""
-    current = sys.excepthook
-    if getattr(current, "ea_fairseq", False):
-        return
+def chained_excepthook(previous):
+    """``sys.excepthook`` with :func:`excepthook` in front of ``previous``. Installed (by
+    :mod:`ea_fairseq.side_effects`) in a process that runs a command line the plugin serves
+    (:func:`serving_command_line`), never by importing the plugin into a program of one's own."""
 
     def hook(kind, value, tb):
-        excepthook(kind, value, tb, previous=current)
+        excepthook(kind, value, tb, previous=previous)
 
-    hook.ea_fairseq = True
-    sys.excepthook = hook
+    return hook

@@ -1,22 +1,16 @@
-"""Accelerators: faster implementations of a mechanism's equations on some devices and dtypes.
+"""The switches of the accelerated backends of EA's operation.
 
-Every mechanism computes its equation once, in plain PyTorch, in its own module (the
-reference: device- and dtype-agnostic, autocast-friendly, the code the tests prove exact),
-behind one operation (EA: :func:`ea_fairseq.modules.evolving_attention_op.evolving_attention`).
-An accelerator computes the same values and gradients, faster where it can; it imports
-only the operation's types (:mod:`ea_fairseq.ops`), and the operation's dispatcher
-(:mod:`ea_fairseq.ops.evolving_attention_dispatch`) decides, in one table, which calls it
-takes. Nothing device-specific lives in a mechanism's own module, and tests hold each
-accelerator to the reference (``tests/test_accelerator_*.py``).
-
-Here:
-
-* EA Eq. 4 on CPU, float32/float64: fused C++ passes around EA's map convolution and a
-  fused decoding step (:mod:`ea_fairseq.accelerators.cpu`).
+The operation (:func:`ea_ops.evolving_attention`) computes its equation in PyTorch
+operations (the reference, :mod:`ea_ops.reference`: device- and dtype-agnostic,
+autocast-friendly, the code the tests prove exact). An accelerated backend (the CPU's
+fused C++ passes, :mod:`ea_ops.cpu`) computes the same values and gradients, faster where
+it can; the dispatcher (:mod:`ea_ops.dispatch`) decides, in one table, which calls it
+takes, and tests hold each backend to the reference (``tests/test_accelerator_*.py``).
 
 Switches: ``EA_FAIRSEQ_ACCELERATORS=0`` in the environment runs the reference everywhere
-(read once per process); :func:`reference_only` does so within a ``with`` block (the tests
-compare both that way).
+(read once per process); :func:`reference_only` does so within a ``with`` block (this
+thread; the tests compare both that way). Both are facts of every call the dispatcher
+sees (:attr:`ea_ops.dispatch.Call.accelerators_on`), so its cached choices follow them.
 """
 import os
 import threading
@@ -35,14 +29,14 @@ _ENABLED = enabled_by_environment()
 
 
 def switched_on() -> bool:
-    """Whether accelerators may run here: not switched off by the environment, not inside
-    :func:`reference_only` (in this thread)."""
+    """Whether accelerated backends may run here: not switched off by the environment, not
+    inside :func:`reference_only` (in this thread)."""
     return _ENABLED and not getattr(_local, "reference_only", 0)
 
 
 @contextmanager
 def reference_only():
-    """Run every mechanism's reference implementation inside the block (this thread)."""
+    """Run the reference backend inside the block (this thread)."""
     _local.reference_only = getattr(_local, "reference_only", 0) + 1
     try:
         yield

@@ -1,100 +1,93 @@
-"""Building and loading the CPU accelerators' C++ extension (``csrc/``).
+"""Building the CPU backend's C++ extension (``csrc/``) ahead of any forward pass:
 
-``torch.utils.cpp_extension`` compiles it on first use with the machine's C++ compiler and
-``ninja`` (about 10 s on one core), then loads the cached library. The build directory is
-``_build/<name>`` beside this file, or, where the package is read-only,
-``~/.cache/ea_fairseq/<name>``; ``<name>`` carries a hash of everything ninja's build file
-holds: the sources and where they are, the compiler, its flags, the torch installation and
-Python's headers. Two checkouts or two environments never rebuild or overwrite each other's
-library, and a changed source is a new build, never a stale one. Paths are taken with
-symbolic links resolved: the package reached through a link (``--user-dir
-/elsewhere/ea_fairseq`` linked to this one) is this copy, whose library ninja finds up to
-date. Without a compiler or ``ninja`` the build fails once per process with a warning, and
-every mechanism runs its PyTorch reference.
+    python -m ea_ops.build [--verbose]   # compile it (a minute or so on one core), or find it up to date
+
+``scripts/setup_env.sh`` and ``scripts/test.sh`` run it. ``torch.utils.cpp_extension``
+compiles with the machine's C++ compiler and ``ninja`` in a child process, whose PATH, not
+this process's, has pip's ``ninja`` (the Python environment's ``bin``, on no PATH where the
+environment is not activated), into the directory :mod:`ea_ops.library` loads from.
 """
-import hashlib
-import logging
 import os
-import sysconfig
-import threading
+import shutil
+import subprocess
+import sys
+from typing import List, Optional
 
-import torch
-
-logger = logging.getLogger(__name__)
-
-HERE = os.path.dirname(os.path.realpath(__file__))
-SOURCES = [os.path.join(HERE, "csrc", "evolving_attention.cpp")]
-HEADERS = [os.path.join(HERE, "csrc", "evolving_attention_loops.h")]
-CFLAGS = ("-O3", "-fno-trapping-math", "-fopenmp")
-LDFLAGS = ("-fopenmp",)
-
-_lock = threading.Lock()
-_state = {"module": None, "tried": False}
+from . import library
 
 
-def extension_name() -> str:
-    from torch.utils import cpp_extension
-
-    digest = hashlib.sha256()
-    for path in SOURCES + HEADERS:
-        with open(path, "rb") as f:
-            digest.update(f.read())
-    # what build.ninja names besides the flags, as torch writes it there (its paths unresolved)
-    where = [HERE, *cpp_extension.include_paths(), cpp_extension.TORCH_LIB_PATH,
-             sysconfig.get_path("include", scheme="posix_prefix"), os.environ.get("CXX", "c++")]
-    digest.update("\n".join([*CFLAGS, *LDFLAGS, torch.__version__, *where]).encode())
-    return f"ea_fairseq_cpu_{digest.hexdigest()[:12]}"
+class BuildError(RuntimeError):
+    """The extension could not be compiled (no compiler, no ninja, a compile error)."""
 
 
-def build_directory(name: str) -> str:
-    """``_build/<name>`` beside this file where writable, else the user's cache."""
-    for root in (os.path.join(HERE, "_build"),
-                 os.path.join(os.path.expanduser("~"), ".cache", "ea_fairseq")):
-        path = os.path.join(root, name)
-        try:
-            os.makedirs(path, exist_ok=True)
-        except OSError:
-            continue
-        if os.access(path, os.W_OK):
-            return path
-    raise OSError("no writable directory for the CPU accelerators' build")
-
-
-def extension():
-    """The compiled extension, or None (it could not be built: warned once per process)."""
-    if _state["tried"]:
-        return _state["module"]
-    with _lock:
-        if not _state["tried"]:
-            _state["module"] = _build()
-            _state["tried"] = True
-    return _state["module"]
-
-
-def _build():
-    path = os.environ.get("PATH", "")
+def build_environment() -> dict:
+    """This process's environment, with pip's ``ninja`` (if installed) first on PATH."""
+    env = dict(os.environ)
     try:
-        from torch.utils.cpp_extension import load
+        import ninja
 
-        try:  # pip's ninja, also when its venv is not activated (e.g. .venv/bin/fairseq-generate)
-            import ninja
+        env["PATH"] = os.pathsep.join([ninja.BIN_DIR, env.get("PATH", "")])
+    except ImportError:  # a system ninja, on PATH or missing
+        pass
+    return env
 
-            os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path])
-        except ImportError:
-            pass
-        name = extension_name()
-        logger.info("loading ea_fairseq's CPU accelerators (compiled on first use, then cached)")
-        # copies: torch appends its own flags to the lists it is given
-        return load(name=name, sources=SOURCES, extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
-                    build_directory=build_directory(name), verbose=False)
-    except Exception as err:  # no compiler, no ninja, no writable directory, ...
-        from .. import ENV_SWITCH
 
-        logger.warning(
-            "ea_fairseq's CPU accelerators could not be built (%s: %s); every mechanism runs "
-            "its PyTorch reference: same results, slower on CPU. To build them, install a C++ "
-            "compiler and `pip install ninja`; set %s=0 to silence this.",
-            type(err).__name__, (str(err).strip().splitlines() or [""])[-1], ENV_SWITCH)
-        return None
-    finally:
-        os.environ["PATH"] = path
+def build(verbose: bool = False) -> str:
+    """Compile the extension of this copy's sources, or find it up to date; returns the
+    library's path, or raises :class:`BuildError`. A library built before is checked by
+    ninja alone (its build file is torch's, in the library's directory); a first build
+    runs torch's in a child process."""
+    name = library.extension_name()
+    directory = library.build_directory(name)
+    path = os.path.join(directory, name + library.LIBRARY_SUFFIX)
+    env = build_environment()
+    ninja = shutil.which("ninja", path=env.get("PATH"))
+    if ninja and os.path.isfile(path) and os.path.isfile(os.path.join(directory, "build.ninja")):
+        proc = subprocess.run([ninja, "-C", directory], env=env, capture_output=not verbose, text=True)
+    else:
+        code = ("import sys; sys.path.insert(0, sys.argv[1]); from ea_ops import build; "
+                "build.compile_here(sys.argv[2], sys.argv[3], sys.argv[4] == '1')")
+        proc = subprocess.run([sys.executable, "-c", code, os.path.dirname(library.HERE), name, directory,
+                               "1" if verbose else "0"], env=env, capture_output=not verbose, text=True)
+    if proc.returncode != 0 or not os.path.isfile(path):
+        raise BuildError(f"the CPU backend did not build ({telling((proc.stderr or '') + (proc.stdout or ''))}); "
+                         "it needs a C++ compiler and ninja (pip install ninja)")
+    return path
+
+
+def telling(output: str) -> str:
+    """The line of a failed build that says why: the first error, else the last line."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    reasons = [line for line in lines if any(word in line for word in TELLING)]
+    return (reasons or lines or ["see the output above"])[0 if reasons else -1]
+
+
+TELLING = ("error:", "not found", "No such file", "is required")
+
+
+def compile_here(name: str, directory: str, verbose: bool) -> None:
+    """The child process of :func:`build`: torch compiles (or finds up to date) and loads."""
+    from torch.utils.cpp_extension import load
+
+    # copies: torch appends its own flags to the lists it is given
+    load(name=name, sources=library.SOURCES, extra_cflags=list(library.CFLAGS),
+         extra_ldflags=list(library.LDFLAGS),
+         build_directory=directory, verbose=verbose)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv not in ([], ["--verbose"]):
+        print(f"usage: {library.COMMAND} [--verbose]", file=sys.stderr)
+        return 2
+    try:
+        path = build(verbose=argv == ["--verbose"])
+    except (BuildError, OSError) as err:
+        print(f"ea_ops.build: {err}", file=sys.stderr)
+        return 1
+    print(f"EA's CPU backend is built: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,5 @@
-"""What EA's operation (:func:`ea_fairseq.modules.evolving_attention_op.evolving_attention`,
-EA paper Eq. 4) takes and returns, shared by the operation, its dispatcher
-(:mod:`ea_fairseq.ops.evolving_attention_dispatch`) and its backends; torch only."""
+"""What EA's operation (:func:`ea_ops.evolving_attention`, EA paper Eq. 4) takes and
+returns, shared by the operation, its dispatcher (:mod:`ea_ops.dispatch`) and its backends."""
 from typing import Dict, NamedTuple, Optional
 
 from torch import Tensor
@@ -9,7 +8,7 @@ from torch import Tensor
 class EvolvingAttentionParams(NamedTuple):
     """The constants of one EA attention: α, β and the map convolution (``weight``
     (H, H, k, k), ``bias`` (H) or None, ``layout`` one of ``"full"``, ``"causal"``,
-    ``"rows"``: :mod:`~ea_fairseq.modules.attention_map_conv`), or ``weight`` None without
+    ``"rows"``: :mod:`ea_ops.map_conv`), or ``weight`` None without
     one."""
 
     alpha: float
@@ -66,10 +65,16 @@ class BackendResult(NamedTuple):
     of masked entries, the softmax and the value product, where the backend did not).
 
     ``a_logit``: ``A_logit`` (B, H, T, S), finite, or with ``-inf`` in the masked entries
-    already where ``masked_filled``; ``probs`` and ``context`` instead, where the backend
-    computed the weights and the value product itself; ``state``: a decoding step's
-    :class:`StepState` for the next step (None in a full pass); ``maps``: the intermediate
-    maps (the reference, when asked).
+    already where ``masked_filled``: a tensor of the backend's own, which the operation may
+    fill in place (the input ``logits`` only where there is nothing to mask); ``probs`` and
+    ``context`` instead, where the backend computed the weights and the value product
+    itself; ``state``: a decoding step's :class:`StepState` for the next step (None in a
+    full pass); ``maps``: the intermediate maps (the reference, when asked).
+
+    Every backend is a function of one signature, ``backend(logits, previous, masked,
+    neutral, params, *, state, values, hand_on, return_maps) -> BackendResult`` (the
+    operation's arguments, ``neutral`` defaulted to ``masked``; ``values`` only for a backend
+    whose dispatcher row says it attends, else None), that never writes into its inputs.
     """
 
     a_logit: Optional[Tensor] = None

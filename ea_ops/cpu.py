@@ -1,9 +1,7 @@
-"""EA Eq. (4) on CPU, fused (float32/float64): backends of
-:func:`ea_fairseq.modules.evolving_attention_op.evolving_attention`, the operation that
-holds the equation and its reference. Which calls they take is the dispatcher's decision
-(:mod:`ea_fairseq.ops.evolving_attention_dispatch`); they return a
-:class:`~ea_fairseq.ops.evolving_attention_types.BackendResult`, which the operation
-finishes.
+"""EA Eq. (4) on CPU, fused (float32/float64): backends of :func:`ea_ops.evolving_attention`.
+Which calls they take is the dispatcher's decision (:mod:`ea_ops.dispatch`); they take the
+backends' one signature and return a :class:`~ea_ops.contract.BackendResult`, which the
+operation finishes.
 
 * :func:`full_pass` (training and full passes): one C++ pass before the convolution (skip
   connection, neutral zeros, the channels-last layout the convolution reads) and one after
@@ -18,7 +16,8 @@ finishes.
 The C++ sources are ``csrc/evolving_attention.cpp`` (the passes, the step's driver) and
 ``csrc/evolving_attention_loops.h`` (the step's inner loops, built for AVX2 + FMA and for
 any CPU, chosen by the CPU's features; ``EA_FAIRSEQ_PORTABLE_KERNELS=1`` forces the
-portable build). ``tests/test_accelerator_cpu.py`` holds both backends to the reference.
+portable build), compiled ahead by ``python -m ea_ops.build`` (:mod:`ea_ops.build`).
+``tests/test_accelerator_cpu.py`` holds both backends to the reference.
 """
 from typing import Optional
 
@@ -26,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ...ops.evolving_attention_types import BackendResult, EvolvingAttentionParams, StepState
-from .build import extension
+from .library import extension
+from .contract import BackendResult, EvolvingAttentionParams, StepState
 
 NAME = "cpu"  # the backend's name on the step kernels it keeps in a decoding run's state
 
@@ -69,10 +68,12 @@ class ConvolutionResidual(torch.autograd.Function):
 
 
 def full_pass(logits: Tensor, previous: Optional[Tensor], masked: Optional[Tensor],
-              neutral: Optional[Tensor], params: EvolvingAttentionParams, hand_on: bool) -> BackendResult:
+              neutral: Optional[Tensor], params: EvolvingAttentionParams, *, state: Optional[StepState] = None,
+              values: Optional[Tensor] = None, hand_on: bool = False, return_maps: bool = False) -> BackendResult:
     """Whole maps (B, H, T, S): one fused pass before the convolution, one after it; the
     masked entries of ``A_logit`` hold ``-inf`` already unless it is handed on. ``neutral``:
-    every entry that enters Eq. (4) as zero (``masked`` included), or None for none."""
+    every entry that enters Eq. (4) as zero (``masked`` included), or None for none. (No
+    state, values or maps: the dispatcher gives it no call with them.)"""
     if neutral is not None:
         neutral = neutral.expand(logits.shape)
     a_input = EvolvingAttentionInput.apply(logits, previous, neutral, float(params.alpha))
@@ -89,13 +90,14 @@ def full_pass(logits: Tensor, previous: Optional[Tensor], masked: Optional[Tenso
 
 
 def step(logits: Tensor, previous: Optional[Tensor], masked: Optional[Tensor],
-         params: EvolvingAttentionParams, state: StepState, values: Optional[Tensor] = None) -> BackendResult:
-    """One query row per hypothesis, in place of ``logits`` (B, H, 1, S), with one mask
-    (B, 1, 1, S) for all heads: the whole of Eq. (4) in one call, reading the earlier rows
-    in beam search's order -- and given ``values``, the softmax and the value product too
-    (a row whose every key is masked gets zero weights, as in
-    :func:`~ea_fairseq.modules.masked_softmax.masked_softmax`). Shifted layouts, ``k > 1``,
-    autograd off: the kernel derived from the weights is kept in the state for the run."""
+         neutral: Optional[Tensor], params: EvolvingAttentionParams, *, state: StepState,
+         values: Optional[Tensor] = None, hand_on: bool = False, return_maps: bool = False) -> BackendResult:
+    """One query row per hypothesis (B, H, 1, S), with one mask (B, 1, 1, S) for all heads
+    (``neutral`` is ``masked``: no padded query rows): the whole of Eq. (4) in one call,
+    reading the earlier rows in beam search's order -- and given ``values``, the softmax and
+    the value product too (a row whose every key is masked gets zero weights, as in
+    :func:`ea_ops.softmax.masked_softmax`). Shifted layouts, ``k > 1``, autograd off: the
+    kernel derived from the weights is kept in the state for the run."""
     bsz, _, _, src_len = logits.shape
     k = params.weight.size(-1)
     keys = None if masked is None else masked.expand(bsz, 1, 1, src_len).reshape(bsz, src_len)

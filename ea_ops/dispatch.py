@@ -1,35 +1,40 @@
-"""Which backend runs a call of EA's operation (EA paper Eq. 4): every eligibility check of
-every backend, in one table.
+"""Which backend runs a call of EA's operation (EA paper Eq. 4): every backend, with every
+condition of its eligibility, in one table.
 
-The backends compute the same values and gradients
-(:func:`~ea_fairseq.modules.evolving_attention_op.evolving_attention` documents the
-operation):
+The backends compute the same values and gradients (:func:`ea_ops.evolving_attention`
+documents the operation):
 
 * :data:`REFERENCE`: the operation in PyTorch operations, for every device, dtype and
-  call (autocast, autograd and analysis included);
+  call (autocast, autograd and analysis included; :mod:`ea_ops.reference`);
 * :data:`CPU_FULL_PASS`: whole maps on CPU, fused C++ passes around the convolution, with
-  their own backward (:func:`ea_fairseq.accelerators.cpu.evolving_attention.full_pass`);
+  their own backward (:func:`ea_ops.cpu.full_pass`);
 * :data:`CPU_STEP`: one decoding step on CPU, the whole of Eq. 4 in one C++ call
-  (:func:`ea_fairseq.accelerators.cpu.evolving_attention.step`);
+  (:func:`ea_ops.cpu.step`);
 * :data:`CPU_STEP_ATTEND`: the same with the softmax and the value product in that call.
+
+A backend is a row of :data:`TABLE` (:class:`Backend`: its conditions, its function, whether
+it computes the weights itself) and a place in :data:`PREFERENCE`; its function has the one
+signature :class:`~ea_ops.contract.BackendResult` states. Adding one is adding its row and
+its place: nothing else names the backends.
 
 :func:`select` picks, for the facts of a call (:class:`Call`: shapes, dtypes, the device,
 grad mode and switches, never a tensor's values, which on a GPU would wait for the
-device), the first backend of :data:`PREFERENCE` whose every condition in :data:`TABLE`
-holds; :func:`refusals` names the conditions that keep a backend from a call. The CPU
-backends are switched off by ``EA_FAIRSEQ_ACCELERATORS=0`` and inside
-:func:`ea_fairseq.accelerators.reference_only`, and their C++ extension is built on first
-use (:mod:`ea_fairseq.accelerators.cpu.build`) -- only for a call that every other
-condition gives to one of them.
+device), the first backend of :data:`PREFERENCE` whose every condition holds;
+:func:`refusals` names the conditions that keep a backend from a call. :func:`choose` is
+:func:`select` made once per configuration: cached by the call's facts, the switches
+among them (``EA_FAIRSEQ_ACCELERATORS=0`` and :func:`ea_ops.accelerators.reference_only`
+switch the accelerated backends off) and whether the CPU backend's extension is built
+(:mod:`ea_ops.library`; its library is looked for only for a call that every other
+condition gives to a CPU backend, and never compiled here).
 """
+import functools
 from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from .. import accelerators
-from ..accelerators.cpu import build
-from .evolving_attention_types import EvolvingAttentionParams, StepState
+from . import accelerators, cpu, library, reference
+from .contract import BackendResult, EvolvingAttentionParams, StepState
 
 REFERENCE, CPU_FULL_PASS, CPU_STEP, CPU_STEP_ATTEND = "reference", "cpu_full_pass", "cpu_step", "cpu_step_attend"
 
@@ -41,12 +46,12 @@ STEP_VALUES_MAX_BATCH = 64
 
 
 class Call(NamedTuple):
-    """The facts of one call that decide its backend."""
+    """The facts of one call that decide its backend (hashable: the cache's key)."""
 
     device_type: str
     dtype: torch.dtype
     accelerators_on: bool      # no EA_FAIRSEQ_ACCELERATORS=0, outside reference_only()
-    built: bool                # the CPU extension is built (asked for last: see choose())
+    built: Optional[bool]      # the CPU extension is built (None: not looked for yet, see choose())
     grad_enabled: bool
     return_maps: bool          # the intermediate maps are asked for (analysis)
     has_conv: bool             # the attention has a map convolution
@@ -66,13 +71,24 @@ class Condition(NamedTuple):
     holds: Callable[[Call], bool]
 
 
+class Backend(NamedTuple):
+    """A row of :data:`TABLE`: the conditions a call must meet, the function that runs it
+    (the signature of :class:`~ea_ops.contract.BackendResult`), and whether that function
+    computes the weights and the value product itself (it is handed the values; otherwise
+    None, and the operation finishes its ``A_logit``)."""
+
+    conditions: Tuple[Condition, ...]
+    run: Callable[..., BackendResult]
+    attends: bool = False
+
+
 ACCELERATED = (
     Condition("accelerators switched on", lambda c: c.accelerators_on),
     Condition("on a CPU", lambda c: c.device_type == "cpu"),
     Condition("float32 or float64", lambda c: c.dtype in (torch.float32, torch.float64)),
     Condition("no intermediate maps asked for", lambda c: not c.return_maps),
     Condition("a map convolution", lambda c: c.has_conv),
-    Condition("the C++ extension built", lambda c: c.built),
+    Condition("the C++ extension built", lambda c: bool(c.built)),
 )
 STEP = (
     Condition("a decoding step", lambda c: c.step),
@@ -89,18 +105,18 @@ ATTEND = (
     Condition(f"at most {STEP_VALUES_MAX_BATCH} hypotheses with values of their own",
               lambda c: c.unshared_values_batch <= STEP_VALUES_MAX_BATCH),
 )
-TABLE: Dict[str, Tuple[Condition, ...]] = {
-    CPU_STEP_ATTEND: ACCELERATED + STEP + ATTEND,
-    CPU_STEP: ACCELERATED + STEP,
-    CPU_FULL_PASS: ACCELERATED + (Condition("a full pass", lambda c: not c.step),),
-    REFERENCE: (),
+TABLE: Dict[str, Backend] = {
+    CPU_STEP_ATTEND: Backend(ACCELERATED + STEP + ATTEND, cpu.step, attends=True),
+    CPU_STEP: Backend(ACCELERATED + STEP, cpu.step),
+    CPU_FULL_PASS: Backend(ACCELERATED + (Condition("a full pass", lambda c: not c.step),), cpu.full_pass),
+    REFERENCE: Backend((), reference.evolving_attention_reference),
 }
 PREFERENCE = (CPU_STEP_ATTEND, CPU_STEP, CPU_FULL_PASS, REFERENCE)
 
 
 def refusals(call: Call, backend: str):
     """The names of the conditions of ``backend`` that ``call`` does not meet."""
-    return [condition.name for condition in TABLE[backend] if not condition.holds(call)]
+    return [condition.name for condition in TABLE[backend].conditions if not condition.holds(call)]
 
 
 def select(call: Call) -> str:
@@ -110,36 +126,49 @@ def select(call: Call) -> str:
 
 def describe(logits: Tensor, masked: Optional[Tensor], neutral: Optional[Tensor],
              params: EvolvingAttentionParams, state: Optional[StepState], values: Optional[Tensor],
-             hand_on: bool, return_maps: bool, built: bool = False) -> Call:
-    """The :class:`Call` of the operation's arguments (see the operation)."""
+             hand_on: bool, return_maps: bool) -> Call:
+    """The :class:`Call` of the operation's arguments (see the operation), with the
+    switches as they are and the build as far as it was looked for."""
     weight = params.weight
-    bsz, heads = logits.size(0), logits.size(1)
+    bsz, heads, rows = logits.shape[:3]
     unshared = bsz if (values is not None and params.layout == "rows" and values.size(0) == bsz * heads) else 0
-    return Call(
-        device_type=logits.device.type, dtype=logits.dtype,
-        accelerators_on=accelerators.switched_on(), built=built,
-        grad_enabled=torch.is_grad_enabled(), return_maps=return_maps,
-        has_conv=weight is not None, kernel_size=0 if weight is None else weight.size(-1),
-        layout=params.layout, step=state is not None, rows=logits.size(2),
-        mask_per_head=masked is not None and masked.dim() == 4 and masked.size(1) != 1,
-        padded_query_rows=neutral is not None, values=values is not None, hand_on=hand_on,
-        unshared_values_batch=unshared)
+    return Call(logits.device.type, logits.dtype, accelerators.switched_on(), library.status(),
+                torch.is_grad_enabled(), return_maps, weight is not None,
+                0 if weight is None else weight.size(-1), params.layout, state is not None, rows,
+                masked is not None and masked.dim() == 4 and masked.size(1) != 1,
+                neutral is not None, values is not None, hand_on, unshared)
 
 
 def choose(call: Call) -> str:
-    """:func:`select` with the C++ extension's build asked for only where it decides."""
+    """:func:`select`, once per configuration: the CPU extension's library is looked for
+    (loaded, or warned about once) only where it decides the call."""
+    backend = _cached(call)
+    if backend is None:
+        library.extension()
+        backend = _cached(call._replace(built=library.status()))
+    return backend
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached(call: Call) -> Optional[str]:
+    """:func:`select`'s answer, or None where it depends on a build not looked for yet."""
+    if call.built is not None:
+        return select(call)
     backend = select(call._replace(built=True))
-    if backend == REFERENCE:
-        return backend
-    return select(call._replace(built=build.extension() is not None))
+    return backend if backend == REFERENCE or backend == select(call._replace(built=False)) else None
+
+
+def forget() -> None:
+    """Drop the cached choices (for a test that changes the table or its constants)."""
+    _cached.cache_clear()
 
 
 def accelerated_dtype(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether an accelerator takes calls on ``device_type`` in ``dtype`` here and now
-    (switches and build as they are): a full pass with a convolution, the call with the
+    """Whether an accelerated backend takes calls on ``device_type`` in ``dtype`` here and
+    now (switches and build as they are): a full pass with a convolution, the call with the
     fewest conditions, is asked about."""
     call = Call(device_type=device_type, dtype=dtype, accelerators_on=accelerators.switched_on(),
-                built=False, grad_enabled=False, return_maps=False, has_conv=True, kernel_size=3,
+                built=library.status(), grad_enabled=False, return_maps=False, has_conv=True, kernel_size=3,
                 layout="full", step=False, rows=1, mask_per_head=False, padded_query_rows=False,
                 values=False, hand_on=False, unshared_values_batch=0)
     return choose(call) != REFERENCE

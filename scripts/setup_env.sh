@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create (or reuse) the project's virtual environment with the tested, pinned set of
-# packages (constraints.txt), and install ea_fairseq into it in editable mode with its
-# test, recipe, analysis and corpus extras (pyproject.toml) and the console tools.
+# packages (constraints.txt), install ea_fairseq (and ea_ops, EA's operation) into it in
+# editable mode with its test, recipe, analysis and corpus extras (pyproject.toml) and the
+# console tools, and build EA's CPU backend (python -m ea_ops.build).
 #
 #   bash scripts/setup_env.sh            # -> .venv/ next to this repo
 #   EA_FAIRSEQ_VENV=/path/venv bash scripts/setup_env.sh
@@ -55,4 +56,6 @@ import torch, fairseq, ea_fairseq
 print(f"[setup] torch {torch.__version__} (cuda: {torch.version.cuda}), fairseq {fairseq.__version__}, "
       f"ea_fairseq {ea_fairseq.__version__}")
 PY
+# EA's CPU backend (C++), built ahead; without a compiler the PyTorch reference runs (said once per run)
+"$venv/bin/python" -m ea_ops.build || echo "[setup] EA's CPU backend not built: the PyTorch reference runs" >&2
 echo "$want" > "$stamp"

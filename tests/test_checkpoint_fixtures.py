@@ -19,7 +19,7 @@ from fairseq import checkpoint_utils
 from fairseq.sequence_generator import SequenceGenerator
 
 import ea_fairseq  # noqa: F401  (registers the plugin's models, as --user-dir does)
-from ea_fairseq import accelerators
+from ea_ops import accelerators
 from ea_fairseq.modules.evolving_attention import EvolvingAttention
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "checkpoints")

@@ -45,7 +45,7 @@ from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
 from conftest import DEVICE, ON_CUDA, REPO, THREADS, build_model, cli, decoder_out, make_dictionary, parse, random_batch, randomize_convs
 import ea_fairseq
-from ea_fairseq import accelerators
+from ea_ops import accelerators
 from ea_fairseq.modules import AttentionMapConv
 from ea_fairseq.modules.drop_attention import DropAttention
 from families import ANCHORED, FAMILIES
@@ -344,7 +344,7 @@ def test_ea_map_convolution_is_one_public_conv2d_per_attention_and_step(dictiona
     private direct convolutions (``torch._C._nn.thnn_conv2d`` and kin: slow im2col kernels
     on CUDA, outside autocast) are never called. On CPU the C++ accelerator replaces the
     convolution in float32, so there the reference runs: the path a GPU takes."""
-    from ea_fairseq.modules import attention_map_conv
+    from ea_ops import map_conv as attention_map_conv
 
     def refuse(name):
         def private(*args, **kwargs):

@@ -13,11 +13,10 @@ from fairseq.modules import MultiheadAttention
 from conftest import beam_reorder_gap, build_model, decoder_out, incremental_logprobs, random_batch, randomize_convs
 from ea_fairseq.modules import AttentionMapConv, EvolvingAttention
 from ea_fairseq.modules.attention_maps import LogitMapAttention
-from ea_fairseq.accelerators.cpu import evolving_attention as cpu_backend
-from ea_fairseq.modules.evolving_attention_op import evolving_attention_reference
-from ea_fairseq.ops import evolving_attention_dispatch as dispatch
-from ea_fairseq.ops.evolving_attention_types import EvolvingAttentionParams, StepState
-from ea_fairseq import accelerators
+from ea_ops.reference import evolving_attention_reference
+from ea_ops import dispatch
+from ea_ops.contract import EvolvingAttentionParams, StepState
+from ea_ops import accelerators
 
 SMALL = ("--encoder-layers", "3", "--decoder-layers", "3", "--dropout", "0.0")
 ALL_OFF = ("--ea-alpha", "0", "--ea-beta", "0", "--ea-decoder-alpha", "0",
@@ -27,32 +26,25 @@ STRONG = ("--ea-alpha", "0.5", "--ea-beta", "0.5", "--ea-decoder-alpha", "0.3")
 
 
 @pytest.fixture
-def accelerated_step():
-    """Decode with the CPU accelerator's step, checked to run; yields the list of its steps
+def accelerated_step(monkeypatch):
+    """Decode with the CPU backend's step, checked to run; yields the list of its steps
     (whether each returned the weights)."""
-    if dispatch.choose(FULL_PASS_CPU._replace(accelerators_on=accelerators.switched_on())) != dispatch.CPU_FULL_PASS:
+    if not dispatch.accelerated_dtype("cpu", torch.float32):
         pytest.skip("no CPU accelerator here (switched off, or not built): the reference runs")
     calls = []
-    step = cpu_backend.step
 
-    def counted(*args, **kwargs):
-        out = step(*args, **kwargs)
-        calls.append(out.probs is not None)  # no A_logit handed on: it computed the weights
-        return out
+    def counted(run):
+        def step(*args, **kwargs):
+            out = run(*args, **kwargs)
+            calls.append(out.probs is not None)  # no A_logit handed on: it computed the weights
+            return out
+        return step
 
-    cpu_backend.step = counted
-    try:
-        yield calls
-    finally:
-        cpu_backend.step = step
+    for name in (dispatch.CPU_STEP, dispatch.CPU_STEP_ATTEND):
+        row = dispatch.TABLE[name]
+        monkeypatch.setitem(dispatch.TABLE, name, row._replace(run=counted(row.run)))
+    yield calls
     assert calls, "decoding never reached the accelerator's step"
-
-
-# a full pass on CPU in float32 with a map convolution: the accelerator's call, where it runs
-FULL_PASS_CPU = dispatch.Call(
-    device_type="cpu", dtype=torch.float32, accelerators_on=True, built=True, grad_enabled=False,
-    return_maps=False, has_conv=True, kernel_size=3, layout="full", step=False, rows=4,
-    mask_per_head=False, padded_query_rows=False, values=False, hand_on=False, unshared_values_batch=0)
 
 
 def ea_modules(model):

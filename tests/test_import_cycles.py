@@ -210,19 +210,23 @@ def reachable(edges: Edges, start: str) -> Set[str]:
     return seen
 
 
-def test_eq4_backends_and_dispatcher_import_only_the_ops_types():
-    """The CPU backend of EA Eq. 4 and the dispatcher reach, through every import, the
-    operation's types and the accelerators' switches and build only: no module of
-    ``ea_fairseq.modules`` (the attention modules and the operation that calls them)."""
-    module_level, function_level = import_graph(PACKAGE_DIR)
+def test_the_eq4_package_has_no_cycle_and_imports_nothing_of_fairseq():
+    """``ea_ops`` (EA Eq. 4: the operation, its backends and its dispatcher): no import
+    cycle, and no import of fairseq or of the plugin, at any level (test_dispatch.py
+    imports it in a fresh process)."""
+    ops_dir = PACKAGE_DIR.parent / "ea_ops"
+    module_level, function_level = import_graph(ops_dir)
     edges = merged(module_level, function_level)
-    small = {"ea_fairseq.ops", "ea_fairseq.ops.evolving_attention_types", "ea_fairseq.accelerators",
-             "ea_fairseq.accelerators.cpu", "ea_fairseq.accelerators.cpu.build"}
-    backend = reachable(edges, "ea_fairseq.accelerators.cpu.evolving_attention")
-    dispatcher = reachable(edges, "ea_fairseq.ops.evolving_attention_dispatch")
-    assert backend <= small and dispatcher <= small, (backend, dispatcher)
-    assert "ea_fairseq.ops.evolving_attention_types" in backend and "ea_fairseq.accelerators" in dispatcher
-    assert "ea_fairseq.ops.evolving_attention_dispatch" in reachable(edges, "ea_fairseq.modules.evolving_attention")
+    assert "ea_ops.cpu" in edges["ea_ops.dispatch"]  # the walk saw the package
+    assert not cycles(edges), [describe(c, edges) for c in cycles(edges)]
+    imported = set()
+    for path in ops_dir.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                imported.add(node.module.split(".")[0])
+    assert "torch" in imported and not imported & {"fairseq", "ea_fairseq", "ea_fairseq_cli"}, imported
 
 
 def write_package(root: Path, files: Dict[str, str]) -> Path:

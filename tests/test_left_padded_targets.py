@@ -1,6 +1,6 @@
 """Left-padded targets (fairseq's ``--left-pad-target``): a padded leading decoder position
 sees only masked keys. Every attention family gives such a row zero weights
-(``ea_fairseq.modules.masked_softmax``), so nothing non-finite reaches the real positions,
+(``ea_ops.softmax``), so nothing non-finite reaches the real positions,
 the loss or any gradient -- in training, in decoding steps fed a left-padded prefix, in
 every dtype, through fairseq-train and fairseq's SequenceGenerator."""
 import math
@@ -13,8 +13,8 @@ import torch
 from fairseq.sequence_generator import SequenceGenerator
 
 from conftest import build_model, cli, make_dictionary, randomize_convs
-from ea_fairseq import accelerators
-from ea_fairseq.modules import masked_softmax as ms
+from ea_ops import accelerators
+from ea_ops import softmax as ms
 from families import ANCHORED, FAMILIES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -221,9 +221,9 @@ def test_fused_decoding_step_gives_a_keyless_row_zero_weights(layout):
     from fairseq.modules import MultiheadAttention
 
     from ea_fairseq.modules import AttentionMapCarrier, EvolvingAttention
-    from ea_fairseq.modules.evolving_attention_op import evolving_attention
-    from ea_fairseq.ops import evolving_attention_dispatch as dispatch
-    from ea_fairseq.ops.evolving_attention_types import StepState
+    from ea_ops import evolving_attention
+    from ea_ops import dispatch
+    from ea_ops.contract import StepState
 
     torch.manual_seed(0)
     attn = EvolvingAttention(16, 4, self_attention=layout == "causal", encoder_decoder_attention=layout == "rows",

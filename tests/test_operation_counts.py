@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import build_model, make_dictionary, random_batch
-from ea_fairseq import accelerators
+from ea_ops import accelerators
 from ea_fairseq.models import fairseq_speedups
 from families import FAMILIES
 

@@ -22,10 +22,10 @@ from fairseq.tasks import TASK_REGISTRY
 print(json.dumps({{
     "archs": sorted(a for a, m in ARCH_MODEL_REGISTRY.items() if m.__module__.startswith("ea_fairseq.")),
     "tasks": sorted(t for t, c in TASK_REGISTRY.items() if c.__module__.startswith("ea_fairseq.")),
-    "checkpoints checked": getattr(checkpoint_utils.load_checkpoint_to_cpu, "ea_fairseq_validates", False),
+    "checkpoints checked by": checkpoint_utils.load_checkpoint_to_cpu.__module__,
     "archives extracted by": file_utils.load_archive_file.__module__,
-    "data files checked": [getattr(f, "ea_fairseq_checks", False) for f in
-                           (data_utils.load_indexed_dataset, Dictionary.add_from_file, encoders.build_bpe)],
+    "data files checked by": [f.__module__ for f in
+                              (data_utils.load_indexed_dataset, Dictionary.add_from_file, encoders.build_bpe)],
     "excepthook": sys.excepthook is sys.__excepthook__ and "python's" or "replaced",
 }}))
 """
@@ -60,7 +60,8 @@ def test_import_loads_the_same_plugin_whatever_sys_argv_says():
     states = {name: json.loads(_result(proc)) for name, proc in procs.items()}
     first = states["python -c"]
     assert "ea_transformer_lite" in first["archs"] and "translation_lines" in first["tasks"]
-    assert first["checkpoints checked"] and first["data files checked"] == [True, True, True]
+    assert first["checkpoints checked by"] == "ea_fairseq.checkpoint_safety.hook"
+    assert first["data files checked by"] == ["ea_fairseq.data_files"] * 3
     assert first["archives extracted by"] == "ea_fairseq.archives"
     assert first["excepthook"] == "python's"  # a plain import leaves it alone
     for name, state in states.items():
@@ -75,13 +76,13 @@ def test_the_excepthook_is_installed_in_a_fairseq_entry_point_and_only_there(tmp
     served = tmp_path / "served.py"
     served.write_text("from fairseq_cli.generate import cli_main  # noqa: F401\n"
                       "import sys\nimport ea_fairseq  # noqa: F401\n"
-                      "print(sys.excepthook is sys.__excepthook__, sys.excepthook.ea_fairseq)\n")
+                      "print(sys.excepthook is sys.__excepthook__, sys.excepthook.ea_fairseq_replaces)\n")
     plain = tmp_path / "plain.py"
     plain.write_text("import fairseq_cli.generate  # noqa: F401\nimport sys\nimport ea_fairseq  # noqa: F401\n"
                      "print(sys.excepthook is sys.__excepthook__)\n")
     procs = [subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env=_env(), cwd=REPO) for path in (served, plain)]
-    assert [_result(proc).split() for proc in procs] == [["False", "True"], ["True"]]
+    assert [_result(proc).split() for proc in procs] == [["False", "sys:excepthook"], ["True"]]
 
 
 def test_the_tools_package_imports_neither_fairseq_nor_torch():

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import build_model, random_batch
-from ea_fairseq import accelerators
+from ea_ops import accelerators
 
 LAYERS = ("--encoder-layers", "2", "--decoder-layers", "2", "--dropout", "0.0")
 CASES = {

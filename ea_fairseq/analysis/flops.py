@@ -25,7 +25,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 import torch.nn as nn
 from fairseq.modules import LearnedPositionalEmbedding, MultiheadAttention, SinusoidalPositionalEmbedding
 
-from ..modules.attention_map_conv import AttentionMapConv
+from ea_ops.map_conv import AttentionMapConv
 from ..modules.attention_maps import LogitMapAttention
 from ..modules.evolving_attention import EvolvingAttention
 from ..modules.long_short_range_attention import LightweightConvBranch

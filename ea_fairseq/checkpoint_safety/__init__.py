@@ -36,13 +36,14 @@ fairseq receives has been generated here from it:
    master tensor, Adafactor's factored moments, ...): fairseq's optimizer matches it with the
    parameters when training resumes.
 
-:func:`install` (run when the plugin is imported) puts this in front of
+:func:`~.hook.checkpoint_loader` (installed when the plugin is loaded:
+:mod:`ea_fairseq.side_effects`) puts this in front of
 ``fairseq.checkpoint_utils.load_checkpoint_to_cpu``, through which fairseq's command-line
 tools, ``--restore-file``/``--finetune-from-model`` and the hub read a checkpoint;
 :func:`load_checkpoint` does the same for the plugin's own tools.
 """
 from .bounds import LIMIT_POSITIONS, check_model_sizes, vouched_model_class
-from .hook import install, load_checkpoint, nonfinite_weights, sanitize, trusted
+from .hook import load_checkpoint, nonfinite_weights, sanitize, trusted
 from .literals import EVALUATED_FIELDS, UNUSED_FIELDS, Form
 from .plain import (LIMIT_AMPLIFICATION, LIMIT_CHARS, LIMIT_CONFIG_NODES, LIMIT_DEPTH, LIMIT_ITEMS,
                     LIMIT_STATE_NODES)
@@ -56,6 +57,6 @@ __all__ = [
     "CheckpointError", "CorruptCheckpointError", "architecture", "EVALUATED_FIELDS", "Form", "Generator", "LIMIT_AMPLIFICATION",
     "LIMIT_CHARS", "LIMIT_CONFIG_NODES", "LIMIT_DEPTH", "LIMIT_ITEMS", "LIMIT_POSITIONS", "LIMIT_STATE_NODES",
     "PATH_FIELDS", "TRUST_SWITCH", "UNUSED_FIELDS", "UnsafeCheckpointError", "check_model_sizes",
-    "checkpoint_globals", "checkpoint_globals_allowed", "fairseq_checkpoint_globals", "install", "load_checkpoint",
+    "checkpoint_globals", "checkpoint_globals_allowed", "fairseq_checkpoint_globals", "load_checkpoint",
     "nonfinite_weights", "numpy_checkpoint_globals", "read_checkpoint", "sanitize", "trusted", "vouched_model_class",
 ]

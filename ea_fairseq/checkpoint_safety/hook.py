@@ -1,8 +1,7 @@
-"""The plugin's checkpoint loader (:func:`sanitize`, :func:`load_checkpoint`) and the fairseq
-hook that puts it in front of ``fairseq.checkpoint_utils.load_checkpoint_to_cpu``
-(:func:`install`)."""
+"""The plugin's checkpoint loader (:func:`sanitize`, :func:`load_checkpoint`) and what puts it
+in front of ``fairseq.checkpoint_utils.load_checkpoint_to_cpu`` (:func:`checkpoint_loader`,
+installed by :mod:`ea_fairseq.side_effects`)."""
 import argparse
-import functools
 import logging
 import os
 import threading
@@ -112,8 +111,8 @@ _TAKEN = object()
 
 
 class _TorchForCheckpointUtils:
-    """What ``fairseq.checkpoint_utils`` sees as ``torch`` (installed once, for good): torch
-    itself, except that ``load`` called in a thread inside the plugin's
+    """What ``fairseq.checkpoint_utils`` sees as ``torch`` (:func:`torch_for_checkpoint_utils`):
+    torch itself, except that ``load`` called in a thread inside the plugin's
     ``load_checkpoint_to_cpu`` returns the state that call read and sanitized (once). In every
     other thread, and outside that call, ``load`` is ``torch.load``: no state is shared between
     threads, nothing is swapped for the duration of a call."""
@@ -134,17 +133,24 @@ class _TorchForCheckpointUtils:
         return f"<torch for fairseq.checkpoint_utils, through ea_fairseq: {torch!r}>"
 
 
-def install() -> None:
-    """Read every checkpoint ``fairseq.checkpoint_utils.load_checkpoint_to_cpu`` loads here.
+def torch_for_checkpoint_utils(original) -> _TorchForCheckpointUtils:
+    """The ``torch`` of ``fairseq.checkpoint_utils`` (``original``: torch itself) that hands
+    fairseq's own function the state :func:`checkpoint_loader` read."""
+    return _TorchForCheckpointUtils()
+
+
+def checkpoint_loader(original):
+    """``fairseq.checkpoint_utils.load_checkpoint_to_cpu`` (``original``) reading every
+    checkpoint through the plugin (installed by :mod:`ea_fairseq.side_effects`).
 
     fairseq's tools, its trainer and ``load_model_ensemble_and_task`` (hence the hub) call
-    that function through its module, so wrapping it there reaches them all. The wrapper
+    that function through its module, so replacing it there reaches them all. The replacement
     reads the file (:func:`read_checkpoint`), sanitizes it (:func:`sanitize`) and runs
     fairseq's own function on that state: its ``torch.load`` returns the sanitized state
     instead of reading the file again (:class:`_TorchForCheckpointUtils`, keyed by thread), so
     fairseq's conversions and overrides apply to what was checked, and nothing else. fairseq
-    has no hook on this path (docs/fairseq-internals.md); both replacements are made once
-    (idempotent) and act only inside the wrapper's call, in its thread.
+    has no hook on this path (docs/fairseq-internals.md); both replacements act only inside
+    this function's call, in its thread.
 
     Not through here: in multi-process training, fairseq's trainer reads a checkpoint on rank
     0 and sends it to the other ranks with ``distributed_utils.broadcast_object``, which
@@ -153,14 +159,8 @@ def install() -> None:
     the other ranks. ``--load-checkpoint-on-all-dp-ranks`` makes every rank read the file
     through this loader instead.
     """
-    from fairseq import checkpoint_utils
     from fairseq.file_io import PathManager
 
-    original = checkpoint_utils.load_checkpoint_to_cpu
-    if getattr(original, "ea_fairseq_validates", False):
-        return
-
-    @functools.wraps(original)
     def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
         source = shown_text(str(path))  # the name every message gives it (a file name is input too)
         state = sanitize(read_checkpoint(PathManager.get_local_path(path), source), source)
@@ -172,7 +172,4 @@ def install() -> None:
         finally:
             states.pop()
 
-    load_checkpoint_to_cpu.ea_fairseq_validates = True
-    if not isinstance(checkpoint_utils.torch, _TorchForCheckpointUtils):
-        checkpoint_utils.torch = _TorchForCheckpointUtils()
-    checkpoint_utils.load_checkpoint_to_cpu = load_checkpoint_to_cpu
+    return load_checkpoint_to_cpu

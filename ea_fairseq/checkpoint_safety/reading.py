@@ -6,7 +6,6 @@ reported as such."""
 import argparse
 import collections
 import contextlib
-import functools
 import os
 import re
 import stat
@@ -135,15 +134,15 @@ class _InterpolationDuringLoad(Exception):
 _unpickling = threading.local()  # .attempted: set in a thread while it unpickles a checkpoint
 
 
-def _gate_resolution():
-    """Put a gate in front of omegaconf's interpolation resolution: it refuses in a thread
-    that is unpickling a checkpoint (:func:`_no_interpolation_resolved`) and resolves as
-    omegaconf does in every other thread."""
-    from omegaconf.base import Container
+#: the row of :mod:`ea_fairseq.side_effects` the gate is
+GATED = "omegaconf.base:Container._maybe_resolve_interpolation"
 
-    original = Container._maybe_resolve_interpolation
 
-    @functools.wraps(original)
+def resolution_gate(original):
+    """omegaconf's interpolation resolution (``original``) behind a gate: it refuses in a
+    thread that is unpickling a checkpoint (:func:`_no_interpolation_resolved`) and resolves
+    as omegaconf does in every other thread."""
+
     def gate(self, parent, key, value, *args, **kwargs):
         attempted = getattr(_unpickling, "attempted", None)
         if attempted is None:
@@ -151,14 +150,19 @@ def _gate_resolution():
         attempted.append(str(getattr(value, "_value", lambda: value)()))
         raise _InterpolationDuringLoad(attempted[-1])
 
-    Container._maybe_resolve_interpolation = gate
-    return original
+    return gate
+
+
+def _gate_resolution():
+    from .. import side_effects
+
+    return side_effects.replace(GATED)
 
 
 def _ungate_resolution(original) -> None:
-    from omegaconf.base import Container
+    from .. import side_effects
 
-    Container._maybe_resolve_interpolation = original
+    side_effects.restore(GATED, original)
 
 
 _resolution_gate = _WhileAnyThreadNeedsIt(_gate_resolution, _ungate_resolution)

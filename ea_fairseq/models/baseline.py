@@ -4,7 +4,9 @@ flag: ``--arch transformer_lite --drop-attention element`` (or ``--arch transfor
 
 fairseq's ``transformer`` model has neither option, so its architectures (``transformer``,
 ``transformer_iwslt_de_en``, ..., and the plugin's ``transformer_lite``) are pointed at
-:class:`BaselineTransformerModel`: fairseq's ``TransformerModel`` plus only these options.
+:class:`BaselineTransformerModel` in fairseq's ``ARCH_MODEL_REGISTRY`` (a row of
+:mod:`ea_fairseq.side_effects`, made when the plugin is loaded): fairseq's ``TransformerModel``
+plus only these options.
 Without them it builds fairseq's ``TransformerModel`` itself, the class untouched (every
 vanilla run, and the benchmark's twins, are fairseq's model); with them, the plugin's
 transformer with vanilla attention in every role, DropAttention where asked and the
@@ -12,7 +14,6 @@ positional embeddings of one side left out. With DropAttention only, the paramet
 the same either way, and DropAttention acts in training only, so such a checkpoint also
 loads into fairseq's ``TransformerModel`` without the plugin.
 """
-from fairseq.models import ARCH_MODEL_REGISTRY
 from fairseq.models.transformer import TransformerModel
 from omegaconf import OmegaConf
 
@@ -51,11 +52,6 @@ class BaselineTransformerModel(EATransformerModel):
         return super().build_model(args, task)
 
 
-def adopt_fairseq_transformer_archs() -> None:
-    """Point every architecture of fairseq's ``TransformerModel`` at the baseline model."""
-    for arch, model in list(ARCH_MODEL_REGISTRY.items()):
-        if model is TransformerModel:
-            ARCH_MODEL_REGISTRY[arch] = BaselineTransformerModel
-
-
-adopt_fairseq_transformer_archs()
+def with_plugin_options(model_class):
+    """What an architecture of fairseq's ``TransformerModel`` (``model_class``) is pointed at."""
+    return BaselineTransformerModel

@@ -1,4 +1,4 @@
-from .attention_map_conv import AttentionMapConv
+from ea_ops.map_conv import AttentionMapConv
 from .attention_map_carrier import AttentionMapCarrier
 from .attention_maps import LogitMapAttention
 from .attention_mechanism import AttentionMechanism

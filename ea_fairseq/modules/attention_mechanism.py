@@ -13,9 +13,9 @@ from torch.utils.hooks import RemovableHandle
 
 from .attention_cache import AttentionCache
 from .attention_map_carrier import AttentionMapCarrier, shared_in_pass
-from .attention_masks import fill_masked
-from .masked_softmax import attention_weights, fully_masked_rows
-from .weighted_values import fairseq_weights, value_product
+from ea_ops.masks import fill_masked
+from ea_ops.softmax import attention_weights, fully_masked_rows
+from ea_ops.values import fairseq_weights, value_product
 
 #: the key of a module's cache in fairseq's incremental state (prefixed with the module's id)
 CACHE = "cache"
@@ -88,7 +88,7 @@ class AttentionMechanism:
         return self.out_proj(context), fairseq_weights(probs_float, need_weights, need_head_weights)
 
     def empty_rows(self, masked: Optional[Tensor]) -> Optional[Tensor]:
-        """:func:`~ea_fairseq.modules.masked_softmax.fully_masked_rows` of ``masked``, once
+        """:func:`ea_ops.softmax.fully_masked_rows` of ``masked``, once
         per pass of the stack (every layer gets the same masks)."""
         if masked is None:
             return None

@@ -1,9 +1,9 @@
 """Evolving Attention (EA-Transformer): multi-head attention whose logit map evolves across
 layers, EA paper Eq. (4), §3.3 and §3.5.
 
-The equation is one operation, :func:`~ea_fairseq.modules.evolving_attention_op.evolving_attention`
+The equation is one operation, :func:`~ea_ops.operation.evolving_attention`
 (its module documents it); this module is the attention that calls it once per attention
-with its α, β and map convolution (:class:`~ea_fairseq.modules.attention_map_conv.AttentionMapConv`),
+with its α, β and map convolution (:class:`~ea_ops.map_conv.AttentionMapConv`),
 takes the previous layer's ``A_logit`` from the stack's
 :class:`~ea_fairseq.modules.attention_maps.AttentionMapCarrier` and hands its own on, and
 keeps the operation's state of a decoding run in fairseq's incremental state: what a step
@@ -11,10 +11,10 @@ returns is stored there for the next, and beam search's reorders are composed in
 """
 from typing import Optional
 
-from ..ops.evolving_attention_types import EvolvingAttentionParams, StepState
-from .attention_map_conv import AttentionMapConv
+from ea_ops.contract import EvolvingAttentionParams, StepState
+from ea_ops.map_conv import AttentionMapConv
 from .attention_maps import LogitMapAttention, fairseq_weights
-from .evolving_attention_op import evolving_attention
+from ea_ops.operation import evolving_attention
 
 
 class EvolvingAttention(LogitMapAttention):

@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from .weighted_values import fairseq_weights, value_product
+from ea_ops.values import fairseq_weights, value_product
 from .position_attention import PositionAttention
 
 NORMALIZE = ("none", "visible")

@@ -26,9 +26,9 @@ from fairseq.modules.quant_noise import quant_noise
 from torch import Tensor
 
 from .attention_map_carrier import shared_in_pass
-from .attention_masks import boolean_mask
+from ea_ops.masks import boolean_mask
 from .attention_mechanism import AttentionMechanism
-from .masked_softmax import fully_masked_rows
+from ea_ops.softmax import fully_masked_rows
 
 
 def sentence_positions(padding_mask: Optional[Tensor], length: int, device) -> Tensor:

@@ -6,7 +6,7 @@ For every encoder block but the first::
 
 ``A_pre_logits`` are the previous block's logits before its softmax (what this module
 hands on through the stack's carrier); ``CNN`` is ``--pa-conv-layers`` 3x3 heads-to-heads
-convolutions (:class:`~ea_fairseq.modules.attention_map_conv.AttentionMapConv`, the same
+convolutions (:class:`~ea_ops.map_conv.AttentionMapConv`, the same
 convolution EA uses) each followed by a ReLU. With zero layers the prediction is the
 previous logits themselves: the paper's "Transformer with RC" (Table 5). The first block
 only hands its logits on. PA is defined for encoder self-attention (the paper's MT setup).
@@ -19,7 +19,7 @@ from typing import Optional
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention_map_conv import AttentionMapConv
+from ea_ops.map_conv import AttentionMapConv
 from .attention_maps import LogitMapAttention, fill_masked
 
 

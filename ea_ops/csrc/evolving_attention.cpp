@@ -18,7 +18,7 @@
 // Conv reads, for output column j, rows (cached k-1 rows, then the new row) and columns
 // j - left .. j - left + k - 1 (zero outside the map; cached rows narrower than the map,
 // as in decoder self-attention, read zeros in the new columns). This is the PyTorch path
-// of ea_fairseq/modules/evolving_attention.py (the reference) in one pass: it removes the half dozen
+// of ea_ops/reference.py (the reference) in one pass: it removes the half dozen
 // small tensor operations per attention and decoding step whose fixed costs dominate a
 // step on CPU.
 // The few ATen headers it uses, not <torch/extension.h> (all of libtorch's C++ API): the
@@ -46,7 +46,8 @@ namespace {
 template <typename scalar_t>
 struct StepData {
   int64_t B, H, S, k, S_prev, D, beams, left;
-  scalar_t* logits;            // (B, H, S): the new rows; overwritten with A_logit / weights
+  const scalar_t* logits;      // (B, H, S): the new rows
+  scalar_t* out;               // (B, H, S): A_logit, or with values the weights
   const scalar_t* previous;    // (B, H, S) or null
   const scalar_t* earlier;     // (B_prev, H, k-1, S_prev) or null
   const int64_t* order;        // (B) or null
@@ -107,7 +108,8 @@ inline void step_block(const StepData<scalar_t>& d, int64_t n0, int64_t nb, int6
 
 template <typename scalar_t>
 void step_kernel(
-    const at::Tensor& logits,    // (B, H, S), contiguous; overwritten with A_logit
+    const at::Tensor& logits,    // (B, H, S), contiguous
+    at::Tensor& out,             // (B, H, S): A_logit, or with `values` the weights
     const at::Tensor& previous,  // (B, H, S) contiguous, or undefined
     const at::Tensor& earlier,   // (B_prev, H, k-1, S_prev) contiguous, or undefined
     const at::Tensor& order,     // (B) int64: hypothesis n's earlier rows are earlier[order[n]]
@@ -128,6 +130,7 @@ void step_kernel(
   d.beams = values.defined() ? d.B / (values.size(0) / d.H) : 1;
   d.left = left;
   d.logits = logits.data_ptr<scalar_t>();
+  d.out = out.data_ptr<scalar_t>();
   d.previous = previous.defined() ? previous.data_ptr<scalar_t>() : nullptr;
   d.earlier = earlier.defined() ? earlier.data_ptr<scalar_t>() : nullptr;
   d.order = order.defined() ? order.data_ptr<int64_t>() : nullptr;
@@ -393,8 +396,8 @@ std::vector<at::Tensor> convolution_residual_backward(at::Tensor grad, at::Tenso
 }
 
 // Returns (A_logit (B, H, 1, S) -- or with `values` (B_kv * H, S, d) its softmax over the
-// keys -- written into `logits`; the next step's cached rows; with `values`, the context
-// P V as (1, B, H * d), the output projection's input, else None).
+// keys --, a new tensor (`logits` is only read); the next step's cached rows; with
+// `values`, the context P V as (1, B, H * d), the output projection's input, else None).
 std::vector<at::Tensor> evolving_attention_step(
     at::Tensor logits, c10::optional<at::Tensor> previous, c10::optional<at::Tensor> earlier,
     c10::optional<at::Tensor> masked, at::Tensor weight, c10::optional<at::Tensor> bias,
@@ -402,7 +405,7 @@ std::vector<at::Tensor> evolving_attention_step(
     c10::optional<at::Tensor> order) {
   TORCH_CHECK(logits.dim() == 4 && logits.size(2) == 1, "logits must be (B, H, 1, S)");
   // inputs are read contiguous (a no-op for the decoder's tensors, and cheaper here than
-  // a Python call per tensor); the result is written into the contiguous logits
+  // a Python call per tensor)
   logits = logits.contiguous();
   TORCH_CHECK(weight.dim() == 4 && weight.size(2) == weight.size(3) && weight.size(2) > 1,
               "weight must be (H, H, k, k) with k > 1");
@@ -459,12 +462,14 @@ std::vector<at::Tensor> evolving_attention_step(
     context = at::empty({1, B, H * values_t.size(2)}, logits.options());
   }
   auto rows_out = at::empty({B, H, k - 1, S}, logits.options());
+  auto result = at::empty(logits.sizes(), logits.options());
   auto flat = logits.view({B, H, S});
+  auto flat_out = result.view({B, H, S});
   AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "evolving_attention_step", [&] {
-    step_kernel<scalar_t>(flat, prev_t, earlier_t, order_t, masked_t, weight, bias_t, rows_out,
+    step_kernel<scalar_t>(flat, flat_out, prev_t, earlier_t, order_t, masked_t, weight, bias_t, rows_out,
                           values_t, context, alpha, beta, left);
   });
-  return {logits, rows_out, context};
+  return {result, rows_out, context};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -58,7 +58,7 @@ inline double exp_nonpositive(double x) { return std::exp(x); }
 
 // One finished row of the step's map: in place, its softmax over the keys, as
 // torch.softmax (masked keys weigh 0; a row with every key masked gets zero weights and a
-// zero context, as ea_fairseq.modules.masked_softmax gives it);
+// zero context, as ea_ops.softmax.masked_softmax gives it);
 // then context[0:D] = sum over keys of weight * values[key][0:D].
 template <typename scalar_t>
 inline __attribute__((always_inline)) void attend_row(scalar_t* x, int64_t n, const scalar_t* values,
@@ -170,7 +170,7 @@ void step_block(const StepData<scalar_t>& d, int64_t n0, int64_t nb, int64_t blo
       const int64_t n = n0 + q;
       scalar_t* conv = acc + q * W;
       for (int64_t s = 0; s < S; ++s) conv[s] = conv[s] > scalar_t(0) ? conv[s] : scalar_t(0);
-      scalar_t* out = d.logits + (n * H + o) * S;
+      scalar_t* out = d.out + (n * H + o) * S;
       lerp_row(window + ((o * k + R) * block + q) * W + left, conv, residual, out, S);
       if (d.values) {  // the weights (masked keys -inf, weighing 0), and the context row
         if (d.masked) fill_row(out, d.masked + n * S, fill, S);

@@ -1,0 +1,139 @@
+"""What loading the plugin changes outside the plugin is the table of ``ea_fairseq.side_effects``
+and nothing else: a process records every fairseq, omegaconf, hydra and torch module (its
+attributes, its classes' attributes, its registries' items) as it finishes importing, then
+the plugin is loaded and every replaced value is listed. The list must be the table's rows
+for that process, each the plugin's replacement holding fairseq's original; the negative
+control, a replacement made outside the table, is listed as one."""
+import json
+import os
+import subprocess
+import sys
+
+from conftest import REPO
+
+WATCH = r"""
+import importlib.abc, json, logging, os, sys, warnings
+
+WATCHED = ("fairseq", "fairseq_cli", "omegaconf", "hydra", "torch")  # torch: only torch, torch.serialization
+recorded = {}  # module name: {attribute: value}, as the module finished importing
+
+
+def attributes(module):
+    out = {}
+    for name, value in list(vars(module).items()):
+        if name.startswith("__"):
+            continue
+        out[name] = value
+        if isinstance(value, type) and value.__module__ == module.__name__:
+            for key, member in list(vars(value).items()):
+                if not key.startswith("__"):
+                    out[f"{name}.{key}"] = member
+        if isinstance(value, dict) and name.endswith("REGISTRY"):
+            out.update({f"{name}[{key}]": item for key, item in list(value.items()) if isinstance(key, str)})
+    return out
+
+
+class Recorder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] not in WATCHED[:-1]:
+            return None
+        for finder in sys.meta_path:
+            if finder is not self and hasattr(finder, "find_spec"):
+                spec = finder.find_spec(name, path, target)
+                if spec is not None:
+                    break
+        else:
+            return None
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module, run=run):
+            run(module)
+            recorded[module.__name__] = attributes(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+import fairseq  # noqa: E402,F401  (what fairseq's own import changes is fairseq's)
+
+for name, module in list(sys.modules.items()):
+    if name.split(".")[0] in WATCHED[:-1] or name in ("torch", "torch.serialization", "sys", "os", "logging",
+                                                       "warnings"):
+        recorded[name] = attributes(module)
+sys.meta_path.insert(0, Recorder())  # the modules imported from here on, as each finishes importing
+environ, filters, root = dict(os.environ), list(warnings.filters), logging.getLogger().level
+
+
+def replaced():
+    out = []
+    for module, before in recorded.items():
+        now = attributes(sys.modules[module])
+        out += [f"{module}:{key}" for key, value in before.items() if key not in now or now[key] is not value]
+    if dict(os.environ) != environ:
+        out.append("os:environ")
+    if list(warnings.filters) != filters:
+        out.append("warnings:filters")
+    if logging.getLogger().level != root:
+        out.append("logging:root.level")
+    return sorted(out)
+
+
+import ea_fairseq  # noqa: E402
+from ea_fairseq import side_effects  # noqa: E402
+from fairseq.models.transformer import TransformerModel  # noqa: E402
+
+plain = replaced()
+rows = {row.target: row for row in side_effects.SIDE_EFFECTS}
+theirs = {}
+for target in plain:
+    row = rows.get(target)
+    if row is not None:
+        module, _, name = target.partition(":")
+        now = attributes(sys.modules[module])[name]
+        theirs[target] = [getattr(now, side_effects.MARK, None) == target, now.__wrapped__ is recorded[module][name]]
+archs = sorted(key.split("[")[1][:-1] for key, value in recorded["fairseq.models"].items()
+               if key.startswith("ARCH_MODEL_REGISTRY[") and value is TransformerModel)
+side_effects.install(serving_command_line=True)
+served = replaced()
+import fairseq.utils  # noqa: E402
+
+fairseq.utils.move_to_cpu = lambda sample: sample  # a replacement outside the table
+print(json.dumps({"plain": plain, "theirs": theirs, "archs": archs, "served": served, "hidden": replaced(),
+                  "gate": side_effects.original("omegaconf.base:Container._maybe_resolve_interpolation").__module__}))
+"""
+
+
+def test_loading_the_plugin_replaces_the_tables_rows_and_nothing_else():
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", WATCH], capture_output=True, text=True, env=env, cwd=REPO,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.splitlines()[-1])
+
+    from ea_fairseq import side_effects
+
+    def expected(scopes):
+        out = []
+        for row in side_effects.SIDE_EFFECTS:
+            if row.scope not in scopes:
+                continue
+            if row.how == "attribute":
+                out.append(row.target)
+            elif row.how == "registry items":
+                registry = row.target.split("[")[0]
+                out += [f"{registry}[{arch}]" for arch in found["archs"]]
+            elif row.replacement == "ea_fairseq.known_warnings:install":  # (and the hydra logger's level)
+                out.append("warnings:filters")
+        return sorted(out)
+
+    every = (side_effects.EVERY_PROCESS,)
+    assert "transformer" in found["archs"] and "transformer_wmt_en_de" in found["archs"]
+    assert found["plain"] == expected(every)
+    attribute_rows = [row.target for row in side_effects.SIDE_EFFECTS
+                      if row.how == "attribute" and row.scope in every]
+    assert found["theirs"] == {target: [True, True] for target in attribute_rows}  # the plugin's, fairseq's kept
+    assert found["served"] == expected(every + (side_effects.SERVED_COMMAND_LINES,))
+    assert found["gate"] == "omegaconf.base"  # the scoped replacement is not in place after loading
+    assert set(found["hidden"]) - set(found["served"]) == {"fairseq.utils:move_to_cpu"}  # negative control
