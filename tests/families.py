@@ -25,7 +25,10 @@ test modules pick from :data:`FAMILIES` by these fields, never keep a list of th
 * ``held``: the mechanism's scalar settings (``module.attribute`` patterns) that are the
   configuration under test and keep their value (e.g. the papers' decoder α = 0);
 * ``reduces``: the options with which the mechanism computes its twin's function from the
-  twin's weights (EA with α = β = 0, a one-layer RealFormer, ...), ``None`` where none does.
+  twin's weights (EA with α = β = 0, a one-layer RealFormer, ...), ``None`` where none does;
+* ``maps``: the maps the analysis tool records beside each attention's weights
+  (``ea_fairseq.analysis``; test_analysis.py captures the families that name them, ``None``
+  the others).
 
 The decoding properties run every family perturbed (:meth:`Family.perturb`): every
 mechanism parameter and every scalar setting (:data:`SETTINGS`: α, β, λ, σ, DropAttention's
@@ -61,6 +64,7 @@ class Family:
     mechanism: Tuple[Tuple[str, float], ...] = ()
     held: Tuple[str, ...] = ()
     reduces: Optional[Tuple[str, ...]] = None
+    maps: Optional[FrozenSet[str]] = None
 
     def args(self) -> Tuple[str, ...]:
         return (self.arch, *self.options)
@@ -192,14 +196,16 @@ HCSA_OFFSETS = (("*self_attn.head_offsets", 2),)  # each head's centre moves bac
 # LSRA: the light convolution branch, and the attention branch's projections (named anew)
 LSRA_BRANCHES = (("*self_attn.conv.weight", 0.5), ("*self_attn.conv.linear_*", 0.05),
                  ("*self_attn.attention.*_proj.*", 0.05))
+PA_MAPS = frozenset({"dot_product", "prediction", "logits"})
 LSRA_MAP_CONV = (("*self_attn.attention.conv.*", 0.5),)  # EA's map convolution in LSRA's attention branch
 
 #: every family, one line each
 FAMILIES: Dict[str, Family] = {
     # fairseq's own transformer: the control every mechanism is compared with
-    "vanilla": Family("transformer_lite", dtypes=FP32, cli=True),
+    "vanilla": Family("transformer_lite", dtypes=FP32, cli=True, maps=frozenset()),
     "ea-lite": Family("ea_transformer_lite", EA_ON, EVERY_ROLE, accelerator=True, cli=True, mechanism=MAP_CONV,
-                      reduces=("--ea-alpha", "0", "--ea-beta", "0", "--ea-decoder-alpha", "0")),
+                      reduces=("--ea-alpha", "0", "--ea-beta", "0", "--ea-decoder-alpha", "0"),
+                      maps=frozenset({"dot_product", "convolution", "logits"})),
     # decoder alpha 0 (the papers' decoder): no layer reads A_logit, the fused step returns weights
     "ea-lite-paper-decoder": Family("ea_transformer_lite", EA_ON + ("--ea-decoder-alpha", "0"), EVERY_ROLE,
                                     accelerator=True, dtypes=FP32, anchor=False, variant_of="ea-lite",
@@ -211,23 +217,25 @@ FAMILIES: Dict[str, Family] = {
     "ea-base": Family("ea_transformer_base", EA_ON, EVERY_ROLE, accelerator=True, decoding=False,
                       variant_of="ea-lite", twin="transformer", mechanism=MAP_CONV),
     "pa-lite": Family("pa_transformer_lite", ("--pa-alpha", "0.5"), frozenset({"encoder"}), mechanism=PA_CNN,
-                      reduces=("--pa-alpha", "0")),
+                      reduces=("--pa-alpha", "0"), maps=PA_MAPS),
     "pa-lite-2-conv-layers": Family("pa_transformer_lite", ("--pa-alpha", "0.5", "--pa-conv-layers", "2"),
                                     frozenset({"encoder"}), dtypes=FP32, anchor=False, variant_of="pa-lite",
                                     mechanism=PA_CNN),
     "ran-e-lite": Family("ran_e_lite", RAN_ON, frozenset({"encoder"}), mechanism=RAN_MATRICES),
     "ran-d-lite": Family("ran_d_lite", RAN_ON, frozenset({"decoder"}), mechanism=RAN_MATRICES),
-    "ran-all-lite": Family("ran_all_lite", RAN_ON, BOTH, cli=True, mechanism=RAN_MATRICES),
+    "ran-all-lite": Family("ran_all_lite", RAN_ON, BOTH, cli=True, mechanism=RAN_MATRICES,
+                           maps=frozenset({"recurrent"})),
     "ran-d-lite+ea-encoder": Family("ran_d_lite", RAN_ON + ("--encoder-attention", "ea", "--ea-alpha", "0.5",
                                                             "--ea-beta", "0.5"), BOTH, accelerator=True,
                                     dtypes=FP32, anchor=False, mechanism=RAN_MATRICES + MAP_CONV),
-    "hcsa-lite": Family("hcsa_lite", (), BOTH, mechanism=HCSA_OFFSETS),
-    "syn-r-lite": Family("syn_r_lite", SYN_ON, BOTH, mechanism=SYN_R),
+    "hcsa-lite": Family("hcsa_lite", (), BOTH, mechanism=HCSA_OFFSETS, maps=frozenset({"gaussian"})),
+    "syn-r-lite": Family("syn_r_lite", SYN_ON, BOTH, mechanism=SYN_R, maps=frozenset({"synthesized"})),
     # one layer: no previous scores; λ = (0, 1): V_n alone
     "realformer-lite": Family("realformer_lite", (), EVERY_ROLE,
-                              reduces=("--encoder-layers", "1", "--decoder-layers", "1")),
+                              reduces=("--encoder-layers", "1", "--decoder-layers", "1"),
+                              maps=frozenset({"dot_product", "logits"})),
     "resformer-lite": Family("resformer_lite", ("--value-residual-lambdas", "0.7", "0.6"), BOTH,
-                             reduces=("--value-residual-lambdas", "0", "1")),
+                             reduces=("--value-residual-lambdas", "0", "1"), maps=frozenset()),
     "ea-lite+resformer": Family("ea_transformer_lite", ("--ea-decoder-alpha", "0.3", "--value-residual-on",
                                                         "encoder", "decoder"), EVERY_ROLE, accelerator=True,
                                 dtypes=FP32, anchor=False, mechanism=MAP_CONV),
@@ -236,7 +244,7 @@ FAMILIES: Dict[str, Family] = {
                                             dtypes=FP32, anchor=False, mechanism=RAN_MATRICES),
     "conv-transformer-lite": Family("conv_transformer_lite", LSRA, BOTH, mechanism=LSRA_BRANCHES),
     "pa-conv-transformer-lite": Family("pa_conv_transformer_lite", ("--pa-alpha", "0.5") + LSRA, BOTH,
-                                      mechanism=LSRA_BRANCHES + PA_CNN),
+                                      mechanism=LSRA_BRANCHES + PA_CNN, maps=PA_MAPS),
     "lsra+ea-lite+dropattention": Family("ea_transformer_lite", ("--lsra-on", "encoder", "decoder",
                                                                  "--ea-decoder-alpha", "0.3", "--drop-attention",
                                                                  "column") + LSRA, EVERY_ROLE, accelerator=True,

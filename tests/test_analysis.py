@@ -17,6 +17,7 @@ from ea_fairseq.analysis import flops as F
 from ea_fairseq.analysis import metrics as M
 from ea_fairseq.analysis.maps import AttentionCapture
 from ea_fairseq.models import building
+from families import FAMILIES, LSRA_BRANCHES
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 LN2 = math.log(2.0)
@@ -90,21 +91,16 @@ def test_layer_metrics_ignore_padding_and_identical_layers_have_zero_js():
 
 
 # -- capture on every architecture -------------------------------------------------------------
-LITE = ["transformer_lite", "ea_transformer_lite", "pa_transformer_lite", "ran_all_lite", "hcsa_lite",
-        "syn_r_lite", "realformer_lite", "resformer_lite"]
-CARRIER_KINDS = {
-    "realformer_lite": {"dot_product", "logits"},
-    "ea_transformer_lite": {"dot_product", "convolution", "logits"},
-    "pa_transformer_lite": {"dot_product", "prediction", "logits"},
-    "ran_all_lite": {"recurrent"},
-    "hcsa_lite": {"gaussian"},
-    "syn_r_lite": {"synthesized"},
-}
+#: the families whose maps the capture is checked on (families.py: ``Family.maps``)
+CAPTURED = [name for name, f in FAMILIES.items() if f.maps is not None]
+#: those the matmul count is checked on here (LSRA's light convolution: test_conv_transformer.py)
+COUNTED = [name for name in CAPTURED if not set(LSRA_BRANCHES) & set(FAMILIES[name].mechanism)]
 
 
-@pytest.mark.parametrize("arch", LITE + ["pa_conv_transformer_lite"])
-def test_capture_every_layer_and_head_without_changing_the_model(arch, dictionary):
-    model, args = build_model(arch, "--encoder-layers", "3", "--decoder-layers", "2")
+@pytest.mark.parametrize("family_name", CAPTURED)
+def test_capture_every_layer_and_head_without_changing_the_model(family_name, dictionary):
+    family = FAMILIES[family_name]
+    model, args = build_model(*family.args(), "--encoder-layers", "3", "--decoder-layers", "2")
     model.eval()
     src, lengths, prev = random_batch(dictionary, [7, 4], 5)
     with torch.no_grad():
@@ -120,7 +116,7 @@ def test_capture_every_layer_and_head_without_changing_the_model(arch, dictionar
         assert len(kinds["weights"]) == layers[name]
         for w in kinds["weights"]:
             assert tuple(w.shape) == shapes[name]
-            if arch == "hcsa_lite" and name != "decoder.cross":  # the density, unnormalised
+            if family.arch == "hcsa_lite" and name != "decoder.cross":  # the density, unnormalised
                 assert (w.sum(-1) <= 1 + 1e-6).all() and (w.sum(-1) > 0.2).all()
             else:
                 assert torch.allclose(w.sum(-1), torch.ones(()), atol=1e-5)
@@ -130,8 +126,8 @@ def test_capture_every_layer_and_head_without_changing_the_model(arch, dictionar
     assert maps["decoder.self"]["weights"][0].triu(1).abs().max() == 0
     assert maps["encoder.self"]["weights"][0][1, :, :, :3].abs().max() == 0  # 3 pads on the left
     carried = {k for kinds in maps.values() for k in kinds} - {"weights"}
-    assert carried == CARRIER_KINDS.get(arch.replace("_conv", ""), set())
-    if arch == "ea_transformer_lite":  # EA: weights = softmax(A_logit), A_logit from the parts
+    assert carried == family.maps
+    if family_name == "ea-lite":  # EA: weights = softmax(A_logit), A_logit from the parts
         enc = maps["encoder.self"]
         beta = model.encoder.layers[0].self_attn.beta
         for i in range(3):
@@ -170,13 +166,14 @@ def test_flops_table5_convention(table5_counts):
     assert "| transformer_lite (Transformer-Lite)" in report and "158.31M" in report
 
 
-@pytest.mark.parametrize("arch", LITE)
-def test_analytic_matmul_count_equals_torch_flop_counter(arch):
+@pytest.mark.parametrize("name", COUNTED)
+def test_analytic_matmul_count_equals_torch_flop_counter(name):
     """The module walk counts what the kernels compute: 2 x MACs of every matrix product
     (plus the output projection) equals torch's FlopCounterMode on a forward pass. The
     map convolutions are counted at the map's size (the math of EA/PA); a kernel may also
     compute border rows it crops (shifted layouts), never fewer."""
-    model = building.build_model(arch, "--encoder-layers", "2", "--decoder-layers", "2", vocab=60)[0].eval()
+    model = building.build_model(*FAMILIES[name].args(), "--encoder-layers", "2", "--decoder-layers", "2",
+                                 vocab=60)[0].eval()
     for m in model.modules():  # fairseq's own attention path (the fused one hides its bmm)
         if hasattr(m, "skip_embed_dim_check"):
             m.skip_embed_dim_check = True
