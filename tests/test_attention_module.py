@@ -13,15 +13,16 @@ from ea_fairseq.modules.attention_maps import LogitMapAttention
 from ea_fairseq.modules.attention_protocol import AttentionModule
 
 from conftest import REPO, build_model
+from families import FAMILIES
 
-ARCHS = [("ea_transformer_lite",), ("pa_transformer_lite",), ("ran_all_lite",), ("hcsa_lite",), ("syn_r_lite",),
-         ("realformer_lite",), ("resformer_lite",), ("conv_transformer_lite",),
-         ("ran_d_lite", "--drop-attention", "element", "--value-residual-on", "encoder", "decoder")]
+#: every family but those that build the same modules at other values or sizes
+MODULE_SETS = [name for name, f in FAMILIES.items() if not f.variant_of]
 
 
-@pytest.mark.parametrize("args", ARCHS, ids=lambda a: "-".join(a))
-def test_every_role_follows_the_protocol(args, dictionary):
-    model, _ = build_model(*args, dictionary=dictionary)
+@pytest.mark.parametrize("name", MODULE_SETS)
+def test_every_role_follows_the_protocol(name, dictionary):
+    model, _ = build_model(*FAMILIES[name].args(), "--encoder-layers", "2", "--decoder-layers", "1",
+                           dictionary=dictionary)
     expected = list(inspect.signature(AttentionModule.forward).parameters)
     modules = [layer.self_attn for layer in model.encoder.layers] + [
         m for layer in model.decoder.layers for m in (layer.self_attn, layer.encoder_attn)]
