@@ -6,6 +6,7 @@ import torch
 from fairseq.sequence_generator import SequenceGenerator
 
 from conftest import build_model, make_dictionary, random_batch
+from families import FAMILIES
 from ea_fairseq.models import fairseq_speedups
 from ea_fairseq.models.fairseq_speedups import LISTED_RUN, ListedStateHolders
 
@@ -20,11 +21,10 @@ def beam_search(model, dictionary, beam=3):
     return [[(h["tokens"].tolist(), round(float(h["score"]), 5)) for h in sent] for sent in hypos]
 
 
-@pytest.mark.parametrize("arch", ["ea_transformer_lite", "ran_all_lite", "transformer_lite"])
-def test_listed_reorder_decodes_as_fairseqs_walk(arch, monkeypatch):
+@pytest.mark.parametrize("family", ["ea-lite", "ran-all-lite", "vanilla"])
+def test_listed_reorder_decodes_as_fairseqs_walk(family, monkeypatch):
     d = make_dictionary()
-    ran = ("--ran-max-positions", "32") if arch.startswith("ran") else ()
-    model, _ = build_model(arch, *SMALL, *ran, dictionary=d)
+    model, _ = build_model(*FAMILIES[family].args(), *SMALL, dictionary=d)
     model.eval()
     if not isinstance(model.decoder, ListedStateHolders):  # fairseq's own decoder class
         fairseq_speedups.list_state_holders(model.decoder)
