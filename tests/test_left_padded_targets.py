@@ -12,10 +12,10 @@ import pytest
 import torch
 from fairseq.sequence_generator import SequenceGenerator
 
-from conftest import build_model, cli, make_dictionary, randomize_convs
+from conftest import cli, make_dictionary
 from ea_ops import accelerators
 from ea_ops import softmax as ms
-from families import ANCHORED, FAMILIES
+from families import ANCHORED, FAMILIES, LSRA_BRANCHES, PLUGIN_DECODERS, build_perturbed
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SMALL = ("--encoder-layers", "2", "--decoder-layers", "2", "--dropout", "0.0", "--attention-dropout", "0.0",
@@ -45,10 +45,8 @@ def left_padded_batch(d, lengths=(6, 4, 2), src_len=7, seed=0):
 
 
 def model_for(name, *extra):
-    arch, options = ALL[name]
-    model, _ = build_model(arch, *options, *SMALL, *extra)
-    randomize_convs(model)
-    return model
+    """Family ``name``, perturbed as the decoding properties run it (families.py)."""
+    return build_perturbed(name, *SMALL, *extra, dictionary=make_dictionary())[0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
@@ -139,14 +137,14 @@ def test_ea_cross_map_without_the_target_padding_leaks(monkeypatch):
     assert padding_gap(model_for("ea-lite").eval(), make_dictionary()) > 1e-3
 
 
-#: the families whose decoder self-attention is the plugin's (the others decode with fairseq's
-#: own unfused attention, which gives a padded step's row NaN itself, as fairseq's
-#: transformer does)
-PLUGIN_DECODERS = [n for n in ALL if ALL[n][0] not in (
-    "ea_transformer_base", "pa_transformer_lite", "ran_e_lite", "pa_conv_transformer_lite", "conv_transformer_lite")]
+#: the families whose decoder self-attention is the plugin's and decodes (the others, and
+#: LSRA's attention branch, decode with fairseq's own unfused attention, which gives a
+#: padded step's row NaN itself, as fairseq's transformer does)
+DECODERS = [n for n in ALL if n in PLUGIN_DECODERS and FAMILIES[n].decoding
+            and not set(LSRA_BRANCHES) & set(FAMILIES[n].mechanism)]
 
 
-@pytest.mark.parametrize("family", PLUGIN_DECODERS)
+@pytest.mark.parametrize("family", DECODERS)
 def test_decoding_steps_over_left_padded_prefix(family):
     """A decoding run fed a left-padded prefix token by token (its padded steps see no key):
     finite, on the reference and the CPU accelerator alike; without positional embeddings
@@ -194,7 +192,7 @@ def test_generator_with_left_padded_prefix(family):
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("arch", ["ea_transformer_lite", "hcsa_lite"])
+@pytest.mark.parametrize("arch", [FAMILIES[name].arch for name in ("ea-lite", "hcsa-lite")])
 def test_fairseq_train_with_left_pad_target(tmp_path, tiny_data_bin, arch):
     """fairseq-train --left-pad-target, three updates (fairseq stops with "gradients are
     Nan/Inf" on a non-finite gradient): every logged loss and gradient norm finite."""
