@@ -2,8 +2,9 @@
 
 ``fairseq-train DATA --user-dir ea_fairseq --arch ea_transformer_lite ...``
 
-Importing the package loads the plugin (:func:`load_plugin`: fairseq, the models and tasks,
-checkpoint validation, safe archive extraction, data file checks), in every program alike.
+Importing the package loads the plugin (:func:`load_plugin`: fairseq, the models and tasks, and
+the replacements in fairseq listed in :mod:`ea_fairseq.side_effects`: checkpoint validation, safe
+archive extraction, data file checks, ...), in every program alike.
 The plugin's command-line tools live beside it, in :mod:`ea_fairseq_cli`, which imports
 neither fairseq nor torch until a command needs them (a fast ``--help``; the metric tools
 where fairseq is not installed).
