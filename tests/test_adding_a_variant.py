@@ -13,10 +13,13 @@ from fairseq.sequence_generator import SequenceGenerator
 from ea_fairseq.models import attention_variants
 from ea_fairseq.modules.attention_protocol import AttentionModule
 
-from conftest import REPO, build_model, incremental_logprobs, random_batch
+from conftest import REPO, build_model, random_batch
+from families import twin_model
+from test_decoding_properties import assert_incremental_equals_full
 
 DOC = os.path.join(REPO, "docs", "adding-a-variant.md")
 MODULE = "ea_fairseq.modules.talking_heads_attention"
+SIZES = ("--encoder-layers", "2", "--decoder-layers", "2")
 
 
 def doc_blocks():
@@ -34,24 +37,17 @@ def talking_heads():
     registry = dict(vars(attention_variants), TalkingHeadsAttention=module.TalkingHeadsAttention)
     try:
         exec(compile(registry_code, "attention_variants", "exec"), registry)
-        yield module.TalkingHeadsAttention, family_args(family_line)
+        yield module.TalkingHeadsAttention, family_of(family_line)
     finally:
         attention_variants.VARIANTS.pop("talking_heads", None)
         sys.modules.pop(MODULE, None)
 
 
-def family_args(line: str):
-    """The family line's architecture and options (read with the family table's own
-    ``Family`` where the table exists)."""
-    try:
-        import families
-    except ImportError:
-        families = None
-    expression = line.split(":", 1)[1].strip().rstrip(",")
-    if families is not None:
-        return eval(expression, vars(families)).args()
-    arch, options = re.match(r'Family\("([^"]+)", \(([^)]*)\)', expression).groups()
-    return (arch, *re.findall(r'"([^"]+)"', options))
+def family_of(line: str):
+    """The family line's ``Family``, read with the family table's own names."""
+    import families
+
+    return eval(line.split(":", 1)[1].strip().rstrip(","), vars(families))
 
 
 def test_the_doc_names_three_places_and_its_blocks_are_them():
@@ -62,20 +58,22 @@ def test_the_doc_names_three_places_and_its_blocks_are_them():
 
 
 def test_the_documented_variant_builds_in_every_role_and_decodes(talking_heads, dictionary):
-    cls, args = talking_heads
-    model, _ = build_model(*args, dictionary=dictionary)
+    cls, family = talking_heads
+    model, _ = build_model(*family.args(), *SIZES, dictionary=dictionary)
     layers = list(model.encoder.layers) + list(model.decoder.layers)
     built = [m for m in model.modules() if isinstance(m, cls)]
     assert len(built) == len(model.encoder.layers) + 2 * len(model.decoder.layers)
     assert all(isinstance(m, AttentionModule) for m in built)
     assert {"self_attn.mix", "self_attn.q_proj.weight"} <= {k.split(".", 3)[-1] for k in model.state_dict()}
     assert all(layer.self_attn.mix.shape == (4, 4) for layer in layers)
+    initial = [m.mix.detach().clone() for m in built]
+    family.perturb(model, twin_model(family.twin, *SIZES), torch.Generator().manual_seed(0))  # as the family tests do
+    assert all((m.mix != mix).all() for m, mix in zip(built, initial))
     src, lengths, prev = random_batch(dictionary, [7, 4, 9], 6)
     model.eval()
+    assert_incremental_equals_full(model, dictionary, 1e-5)
     with torch.no_grad():
         full = model.get_normalized_probs(model(src, lengths, prev), log_probs=True)
-        steps, _ = incremental_logprobs(model, src, lengths, prev)
-        assert (model.get_normalized_probs((steps, None), log_probs=True) - full).abs().max() < 1e-5
         hypos = SequenceGenerator([model], dictionary, beam_size=3, max_len_b=5)._generate(
             {"net_input": {"src_tokens": src, "src_lengths": lengths}})
     assert len(hypos) == 3 and all(len(h) == 3 for h in hypos)
