@@ -261,6 +261,10 @@ FAMILIES: Dict[str, Family] = {
                                             frozenset({"decoder"}), dtypes=FP32, anchor=False),
     "ea-lite+dropattention-element": Family("ea_transformer_lite", EA_ON + DROP_ELEMENT, EVERY_ROLE,
                                             accelerator=True, mechanism=MAP_CONV),
+    # one role each: Syn-R encoder, HC-SA decoder, EA cross-attention, DropAttention around them
+    "syn-r-encoder+hcsa-decoder+dropattention": Family("ea_transformer_lite", SYN_ON + (
+        "--encoder-attention", "synthesizer", "--decoder-attention", "hcsa") + DROP_ELEMENT, EVERY_ROLE,
+        accelerator=True, dtypes=FP32, anchor=False, mechanism=SYN_R + HCSA_OFFSETS + MAP_CONV),
     "ran-all-lite+dropattention": Family("ran_all_lite", RAN_ON + DROP_ELEMENT, BOTH, mechanism=RAN_MATRICES),
     "syn-r-lite+dropattention": Family("syn_r_lite", SYN_ON + DROP_ELEMENT, BOTH, mechanism=SYN_R),
 }

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from attention_calls import project_out, real_slots, recorded_attention_calls, values_of
-from conftest import beam_reorder_gap, build_model, decoder_out, make_dictionary, random_batch
+from conftest import build_model, decoder_out, make_dictionary, random_batch
 from ea_fairseq.modules import HardCodedGaussianAttention, RandomSynthesizerAttention
 
 SMALL = ("--encoder-layers", "2", "--decoder-layers", "2", "--dropout", "0.0", "--attention-dropout", "0.0",
@@ -171,14 +171,14 @@ def test_options_and_composition(dictionary):
     assert model.encoder.layers[0].self_attn.std == 2.0
     fixed, _ = build_model("syn_r_lite", *SMALL, "--synthesizer-fixed")
     assert all(not layer.self_attn.logits.requires_grad for layer in fixed.encoder.layers)
-    # one role each, with other mechanisms and DropAttention, through the registry
+    # one role each, with other mechanisms and DropAttention, through the registry (decoding:
+    # family syn-r-encoder+hcsa-decoder+dropattention)
     mixed, _ = build_model("ea_transformer_lite", *SMALL, "--encoder-attention", "synthesizer",
                            "--decoder-attention", "hcsa", "--drop-attention", "element",
                            "--drop-attention-p", "0.3")
     assert isinstance(mixed.encoder.layers[0].self_attn, RandomSynthesizerAttention)
     assert isinstance(mixed.decoder.layers[0].self_attn, HardCodedGaussianAttention)
     assert mixed.decoder.layers[0].self_attn.weight_dropout is not None
-    assert beam_reorder_gap(mixed, dictionary, [1, 1, 3, 2]) <= 1e-5
     mixed.train()
     src, lengths, prev = random_batch(dictionary, [5, 9], 6)
     out = mixed(src, lengths, prev)[0]
