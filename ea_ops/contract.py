@@ -69,7 +69,9 @@ class BackendResult(NamedTuple):
     fill in place (the input ``logits`` only where there is nothing to mask); ``probs`` and
     ``context`` instead, where the backend computed the weights and the value product
     itself; ``state``: a decoding step's :class:`StepState` for the next step (None in a
-    full pass); ``maps``: the intermediate maps (the reference, when asked).
+    full pass); ``maps``: the intermediate maps (the reference, when asked); ``carried``: the
+    finite ``A_logit`` to hand on, where the backend wrote it beside the ``masked_filled``
+    ``a_logit`` or the weights (else the operation hands on ``a_logit``).
 
     Every backend is a function of one signature, ``backend(logits, previous, masked,
     neutral, params, *, state, values, hand_on, return_maps) -> BackendResult`` (the
@@ -83,6 +85,7 @@ class BackendResult(NamedTuple):
     context: Optional[Tensor] = None
     state: Optional[StepState] = None
     maps: Optional[Dict[str, Tensor]] = None
+    carried: Optional[Tensor] = None
 
 
 class EvolvingAttentionOutput(NamedTuple):

@@ -10,7 +10,11 @@ documents the operation):
   their own backward (:func:`ea_ops.cpu.full_pass`);
 * :data:`CPU_STEP`: one decoding step on CPU, the whole of Eq. 4 in one C++ call
   (:func:`ea_ops.cpu.step`);
-* :data:`CPU_STEP_ATTEND`: the same with the softmax and the value product in that call.
+* :data:`CPU_STEP_ATTEND`: the same with the softmax and the value product in that call;
+* :data:`TRITON_FULL_PASS`: whole maps on CUDA in float16, bfloat16 or float32, Triton
+  kernels (one forward, two backward) with the softmax where the weights are asked for
+  (:func:`ea_ops.triton.full_pass`; triton from the ``triton`` extra). Its tests give it CPU
+  calls under Triton's interpreter (:func:`ea_ops.triton.interpret_on_cpu`).
 
 A backend is a row of :data:`TABLE` (:class:`Backend`: its conditions, its function, whether
 it computes the weights itself) and a place in :data:`PREFERENCE`; its function has the one
@@ -34,9 +38,11 @@ import torch
 from torch import Tensor
 
 from . import accelerators, cpu, library, reference
+from . import triton as gpu
 from .contract import BackendResult, EvolvingAttentionParams, StepState
 
 REFERENCE, CPU_FULL_PASS, CPU_STEP, CPU_STEP_ATTEND = "reference", "cpu_full_pass", "cpu_step", "cpu_step_attend"
+TRITON_FULL_PASS = "triton_full_pass"
 
 # A decoding step's softmax and value product run inside the CPU step (one call instead of
 # half a dozen small tensor operations), except for encoder-decoder attention whose values
@@ -64,6 +70,9 @@ class Call(NamedTuple):
     values: bool               # values given: weights and value product asked for
     hand_on: bool              # the finite A_logit is handed on to a later layer
     unshared_values_batch: int  # hypotheses, where each has its own encoder values (beam 1); else 0
+    triton: bool = False        # triton can be imported (ea_ops.triton.installed())
+    triton_on_cpu: bool = False  # CPU calls may go to the Triton kernels (ea_ops.triton.on_cpu())
+    row_elements: int = 0       # heads x keys of a query row, each rounded up to a power of two
 
 
 class Condition(NamedTuple):
@@ -105,13 +114,27 @@ ATTEND = (
     Condition(f"at most {STEP_VALUES_MAX_BATCH} hypotheses with values of their own",
               lambda c: c.unshared_values_batch <= STEP_VALUES_MAX_BATCH),
 )
+FULL_PASS = Condition("a full pass", lambda c: not c.step)
+TRITON = (
+    ACCELERATED[0],  # switched on
+    Condition("on CUDA (on a CPU: inside ea_ops.triton.interpret_on_cpu(), under Triton's interpreter)",
+              lambda c: c.device_type == "cuda" or (c.device_type == "cpu" and c.triton_on_cpu)),
+    Condition("float16, bfloat16 or float32", lambda c: c.dtype in (torch.float16, torch.bfloat16, torch.float32)),
+    ACCELERATED[3],  # no intermediate maps
+    ACCELERATED[4],  # a map convolution
+    FULL_PASS,
+    Condition("triton installed (the triton extra)", lambda c: c.triton),
+    Condition(f"at most {gpu.MAX_ROW_ELEMENTS} heads x keys a row (powers of two)",
+              lambda c: c.row_elements <= gpu.MAX_ROW_ELEMENTS),
+)
 TABLE: Dict[str, Backend] = {
+    TRITON_FULL_PASS: Backend(TRITON, gpu.full_pass, attends=True),
     CPU_STEP_ATTEND: Backend(ACCELERATED + STEP + ATTEND, cpu.step, attends=True),
     CPU_STEP: Backend(ACCELERATED + STEP, cpu.step),
-    CPU_FULL_PASS: Backend(ACCELERATED + (Condition("a full pass", lambda c: not c.step),), cpu.full_pass),
+    CPU_FULL_PASS: Backend(ACCELERATED + (FULL_PASS,), cpu.full_pass),
     REFERENCE: Backend((), reference.evolving_attention_reference),
 }
-PREFERENCE = (CPU_STEP_ATTEND, CPU_STEP, CPU_FULL_PASS, REFERENCE)
+PREFERENCE = (TRITON_FULL_PASS, CPU_STEP_ATTEND, CPU_STEP, CPU_FULL_PASS, REFERENCE)
 
 
 def refusals(call: Call, backend: str):
@@ -130,13 +153,14 @@ def describe(logits: Tensor, masked: Optional[Tensor], neutral: Optional[Tensor]
     """The :class:`Call` of the operation's arguments (see the operation), with the
     switches as they are and the build as far as it was looked for."""
     weight = params.weight
-    bsz, heads, rows = logits.shape[:3]
+    bsz, heads, rows, keys = logits.shape
     unshared = bsz if (values is not None and params.layout == "rows" and values.size(0) == bsz * heads) else 0
     return Call(logits.device.type, logits.dtype, accelerators.switched_on(), library.status(),
                 torch.is_grad_enabled(), return_maps, weight is not None,
                 0 if weight is None else weight.size(-1), params.layout, state is not None, rows,
                 masked is not None and masked.dim() == 4 and masked.size(1) != 1,
-                neutral is not None, values is not None, hand_on, unshared)
+                neutral is not None, values is not None, hand_on, unshared,
+                gpu.installed(), gpu.on_cpu(), gpu.row_elements(heads, keys))
 
 
 def choose(call: Call) -> str:
@@ -170,5 +194,6 @@ def accelerated_dtype(device_type: str, dtype: torch.dtype) -> bool:
     call = Call(device_type=device_type, dtype=dtype, accelerators_on=accelerators.switched_on(),
                 built=library.status(), grad_enabled=False, return_maps=False, has_conv=True, kernel_size=3,
                 layout="full", step=False, rows=1, mask_per_head=False, padded_query_rows=False,
-                values=False, hand_on=False, unshared_values_batch=0)
+                values=False, hand_on=False, unshared_values_batch=0, triton=gpu.installed(),
+                triton_on_cpu=gpu.on_cpu())
     return choose(call) != REFERENCE

@@ -26,9 +26,11 @@ decoding step takes the :class:`~ea_ops.contract.StepState` the previous step re
 last ``k - 1`` rows of ``A_input``, exactly what the convolution reads of earlier steps, and
 beam search's pending reorder) and returns the next one, which the caller stores; nothing
 is kept anywhere else. The backends -- the PyTorch reference (:mod:`ea_ops.reference`, for
-every device and dtype, autocast and autograd included) and the CPU's fused passes
-(:mod:`ea_ops.cpu`) -- compute the same values and gradients; which one runs a call is
-decided in one table (:mod:`ea_ops.dispatch`), once per configuration.
+every device and dtype, autocast and autograd included), the CPU's fused passes
+(:mod:`ea_ops.cpu`) and, on CUDA, Triton kernels for a full pass (:mod:`ea_ops.triton`: one
+kernel forward, two backward, in float16, bfloat16 and float32, with the softmax where the
+weights are asked for; the ``triton`` extra) -- compute the same values and gradients; which
+one runs a call is decided in one table (:mod:`ea_ops.dispatch`), once per configuration.
 """
 from typing import Optional
 
@@ -75,9 +77,10 @@ def finish(result: BackendResult, masked: Optional[Tensor], hand_on: bool, value
     ``A_logit``, in place unless it is handed on), then with ``values`` the softmax (zero
     weights in ``empty`` rows) and the value product, where the backend did not."""
     if result.probs is not None:
-        return EvolvingAttentionOutput(probs=result.probs, context=result.context, state=result.state)
+        return EvolvingAttentionOutput(carried=result.carried, probs=result.probs, context=result.context,
+                                       state=result.state)
     a_logit = result.a_logit
-    carried = a_logit if hand_on else None
+    carried = result.carried if result.carried is not None else a_logit if hand_on else None
     if not result.masked_filled:
         a_logit = (fill_masked if hand_on else fill_masked_)(a_logit, masked, float("-inf"))
     if values is None:

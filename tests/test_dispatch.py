@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ea_ops import accelerators, dispatch, evolving_attention, library
+from ea_ops import triton as gpu
 from ea_ops.contract import EvolvingAttentionParams, StepState
 
 HEADS = 4
@@ -41,6 +42,11 @@ BASE = {
         device_type="cpu", dtype=torch.float32, accelerators_on=True, built=True, grad_enabled=False,
         return_maps=False, has_conv=True, kernel_size=5, layout="rows", step=True, rows=1,
         mask_per_head=False, padded_query_rows=False, values=True, hand_on=False, unshared_values_batch=64),
+    dispatch.TRITON_FULL_PASS: dispatch.Call(
+        device_type="cuda", dtype=torch.float16, accelerators_on=True, built=False, grad_enabled=True,
+        return_maps=False, has_conv=True, kernel_size=3, layout="causal", step=False, rows=6,
+        mask_per_head=True, padded_query_rows=True, values=True, hand_on=True, unshared_values_batch=0,
+        triton=True, triton_on_cpu=False, row_elements=gpu.MAX_ROW_ELEMENTS),
 }
 BREAK = {
     "accelerators switched on": dict(accelerators_on=False),
@@ -61,6 +67,10 @@ BREAK = {
     "A_logit not handed on": dict(hand_on=True),
     f"at most {dispatch.STEP_VALUES_MAX_BATCH} hypotheses with values of their own":
         dict(unshared_values_batch=dispatch.STEP_VALUES_MAX_BATCH + 1),
+    "on CUDA (on a CPU: inside ea_ops.triton.interpret_on_cpu(), under Triton's interpreter)": dict(device_type="cpu"),
+    "float16, bfloat16 or float32": dict(dtype=torch.float64),
+    "triton installed (the triton extra)": dict(triton=False),
+    f"at most {gpu.MAX_ROW_ELEMENTS} heads x keys a row (powers of two)": dict(row_elements=2 * gpu.MAX_ROW_ELEMENTS),
 }
 # where a call goes when one condition of its backend breaks
 THEN = {
@@ -70,6 +80,7 @@ THEN = {
         "a decoding step": dispatch.CPU_FULL_PASS, "values given": dispatch.CPU_STEP,
         "A_logit not handed on": dispatch.CPU_STEP,
         f"at most {dispatch.STEP_VALUES_MAX_BATCH} hypotheses with values of their own": dispatch.CPU_STEP},
+    dispatch.TRITON_FULL_PASS: {},  # a half-precision call on CUDA: the reference, whichever condition breaks
 }
 
 
@@ -95,6 +106,10 @@ def test_each_condition_alone_keeps_its_backend_from_a_call(backend):
 
 def expected_backend(c):
     """The dispatcher's rules, as the documentation states them (written apart from the table)."""
+    if (c.accelerators_on and c.triton and (c.device_type == "cuda" or (c.device_type == "cpu" and c.triton_on_cpu))
+            and c.dtype in (torch.float16, torch.bfloat16, torch.float32) and not c.return_maps and c.has_conv
+            and not c.step and c.row_elements <= gpu.MAX_ROW_ELEMENTS):
+        return dispatch.TRITON_FULL_PASS
     accelerated = (c.accelerators_on and c.built and c.device_type == "cpu" and not c.return_maps
                    and c.dtype in (torch.float32, torch.float64) and c.has_conv)
     if not accelerated:
@@ -110,13 +125,13 @@ def expected_backend(c):
 
 
 def test_every_combination_of_facts_goes_where_the_rules_say():
-    """All 2**15 combinations of the facts (two values each, one of them the accelerated
-    backends' need)."""
+    """All 2**16 combinations of the facts (two values each, one of them the accelerated
+    backends' need; the Triton kernels' CPU switch and row width apart, in the table's own test)."""
     import itertools
 
     domains = [("cpu", "cuda"), (torch.float64, torch.bfloat16), (True, False), (True, False), (False, True),
                (False, True), (True, False), (3, 1), ("causal", "full"), (True, False), (1, 4), (False, True),
-               (False, True), (True, False), (False, True), (0, 1000)]
+               (False, True), (True, False), (False, True), (0, 1000), (True, False)]
     seen = set()
     for facts in itertools.product(*domains):
         call = dispatch.Call(*facts)

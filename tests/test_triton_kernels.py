@@ -176,6 +176,38 @@ def test_the_comparison_bites():
             close(got.detach(), want.detach(), relative, "values")
 
 
+@pytest.mark.parametrize("attend", [False, True], ids=["A_logit", "weights"])
+def test_the_operation_runs_the_kernels_where_the_dispatcher_says(attend):
+    """``evolving_attention`` on CPU inside ``interpret_on_cpu()`` (the interpreter standing in
+    for a GPU): the dispatcher names the Triton backend, and the operation's outputs (the
+    weights and the value product, or A_logit; the map handed on) and gradients are the
+    reference's within the bound, the map handed on written by the kernel itself."""
+    from ea_ops import accelerators, dispatch, evolving_attention
+    from ea_ops.triton import interpret_on_cpu
+
+    heads, tgt_len, src_len, k = 3, 5, 6, 3
+    masked, neutral = masks("rows", tgt_len, src_len, heads)
+    values = torch.randn(BSZ * heads, src_len, 4, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    results = []
+    for triton_on in (True, False):
+        logits, prev, weight, b = inputs(heads, tgt_len, src_len, k, torch.float32, seed=3)
+        params = EvolvingAttentionParams(0.3, 0.6, weight, b, "rows")
+        with interpret_on_cpu() if triton_on else accelerators.reference_only():
+            call = dispatch.describe(logits, masked, neutral, params, None, values if attend else None, True, False)
+            assert (dispatch.choose(call) == dispatch.TRITON_FULL_PASS) == triton_on
+            out = evolving_attention(logits, prev, masked, neutral, params, values=values if attend else None,
+                                     empty=fully_masked_rows(masked) if attend else None, hand_on=True)
+        shown = [out.context, out.probs, out.carried] if attend else [out.logits, out.carried]
+        loss = sum((t.masked_fill(t.isneginf(), 0) * torch.linspace(-1, 1, t.numel()).view(t.shape)).sum()
+                   for t in shown)
+        results.append((shown, torch.autograd.grad(loss, (logits, prev, weight, b))))
+    (got, got_grads), (want, want_grads) = results
+    relative = bound(torch.float32, BSZ * tgt_len * src_len + 2 * heads * k * k + src_len)
+    for x, y in zip(got + list(got_grads), want + list(want_grads)):
+        assert torch.equal(x.isneginf(), y.isneginf())
+        close(x.detach(), y.detach().double(), relative, "the operation's outputs and gradients")
+
+
 # Compiled in a process of its own: under the interpreter, triton.jit makes interpreted
 # functions, which the compiler does not take. For sm_90 with cuobjdump's resource count
 # (both ship in the triton wheel), every kernel in the variants the backend launches, at

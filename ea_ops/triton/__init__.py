@@ -3,11 +3,12 @@ a backend of the operation :func:`ea_ops.evolving_attention`, which its dispatch
 (:mod:`ea_ops.dispatch`) gives full passes on CUDA in float16, bfloat16 and float32 where
 triton is installed (the ``triton`` extra).
 
-This module imports neither triton nor the kernels: it says whether they can run and holds the
-switch that gives them CPU calls under Triton's interpreter (``TRITON_INTERPRET=1``, set before
-triton is imported), which is how their tests run on a machine without a GPU
-(``bash scripts/test_triton.sh``).
+This module imports neither triton nor the kernels (:func:`full_pass` does, at its first
+call): it says whether they can run and holds the switch that gives them CPU calls under
+Triton's interpreter (``TRITON_INTERPRET=1``, set before triton is imported), which is how
+their tests run on a machine without a GPU (``bash scripts/test_triton.sh``).
 """
+import functools
 import importlib.util
 import os
 import threading
@@ -20,9 +21,28 @@ MAX_ROW_ELEMENTS = 16384
 _local = threading.local()
 
 
+@functools.lru_cache(maxsize=None)
 def installed() -> bool:
-    """Whether triton can be imported (asked of the import system, without importing it)."""
+    """Whether triton can be imported (asked of the import system once, without importing it)."""
     return importlib.util.find_spec("triton") is not None
+
+
+def row_elements(heads: int, keys: int) -> int:
+    """The float32 values of one query row the kernels hold: heads x keys, each rounded up
+    to a power of two (at most :data:`MAX_ROW_ELEMENTS`)."""
+    return (1 << max(heads - 1, 0).bit_length()) * (1 << max(keys - 1, 0).bit_length())
+
+
+def full_pass(*args, **kwargs):
+    """:func:`ea_ops.triton.evolving_attention.full_pass` (the backend's signature of
+    :class:`~ea_ops.contract.BackendResult`), imported at the first call."""
+    return _kernels().full_pass(*args, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    from . import evolving_attention
+    return evolving_attention
 
 
 def interpreted() -> bool:

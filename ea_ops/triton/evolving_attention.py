@@ -29,6 +29,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..contract import BackendResult, EvolvingAttentionParams, StepState
+from ..values import value_product
 from . import MAX_ROW_ELEMENTS
 
 NAME = "cuda_triton"
@@ -361,3 +363,23 @@ class EvolvingAttentionTriton(torch.autograd.Function):
         return grad_logits, grad_previous, grad_weight, grad_bias, None, None, None, None, None, None, None, None
 
 
+
+
+def full_pass(logits: Tensor, previous: Optional[Tensor], masked: Optional[Tensor], neutral: Optional[Tensor],
+              params: EvolvingAttentionParams, *, state: Optional[StepState] = None, values: Optional[Tensor] = None,
+              hand_on: bool = False, return_maps: bool = False) -> BackendResult:
+    """Eq. (4) of whole maps (B, H, T, S) with a map convolution, the backend's signature of
+    :class:`~ea_ops.contract.BackendResult` (no ``state``, no ``return_maps``: the
+    dispatcher gives this backend neither). Without ``values``: ``A_logit`` with ``-inf`` in
+    the masked entries; with them (B_kv * H, S, head_dim): the weights, float32, softmax in the
+    kernel (zero weights in rows whose every key is masked), and their product with the
+    values. With ``hand_on`` the finite ``A_logit`` too, written by the same kernel."""
+    softmax = values is not None
+    out, carried = EvolvingAttentionTriton.apply(
+        logits, previous, params.weight, params.bias, masked, neutral, float(params.alpha), float(params.beta),
+        params.layout, softmax, hand_on, None)
+    if not softmax:
+        return BackendResult(out, masked_filled=True, carried=carried)
+    probs = out if values.dtype == out.dtype else out.to(values.dtype)
+    context = value_product(probs, values, logits.size(0), logits.size(2))
+    return BackendResult(probs=out, context=context, carried=carried)
