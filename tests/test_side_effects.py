@@ -96,11 +96,16 @@ for target in plain:
 archs = sorted(key.split("[")[1][:-1] for key, value in recorded["fairseq.models"].items()
                if key.startswith("ARCH_MODEL_REGISTRY[") and value is TransformerModel)
 side_effects.install(serving_command_line=True)
+side_effects.install(serving_command_line=True)  # idempotent: one hook, chained to Python's
 served = replaced()
+once = sys.excepthook.__wrapped__ is sys.__excepthook__
+registry_row = next(row.target for row in side_effects.SIDE_EFFECTS if row.how == "registry items")
+kept = all(side_effects.original(registry_row, arch) is TransformerModel for arch in archs)
 import fairseq.utils  # noqa: E402
 
 fairseq.utils.move_to_cpu = lambda sample: sample  # a replacement outside the table
 print(json.dumps({"plain": plain, "theirs": theirs, "archs": archs, "served": served, "hidden": replaced(),
+                  "excepthook chained once": once, "registry originals kept": kept,
                   "gate": side_effects.original("omegaconf.base:Container._maybe_resolve_interpolation").__module__}))
 """
 
@@ -135,5 +140,6 @@ def test_loading_the_plugin_replaces_the_tables_rows_and_nothing_else():
                       if row.how == "attribute" and row.scope in every]
     assert found["theirs"] == {target: [True, True] for target in attribute_rows}  # the plugin's, fairseq's kept
     assert found["served"] == expected(every + (side_effects.SERVED_COMMAND_LINES,))
+    assert found["excepthook chained once"] and found["registry originals kept"]
     assert found["gate"] == "omegaconf.base"  # the scoped replacement is not in place after loading
     assert set(found["hidden"]) - set(found["served"]) == {"fairseq.utils:move_to_cpu"}  # negative control
