@@ -51,7 +51,7 @@ def train(env, tmp_path):  # noqa: F811
 
     def go(check=True, **variables):
         return run(["bash", RECIPES / "train.sh", "ea_lite", "own"], dict(base, **variables), tmp_path, check=check)
-    go.save = save
+    go.save, go.base = save, base
     return go
 
 
@@ -84,6 +84,21 @@ def test_train_resumes_when_only_the_budget_grows(train):
         refused = train(check=False, **variables)
         assert refused.returncode == 1 and "not resuming" in refused.stderr, refused.stderr
     assert "no limit" in train(MAX_EPOCH="").stderr  # no MAX_EPOCH: the budget grows too
+
+
+def test_the_progress_interval_is_not_a_setting_of_the_run(train):
+    train(EVAL_BLEU="1")
+    (train.save / "checkpoint_last.pt").write_bytes(b"")
+    for interval in (["--valid-progress-seconds", "5"], ["--valid-progress-seconds=0"]):
+        proc = go_with(train, *interval)
+        assert "resuming" in proc.stderr and "(same settings)" in proc.stderr, proc.stderr
+        assert interval[0].split("=")[0] in (train.save.parent / "bin" / "given").read_text()
+
+
+def go_with(train, *options):
+    """train.sh EVAL_BLEU=1 with fairseq-train options after the pair."""
+    return run(["bash", RECIPES / "train.sh", "ea_lite", "own", *options], dict(train.base, EVAL_BLEU="1"),
+               train.save.parent)
 
 
 def _checkpoints(folder, names):

@@ -406,8 +406,10 @@ for ((i = 0; i < ${#extra[@]}; i++)); do
   a="${extra[$i]}"
   case "$a" in
     --distributed-*=*|--device-id=*|--num-workers=*|--log-*=*|--ddp-backend=*|--max-tokens=*|--update-freq=*) ;;
+    --valid-progress-seconds=*) ;;
     --distributed-no-spawn|--no-progress-bar) ;;
-    --distributed-*|--device-id|--num-workers|--log-*|--ddp-backend|--max-tokens|--update-freq|--tensorboard-logdir)
+    --distributed-*|--device-id|--num-workers|--log-*|--ddp-backend|--max-tokens|--update-freq|--tensorboard-logdir \
+      |--valid-progress-seconds)
       i=$((i + 1)) ;;
     *) settings_extra+=("$a") ;;
   esac
