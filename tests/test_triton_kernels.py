@@ -198,8 +198,8 @@ def test_the_operation_runs_the_kernels_where_the_dispatcher_says(attend):
             out = evolving_attention(logits, prev, masked, neutral, params, values=values if attend else None,
                                      empty=fully_masked_rows(masked) if attend else None, hand_on=True)
         shown = [out.context, out.probs, out.carried] if attend else [out.logits, out.carried]
-        loss = sum((t.masked_fill(t.isneginf(), 0) * torch.linspace(-1, 1, t.numel()).view(t.shape)).sum()
-                   for t in shown)
+        loss = sum((t.masked_fill(t.isneginf(), 0) * torch.linspace(-1, 1, t.numel(), device=t.device).view_as(t))
+                   .sum() for t in shown)
         results.append((shown, torch.autograd.grad(loss, (logits, prev, weight, b))))
     (got, got_grads), (want, want_grads) = results
     relative = bound(torch.float32, BSZ * tgt_len * src_len + 2 * heads * k * k + src_len)
@@ -252,8 +252,9 @@ COMPILE = textwrap.dedent("""
           dict(causal, **every, SOFTMAX=False, HAS_GOUT=True, HAS_GCARRY=True))
     build(ea._backward_conv_kernel, dict(first, probs_ptr="*fp32", gout_ptr="*fp32", gcarry_ptr=None, **backward),
           dict(full, **none, SOFTMAX=True, HAS_GOUT=True, HAS_GCARRY=False))
-    build(ea._backward_input_kernel, dict(w_ptr="*fp16", n_ptr="*u8", dconv_ptr="*fp32", gin_ptr="*fp32",
-                                          gx_ptr="*fp16", gp_ptr="*fp16"), dict(causal, HAS_PREV=True, HAS_NEUTRAL=True))
+    build(ea._backward_input_kernel,
+          dict(w_ptr="*fp16", n_ptr="*u8", dconv_ptr="*fp32", gin_ptr="*fp32", gx_ptr="*fp16", gp_ptr="*fp16"),
+          dict(causal, HAS_PREV=True, HAS_NEUTRAL=True))
 """)
 
 
