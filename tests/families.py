@@ -26,6 +26,8 @@ test modules pick from :data:`FAMILIES` by these fields, never keep a list of th
   configuration under test and keep their value (e.g. the papers' decoder α = 0);
 * ``reduces``: the options with which the mechanism computes its twin's function from the
   twin's weights (EA with α = β = 0, a one-layer RealFormer, ...), ``None`` where none does;
+* ``paper_archs``: the family's mechanism at the papers' other sizes (its parameter count is
+  checked there too: :func:`added_parameters`);
 * ``maps``: the maps the analysis tool records beside each attention's weights
   (``ea_fairseq.analysis``; test_analysis.py captures the families that name them, ``None``
   the others).
@@ -65,6 +67,7 @@ class Family:
     held: Tuple[str, ...] = ()
     reduces: Optional[Tuple[str, ...]] = None
     maps: Optional[FrozenSet[str]] = None
+    paper_archs: Tuple[str, ...] = ()
 
     def args(self) -> Tuple[str, ...]:
         return (self.arch, *self.options)
@@ -123,6 +126,37 @@ def build_perturbed(name: str, *sizes: str, dictionary, seed: int = 3):
     model, args = building.build_model(*family.args(), *sizes, seed=1, dictionary=dictionary)
     family.perturb(model, twin_model(family.twin, *sizes), torch.Generator().manual_seed(seed))
     return model, args
+
+
+def added_parameters(args) -> Optional[int]:
+    """The parameters a model built with ``args`` has beyond its fairseq twin, from the
+    papers' descriptions: per EA attention a k x k heads-to-heads convolution (H²k² + H); per
+    PA block after the first ``--pa-conv-layers`` 3x3 ones; per RAN stack A_1 (H·L²), the
+    transition W, b (L² + L) and its layer norm (2L), and per RAN, HC-SA or Syn-R layer no
+    query and key projections (-2(d² + d)); HC-SA's authors' projections without biases (-2d
+    for value and output); Syn-R's H x L x L logits per layer. RealFormer, ResFormer and
+    DropAttention add none. ``None`` with LSRA (its kernels per layer: test_conv_transformer.py)."""
+    if getattr(args, "lsra_on", None):
+        return None
+    d, h = args.encoder_embed_dim, args.encoder_attention_heads
+    layers = {"encoder": args.encoder_layers, "decoder": args.decoder_layers, "cross": args.decoder_layers}
+    kinds = {role: getattr(args, f"{role}_attention", "vanilla") for role in layers}  # (fairseq's: none)
+    no_projections = -2 * (d * d + d)
+    added = 0
+    for role, kind in kinds.items():
+        n = layers[role]
+        if kind == "ea" and not getattr(args, f"ea_no_{role}_conv", False):
+            added += n * (h * h * args.ea_kernel_size ** 2 + h)
+        elif kind == "pa":
+            added += (n - 1) * args.pa_conv_layers * (h * h * 9 + h)
+        elif kind == "ran":
+            L = args.ran_max_positions
+            added += n * no_projections + h * L * L + L * L + L + 2 * L
+        elif kind == "hcsa":
+            added += n * (no_projections - (2 * d if args.hcsa_normalize == "none" else 0))
+        elif kind == "synthesizer":
+            added += n * (no_projections + h * args.synthesizer_max_positions ** 2)
+    return added
 
 
 #: the plugin's scalar mechanism settings (attributes of its modules) -> the range
@@ -221,21 +255,24 @@ FAMILIES: Dict[str, Family] = {
     "pa-lite-2-conv-layers": Family("pa_transformer_lite", ("--pa-alpha", "0.5", "--pa-conv-layers", "2"),
                                     frozenset({"encoder"}), dtypes=FP32, anchor=False, variant_of="pa-lite",
                                     mechanism=PA_CNN),
-    "ran-e-lite": Family("ran_e_lite", RAN_ON, frozenset({"encoder"}), mechanism=RAN_MATRICES),
-    "ran-d-lite": Family("ran_d_lite", RAN_ON, frozenset({"decoder"}), mechanism=RAN_MATRICES),
+    "ran-e-lite": Family("ran_e_lite", RAN_ON, frozenset({"encoder"}), mechanism=RAN_MATRICES, paper_archs=("ran_e",)),
+    "ran-d-lite": Family("ran_d_lite", RAN_ON, frozenset({"decoder"}), mechanism=RAN_MATRICES, paper_archs=("ran_d",)),
     "ran-all-lite": Family("ran_all_lite", RAN_ON, BOTH, cli=True, mechanism=RAN_MATRICES,
-                           maps=frozenset({"recurrent"})),
+                           maps=frozenset({"recurrent"}), paper_archs=("ran_all",)),
     "ran-d-lite+ea-encoder": Family("ran_d_lite", RAN_ON + ("--encoder-attention", "ea", "--ea-alpha", "0.5",
                                                             "--ea-beta", "0.5"), BOTH, accelerator=True,
                                     dtypes=FP32, anchor=False, mechanism=RAN_MATRICES + MAP_CONV),
-    "hcsa-lite": Family("hcsa_lite", (), BOTH, mechanism=HCSA_OFFSETS, maps=frozenset({"gaussian"})),
-    "syn-r-lite": Family("syn_r_lite", SYN_ON, BOTH, mechanism=SYN_R, maps=frozenset({"synthesized"})),
+    "hcsa-lite": Family("hcsa_lite", (), BOTH, mechanism=HCSA_OFFSETS, maps=frozenset({"gaussian"}),
+                        paper_archs=("hcsa",)),
+    "syn-r-lite": Family("syn_r_lite", SYN_ON, BOTH, mechanism=SYN_R, maps=frozenset({"synthesized"}),
+                         paper_archs=("syn_r",)),
     # one layer: no previous scores; λ = (0, 1): V_n alone
     "realformer-lite": Family("realformer_lite", (), EVERY_ROLE,
                               reduces=("--encoder-layers", "1", "--decoder-layers", "1"),
-                              maps=frozenset({"dot_product", "logits"})),
+                              maps=frozenset({"dot_product", "logits"}), paper_archs=("realformer_base",)),
     "resformer-lite": Family("resformer_lite", ("--value-residual-lambdas", "0.7", "0.6"), BOTH,
-                             reduces=("--value-residual-lambdas", "0", "1"), maps=frozenset()),
+                             reduces=("--value-residual-lambdas", "0", "1"), maps=frozenset(),
+                             paper_archs=("resformer_base",)),
     "ea-lite+resformer": Family("ea_transformer_lite", ("--ea-decoder-alpha", "0.3", "--value-residual-on",
                                                         "encoder", "decoder"), EVERY_ROLE, accelerator=True,
                                 dtypes=FP32, anchor=False, mechanism=MAP_CONV),

@@ -1,5 +1,6 @@
-"""EA-Transformer as a fairseq model: sizes, beam reorders of swapped modules, gradients,
-checkpoints, errors. (Beam search == teacher forcing: test_decoding_properties.py.)"""
+"""EA-Transformer as a fairseq model: beam reorders of swapped modules, gradients,
+checkpoints, errors. (Beam search == teacher forcing: test_decoding_properties.py; the
+parameters EA adds: test_families.py; Table 5's sizes: test_analysis.py.)"""
 import copy
 import os
 
@@ -7,33 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import build_model, make_dictionary, parse, random_batch
+from conftest import build_model, parse, random_batch
 from ea_fairseq.checkpoint_safety import load_checkpoint
-
-
-def non_embedding_params(model) -> int:
-    """Parameters outside the token embeddings / output projection (EA Table 5 convention)."""
-    return sum(
-        p.numel() for n, p in model.named_parameters()
-        if "embed_tokens" not in n and "output_projection" not in n and "embed_positions" not in n
-    )
-
-
-@pytest.mark.parametrize("arch,millions", [
-    ("transformer_lite", 2.48), ("ea_transformer_lite", 2.49),
-    ("transformer", 44.14), ("ea_transformer_base", 44.15),
-])
-def test_parameter_counts_match_ea_table5(arch, millions):
-    model, _ = build_model(arch, "--share-all-embeddings", dictionary=make_dictionary(1004))
-    assert round(non_embedding_params(model) / 1e6, 2) == millions
-
-
-def test_ea_adds_exactly_the_conv_parameters():
-    d = make_dictionary(1004)
-    ea, _ = build_model("ea_transformer_lite", dictionary=d)
-    base, _ = build_model("transformer_lite", dictionary=d)
-    heads, k, convs = 4, 3, 18  # 6 encoder + 6 decoder self + 6 cross
-    assert non_embedding_params(ea) - non_embedding_params(base) == convs * (heads * heads * k * k + heads)
 
 
 def test_beam_reorder_reaches_modules_swapped_in_between_decoding_runs(dictionary):

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from conftest import build_model, decoder_out, random_batch
-from families import FAMILIES, Family, draw, module_name, settings, twin_model
+from ea_fairseq.models import building
+from families import FAMILIES, LSRA_BRANCHES, Family, added_parameters, draw, module_name, settings, twin_model
 
 SMALL = ("--encoder-layers", "2", "--decoder-layers", "1")  # PA predicts from the second layer on
 
@@ -110,3 +111,33 @@ def test_reduces_to_its_twin(dictionary, name):
     assert gaps["reduced"] <= 1e-6, gaps
     if name != "dropattention-column":  # (in eval DropAttention is the attention as built)
         assert gaps["perturbed"] > 1e-3, gaps
+
+
+#: (arch, options, twin) of every family, and of its mechanism at the papers' other sizes
+COUNTED = {name: (f.arch, f.options, f.twin) for name, f in FAMILIES.items()}
+COUNTED.update({f"{name}@{arch}": (arch, (), "transformer") for name, f in FAMILIES.items() for arch in f.paper_archs})
+
+
+@functools.lru_cache(maxsize=None)
+def meta_build(arch: str, *options: str):
+    """(parameter count, state-dict names and shapes, args) of ``arch``, built on the meta device."""
+    model, args = building.build_model(arch, *options, vocab=104, meta=True)
+    return (sum(p.numel() for p in model.parameters()),
+            [(k, tuple(v.shape)) for k, v in model.state_dict().items()], args)
+
+
+@pytest.mark.parametrize("name", list(COUNTED))
+def test_parameters_beyond_the_twin_are_the_papers(name):
+    """Every family, at its sizes and at the papers': the parameters it has beyond fairseq's
+    twin are those its papers describe (:func:`families.added_parameters`); a mechanism that
+    adds none has the twin's state dict, name for name, shape for shape."""
+    arch, options, twin_arch = COUNTED[name]
+    count, state, args = meta_build(arch, *options)
+    twin_count, twin_state, _ = meta_build(twin_arch)
+    expected = added_parameters(args)
+    if expected is None:  # LSRA: test_conv_transformer.py counts its kernels
+        assert set(LSRA_BRANCHES) & set(FAMILIES[name.split("@")[0]].mechanism)
+        return
+    assert count - twin_count == expected
+    if expected == 0:
+        assert state == twin_state

@@ -1,6 +1,7 @@
 """RAN's baselines HC-SA (You et al. 2020) and Syn-R (Tay et al. 2020): their equations
-recomputed in float64, the decoding cache's padding, sizes, options. (Causality, incremental
-decoding, batch invariance: test_decoding_properties.py.)"""
+recomputed in float64, the decoding cache's padding, options. (Causality, incremental
+decoding, batch invariance: test_decoding_properties.py; parameter counts, at the Lite and
+the papers' sizes: test_families.py.)"""
 import math
 from types import SimpleNamespace
 
@@ -9,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from attention_calls import project_out, real_slots, recorded_attention_calls, values_of
-from conftest import build_model, decoder_out, make_dictionary, random_batch
+from conftest import build_model, decoder_out, random_batch
 from ea_fairseq.modules import HardCodedGaussianAttention, RandomSynthesizerAttention
 
 SMALL = ("--encoder-layers", "2", "--decoder-layers", "2", "--dropout", "0.0", "--attention-dropout", "0.0",
@@ -124,27 +125,6 @@ def test_a_decoding_runs_key_padding_is_kept_with_its_values():
     assert cached["prev_key_padding_mask"].tolist() == [[False, False], [True, False]]
     module.reorder_incremental_state(state, torch.tensor([1, 0]))
     assert module._get_input_buffer(state)["prev_key_padding_mask"].tolist() == [[True, False], [False, False]]
-
-
-def total(model):
-    return sum(p.numel() for p in model.parameters())
-
-
-@pytest.mark.parametrize("arch,twin,d,heads,layers,per_layer_extra", [
-    ("hcsa", "transformer", 512, 8, 6, lambda heads, L: -2 * 512),  # no projection biases
-    ("syn_r", "transformer", 512, 8, 6, lambda heads, L: heads * L * L),
-    ("hcsa_lite", "transformer_lite", 160, 4, 6, lambda heads, L: -2 * 160),
-    ("syn_r_lite", "transformer_lite", 160, 4, 6, lambda heads, L: heads * L * L),
-])
-def test_parameter_counts_follow_the_papers(arch, twin, d, heads, layers, per_layer_extra):
-    """Per replaced self-attention (encoder and decoder): no query/key projections,
-    -2(d^2 + d); HC-SA (the authors' bias-free projections) -2d more; Syn-R adds its h x L x L logits per layer (RAN §2: "h x L attention
-    matrices" for L layers), L = 256."""
-    dictionary = make_dictionary(104)
-    model, _ = build_model(arch, dictionary=dictionary)
-    vanilla, _ = build_model(twin, dictionary=dictionary)
-    expected = 2 * layers * (-2 * (d * d + d) + per_layer_extra(heads, 256))
-    assert total(model) - total(vanilla) == expected
 
 
 def test_too_long_input_is_a_clear_error(dictionary):

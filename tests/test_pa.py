@@ -1,27 +1,13 @@
-"""PA-Transformer (predictive attention): Eq. 4, sizes. (Padding, the decoding properties
-and the reduction to fairseq's transformer at α = 0: test_decoding_properties.py,
-test_families.py.)"""
+"""PA-Transformer (predictive attention): Eq. 4, the encoder only. (Padding, the decoding
+properties, the reduction to fairseq's transformer at α = 0 and the prediction
+convolutions' parameters: test_decoding_properties.py, test_families.py.)"""
 import pytest
 import torch
 import torch.nn.functional as F
 from fairseq.modules import MultiheadAttention
 
-from conftest import build_model, make_dictionary
+from conftest import build_model
 from ea_fairseq.modules import AttentionMapCarrier, PredictiveAttention
-
-def non_embedding(model):
-    return sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
-
-
-@pytest.mark.parametrize("layers", [0, 1, 2])
-def test_parameters_added_are_only_the_prediction_convs(layers):
-    d = make_dictionary(504)
-    pa, _ = build_model("pa_transformer_lite", "--pa-conv-layers", str(layers), dictionary=d)
-    base, _ = build_model("transformer_lite", dictionary=d)
-    heads, predicting_blocks = 4, 5  # no prediction in the first block
-    assert non_embedding(pa) - non_embedding(base) == predicting_blocks * layers * (heads * heads * 9 + heads)
-    assert pa.encoder.layers[0].self_attn.predictor is None
-    assert all(not isinstance(layer.self_attn, PredictiveAttention) for layer in pa.decoder.layers)
 
 
 def test_eq4_on_a_single_module():

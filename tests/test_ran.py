@@ -1,40 +1,18 @@
-"""RAN-E / RAN-D / RAN-ALL: sizes, the matrices, the decoding shortcut, caching. (Causality,
+"""RAN-E / RAN-D / RAN-ALL: the matrices, the decoding shortcut, caching. (Causality,
 incremental == full pass, positions per sentence (batch invariance) of every RAN family:
-test_decoding_properties.py.)"""
+test_decoding_properties.py; parameter counts, at the Lite and the papers' sizes:
+test_families.py.)"""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import build_model, decoder_out, incremental_logprobs, make_dictionary, random_batch
+from conftest import build_model, decoder_out, incremental_logprobs, random_batch
 from ea_fairseq.modules.evolving_attention import EvolvingAttention
 from ea_fairseq.modules.recurrent_attention import (RecurrentAttention, RecurrentAttentionMatrices,
                                                     sentence_logits, sentence_positions)
 
 SMALL = ("--encoder-layers", "3", "--decoder-layers", "3", "--dropout", "0.0",
          "--attention-dropout", "0.0", "--ran-max-positions", "32")
-
-
-def total_params(model):
-    return sum(p.numel() for p in model.parameters())
-
-
-@pytest.mark.parametrize("arch,twin,d,heads,stacks", [
-    ("ran_e", "transformer", 512, 8, ("encoder",)),
-    ("ran_d", "transformer", 512, 8, ("decoder",)),
-    ("ran_all", "transformer", 512, 8, ("encoder", "decoder")),
-    ("ran_all_lite", "transformer_lite", 160, 4, ("encoder", "decoder")),
-])
-def test_parameter_count(arch, twin, d, heads, stacks):
-    """Per replaced attention -2(d^2+d) (no query/key projections); per RAN stack
-    + heads*L^2 (A0) + L^2 + L (transition) + 2L (its layer norm)."""
-    dictionary = make_dictionary(104)
-    ran, _ = build_model(arch, dictionary=dictionary)
-    vanilla, _ = build_model(twin, dictionary=dictionary)
-    L, layers = 256, 6
-    expected = len(stacks) * (layers * -2 * (d * d + d) + heads * L * L + L * L + L + 2 * L)
-    assert total_params(ran) - total_params(vanilla) == expected
-    for stack in stacks:
-        assert getattr(ran, stack).recurrent_matrices.initial.shape == (heads, L, L)
 
 
 def test_decoding_step_weights_equal_the_general_path(dictionary, monkeypatch):
