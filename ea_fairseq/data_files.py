@@ -38,7 +38,9 @@ by a function that calls fairseq's own on files that passed (:data:`split_checks
   whose value names an existing file (a directory is left to fairseq) is checked.
 
 A failure raises :class:`DataFileError`, printed by the command-line tools as one line naming
-the file and what to do.
+the file and what to do. A data directory or dictionary that is not there (the quickstart run
+before the data is prepared, another pair's ``--source-lang``) raises fairseq's
+``FileNotFoundError`` as :class:`MissingDataFile`, whose message says what to give instead.
 """
 import itertools
 import os
@@ -76,6 +78,39 @@ DICTIONARY_LIMIT = 256 * 2 ** 20  # fairseq-preprocess writes a few MB for 100k 
 BPE_LIMIT = 64 * 2 ** 20  # sentencepiece / BPE merges / vocab.json files are a few MB
 DICTIONARY = (f"a fairseq dictionary is a regular text file of at most {DICTIONARY_LIMIT // 2 ** 20} MiB: use "
               "the one fairseq-preprocess wrote for this data (or that came with the model)")
+
+
+class MissingDataFile(FileNotFoundError):
+    """A data directory or dictionary fairseq is about to open that is not there: fairseq's own
+    ``FileNotFoundError`` (its callers see the same exception type), with a message that says
+    what to give instead, printed by the command-line tools as one line."""
+
+    one_line = True
+
+
+PREPARED = ("give the directory fairseq-preprocess wrote (its --destdir), e.g. data-bin/NAME of the recipes' "
+            "examples/translation/prepare-*.sh")
+
+
+def _shown(path: str) -> str:
+    """A path as a one-line message shows it: itself where printable, else its ``repr``."""
+    return path if path.isprintable() else repr(path)
+
+
+def _check_data_directory(path) -> None:
+    """fairseq lists ``path`` to infer the language pair: a missing one (a local path) is named as such."""
+    if isinstance(path, str) and "://" not in path and not os.path.exists(path):
+        raise MissingDataFile(f"{_shown(path)}: no such data directory: {PREPARED}")
+
+
+def _languages_there(directory: str) -> str:
+    """The languages of the dictionaries in ``directory`` (``dict.LANG.txt``, codes only), for a message."""
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return ""
+    langs = [n[5:-4] for n in names if n.startswith("dict.") and n.endswith(".txt") and LANGUAGE_CODE.fullmatch(n[5:-4])]
+    return ", ".join(langs[:10]) + (", ..." if len(langs) > 10 else "")
 
 
 def _error(path: str, what: str, remedy: str = BINARY) -> DataFileError:
@@ -269,8 +304,20 @@ def _check_languages(path, pair) -> None:
 
 
 def _check_dictionary(dictionary, f):
-    if isinstance(f, str) and os.path.exists(f):  # else a file object, or fairseq's own error
+    if not isinstance(f, str) or "://" in f:  # a file object; a URL: fairseq's own error
+        return
+    if os.path.exists(f):
         check_file(f, DICTIONARY, DICTIONARY_LIMIT)
+        return
+    directory = os.path.dirname(f) or "."
+    if not os.path.exists(directory):
+        raise MissingDataFile(f"{_shown(directory)}: no such data directory: {PREPARED}")
+    there = _languages_there(directory)
+    raise MissingDataFile(
+        f"{_shown(f)}: no such dictionary: "
+        + (f"the languages of {_shown(directory)} are {there}: give them as --source-lang/--target-lang "
+           "(source_lang=/target_lang= in the hub)" if there else
+           f"{_shown(directory)} has no dict.LANG.txt: {PREPARED}"))
 
 
 def _check_bpe(cfg, *args, **kwargs):
@@ -286,6 +333,6 @@ def _check_bpe(cfg, *args, **kwargs):
 #: (``Dictionary.add_from_file``) and BPE file (``encoders.build_bpe``)
 split_checks = _checked_first(_check_splits)
 format_check = _checked_first(_check_format)
-language_check = _checked_first(lambda path: None, _check_languages)
+language_check = _checked_first(_check_data_directory, _check_languages)
 dictionary_check = _checked_first(_check_dictionary)
 bpe_check = _checked_first(_check_bpe)

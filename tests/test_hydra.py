@@ -353,7 +353,7 @@ def test_a_failed_run_leaves_no_directory_and_the_script_prints_only_the_refusal
     nested = tmp_path / "runs" / "iwslt" / "ckpt"
     missing = hydra_train("ea_transformer_lite_iwslt14", str(tmp_path / "no-data"), nested, "common.fp16=false",
                           "common.cpu=true", script=True, cwd=tmp_path)
-    assert missing.returncode == 1 and "No such file or directory" in missing.stderr
+    assert missing.returncode == 1 and "no-data: no such data directory" in missing.stderr
     assert "Traceback" in missing.stderr and "Warning" not in missing.stderr
     assert not (tmp_path / "runs").exists() and tmp_path.is_dir()
 
