@@ -11,12 +11,15 @@ from conftest import build_model, decoder_out, random_batch
 from ea_fairseq.analysis.flops import count_model, non_embedding_params
 from ea_fairseq.modules.long_short_range_attention import LITE_KERNEL_SIZES, LongShortRangeAttention
 from attention_calls import recorded_attention_calls
+from families import FAMILIES
 from paper_equations import attend, dot_product_logits, heads, masked_softmax
 
 TINY = ("--encoder-layers", "2", "--decoder-layers", "2", "--dropout", "0.0", "--attention-dropout", "0.0",
         "--lsra-weight-dropout", "0.0")
 THREE = TINY + ("--encoder-layers", "3", "--decoder-layers", "3")
 LENGTHS = [4, 9, 6]
+#: LSRA's archs (families.py), each at its arch's defaults here
+LSRA_ARCHS = [FAMILIES[name].arch for name in ("conv-transformer-lite", "pa-conv-transformer-lite")]
 # fairseq's attention and its lightweight convolution take their softmax (of the attention
 # weights, of the kernels) in float32 even in a float64 model: ~1e-7 from the float64
 # reference; a wrong tap, split or mask moves outputs by ~0.1.
@@ -46,7 +49,7 @@ def pa_logits(attn, query, key, previous, alpha):
     return alpha * prediction + (1 - alpha) * current
 
 
-@pytest.mark.parametrize("arch", ["conv_transformer_lite", "pa_conv_transformer_lite"])
+@pytest.mark.parametrize("arch", LSRA_ARCHS)
 def test_blocks_follow_the_multi_branch_equation(dictionary, arch):
     """LSRA(X) = [Attention(X[:, :d/2]) ; W_out LightConv(W_in X[:, d/2:])], each sentence
     alone (no padding); PA-Conv: the encoder's attention half follows PA Eq. 4 with the
@@ -88,7 +91,7 @@ def attention_parameters(width):
     return 4 * (width * width + width)  # q, k, v, out projections with biases
 
 
-@pytest.mark.parametrize("arch", ["conv_transformer_lite", "pa_conv_transformer_lite"])
+@pytest.mark.parametrize("arch", LSRA_ARCHS)
 def test_parameter_count_is_lite_transformers_formula(arch):
     """Per block, LSRA replaces the d-wide self-attention (4(d²+d)) by a d/2-wide one
     (4((d/2)²+d/2)) plus the conv branch: two d/2 x d/2 linears with biases and one kernel of
@@ -104,7 +107,7 @@ def test_parameter_count_is_lite_transformers_formula(arch):
     assert non_embedding_params(model) == (1_713_584 if arch == "conv_transformer_lite" else 1_714_324)
 
 
-@pytest.mark.parametrize("arch", ["conv_transformer_lite", "pa_conv_transformer_lite", "resformer_lite"])
+@pytest.mark.parametrize("arch", LSRA_ARCHS + [FAMILIES["resformer-lite"].arch])
 def test_flops_counter_covers_the_archs(arch):
     """Every module with parameters is counted; the convolution branch is k MACs per channel
     and position, its linears d/2 x d/2 each; ResFormer's mix two products per value element

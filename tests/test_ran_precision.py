@@ -11,10 +11,11 @@ from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEn
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
 from conftest import build_model, make_dictionary, parse, random_batch
+from families import FAMILIES
 
 SMALL = ("--encoder-layers", "3", "--decoder-layers", "3", "--dropout", "0.0",
          "--attention-dropout", "0.0", "--ran-max-positions", "32")
-ARCHS = ["ran_e_lite", "ran_d_lite", "ran_all_lite"]
+ARCHS = [FAMILIES[name].arch for name in ("ran-e-lite", "ran-d-lite", "ran-all-lite")]
 #: mode -> (conversion of the model or None, autocast dtype or None, low-precision dtype)
 MODES = {
     "half": ("half", None, torch.float16),
