@@ -226,6 +226,24 @@ def test_an_unbuilt_extension_runs_the_reference_and_says_how_to_build_it(monkey
     assert not dispatch.accelerated_dtype("cpu", torch.float32)
 
 
+def test_calls_no_cpu_backend_can_take_never_look_for_the_extension(monkeypatch, caplog):
+    """A call on CUDA, in float16 or with the switch off goes where it goes without the
+    extension being looked for: no load, no warning where it could not run anyway."""
+    monkeypatch.setattr(library, "HERE", "/nonexistent/ea_ops")  # nothing built: a lookup would warn
+    monkeypatch.setattr(library, "_state", {"module": None, "tried": False})
+    base = dispatch.Call(device_type="cpu", dtype=torch.float32, accelerators_on=True, built=None,
+                         grad_enabled=True, return_maps=False, has_conv=True, kernel_size=3, layout="full",
+                         step=False, rows=6, mask_per_head=False, padded_query_rows=False, values=False,
+                         hand_on=True, unshared_values_batch=0)
+    with caplog.at_level(logging.WARNING, logger=library.__name__):
+        for change in (dict(device_type="cuda"), dict(dtype=torch.float16), dict(accelerators_on=False)):
+            assert dispatch.choose(base._replace(**change)) not in (dispatch.CPU_FULL_PASS, dispatch.CPU_STEP,
+                                                                    dispatch.CPU_STEP_ATTEND)
+        assert library.status() is None and not caplog.records
+        assert dispatch.choose(base) == dispatch.REFERENCE and library.status() is False  # looked for once
+    assert len(caplog.records) == 1
+
+
 def test_a_failed_build_is_one_line_that_says_what_it_needs(tmp_path, monkeypatch):
     """The build command without a compiler: a one-line error naming what it needs, exit 1."""
     monkeypatch.setattr(library, "HERE", str(tmp_path))  # another name: nothing built there
