@@ -290,7 +290,7 @@ COMPILE = textwrap.dedent("""
           dict(causal, **every, SOFTMAX=False, HAND_ON=True))
     build(ea._forward_kernel, dict(first, out_ptr="*fp32", carry_ptr=None),
           dict(full, **none, SOFTMAX=True, HAND_ON=False))
-    backward = dict(dconv_ptr="*fp32", gin_ptr="*fp32", pw_ptr="*fp32", pb_ptr="*fp32")
+    backward = dict(dconv_ptr="*fp32", gin_ptr="*fp32", shares_ptr="*fp32")
     build(ea._backward_conv_kernel, dict(maps, probs_ptr=None, gout_ptr="*fp16", gcarry_ptr="*fp16", **backward),
           dict(causal, **every, SOFTMAX=False, HAS_GOUT=True, HAS_GCARRY=True))
     build(ea._backward_conv_kernel, dict(first, probs_ptr="*fp32", gout_ptr="*fp32", gcarry_ptr=None, **backward),

@@ -145,7 +145,7 @@ def _forward_kernel(x_ptr, p_ptr, w_ptr, bias_ptr, m_ptr, n_ptr, out_ptr, carry_
 
 @triton.jit
 def _backward_conv_kernel(x_ptr, p_ptr, w_ptr, bias_ptr, m_ptr, n_ptr, probs_ptr, gout_ptr, gcarry_ptr,
-                          dconv_ptr, gin_ptr, pw_ptr, pb_ptr,
+                          dconv_ptr, gin_ptr, shares_ptr,
                           H, T, S, smb, smh, smt, sms, snb, snh, snt, sns, alpha, beta,
                           K: tl.constexpr, R0: tl.constexpr, C0: tl.constexpr, CAUSAL: tl.constexpr,
                           HAS_PREV: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
@@ -197,13 +197,19 @@ def _backward_conv_kernel(x_ptr, p_ptr, w_ptr, bias_ptr, m_ptr, n_ptr, probs_ptr
     dconv = tl.where(conv > 0.0, beta * grad, 0.0)
     tl.store(dconv_ptr + off, dconv, mask=valid)
     tl.store(gin_ptr + off, (1.0 - beta) * grad, mask=valid)
+    # this program's share of the weight and bias gradients, one row of H * H * K * K + H:
+    # for each tap, dconv against the tap's view of A_input (zero for the causal layout's
+    # masked taps), then the bias's
+    row = shares_ptr + program * (H * H * K * K + H)
     if HAS_BIAS:
-        tl.store(pb_ptr + program * H + h1, tl.sum(tl.sum(dconv, axis=2), axis=1), mask=h1 < H)
-    # this program's share of the weight gradient: dconv against the tap's view of A_input
-    shares = pw_ptr + (program * H + h1) * (H * K * K)
+        tl.store(row + H * H * K * K + h1, tl.sum(tl.sum(dconv, axis=2), axis=1), mask=h1 < H)
+    shares = row + h1 * (H * K * K)
     for a in tl.static_range(K):
         for c in tl.static_range(K):
-            if (not CAUSAL) or (c <= a):
+            if CAUSAL and (c > a):
+                for g in range(H):
+                    tl.store(shares + (g * K + a) * K + c, tl.zeros([BLOCK_H], dtype=tl.float32), mask=h1 < H)
+            else:
                 rows = tt + (a - R0)
                 cols = jj + (c - C0)
                 inside = (rows >= 0) & (rows < T) & (cols >= 0) & (cols < S)
@@ -339,9 +345,8 @@ class EvolvingAttentionTriton(torch.autograd.Function):
         programs = grid[0] * grid[1]
         dconv = torch.empty(shape, device=logits.device, dtype=torch.float32)
         grad_in = torch.empty(shape, device=logits.device, dtype=torch.float32)
-        # the causal layout's masked taps have no program's share: zeros
-        weight_shares = logits.new_zeros((programs,) + tuple(weight.shape), dtype=torch.float32)
-        bias_shares = logits.new_empty((programs, heads), dtype=torch.float32) if bias is not None else None
+        taps = weight.numel()
+        shares = logits.new_empty((programs, taps + heads), dtype=torch.float32)
         grad_out = None if grad_out is None else grad_out.contiguous()
         grad_carried = None if grad_carried is None else grad_carried.contiguous()
         constants = dict(K=k, R0=rows, C0=cols, CAUSAL=layout == "causal", HAS_PREV=has_previous,
@@ -349,7 +354,7 @@ class EvolvingAttentionTriton(torch.autograd.Function):
                          num_warps=warps)
         _backward_conv_kernel[grid](
             logits, previous, weight, bias, m, n, probs, grad_out, grad_carried, dconv, grad_in,
-            weight_shares, bias_shares, heads, tgt_len, src_len, *m_strides, *n_strides, float(alpha), float(beta),
+            shares, heads, tgt_len, src_len, *m_strides, *n_strides, float(alpha), float(beta),
             HAS_BIAS=bias is not None, HAS_MASK=m is not None, NEUTRAL_PER_HEAD=n_strides[1] != 0,
             SOFTMAX=softmax, HAS_GOUT=grad_out is not None,
             HAS_GCARRY=grad_carried is not None, **constants)
@@ -358,8 +363,9 @@ class EvolvingAttentionTriton(torch.autograd.Function):
         _backward_input_kernel[grid](
             weight, n, dconv, grad_in, grad_logits, grad_previous, heads, tgt_len, src_len, *n_strides,
             float(alpha), **constants)
-        grad_weight = weight_shares.sum(0).to(weight.dtype)
-        grad_bias = bias_shares.sum(0).to(bias.dtype) if bias is not None else None
+        total = shares.sum(0).to(weight.dtype)  # one reduction, one rounding, for weight and bias
+        grad_weight = total[:taps].view(weight.shape)
+        grad_bias = total[taps:] if bias is not None else None
         return grad_logits, grad_previous, grad_weight, grad_bias, None, None, None, None, None, None, None, None
 
 
