@@ -36,5 +36,5 @@ ATEN_CPU_CAPABILITY=default "$venv/bin/python" -m pytest -q -p no:cacheprovider 
   tests/test_realformer_resformer.py::test_reduces_to_the_transformer \
   tests/test_baseline_drop_attention.py::test_without_the_flag_it_is_fairseqs_transformer \
   tests/test_decoding_properties.py::test_incremental_equals_full_pass_with_beam_reorders \
-  tests/test_accelerator_cpu.py::test_both_backends_agree_wherever_both_may_run \
+  tests/test_dispatch.py::test_both_backends_agree_wherever_both_may_run \
   tests/test_accelerator_cpu.py::test_accelerated_full_pass_equals_the_reference_with_gradients
