@@ -12,6 +12,7 @@ from fairseq.models.transformer import TransformerModel
 from fairseq_cli import interactive
 
 from conftest import cli
+from families import TRAINED
 from trained_checkpoints import USER_DIR, family_checkpoints, run
 
 SENTENCES = ["s1 s2 s3", "s4 s5 s6 s7 s8 s9 s10", "s11", "s12 s13 s14 s15"]
@@ -36,7 +37,7 @@ def interactive_session(data, checkpoint, lines, *extra, monkeypatch, capsys):
     return hyps, out
 
 
-@pytest.mark.parametrize("family", ["vanilla", "ea", "pa", "ran"])
+@pytest.mark.parametrize("family", list(TRAINED))
 def test_hub_and_interactive_agree(family, checkpoints, tiny_data_bin, monkeypatch, capsys):
     path = checkpoints[family]
     hub = TransformerModel.from_pretrained(str(path.parent), checkpoint_file=path.name,
