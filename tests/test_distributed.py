@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import REPO
+from families import FAMILIES
 
 DRIVER = os.path.join(os.path.dirname(__file__), "drivers", "train_and_dump_rank.py")
 
@@ -18,7 +19,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("arch", ["ea_transformer_lite"])
+@pytest.mark.parametrize("arch", [FAMILIES["ea-lite"].arch])
 def test_two_cpu_processes_train_identical_replicas(tmp_path, tiny_data_bin, arch):
     port = free_port()
     env = dict(os.environ, EA_DUMP_DIR=str(tmp_path), OMP_NUM_THREADS="1")
