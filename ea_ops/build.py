@@ -42,7 +42,13 @@ def build(verbose: bool = False) -> str:
     path = os.path.join(directory, name + library.LIBRARY_SUFFIX)
     env = build_environment()
     ninja = shutil.which("ninja", path=env.get("PATH"))
-    if ninja and os.path.isfile(path) and os.path.isfile(os.path.join(directory, "build.ninja")):
+    built = os.path.isfile(path) and os.path.isfile(os.path.join(directory, "build.ninja"))
+    compiler = env.get("CXX", "c++")  # torch's choice of compiler, needed where nothing is built yet
+    for tool, found in (("no ninja", ninja),
+                        (f"no C++ compiler: {compiler}", built or shutil.which(compiler, path=env.get("PATH")))):
+        if not found:
+            raise BuildError(f"the CPU backend did not build ({tool} not found); {NEEDS}")
+    if built:
         proc = subprocess.run([ninja, "-C", directory], env=env, capture_output=not verbose, text=True)
     else:
         code = ("import sys; sys.path.insert(0, sys.argv[1]); from ea_ops import build; "
@@ -50,8 +56,7 @@ def build(verbose: bool = False) -> str:
         proc = subprocess.run([sys.executable, "-c", code, os.path.dirname(library.HERE), name, directory,
                                "1" if verbose else "0"], env=env, capture_output=not verbose, text=True)
     if proc.returncode != 0 or not os.path.isfile(path):
-        raise BuildError(f"the CPU backend did not build ({telling((proc.stderr or '') + (proc.stdout or ''))}); "
-                         "it needs a C++ compiler and ninja (pip install ninja)")
+        raise BuildError(f"the CPU backend did not build ({telling((proc.stderr or '') + (proc.stdout or ''))}); {NEEDS}")
     return path
 
 
@@ -63,6 +68,7 @@ def telling(output: str) -> str:
 
 
 TELLING = ("error:", "not found", "No such file", "is required")
+NEEDS = "it needs a C++ compiler and ninja (pip install ninja)"
 
 
 def compile_here(name: str, directory: str, verbose: bool) -> None:
