@@ -4,6 +4,7 @@ import torch
 
 from conftest import build_model, decoder_out, random_batch
 from ea_fairseq.modules import AttentionMechanism, DropAttention
+from families import FAMILIES
 
 
 def softmax_weights(shape, seed=0):
@@ -86,14 +87,15 @@ def test_identity_in_eval_mode_and_same_mask_for_same_seed():
 DROP = ("--drop-attention", "element", "--drop-attention-p", "0.2", "--drop-attention-window", "2")
 
 
-@pytest.mark.parametrize("arch,extra", [
-    ("ea_transformer_lite", ()),
-    ("ea_transformer_lite", ("--encoder-attention", "vanilla", "--decoder-attention", "vanilla",
-                             "--cross-attention", "vanilla")),
-    ("pa_transformer_lite", ()),
-    ("ran_all_lite", ("--ran-max-positions", "32")),
+@pytest.mark.parametrize("family,extra", [
+    ("ea-lite", ()),
+    ("ea-lite", ("--encoder-attention", "vanilla", "--decoder-attention", "vanilla", "--cross-attention", "vanilla")),
+    ("pa-lite", ()),
+    ("ran-all-lite", ()),
 ], ids=["ea", "vanilla", "pa", "ran"])
-def test_every_variant_takes_drop_attention_only_in_training(dictionary, arch, extra):
+def test_every_variant_takes_drop_attention_only_in_training(dictionary, family, extra):
+    arch, *options = FAMILIES[family].args()
+    extra = (*options, *extra)
     model, _ = build_model(arch, "--encoder-layers", "2", "--decoder-layers", "2", "--dropout", "0",
                            *extra, *DROP)
     attns = [m for m in model.modules() if isinstance(m, AttentionMechanism)]
