@@ -287,7 +287,7 @@ COMPILE = textwrap.dedent("""
     causal = dict(shape, R0=2, C0=2, CAUSAL=True)
     full = dict(shape, R0=1, C0=1, CAUSAL=False)
     build(ea._forward_kernel, dict(maps, out_ptr="*fp16", carry_ptr="*fp16"),
-          dict(causal, **every, SOFTMAX=False, HAND_ON=True))
+          dict(causal, **dict(every, NEUTRAL_PER_HEAD=True), SOFTMAX=False, HAND_ON=True))
     build(ea._forward_kernel, dict(first, out_ptr="*fp32", carry_ptr=None),
           dict(full, **none, SOFTMAX=True, HAND_ON=False))
     backward = dict(dconv_ptr="*fp32", gin_ptr="*fp32", shares_ptr="*fp32")
