@@ -12,6 +12,8 @@ plugin, whose attention modules call the operation (``ea_fairseq.modules.evolvin
 * :mod:`ea_ops.reference`: the PyTorch reference backend;
 * :mod:`ea_ops.cpu`, ``csrc/``, :mod:`ea_ops.build` and :mod:`ea_ops.library`: the CPU
   backend's fused C++ passes, built ahead with ``python -m ea_ops.build``;
+* :mod:`ea_ops.triton`: the CUDA backend's Triton kernels of a full pass (the ``triton``
+  extra; their tests run on CPU under Triton's interpreter);
 * :mod:`ea_ops.accelerators`: the switches (``EA_FAIRSEQ_ACCELERATORS=0``, :func:`reference_only`);
 * the pieces the operation is made of and the attention modules reuse: the map convolution
   in the layouts of EA Fig. 3 (:mod:`ea_ops.map_conv`), the masks (:mod:`ea_ops.masks`), the
