@@ -28,6 +28,8 @@ test modules pick from :data:`FAMILIES` by these fields, never keep a list of th
   twin's weights (EA with α = β = 0, a one-layer RealFormer, ...), ``None`` where none does;
 * ``paper_archs``: the family's mechanism at the papers' other sizes (its parameter count is
   checked there too: :func:`added_parameters`);
+* ``fixture``: its checkpoint fixture's folder in ``tests/fixtures/checkpoints`` (the arch
+  trained at make_fixtures.py's sizes and options; test_checkpoint_fixtures.py);
 * ``maps``: the maps the analysis tool records beside each attention's weights
   (``ea_fairseq.analysis``; test_analysis.py captures the families that name them, ``None``
   the others).
@@ -68,6 +70,7 @@ class Family:
     reduces: Optional[Tuple[str, ...]] = None
     maps: Optional[FrozenSet[str]] = None
     paper_archs: Tuple[str, ...] = ()
+    fixture: str = ""
 
     def args(self) -> Tuple[str, ...]:
         return (self.arch, *self.options)
@@ -236,10 +239,10 @@ LSRA_MAP_CONV = (("*self_attn.attention.conv.*", 0.5),)  # EA's map convolution 
 #: every family, one line each
 FAMILIES: Dict[str, Family] = {
     # fairseq's own transformer: the control every mechanism is compared with
-    "vanilla": Family("transformer_lite", dtypes=FP32, cli=True, maps=frozenset()),
+    "vanilla": Family("transformer_lite", dtypes=FP32, cli=True, maps=frozenset(), fixture="vanilla"),
     "ea-lite": Family("ea_transformer_lite", EA_ON, EVERY_ROLE, accelerator=True, cli=True, mechanism=MAP_CONV,
                       reduces=("--ea-alpha", "0", "--ea-beta", "0", "--ea-decoder-alpha", "0"),
-                      maps=frozenset({"dot_product", "convolution", "logits"})),
+                      maps=frozenset({"dot_product", "convolution", "logits"}), fixture="ea"),
     # decoder alpha 0 (the papers' decoder): no layer reads A_logit, the fused step returns weights
     "ea-lite-paper-decoder": Family("ea_transformer_lite", EA_ON + ("--ea-decoder-alpha", "0"), EVERY_ROLE,
                                     accelerator=True, dtypes=FP32, anchor=False, variant_of="ea-lite",
@@ -251,35 +254,38 @@ FAMILIES: Dict[str, Family] = {
     "ea-base": Family("ea_transformer_base", EA_ON, EVERY_ROLE, accelerator=True, decoding=False,
                       variant_of="ea-lite", twin="transformer", mechanism=MAP_CONV),
     "pa-lite": Family("pa_transformer_lite", ("--pa-alpha", "0.5"), frozenset({"encoder"}), mechanism=PA_CNN,
-                      reduces=("--pa-alpha", "0"), maps=PA_MAPS),
+                      reduces=("--pa-alpha", "0"), maps=PA_MAPS, fixture="pa"),
     "pa-lite-2-conv-layers": Family("pa_transformer_lite", ("--pa-alpha", "0.5", "--pa-conv-layers", "2"),
                                     frozenset({"encoder"}), dtypes=FP32, anchor=False, variant_of="pa-lite",
                                     mechanism=PA_CNN),
-    "ran-e-lite": Family("ran_e_lite", RAN_ON, frozenset({"encoder"}), mechanism=RAN_MATRICES, paper_archs=("ran_e",)),
-    "ran-d-lite": Family("ran_d_lite", RAN_ON, frozenset({"decoder"}), mechanism=RAN_MATRICES, paper_archs=("ran_d",)),
+    "ran-e-lite": Family("ran_e_lite", RAN_ON, frozenset({"encoder"}), mechanism=RAN_MATRICES,
+                         paper_archs=("ran_e",), fixture="ran_e"),
+    "ran-d-lite": Family("ran_d_lite", RAN_ON, frozenset({"decoder"}), mechanism=RAN_MATRICES,
+                         paper_archs=("ran_d",), fixture="ran_d"),
     "ran-all-lite": Family("ran_all_lite", RAN_ON, BOTH, cli=True, mechanism=RAN_MATRICES,
-                           maps=frozenset({"recurrent"}), paper_archs=("ran_all",)),
+                           maps=frozenset({"recurrent"}), paper_archs=("ran_all",), fixture="ran_all"),
     "ran-d-lite+ea-encoder": Family("ran_d_lite", RAN_ON + ("--encoder-attention", "ea", "--ea-alpha", "0.5",
                                                             "--ea-beta", "0.5"), BOTH, accelerator=True,
                                     dtypes=FP32, anchor=False, mechanism=RAN_MATRICES + MAP_CONV),
     "hcsa-lite": Family("hcsa_lite", (), BOTH, mechanism=HCSA_OFFSETS, maps=frozenset({"gaussian"}),
-                        paper_archs=("hcsa",)),
+                        paper_archs=("hcsa",), fixture="hcsa"),
     "syn-r-lite": Family("syn_r_lite", SYN_ON, BOTH, mechanism=SYN_R, maps=frozenset({"synthesized"}),
-                         paper_archs=("syn_r",)),
+                         paper_archs=("syn_r",), fixture="syn_r"),
     # one layer: no previous scores; λ = (0, 1): V_n alone
     "realformer-lite": Family("realformer_lite", (), EVERY_ROLE,
                               reduces=("--encoder-layers", "1", "--decoder-layers", "1"),
-                              maps=frozenset({"dot_product", "logits"}), paper_archs=("realformer_base",)),
+                              maps=frozenset({"dot_product", "logits"}), paper_archs=("realformer_base",),
+                              fixture="realformer"),
     "resformer-lite": Family("resformer_lite", ("--value-residual-lambdas", "0.7", "0.6"), BOTH,
                              reduces=("--value-residual-lambdas", "0", "1"), maps=frozenset(),
-                             paper_archs=("resformer_base",)),
+                             paper_archs=("resformer_base",), fixture="resformer"),
     "ea-lite+resformer": Family("ea_transformer_lite", ("--ea-decoder-alpha", "0.3", "--value-residual-on",
                                                         "encoder", "decoder"), EVERY_ROLE, accelerator=True,
                                 dtypes=FP32, anchor=False, mechanism=MAP_CONV),
     "ran-e-lite+realformer-decoder": Family("ran_e_lite", RAN_ON + ("--decoder-attention", "realformer",
                                                                     "--value-residual-on", "encoder"), BOTH,
                                             dtypes=FP32, anchor=False, mechanism=RAN_MATRICES),
-    "conv-transformer-lite": Family("conv_transformer_lite", LSRA, BOTH, mechanism=LSRA_BRANCHES),
+    "conv-transformer-lite": Family("conv_transformer_lite", LSRA, BOTH, mechanism=LSRA_BRANCHES, fixture="lsra"),
     "pa-conv-transformer-lite": Family("pa_conv_transformer_lite", ("--pa-alpha", "0.5") + LSRA, BOTH,
                                       mechanism=LSRA_BRANCHES + PA_CNN, maps=PA_MAPS),
     "lsra+ea-lite+dropattention": Family("ea_transformer_lite", ("--lsra-on", "encoder", "decoder",
@@ -292,7 +298,7 @@ FAMILIES: Dict[str, Family] = {
     # DropAttention acts in training only; alone it decodes in float32 (its eval-mode path)
     "dropattention-column": Family("transformer_lite", ("--drop-attention", "column", "--drop-attention-p", "0.3",
                                                         "--drop-attention-window", "2"), EVERY_ROLE, dtypes=FP32,
-                                   reduces=()),  # in eval mode
+                                   reduces=(), fixture="drop_attention"),  # in eval mode
     "dropattention-element-decoder": Family("transformer_lite", ("--drop-attention", "element",
                                                                  "--drop-attention-on", "decoder"),
                                             frozenset({"decoder"}), dtypes=FP32, anchor=False),
@@ -316,6 +322,9 @@ PLUGIN_DECODERS = [name for name, f in FAMILIES.items() if "decoder" in f.roles]
 CLI = [name for name, f in FAMILIES.items() if f.cli]
 #: saved and loaded through the hub in process: every family neither in CLI nor a variant
 ROUND_TRIP = [name for name, f in FAMILIES.items() if not f.cli and not f.variant_of]
+#: the checkpoint fixtures (test_checkpoint_fixtures.py), and those an accelerator computes
+FIXTURES = [f.fixture for f in FAMILIES.values() if f.fixture]
+ACCELERATED_FIXTURES = [f.fixture for f in FAMILIES.values() if f.fixture and f.accelerator]
 #: the tiny checkpoints trained by fairseq-train for the tests of trained models
 #: (trained_checkpoints.py): name -> (arch, options), each arch at its paper defaults
 TRAINED = {"vanilla": (FAMILIES["vanilla"].arch, []), "ea": (FAMILIES["ea-lite"].arch, []),

@@ -21,15 +21,15 @@ from fairseq.sequence_generator import SequenceGenerator
 import ea_fairseq  # noqa: F401  (registers the plugin's models, as --user-dir does)
 from ea_ops import accelerators
 from ea_fairseq.modules.evolving_attention import EvolvingAttention
+from families import ACCELERATED_FIXTURES, FIXTURES as FIXTURE_FOLDERS
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "checkpoints")
-FAMILIES = ("vanilla", "ea", "pa", "ran_d", "ran_e", "ran_all", "hcsa", "syn_r", "realformer", "resformer",
-            "lsra", "drop_attention")
+FAMILIES = tuple(FIXTURE_FOLDERS)  # its folders (families.py: Family.fixture)
 SOURCE_LENGTHS = (4, 7, 5)  # with the final </s>
 TARGET_LENGTHS = (3, 6, 5)  # with the leading </s> of prev_output_tokens
 BEAM, MAX_LEN_B = 3, 5
 #: families whose outputs an accelerator computes: their reference is held to the same files
-ACCELERATED = ("ea",)
+ACCELERATED = tuple(ACCELERATED_FIXTURES)
 
 # The bound. IEEE 754 rounds each elementwise operation correctly, so two correct float32
 # implementations of these models (another CPU's SIMD kernels, ATen's generic ones, EA's
