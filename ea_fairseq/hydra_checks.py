@@ -22,8 +22,9 @@ before any directory exists (hydra's ``on_run_start``), it
 A refusal is one line, ``fairseq-hydra-train: error: ...``, and exit status 1. When the job
 itself fails (``on_job_end``), the run directory is removed if this run created it and it
 holds nothing but hydra's log and config, with the parents hydra made for it (left empty),
-and an ``OptionError`` is printed as one line too;
-other errors are reported by fairseq and hydra as they are.
+and an ``OptionError`` (or another of the plugin's one-line errors: a checkpoint refused, a data
+directory that is not there) is printed as one line too; other errors are reported by fairseq
+and hydra as they are.
 """
 import copy
 import dataclasses
@@ -245,5 +246,6 @@ class RunChecks(Callback):
         # the job's exception, without JobReturn.return_value, which prints hydra's report;
         # in a sweep (-m) hydra reports it, and the other jobs go on
         error = getattr(job_return, "_return_value", None)
-        if isinstance(error, OptionError) and str(OmegaConf.select(config, "hydra.mode")) != "RunMode.MULTIRUN":
+        one_line = isinstance(error, OptionError) or getattr(type(error), "one_line", False)
+        if one_line and str(OmegaConf.select(config, "hydra.mode")) != "RunMode.MULTIRUN":
             refuse(str(error))

@@ -2,6 +2,7 @@
 (examples/translation/config), and refuses a model configuration it cannot read."""
 import os
 import re
+import shutil
 import subprocess
 from types import SimpleNamespace
 
@@ -349,13 +350,25 @@ def test_a_failed_run_leaves_no_directory_and_the_script_prints_only_the_refusal
     assert shown.returncode == 1 and "Hydra14MigrationWarning" in shown.stderr, shown.stderr[-3000:]
     assert shown.stderr.splitlines()[-1] == ALPAH and "Traceback" not in shown.stderr
     assert not save.exists()
-    # hydra makes the run directory's parents too (parents=True): they go with it
+    # hydra makes the run directory's parents too (parents=True): they go with it; a data
+    # directory that is not there is the plugin's one line, a missing split fairseq's traceback
     nested = tmp_path / "runs" / "iwslt" / "ckpt"
     missing = hydra_train("ea_transformer_lite_iwslt14", str(tmp_path / "no-data"), nested, "common.fp16=false",
                           "common.cpu=true", script=True, cwd=tmp_path)
-    assert missing.returncode == 1 and "no-data: no such data directory" in missing.stderr
-    assert "Traceback" in missing.stderr and "Warning" not in missing.stderr
+    assert missing.returncode == 1 and missing.stderr.splitlines() == [
+        f"fairseq-hydra-train: error: {tmp_path}/no-data: no such data directory: give the directory "
+        "fairseq-preprocess wrote (its --destdir), e.g. data-bin/NAME of the recipes' "
+        "examples/translation/prepare-*.sh"], missing.stderr
     assert not (tmp_path / "runs").exists() and tmp_path.is_dir()
+    dictionaries = tmp_path / "dictionaries-only"
+    dictionaries.mkdir()
+    for name in ("dict.src.txt", "dict.tgt.txt"):
+        shutil.copy(os.path.join(tiny_data_bin, name), dictionaries)
+    no_split = hydra_train("ea_transformer_lite_iwslt14", str(dictionaries), nested, "common.fp16=false",
+                           "common.cpu=true", script=True, cwd=tmp_path)
+    assert no_split.returncode == 1 and re.search(r"Dataset not found: (valid|train)", no_split.stderr), no_split.stderr
+    assert "Traceback" in no_split.stderr and "Warning" not in no_split.stderr
+    assert not (tmp_path / "runs").exists()
 
 
 def test_a_failed_runs_parents_go_only_while_empty(tmp_path):
