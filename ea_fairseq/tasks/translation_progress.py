@@ -5,8 +5,9 @@ and prints nothing until its ``valid on`` line: minutes on a CPU. This task logs
 that logs (rank 0), what it is doing when a validation with BLEU starts, a progress line every
 ``--valid-progress-seconds`` (sentences translated of this process's share, time spent, time
 left at the rate so far) and the time the pass took; a validation without BLEU logs progress only
-when it runs longer than that interval. Everything else (data, models, BLEU, the checkpoints'
-contents) is fairseq's ``translation``.
+when it runs longer than that interval. Everything else (data, models, BLEU) is fairseq's
+``translation``; its checkpoints name this task (and its interval), so they load where the plugin
+is loaded, as the plugin's models do.
 
 Only the task's own hooks are used: :meth:`begin_valid_epoch` marks a validation, the
 validation iterator fairseq asks for gives the pass's subset and size (:meth:`get_batch_iterator`),
