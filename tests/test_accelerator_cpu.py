@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ea_fairseq.modules import AttentionMapCarrier, EvolvingAttention
+from ea_fairseq.modules import EvolvingAttention, layer_maps
 from ea_ops import accelerators, build, dispatch, evolving_attention, library
 from ea_ops import cpu as cpu_ea
 from ea_ops.contract import EvolvingAttentionParams, StepState
@@ -34,7 +34,6 @@ def ea_attention(layout, kernel_size, alpha, dtype, seed=0, hand_on=True):
     attn = EvolvingAttention(16, HEADS, self_attention=layout == "causal",
                              encoder_decoder_attention=layout == "rows", slot="self", alpha=alpha, beta=0.4,
                              kernel_size=kernel_size, conv_layout=layout, hand_on=hand_on)
-    attn.attach(AttentionMapCarrier())
     with torch.no_grad():  # large weights and biases of both signs: every tap and the ReLU matter
         attn.conv.weight.normal_()
         attn.conv.bias.normal_()
@@ -325,9 +324,8 @@ def full_pass(attn, logits, previous, masked, query_padding, use_kernel):
     logits = logits.clone().requires_grad_()
     previous = previous.clone().requires_grad_()
     attn.conv.zero_grad()
-    carrier = attn.attention_maps
-    with carrier.scope(), contextlib.nullcontext() if use_kernel else accelerators.reference_only():
-        carrier.hand_on("self", previous)
+    with layer_maps(attn, previous={"self": previous}, wanted=("self",)), \
+            contextlib.nullcontext() if use_kernel else accelerators.reference_only():
         out = attn.transform_logits(logits.clone(), masked, query_padding, None)
     finite = torch.isfinite(out)
     weights = torch.linspace(-1, 2, out.numel(), dtype=out.dtype).view_as(out)

@@ -92,6 +92,7 @@ def test_one_reorder_knows_hypothesis_and_sentence_rows():
     def by_index(state, order):
         if "rows" in state:
             state["rows"] = state["rows"].index_select(0, order)
+        return state
 
     within = torch.tensor([1, 1, 2, 3])  # beams change within their sentences
     hypotheses.reorder(within, by_index)

@@ -11,6 +11,7 @@ from fairseq.models.transformer import TransformerModel
 from fairseq.modules import MultiheadAttention
 
 from conftest import beam_reorder_gap, build_model, decoder_out, incremental_logprobs, random_batch, randomize_convs
+from ea_fairseq.models.ea_transformer import StackLayer
 from ea_fairseq.modules import AttentionMapConv, EvolvingAttention
 from ea_fairseq.modules.attention_maps import LogitMapAttention
 from ea_ops.reference import evolving_attention_reference
@@ -127,23 +128,31 @@ def test_causality_check_catches_a_leaking_conv(dictionary, which):
 
 @pytest.mark.parametrize("decoder_alpha", ["0.3", "0"], ids=["hand-on", "weights"])
 def test_decoding_takes_the_accelerated_step_of_its_kind(dictionary, accelerated_step, decoder_alpha):
-    """Decoder α > 0: each layer hands its A_logit on, and the accelerated step returns it;
-    α = 0 (the papers' decoder): no layer reads it, and the step returns the attention
-    weights, softmax included. Either way, across beam reorders, the full pass's values."""
+    """Decoder α > 0: each layer but the last hands its A_logit on, and the accelerated step
+    returns it; the last layer (nobody reads its map) and α = 0 (the papers' decoder: no
+    layer reads it): the step returns the attention weights, softmax included. Either way,
+    across beam reorders, the full pass's values."""
     model, _ = build_model("ea_transformer_lite", *SMALL, *STRONG, "--ea-decoder-alpha", decoder_alpha)
     randomize_convs(model)
     assert beam_reorder_gap(model, dictionary, [[1, 1, 3, 2], [1, 0, 2, 2]]) <= 1e-5
-    assert set(accelerated_step) == {decoder_alpha == "0"}
+    if decoder_alpha == "0":
+        assert set(accelerated_step) == {True}
+    else:  # 3 layers: the weights in the last layer's self- and cross-attention, A_logit in the others'
+        assert 3 * accelerated_step.count(True) == len(accelerated_step)
 
 
-def test_first_layer_reads_no_previous_map_and_carrier_is_emptied(dictionary):
+def test_maps_are_handed_on_only_to_later_layers_and_die_with_the_pass(dictionary):
+    """The first layer reads no previous map, the last hands none on, and nothing of a
+    pass outlives it (nor enters the state dict)."""
     model, _ = build_model("ea_transformer_lite", *SMALL, *STRONG)
     src, lengths, prev = random_batch(dictionary, [5, 7], 4)
     decoder_out(model, src, lengths, prev)
-    assert model.encoder.attention_maps.previous("self") is None
-    assert model.decoder.attention_maps.previous("cross") is None
-    assert "attention_maps" not in dict(model.named_modules())
-    assert not any("attention_maps" in k for k in model.state_dict())
+    for stack in (model.encoder, model.decoder):
+        layers = list(stack.layers)
+        assert "self" not in layers[0].reads and not layers[-1].hands and layers[0].hands
+        assert stack.stack_pass is None and all(layer.stack_pass is None for layer in layers)
+    assert "cross" in model.decoder.layers[1].reads and "cross" not in model.decoder.layers[0].reads
+    assert not any("stack_pass" in k for k in model.state_dict())
 
 
 @pytest.mark.parametrize("path", ["accelerated", "reference"])
@@ -154,14 +163,18 @@ def test_masked_entries_never_reach_the_conv_as_inf(dictionary, monkeypatch, pat
     seen, handed_on = [], []
     conv2d = F.conv2d  # every map convolution, the reference's and the accelerator's
     monkeypatch.setattr(F, "conv2d", lambda maps, *a, **k: seen.append(maps) or conv2d(maps, *a, **k))
-    for stack in (model.encoder, model.decoder):
-        hand_on = stack.attention_maps.hand_on
-        monkeypatch.setattr(stack.attention_maps, "hand_on",
-                            lambda slot, m, hand_on=hand_on: handed_on.append(m) or hand_on(slot, m))
+    body = StackLayer.body
+
+    def spied(layer, *args, **kwargs):  # what each layer's call hands on
+        out = body(layer, *args, **kwargs)
+        handed_on.extend(v for v in out[len(out) - len(layer.hands):] if v is not None)
+        return out
+
+    monkeypatch.setattr(StackLayer, "body", spied)
     src, lengths, prev = random_batch(dictionary, [3, 9], 6)
     with accelerators.reference_only() if path == "reference" else contextlib.nullcontext():
         out = decoder_out(model, src, lengths, prev)
-    assert len(seen) == 9 and len(handed_on) == 9
+    assert len(seen) == 9 and len(handed_on) == 6  # the last layer of each of the 3 chains hands on nothing
     assert all(torch.isfinite(x).all() for x in seen + handed_on)
     assert torch.isfinite(out).all()
 

@@ -80,41 +80,10 @@ def test_weights_only_still_refuses_other_objects(tmp_path):
 @pytest.mark.parametrize("extra,message", [
     (("--ea-alpha", "1.5"), "alpha must lie in"),
     (("--ea-beta", "-0.1"), "beta must lie in"),
-    (("--checkpoint-activations",), "checkpoint-activations"),
 ])
 def test_bad_options_fail_with_a_clear_message(extra, message):
     with pytest.raises(ValueError, match=message):
         build_model("ea_transformer_lite", *extra)
-
-
-def test_checkpoint_activations_allowed_without_cross_layer_state(dictionary):
-    """EA with no map handed between layers takes fairseq's --checkpoint-activations: every
-    layer is wrapped by fairseq's ``checkpoint_wrapper``, runs again in the backward pass
-    (recomputed, not stored), and the gradients are those of the same model unwrapped."""
-    options = ("--ea-alpha", "0", "--encoder-layers", "2", "--decoder-layers", "2", "--dropout", "0",
-               "--attention-dropout", "0")
-    model, _ = build_model("ea_transformer_lite", *options, "--checkpoint-activations")
-    plain, _ = build_model("ea_transformer_lite", *options)
-    plain.load_state_dict(model.state_dict())
-    layers = [*model.encoder.layers, *model.decoder.layers]
-    assert len(layers) == 4 and all(hasattr(layer, "precheckpoint_forward") for layer in layers)
-    assert not any(hasattr(layer, "precheckpoint_forward") for layer in [*plain.encoder.layers, *plain.decoder.layers])
-    runs = {}
-    for i, layer in enumerate(layers):
-        layer.fc1.register_forward_pre_hook(lambda module, args, i=i: runs.__setitem__(i, runs.get(i, 0) + 1))
-    src, lengths, prev = random_batch(dictionary, [5, 7], 4)
-    grads = []
-    for m in (model, plain):
-        m.train()
-        loss = m(src, lengths, prev)[0].float().pow(2).mean()
-        if m is model:
-            assert runs == {i: 1 for i in range(4)}  # the forward pass
-        loss.backward()
-        grads.append({n: p.grad for n, p in m.named_parameters() if p.grad is not None})
-    assert runs == {i: 2 for i in range(4)}  # and each layer once more in backward
-    assert grads[0].keys() == grads[1].keys() and len(grads[0]) == len(list(model.parameters()))
-    for name, grad in grads[0].items():
-        torch.testing.assert_close(grad, grads[1][name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_kernel_size_choices_are_enforced(capsys):

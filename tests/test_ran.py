@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import build_model, decoder_out, incremental_logprobs, random_batch
+from ea_fairseq.modules.attention_map_carrier import layer_maps
 from ea_fairseq.modules.evolving_attention import EvolvingAttention
 from ea_fairseq.modules.recurrent_attention import (RecurrentAttention, RecurrentAttentionMatrices,
                                                     sentence_logits, sentence_positions)
@@ -75,7 +76,7 @@ def test_training_pass_decides_from_shapes_only(arch):
     padding = torch.empty(2, 7, dtype=torch.bool, device="meta")
     future = torch.empty(7, 7, device="meta") if arch == "ran_d_lite" else None
     for mask in (None, padding):
-        with stack.attention_scope(7):
+        with stack.attention_scope(7) as stack_pass, layer_maps(attn, previous=stack_pass.values):
             out, _ = attn(x, x, x, key_padding_mask=mask, attn_mask=future, need_weights=False)
         out.sum().backward()
         assert out.shape == x.shape and stack.recurrent_matrices.initial.grad is not None
@@ -96,7 +97,7 @@ def test_layers_share_their_stacks_matrices_saved_once():
     model, _ = build_model("ran_all_lite", *SMALL)
     for stack in (model.encoder, model.decoder):
         assert all(layer.self_attn.matrices is stack.recurrent_matrices for layer in stack.layers)
-        assert stack.recurrent_matrices._this_pass is None
+        assert stack.stack_pass is None
     keys = [k for k in model.state_dict() if "initial" in k or "transition" in k]
     assert sorted(keys) == sorted(f"{s}.recurrent_matrices.{n}" for s in ("encoder", "decoder")
                                   for n in ("initial", "transition.weight", "transition.bias"))
@@ -198,11 +199,6 @@ def test_ran_d_with_an_ea_encoder(dictionary):
     assert all(isinstance(layer.self_attn, EvolvingAttention) for layer in model.encoder.layers)
     assert all(isinstance(layer.self_attn, RecurrentAttention) for layer in model.decoder.layers)
     assert model.encoder.recurrent_matrices is None  # (it decodes: family ran-d-lite+ea-encoder)
-
-
-def test_checkpoint_activations_refused_with_ran():
-    with pytest.raises(ValueError, match="checkpoint-activations"):
-        build_model("ran_e_lite", "--checkpoint-activations")
 
 
 @pytest.mark.parametrize("arch", ["ran_e_lite", "ran_d_lite", "ran_all_lite"])

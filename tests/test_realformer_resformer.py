@@ -88,15 +88,6 @@ def test_resformer_follows_its_equation(dictionary, lambdas):
     assert worst <= 1e-12
 
 
-@pytest.mark.parametrize("options", [("realformer_lite",), ("resformer_lite", "--value-residual-on", "decoder"),
-                                     ("ea_transformer_lite", "--ea-alpha", "0", "--value-residual-on", "encoder")])
-def test_checkpoint_activations_refused(options):
-    """Both read another layer's state in the same pass, which activation checkpointing
-    recomputes layer by layer."""
-    with pytest.raises(ValueError, match="--checkpoint-activations"):
-        build_model(*options, "--checkpoint-activations")
-
-
 def test_value_residual_is_for_self_attention(capsys):
     with pytest.raises(SystemExit):
         build_model("resformer_lite", "--value-residual-on", "cross")

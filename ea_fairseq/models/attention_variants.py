@@ -7,9 +7,10 @@ self-attention), ``decoder`` (decoder self-attention) and ``cross``
 architectures only choose defaults, so variants compose freely (e.g. RAN-D with an EA
 encoder). Each variant registers here (:func:`register_variant`) its builder, which makes
 the role's attention module from the settings fairseq gives the role's attention
-(:class:`RoleAttention`), the roles it is defined for, and whether it reads state its stack
-hands between layers; the options' choices and the model's checks are derived from that
-registry. Every module a builder returns follows
+(:class:`RoleAttention`), and the roles it is defined for; the options' choices and the
+model's checks are derived from that registry. What a module reads from the layers before
+it and hands on to the layers after it, the module says itself (``carried_names``). Every
+module a builder returns follows
 :class:`~ea_fairseq.modules.attention_protocol.AttentionModule`.
 """
 import argparse
@@ -35,18 +36,15 @@ CONV_LAYOUT = {"encoder": "full", "decoder": "causal", "cross": "rows"}
 
 @dataclass(frozen=True)
 class Variant:
-    """One attention variant: what builds it, where it applies, what it needs of its stack."""
+    """One attention variant: what builds it, and where it applies."""
 
     name: str
     build: Callable  # build(attention: RoleAttention, cfg, role, layer_index) -> attention module
     roles: Tuple[str, ...]  # the roles it is defined for
-    # cross_layer(cfg, role): does it read what its stack computes during one forward pass,
-    # for more than one layer (the previous layer's logits from the carrier, RAN's matrices)?
-    cross_layer: Callable[..., bool]
 
 
 #: every variant, in the order the options list them; the one source of the choices of
-#: --encoder/decoder/cross-attention, of the roles a variant accepts and of needs_stack_pass
+#: --encoder/decoder/cross-attention and of the roles a variant accepts
 VARIANTS: Dict[str, Variant] = {}
 
 
@@ -66,12 +64,10 @@ class RoleAttention:
         return self.settings["embed_dim"]
 
 
-def register_variant(name: str, roles: Tuple[str, ...], cross_layer=False):
-    """Register ``build`` for ``--<role>-attention name``; ``cross_layer`` is a bool or a
-    predicate ``(cfg, role) -> bool``."""
+def register_variant(name: str, roles: Tuple[str, ...]):
+    """Register ``build`` for ``--<role>-attention name``."""
     def wrap(build):
-        predicate = cross_layer if callable(cross_layer) else (lambda cfg, role: cross_layer)
-        VARIANTS[name] = Variant(name, build, tuple(roles), predicate)
+        VARIANTS[name] = Variant(name, build, tuple(roles))
         return build
 
     return wrap
@@ -83,13 +79,6 @@ def choices_for(role: str) -> List[str]:
 
 def variant_of(cfg, role: str) -> str:
     return getattr(cfg, f"{role}_attention", None) or "vanilla"
-
-
-def needs_stack_pass(cfg, role: str) -> bool:
-    """Does this role's attention read what its stack computes during one forward pass (so
-    that a layer cannot be recomputed alone, as activation checkpointing does)?"""
-    variant = VARIANTS.get(variant_of(cfg, role))
-    return (variant is not None and variant.cross_layer(cfg, role)) or uses(cfg, "value_residual_on", role)
 
 
 def uses(cfg, option: str, role: str) -> bool:
@@ -292,7 +281,7 @@ def build_vanilla_attention(attention, cfg, role, layer_index):
     return attention.fairseq(attention.width)
 
 
-@register_variant("ea", roles=ROLES, cross_layer=lambda cfg, role: ea_alpha(cfg, role) > 0.0)
+@register_variant("ea", roles=ROLES)
 def build_evolving_attention(attention, cfg, role, layer_index):
     conv_off = getattr(cfg, f"ea_no_{role}_conv", False)
     return EvolvingAttention(
@@ -306,7 +295,7 @@ def build_evolving_attention(attention, cfg, role, layer_index):
     )
 
 
-@register_variant("pa", roles=("encoder",), cross_layer=True)
+@register_variant("pa", roles=("encoder",))
 def build_predictive_attention(attention, cfg, role, layer_index):
     return PredictiveAttention(
         **attention.settings, alpha=float(cfg.pa_alpha), conv_layers=int(cfg.pa_conv_layers), predict=layer_index > 0,
@@ -329,7 +318,7 @@ def position_attention_options(attention: RoleAttention, role: str, name: str) -
 POSITION_ONLY = ("ran", "hcsa", "synthesizer")
 
 
-@register_variant("ran", roles=("encoder", "decoder"), cross_layer=True)
+@register_variant("ran", roles=("encoder", "decoder"))
 def build_recurrent_attention(attention, cfg, role, layer_index):
     return RecurrentAttention(**position_attention_options(attention, role, "RAN"),
                               ran_index=layer_index - int(bool(cfg.ran_first_layer_standard)))
@@ -353,7 +342,7 @@ def build_synthesizer_attention(attention, cfg, role, layer_index):
                                       fixed=bool(cfg.synthesizer_fixed))
 
 
-@register_variant("realformer", roles=ROLES, cross_layer=True)
+@register_variant("realformer", roles=ROLES)
 def build_residual_attention(attention, cfg, role, layer_index):
     return ResidualAttention(**attention.settings, slot=SLOT[role])
 

@@ -1,5 +1,5 @@
 from ea_ops.map_conv import AttentionMapConv
-from .attention_map_carrier import AttentionMapCarrier
+from .attention_map_carrier import LayerMaps, StackPass, layer_maps
 from .attention_maps import LogitMapAttention
 from .attention_mechanism import AttentionMechanism
 from .attention_protocol import AttentionModule
@@ -12,7 +12,8 @@ from .recurrent_attention import RecurrentAttention, RecurrentAttentionMatrices
 from .synthesizer_attention import RandomSynthesizerAttention
 
 __all__ = [
-    "AttentionMapConv", "AttentionMapCarrier", "AttentionMechanism", "AttentionModule", "LogitMapAttention", "DropAttention",
+    "AttentionMapConv", "AttentionMechanism", "AttentionModule", "LogitMapAttention", "DropAttention",
     "EvolvingAttention", "HardCodedGaussianAttention", "PositionAttention", "PredictiveAttention",
     "RandomSynthesizerAttention", "RecurrentAttention", "RecurrentAttentionMatrices",
+    "LayerMaps", "StackPass", "layer_maps",
 ]

@@ -12,9 +12,10 @@ search's reorder treats it:
   hypothesis or, with beam search's beam size set (:meth:`AttentionCache.share_by_beams`),
   one row per *sentence*, which its beams share: such rows follow a reorder only when
   sentences leave the batch (each kept sentence's row, picked by its first beam);
-* ``mechanism`` -- the mechanism's own state (EA's convolution rows), one row per
-  hypothesis; reordered by the mechanism's ``reorder_mechanism_state`` (by default every
-  tensor in it, batch first);
+* ``mechanism`` -- the mechanism's own state (a dict of tensors, or an object of the
+  mechanism's: EA's :class:`~ea_ops.contract.StepState`), one row per hypothesis; reordered
+  by the mechanism's ``reorder_mechanism_state``, which returns it in the new order (by
+  default every tensor of the dict, batch first);
 * ``memo`` -- what a run derives once from the weights (a step's scaled projection, RAN's
   causal weights), the same for every hypothesis: never reordered.
 
@@ -22,8 +23,9 @@ fairseq's decoder layer looks into its self-attention's cache under fairseq's na
 (``prev_key``, ``prev_value``, ``prev_key_padding_mask``: :meth:`AttentionCache.as_buffer`)
 only for ``--cross-self-attention`` and when it is handed a previous state.
 """
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
+import torch
 from torch import Tensor
 
 
@@ -38,10 +40,32 @@ class AttentionCache:
         self.key_padding: Optional[Tensor] = None
         self.static = False  # keys computed once (the encoder's), not grown per step
         self.beam_size = 1  # > 1: static rows may be one per sentence, shared by its beams
-        self.mechanism: Dict[str, Any] = {}
+        self.mechanism: Any = {}
         self.memo: Dict[str, Any] = {}
 
-    def reorder(self, new_order: Tensor, reorder_mechanism: Callable[[Dict[str, Any], Tensor], None]) -> None:
+    def extend(self, keys: Optional[Tensor], values: Tensor,
+               padding: Optional[Tensor]) -> Tuple[Optional[Tensor], Tensor, Optional[Tensor]]:
+        """A self-attention's decoding step: append its keys (None for an attention without
+        keys) and values (B, H, S_new, head_dim), and the padding of its keys (the last
+        ``S_new`` columns of ``padding``, as fairseq's decoder hands a step's padding, or
+        None); returns the keys, values and padding (B, S) of every key the step sees (the
+        padding None where nothing is padded)."""
+        new = values.size(2)
+        if self.values is not None:
+            values = torch.cat([self.values, values], dim=2)
+            keys = None if keys is None else torch.cat([self.keys, keys], dim=2)
+        before = self.key_padding
+        if before is not None or padding is not None:
+            bsz, seen = values.size(0), values.size(2)
+            now = (padding[:, -new:].to(torch.bool) if padding is not None
+                   else torch.zeros(bsz, new, dtype=torch.bool, device=before.device))
+            if before is None:
+                before = torch.zeros(bsz, seen - new, dtype=torch.bool, device=now.device)
+            padding = torch.cat([before, now], dim=1)
+        self.keys, self.values, self.key_padding = keys, values, padding
+        return keys, values, padding
+
+    def reorder(self, new_order: Tensor, reorder_mechanism: Callable[[Any, Tensor], Any]) -> None:
         """Put every hypothesis-dependent entry in beam search's new order of hypotheses."""
         if self.keys is not None or self.values is not None:
             order = self.kept_rows(new_order)
@@ -49,7 +73,7 @@ class AttentionCache:
                 self.keys, self.values, self.key_padding = (
                     None if t is None else t.index_select(0, order)
                     for t in (self.keys, self.values, self.key_padding))
-        reorder_mechanism(self.mechanism, new_order)
+        self.mechanism = reorder_mechanism(self.mechanism, new_order)
 
     def kept_rows(self, new_order: Tensor) -> Optional[Tensor]:
         """The rows of keys and values the hypotheses in ``new_order`` read, or None where

@@ -1,57 +1,90 @@
-"""The carrier that hands a layer's attention maps to the next layer of its stack, and what
-every layer of one forward pass derives alike from the pass's masks (computed once)."""
+"""What the layers of one stack hand each other in one forward pass, as explicit values.
+
+An encoder or a decoder of this plugin opens one :class:`StackPass` per forward pass (a
+full pass, or one decoding step) and hands it to its layers. It holds
+
+* ``values``: named tensors the layers read -- the previous layer's attention logits per
+  attention kind (``"self"``, ``"cross"``), the first layer's values of value residual
+  learning (``"self:values"``), RAN's matrix of each RAN layer (``"ran:<k>"``, computed by
+  the stack when the pass opens);
+* what every layer derives alike from the pass's masks (:meth:`StackPass.derive`: the
+  boolean masks, the rows with every key masked, positions), computed by the first layer
+  that asks and read by the others under the same name.
+
+A layer takes the values it reads out of the pass, runs its body with them as explicit
+inputs and returns what it hands on as explicit outputs (which the pass then holds for the
+layers after it); only what a later layer reads is handed on. Inside the body the layer's
+attention modules see one :class:`LayerMaps`: the layer's inputs, and where to put its
+outputs. So a layer recomputed alone (activation checkpointing) gets the same inputs and
+gives the same outputs, and gradients flow through both. Neither object is a module: they
+never enter the state dict, and a pass's values die with it.
+"""
 from contextlib import contextmanager
-from typing import Callable, Dict, List, Optional, Tuple, TypeVar
+from typing import Callable, Dict, FrozenSet, Iterable, Optional, TypeVar
 
 from torch import Tensor
 
 T = TypeVar("T")
 
 
-def shared_in_pass(carrier: Optional["AttentionMapCarrier"], name: str,
-                   inputs: Tuple[Optional[Tensor], ...], compute: Callable[[], T]) -> T:
-    """:meth:`AttentionMapCarrier.shared`, or ``compute()`` for a module without a stack."""
-    return compute() if carrier is None else carrier.shared(name, inputs, compute)
+class StackPass:
+    """One forward pass of an encoder or a decoder (see the module docstring)."""
 
+    __slots__ = ("values", "derived")
 
-class AttentionMapCarrier:
-    """Hands each layer's attention logits to the next layer of the same stack.
+    def __init__(self, values: Optional[Dict[str, Tensor]] = None):
+        self.values: Dict[str, Tensor] = dict(values or {})
+        #: what every layer derives alike from the pass's masks (fairseq's loops hand every
+        #: layer of a pass the same masks), by name: computed by the first layer that asks
+        self.derived: Dict[str, object] = {}
 
-    One carrier is owned by an encoder or a decoder and shared by its layers' attention
-    modules (``slot`` names the attention kind: ``"self"`` or ``"cross"``). It is a plain
-    object, not a module: it never enters the state dict, and :meth:`scope` empties it
-    before and after every forward pass of its stack, so no tensor (or autograd graph)
-    outlives the pass that made it.
-    """
-
-    def __init__(self):
-        self._last: Dict[str, Tensor] = {}
-        self._shared: List[Tuple[str, Tuple[Optional[Tensor], ...], object]] = []
-
-    @contextmanager
-    def scope(self):
-        self._last.clear()
-        self._shared.clear()
-        try:
-            yield self
-        finally:
-            self._last.clear()
-            self._shared.clear()
-
-    def shared(self, name: str, inputs: Tuple[Optional[Tensor], ...], compute: Callable[[], T]) -> T:
-        """``compute()``, once per forward pass for the same ``inputs`` (the same tensor
-        objects): what every layer of the stack derives alike from the pass's masks."""
-        for entry_name, entry_inputs, value in self._shared:
-            if entry_name == name and len(entry_inputs) == len(inputs) and all(
-                    a is b for a, b in zip(entry_inputs, inputs)):
-                return value
-        value = compute()
-        self._shared.append((name, inputs, value))
+    def derive(self, name: str, compute: Callable[[], T]) -> T:
+        """``compute()``, once per pass (see :attr:`derived`)."""
+        value = self.derived.get(name)
+        if value is None:
+            value = self.derived[name] = compute()
         return value
 
-    def previous(self, slot: str) -> Optional[Tensor]:
-        """The logits the previous layer handed on for ``slot`` (None in the first layer)."""
-        return self._last.get(slot)
 
-    def hand_on(self, slot: str, logits: Tensor) -> None:
-        self._last[slot] = logits
+class LayerMaps:
+    """What one layer's attention modules read from the layers before it (``inputs``) and
+    hand to the layers after it (``outgoing``, only the names in ``wanted``)."""
+
+    __slots__ = ("stack_pass", "inputs", "wanted", "outgoing")
+
+    def __init__(self, stack_pass: Optional[StackPass], inputs: Dict[str, Optional[Tensor]],
+                 wanted: FrozenSet[str] = frozenset()):
+        self.stack_pass = stack_pass
+        self.inputs = inputs
+        self.wanted = wanted
+        self.outgoing: Dict[str, Tensor] = {}
+
+    def previous(self, name: str) -> Optional[Tensor]:
+        return self.inputs.get(name)
+
+    def hand_on(self, name: str, tensor: Tensor) -> None:
+        if name in self.wanted:
+            self.outgoing[name] = tensor
+
+    def derive(self, name: str, compute: Callable[[], T]) -> T:
+        return compute() if self.stack_pass is None else self.stack_pass.derive(name, compute)
+
+
+@contextmanager
+def bound(modules: Iterable, maps: Optional[LayerMaps]):
+    """``maps`` for ``modules`` (each reads it as ``module.layer_maps``) while the block runs."""
+    modules = list(modules)
+    for module in modules:
+        module.layer_maps = maps
+    try:
+        yield maps
+    finally:
+        for module in modules:
+            module.layer_maps = None
+
+
+def layer_maps(*modules, previous: Optional[Dict[str, Tensor]] = None, wanted: Iterable[str] = ()):
+    """Run attention modules outside a stack as one layer of it: ``with layer_maps(attn,
+    previous={"self": logits}, wanted=("self",)) as maps: attn(...)``, then
+    ``maps.outgoing["self"]`` is what it hands on."""
+    return bound(modules, LayerMaps(None, dict(previous or {}), frozenset(wanted)))

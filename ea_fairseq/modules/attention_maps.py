@@ -6,24 +6,19 @@ rewrite it (convolutions, skip connections to the previous layer's map), RealFor
 the previous layer's, DropAttention drops entries of the softmax output.
 :class:`LogitMapAttention` is fairseq's multi-head attention (the same parameters under the
 same names -- ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj`` -- initialised alike, so a
-checkpoint of either loads into the other) computed by the plugin itself, in one path:
-
-* the logits of a full pass (:meth:`LogitMapAttention.full_pass_logits`) or of a decoding
-  step (:meth:`LogitMapAttention.step_logits`, keys and values in the run's
-  :class:`~ea_fairseq.modules.attention_cache.AttentionCache`), with no mask in them: the
-  projections that read the same input in one matmul, a decoding run's query scaling folded
-  into its projection (:mod:`~ea_fairseq.modules.attention_projections`);
-* the masks as booleans, from the key padding and the future mask alone (never from the
-  logits' values), derived once per pass of the stack
-  (:class:`~ea_fairseq.modules.attention_map_carrier.AttentionMapCarrier`);
-* :meth:`LogitMapAttention.transform_logits`, the hook a mechanism overrides; it masks
-  (``-inf``, once, in place). A mechanism reports its intermediate maps to whoever
-  registered a hook for them (the analysis tool), at no cost otherwise;
-* softmax (zero weights in a row whose every key is masked), attention dropout or
-  DropAttention, the value product and the output projection
-  (:class:`~ea_fairseq.modules.attention_mechanism.AttentionMechanism`). A mechanism that
-  computes the weights and the value product itself overrides
-  :meth:`LogitMapAttention.attend_logits` (everything after QK^T) instead.
+checkpoint of either loads into the other): the logit source ``QK^T / sqrt(d)`` of the
+plugin's one attention path (:class:`~ea_fairseq.modules.attention_mechanism.AttentionMechanism`,
+which masks, transforms, softmaxes and multiplies with the values alike for every
+mechanism). The logits of a full pass (:meth:`LogitMapAttention.full_pass_logits`) or of a
+decoding step (:meth:`LogitMapAttention.step_logits`, keys and values in the run's
+:class:`~ea_fairseq.modules.attention_cache.AttentionCache`) come with no mask in them: the
+projections that read the same input in one matmul, a decoding run's query scaling folded
+into its projection (:mod:`~ea_fairseq.modules.attention_projections`). A mechanism
+overrides :meth:`~ea_fairseq.modules.attention_mechanism.AttentionMechanism.transform_logits`
+(masking with ``-inf``, once, in place, last), and reports its intermediate maps to whoever
+registered a hook for them (the analysis tool), at no cost otherwise; a mechanism that
+computes the weights and the value product itself overrides
+:meth:`~ea_fairseq.modules.attention_mechanism.AttentionMechanism.attend_logits`.
 
 With the identity transform it computes fairseq's attention. The layer builders make it
 directly (``EvolvingAttention(embed_dim, heads, self_attention=True, slot="self", ...)``:
@@ -31,7 +26,7 @@ fairseq's ``MultiheadAttention`` arguments, then the mechanism's options).
 """
 import inspect
 import math
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -40,7 +35,6 @@ from fairseq.modules.fairseq_dropout import FairseqDropout
 from fairseq.modules.quant_noise import quant_noise
 from torch import Tensor
 
-from .attention_map_carrier import AttentionMapCarrier, shared_in_pass  # noqa: F401  (re-exported)
 from ea_ops.masks import (boolean_mask, fill_masked, fill_masked_,  # noqa: F401  (re-exported)
                               neutral_entries, pad_rows_to)
 from .attention_mechanism import AttentionMechanism  # noqa: F401  (re-exported)
@@ -118,47 +112,16 @@ class LogitMapAttention(AttentionMechanism, nn.Module):
         if options:
             raise TypeError(f"unexpected options {sorted(options)}")
 
-    # -- hooks ---------------------------------------------------------------------------
-    def transform_logits(self, logits: Tensor, masked: Optional[Tensor],
-                         query_padding_mask: Optional[Tensor], incremental_state) -> Tensor:
-        """Rewrite the logits ``(batch, heads, tgt, src)`` before the softmax.
-
-        ``masked`` marks the masked entries (padding keys, future positions), broadcastable
-        to ``logits``, or is None when nothing is masked; in ``logits`` they hold the raw
-        scores, in the result they must hold ``-inf``, written right before the softmax (a
-        mechanism does no arithmetic on ``-inf``). ``logits`` is a fresh score tensor, which
-        autograd does not keep: it may be changed in place. ``query_padding_mask`` (batch,
-        tgt) marks padded query rows (self-attention in a full pass; encoder-decoder
-        attention where its decoder layer hands on the target padding), or is None. Here:
-        just the masking.
-        """
-        return fill_masked_(logits, masked, float("-inf"))
-
-    def attend_logits(self, logits: Tensor, masked: Optional[Tensor],
-                      query_padding_mask: Optional[Tensor], v: Tensor, incremental_state,
-                      bsz: int, tgt_len: int, need_weights: bool, need_head_weights: bool,
-                      empty: Optional[Tensor] = None):
-        """Everything after QK^T: fairseq's ``(attn, weights)`` pair. Here
-        :meth:`transform_logits`, then softmax (zero weights in the rows ``empty`` marks),
-        dropout, values and output projection (:meth:`attend_with`); a mechanism that
-        computes the weights and the value product itself overrides this."""
-        logits = self.transform_logits(logits, masked, query_padding_mask, incremental_state)
-        return self.attend_with(logits, v, bsz, tgt_len, need_weights, need_head_weights, empty)
-
     def neutral_entries(self, masked: Optional[Tensor], query_padding_mask: Optional[Tensor]):
         """:func:`neutral_entries`, computed once per pass of the stack."""
         if masked is None or query_padding_mask is None:
             return neutral_entries(masked, query_padding_mask)
-        return shared_in_pass(self.attention_maps, "neutral", (masked, query_padding_mask),
-                              lambda: neutral_entries(masked, query_padding_mask))
+        return self.derived(self.neutral_name, lambda: neutral_entries(masked, query_padding_mask))
 
-    # -- forward -------------------------------------------------------------------------
-    def forward(self, query: Tensor, key: Optional[Tensor], value: Optional[Tensor],
-                key_padding_mask: Optional[Tensor] = None,
-                incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]] = None,
-                need_weights: bool = True, static_kv: bool = False, attn_mask: Optional[Tensor] = None,
-                before_softmax: bool = False, need_head_weights: bool = False):
-        tgt_len, bsz, _ = query.size()
+    # -- the logit source: Q K^T / sqrt(d) ---------------------------------------------------
+    def attention_logits(self, query: Tensor, key: Optional[Tensor], value: Optional[Tensor],
+                         key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor],
+                         incremental_state, static_kv: bool):
         if key is None:
             key = value = query
         elif value is None:
@@ -168,38 +131,7 @@ class LogitMapAttention(AttentionMechanism, nn.Module):
         else:
             logits, v, key_padding_mask = self.step_logits(query, key, value, key_padding_mask,
                                                            incremental_state, static_kv)
-        src_len = logits.size(-1)
-        if key_padding_mask is not None and key_padding_mask.shape != (bsz, src_len):
-            raise ValueError(f"{type(self).__name__}: key_padding_mask of shape {tuple(key_padding_mask.shape)} "
-                             f"does not cover the (batch, keys) = ({bsz}, {src_len}) of this call")
-        if attn_mask is not None and attn_mask.shape != (tgt_len, src_len):
-            raise ValueError(f"{type(self).__name__}: attn_mask of shape {tuple(attn_mask.shape)} is not the "
-                             f"(queries, keys) = ({tgt_len}, {src_len}) future mask fairseq's layers pass")
-        masked = None
-        if key_padding_mask is not None or attn_mask is not None:
-            masked = shared_in_pass(self.attention_maps, "masked", (key_padding_mask, attn_mask),
-                                    lambda: boolean_mask(key_padding_mask, attn_mask))
-        # Rows with every key masked: where the key padding meets a future mask (a full pass
-        # of a decoder fed left-padded targets) or the cached keys of a decoding step (a
-        # left-padded prefix). Key padding alone empties a row only for a sentence that is
-        # all padding, which fairseq never batches: no per-layer cost for it.
-        empty = None
-        if key_padding_mask is not None and (attn_mask is not None or (
-                incremental_state is not None and not self.encoder_decoder_attention)):
-            empty = self.empty_rows(masked)
-        query_padding_mask = None
-        if self.self_attention and incremental_state is None and key_padding_mask is not None:
-            query_padding_mask = key_padding_mask.to(torch.bool)
-        elif self.encoder_decoder_attention and self.attention_maps is not None:
-            # the target padding, which the decoder layer hands on (left-padded targets)
-            target_padding = self.attention_maps.previous("target_padding")
-            if target_padding is not None and target_padding.shape == (bsz, tgt_len):
-                query_padding_mask = target_padding.to(torch.bool)
-        if before_softmax:
-            logits = self.transform_logits(logits, masked, query_padding_mask, incremental_state)
-            return logits.view(bsz * self.num_heads, tgt_len, -1), v
-        return self.attend_logits(logits, masked, query_padding_mask, v, incremental_state,
-                                  bsz, tgt_len, need_weights, need_head_weights, empty)
+        return logits, v, key_padding_mask, attn_mask
 
     def projections(self, x: Tensor, names: Tuple[str, ...], joined=None):
         return project(x, [getattr(self, n) for n in names], self.num_heads, self.head_dim, joined)
@@ -283,30 +215,10 @@ class LogitMapAttention(AttentionMechanism, nn.Module):
                 kv = (self.projections(key, ("k_proj", "v_proj")) if key is value else
                       (self.projections(key, ("k_proj",))[0], self.projections(value, ("v_proj",))[0]))
                 k, v = (x.transpose(0, 1) for x in kv)
-            new_keys = k.size(1)
-            if cache.keys is not None:
-                k = torch.cat([cache.keys.view(bsz * heads, -1, head_dim), k], dim=1)
-                v = torch.cat([cache.values.view(bsz * heads, -1, head_dim), v], dim=1)
-            key_padding_mask = self.grown_padding(cache.key_padding, key_padding_mask, bsz, k.size(1), new_keys)
-            cache.keys, cache.values = k.view(bsz, heads, -1, head_dim), v.view(bsz, heads, -1, head_dim)
-            cache.key_padding = key_padding_mask
+            k, v, key_padding_mask = cache.extend(k.view(bsz, heads, -1, head_dim), v.view(bsz, heads, -1, head_dim),
+                                                  key_padding_mask)
+            k, v = k.view(bsz * heads, -1, head_dim), v.view(bsz * heads, -1, head_dim)
         return self.dot_products(q, k, bsz, tgt_len), v, key_padding_mask
-
-    @staticmethod
-    def grown_padding(before: Optional[Tensor], now: Optional[Tensor], bsz: int, src_len: int,
-                      new_keys: int) -> Optional[Tensor]:
-        """The padding of every key a step sees: the earlier steps' (``before``) and the
-        step's own keys' (``now``; the last keys of a mask over all of them, as fairseq's
-        decoder passes a step's padding), None where nothing is padded."""
-        if before is None and now is None:
-            return None
-        if now is not None:
-            now = now[:, -new_keys:].to(torch.bool)
-        else:
-            now = torch.zeros(bsz, new_keys, dtype=torch.bool, device=before.device)
-        if before is None:
-            before = torch.zeros(bsz, src_len - new_keys, dtype=torch.bool, device=now.device)
-        return torch.cat([before, now], dim=1)
 
     def step_projection(self, cache, names: Tuple[str, ...]):
         """The scaled joined projection of ``names``: once per decoding run (every step

@@ -1,9 +1,30 @@
-"""What every attention of this plugin shares, whether it computes its logits from queries
-and keys (:class:`~ea_fairseq.modules.attention_maps.LogitMapAttention`) or from positions
-only (:class:`~ea_fairseq.modules.position_attention.PositionAttention`): the stack's
-carrier, the map hooks, attention dropout or DropAttention, softmax and value product, and
-the one cache of a decoding run (:class:`~ea_fairseq.modules.attention_cache.AttentionCache`)
-with its one beam reorder."""
+"""The one attention path of this plugin, whether an attention computes its logits from
+queries and keys (:class:`~ea_fairseq.modules.attention_maps.LogitMapAttention`) or from
+positions only (:class:`~ea_fairseq.modules.position_attention.PositionAttention`).
+
+:meth:`AttentionMechanism.forward` is fairseq's attention call, in one path for every
+mechanism:
+
+1. the logit *source*, :meth:`~AttentionMechanism.attention_logits`: ``(logits, values,
+   key padding, future mask)`` of a full pass or of a decoding step, logits unmasked (every
+   entry finite) -- query·key products (``LogitMapAttention``: projections, the keys and
+   values of a decoding run in its cache) or positions (``PositionAttention``: a Gaussian
+   of the distance, learned matrices, RAN's matrices);
+2. the masks as booleans, from the key padding and the future mask alone (never from the
+   logits' values), the rows whose every key is masked, and the padded query rows: derived
+   once per pass of the stack (:class:`~ea_fairseq.modules.attention_map_carrier.StackPass`);
+3. the logit *transform*, :meth:`~AttentionMechanism.transform_logits`: what a mechanism
+   does to the map (EA, PA, RealFormer; here: nothing), masking (``-inf``) last;
+4. softmax (zero weights in a row whose every key is masked), attention dropout or
+   DropAttention, the value product and the output projection
+   (:meth:`~AttentionMechanism.attend_logits`, which a mechanism that computes weights and
+   values itself overrides: EA's fused decoding step).
+
+Beside it: the values a layer hands its attentions
+(:class:`~ea_fairseq.modules.attention_map_carrier.LayerMaps`), the map hooks, and the one
+cache of a decoding run (:class:`~ea_fairseq.modules.attention_cache.AttentionCache`) with
+its one beam reorder.
+"""
 from collections import OrderedDict
 from typing import Any, Callable, Dict, Optional
 
@@ -12,8 +33,8 @@ from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
 from .attention_cache import AttentionCache
-from .attention_map_carrier import AttentionMapCarrier, shared_in_pass
-from ea_ops.masks import fill_masked
+from .attention_map_carrier import LayerMaps
+from ea_ops.masks import boolean_mask, fill_masked, fill_masked_
 from ea_ops.softmax import attention_weights, fully_masked_rows
 from ea_ops.values import fairseq_weights, value_product
 
@@ -28,12 +49,46 @@ class AttentionMechanism:
 
     def init_mechanism(self) -> None:
         # instance attributes (a class attribute would shadow the registered submodule):
-        self.attention_maps = None  # AttentionMapCarrier, set by attach()
+        self.layer_maps: Optional[LayerMaps] = None  # set by its layer while the layer runs
+        # the names of what every layer of a pass derives alike from its masks
+        slot = "cross" if self.encoder_decoder_attention else "self"
+        self.masked_name, self.empty_name, self.neutral_name = f"{slot}:masked", f"{slot}:empty", f"{slot}:neutral"
         self.weight_dropout = None  # DropAttention, or None for fairseq's attention dropout
         self._map_hooks = OrderedDict()
 
-    def attach(self, carrier: AttentionMapCarrier) -> None:
-        self.attention_maps = carrier
+    # -- what the layers of a stack hand each other ----------------------------------------
+    def carried_names(self):
+        """``(reads, writes)``: the names of the values this module reads from the layers
+        before it and hands on to the layers after it (:mod:`~ea_fairseq.modules.attention_map_carrier`);
+        the stack hands on only what a later layer reads."""
+        return (), ()
+
+    def previous_map(self, name: str) -> Optional[Tensor]:
+        """The value ``name`` an earlier layer of the pass handed on (None: the first layer,
+        or a module run alone)."""
+        maps = self.layer_maps
+        return None if maps is None else maps.previous(name)
+
+    def hands_on(self, name: str) -> bool:
+        """Whether a later layer of the pass reads what this module hands on as ``name``."""
+        maps = self.layer_maps
+        return maps is not None and name in maps.wanted
+
+    def hand_on(self, name: str, tensor: Tensor) -> None:
+        if self.layer_maps is not None:
+            self.layer_maps.hand_on(name, tensor)
+
+    def derived(self, name: str, compute):
+        """``compute()``, once per pass of the stack (what every layer derives alike from
+        the pass's masks); every call outside a stack."""
+        maps = self.layer_maps
+        if maps is None or maps.stack_pass is None:
+            return compute()
+        derived = maps.stack_pass.derived
+        value = derived.get(name)
+        if value is None:
+            value = derived[name] = compute()
+        return value
 
     def set_weight_dropout(self, module: Optional[torch.nn.Module]) -> None:
         self.weight_dropout = module
@@ -57,6 +112,83 @@ class AttentionMechanism:
                         for k, v in maps().items()}
             for hook in list(self._map_hooks.values()):
                 hook(reported)
+
+    # -- the one path ----------------------------------------------------------------------
+    def forward(self, query: Tensor, key: Optional[Tensor], value: Optional[Tensor],
+                key_padding_mask: Optional[Tensor] = None,
+                incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]] = None,
+                need_weights: bool = True, static_kv: bool = False, attn_mask: Optional[Tensor] = None,
+                before_softmax: bool = False, need_head_weights: bool = False):
+        """fairseq's attention call (:class:`~ea_fairseq.modules.attention_protocol.AttentionModule`)."""
+        tgt_len, bsz, _ = query.size()
+        logits, v, key_padding_mask, attn_mask = self.attention_logits(
+            query, key, value, key_padding_mask, attn_mask, incremental_state, static_kv)
+        src_len = logits.size(-1)
+        if key_padding_mask is not None and key_padding_mask.shape != (bsz, src_len):
+            raise ValueError(f"{type(self).__name__}: key_padding_mask of shape {tuple(key_padding_mask.shape)} "
+                             f"does not cover the (batch, keys) = ({bsz}, {src_len}) of this call")
+        if attn_mask is not None and attn_mask.shape != (tgt_len, src_len):
+            raise ValueError(f"{type(self).__name__}: attn_mask of shape {tuple(attn_mask.shape)} is not the "
+                             f"(queries, keys) = ({tgt_len}, {src_len}) future mask fairseq's layers pass")
+        masked = None
+        if key_padding_mask is not None or attn_mask is not None:
+            masked = self.derived(self.masked_name, lambda: boolean_mask(key_padding_mask, attn_mask))
+        # Rows with every key masked: where the key padding meets a future mask (a full pass
+        # of a decoder fed left-padded targets) or the cached keys of a decoding step (a
+        # left-padded prefix). Key padding alone empties a row only for a sentence that is
+        # all padding, which fairseq never batches: no per-layer cost for it.
+        empty = None
+        if key_padding_mask is not None and (attn_mask is not None or (
+                incremental_state is not None and not self.encoder_decoder_attention)):
+            empty = self.empty_rows(masked)
+        query_padding_mask = None
+        if self.self_attention and incremental_state is None and key_padding_mask is not None:
+            query_padding_mask = key_padding_mask.to(torch.bool)
+        elif self.encoder_decoder_attention:
+            # the target padding, which the decoder layer hands its attentions (left-padded targets)
+            target_padding = self.previous_map("target_padding")
+            if target_padding is not None and target_padding.shape == (bsz, tgt_len):
+                query_padding_mask = target_padding.to(torch.bool)
+        if before_softmax:
+            logits = self.transform_logits(logits, masked, query_padding_mask, incremental_state)
+            return logits.reshape(bsz * self.num_heads, tgt_len, -1), v
+        return self.attend_logits(logits, masked, query_padding_mask, v, incremental_state,
+                                  bsz, tgt_len, need_weights, need_head_weights, empty)
+
+    def attention_logits(self, query: Tensor, key: Optional[Tensor], value: Optional[Tensor],
+                         key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor],
+                         incremental_state, static_kv: bool):
+        """The logit source: ``(logits (B or 1, H, T, S), values (B_kv * H, S, head_dim), key
+        padding (B, S) or None, future mask (T, S) or None)`` of this call, the logits with no
+        mask in them (every entry finite); in a decoding step the key padding of every key the
+        step sees."""
+        raise NotImplementedError
+
+    def transform_logits(self, logits: Tensor, masked: Optional[Tensor],
+                         query_padding_mask: Optional[Tensor], incremental_state) -> Tensor:
+        """The logit transform: rewrite the logits ``(batch, heads, tgt, src)`` before the softmax.
+
+        ``masked`` marks the masked entries (padding keys, future positions), broadcastable
+        to ``logits``, or is None when nothing is masked; in ``logits`` they hold the raw
+        scores, in the result they must hold ``-inf``, written right before the softmax (a
+        mechanism does no arithmetic on ``-inf``). ``logits`` is a fresh score tensor, which
+        autograd does not keep: it may be changed in place. ``query_padding_mask`` (batch,
+        tgt) marks padded query rows (self-attention in a full pass; encoder-decoder
+        attention where its decoder layer hands on the target padding), or is None. Here:
+        just the masking.
+        """
+        return fill_masked_(logits, masked, float("-inf"))
+
+    def attend_logits(self, logits: Tensor, masked: Optional[Tensor],
+                      query_padding_mask: Optional[Tensor], v: Tensor, incremental_state,
+                      bsz: int, tgt_len: int, need_weights: bool, need_head_weights: bool,
+                      empty: Optional[Tensor] = None):
+        """Everything after the source: fairseq's ``(attn, weights)`` pair. Here
+        :meth:`transform_logits`, then softmax (zero weights in the rows ``empty`` marks),
+        dropout, values and output projection (:meth:`attend_with`); a mechanism that
+        computes the weights and the value product itself overrides this."""
+        logits = self.transform_logits(logits, masked, query_padding_mask, incremental_state)
+        return self.attend_with(logits, v, bsz, tgt_len, need_weights, need_head_weights, empty)
 
     # -- weights and values ----------------------------------------------------------------
     def drops_weights(self) -> bool:
@@ -88,11 +220,11 @@ class AttentionMechanism:
         return self.out_proj(context), fairseq_weights(probs_float, need_weights, need_head_weights)
 
     def empty_rows(self, masked: Optional[Tensor]) -> Optional[Tensor]:
-        """:func:`ea_ops.softmax.fully_masked_rows` of ``masked``, once
+        """:func:`~ea_ops.softmax.fully_masked_rows` of ``masked``, once
         per pass of the stack (every layer gets the same masks)."""
         if masked is None:
             return None
-        return shared_in_pass(self.attention_maps, "empty_rows", (masked,), lambda: fully_masked_rows(masked))
+        return self.derived(self.empty_name, lambda: fully_masked_rows(masked))
 
     # -- the decoding run's cache ----------------------------------------------------------
     def cache(self, incremental_state) -> AttentionCache:
@@ -103,11 +235,12 @@ class AttentionMechanism:
             self.set_incremental_state(incremental_state, CACHE, cache)
         return cache
 
-    def get_mechanism_state(self, incremental_state) -> Dict[str, Any]:
-        """The mechanism's own part of the cache (a dict, changed in place)."""
+    def get_mechanism_state(self, incremental_state) -> Any:
+        """The mechanism's own part of the cache: a dict of tensors (changed in place; empty
+        at a run's first step), or what the mechanism stored with :meth:`set_mechanism_state`."""
         return self.cache(incremental_state).mechanism
 
-    def set_mechanism_state(self, incremental_state, state: Dict[str, Any]) -> None:
+    def set_mechanism_state(self, incremental_state, state: Any) -> None:
         self.cache(incremental_state).mechanism = state
 
     def reorder_incremental_state(self, incremental_state, new_order: Tensor):
@@ -118,12 +251,14 @@ class AttentionMechanism:
             cache.reorder(new_order, self.reorder_mechanism_state)
         return incremental_state
 
-    def reorder_mechanism_state(self, state: Dict[str, Any], new_order: Tensor) -> None:
-        """Put the mechanism's state in the new order of hypotheses (in place); here every
-        tensor, batch first. A mechanism whose state is laid out otherwise overrides this."""
+    def reorder_mechanism_state(self, state: Any, new_order: Tensor) -> Any:
+        """The mechanism's state in the new order of hypotheses; here a dict whose every
+        tensor is batch first, reordered in place. A mechanism whose state is laid out
+        otherwise overrides this."""
         for k, v in state.items():
             if v is not None:
                 state[k] = v.index_select(0, new_order)
+        return state
 
     def set_beam_size(self, beam_size: int) -> None:
         """fairseq's generator announces its beam size (the decoder calls this on every

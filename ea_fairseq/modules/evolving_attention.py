@@ -4,8 +4,9 @@ layers, EA paper Eq. (4), §3.3 and §3.5.
 The equation is one operation, :func:`~ea_ops.operation.evolving_attention`
 (its module documents it); this module is the attention that calls it once per attention
 with its α, β and map convolution (:class:`~ea_ops.map_conv.AttentionMapConv`),
-takes the previous layer's ``A_logit`` from the stack's
-:class:`~ea_fairseq.modules.attention_maps.AttentionMapCarrier` and hands its own on, and
+takes the previous layer's ``A_logit`` from what its layer hands it
+(:class:`~ea_fairseq.modules.attention_map_carrier.LayerMaps`) and hands its own on where a
+later layer reads it, and
 keeps the operation's state of a decoding run in fairseq's incremental state: what a step
 returns is stored there for the next, and beam search's reorders are composed into it.
 """
@@ -48,23 +49,28 @@ class EvolvingAttention(LogitMapAttention):
             return EvolvingAttentionParams(self.alpha, self.beta, None, None, "full")
         return EvolvingAttentionParams(self.alpha, self.beta, conv.weight, conv.bias, conv.layout)
 
+    def carried_names(self):
+        return ((self.slot,) if self.alpha > 0.0 else ()), ((self.slot,) if self.hand_on_maps else ())
+
     def evolve(self, logits, masked, query_padding_mask, incremental_state, values=None, empty=None):
         """The one call of :func:`evolving_attention` of this attention; a decoding step's
         state comes from fairseq's incremental state, and what the step returns goes back."""
-        carrier = self.attention_maps
-        previous = carrier.previous(self.slot) if self.alpha > 0.0 and carrier is not None else None
-        state = None
+        maps, previous, hand_on = self.layer_maps, None, False
+        if maps is not None:
+            previous = maps.inputs.get(self.slot) if self.alpha > 0.0 else None
+            hand_on = self.hand_on_maps and self.slot in maps.wanted  # a later layer reads it
+        cache = state = None
         if incremental_state is not None and self.conv is not None:
-            state = StepState.from_dict(self.get_mechanism_state(incremental_state))
+            cache = self.cache(incremental_state)
+            state = cache.mechanism or StepState()  # (empty at a run's first step)
         neutral = None if query_padding_mask is None else self.neutral_entries(masked, query_padding_mask)
-        hand_on = self.hand_on_maps and carrier is not None
         out = evolving_attention(logits, previous, masked, neutral, self.params(), state=state,
                                  values=values, empty=empty, hand_on=hand_on,
                                  return_maps=bool(self._map_hooks))
         if out.state is not None:
-            self.set_mechanism_state(incremental_state, out.state.as_dict())
+            cache.mechanism = out.state
         if hand_on:  # the next layer's A_logit(i-1)
-            carrier.hand_on(self.slot, out.carried)
+            maps.outgoing[self.slot] = out.carried
         if out.maps is not None:
             self.report_maps(lambda: out.maps, masked)
         return out
@@ -83,8 +89,6 @@ class EvolvingAttention(LogitMapAttention):
         return self.out_proj(out.context), fairseq_weights(out.probs, need_weights, need_head_weights)
 
     def reorder_mechanism_state(self, state, new_order):
-        """The stored state in beam search's new order (composed, applied at the next step's
-        read), written into the dict fairseq keeps."""
-        reordered = StepState.from_dict(state).reordered(new_order).as_dict()
-        state.clear()
-        state.update(reordered)
+        """The stored :class:`StepState` in beam search's new order (composed, applied at
+        the next step's read)."""
+        return state.reordered(new_order) if isinstance(state, StepState) else state

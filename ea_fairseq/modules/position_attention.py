@@ -6,8 +6,10 @@ Synthesizer (Syn-R) all attend with ``softmax(A)`` over the values, where the lo
 ``j`` within their sentence: no query or key projection, no token-to-token product.
 :class:`PositionAttention` is what they share: fairseq's value and output projections
 (names in the state dict, initialisation, dropout module), the value cache of a
-decoding run, and -- for the mechanisms that only define their logits
-(:meth:`PositionAttention.position_logits`) -- the masks and the forward pass.
+decoding run, and the logit source of the plugin's one attention path
+(:class:`~ea_fairseq.modules.attention_mechanism.AttentionMechanism`, which masks,
+softmaxes and multiplies with the values as for every mechanism): a mechanism defines
+only its logits (:meth:`PositionAttention.position_logits`).
 
 Positions are counted per sentence the way fairseq's positional embeddings count them
 (padding skipped, :func:`sentence_positions`), so a left-padded source attends exactly as
@@ -25,10 +27,8 @@ from fairseq.modules.fairseq_dropout import FairseqDropout
 from fairseq.modules.quant_noise import quant_noise
 from torch import Tensor
 
-from .attention_map_carrier import shared_in_pass
-from ea_ops.masks import boolean_mask
+from ea_ops.masks import fill_masked
 from .attention_mechanism import AttentionMechanism
-from ea_ops.softmax import fully_masked_rows
 
 
 def sentence_positions(padding_mask: Optional[Tensor], length: int, device) -> Tensor:
@@ -101,19 +101,6 @@ def matrix_logits(matrix: Tensor, tgt_len: int, src_len: int, padding_mask: Opti
     return sentence_logits(matrix[:, :tgt_len, :tgt_len], padding_mask, positions, one_hot)
 
 
-def additive_mask(key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor],
-                  dtype: torch.dtype) -> Optional[Tensor]:
-    """fairseq's additive future mask (T, S) plus ``-inf`` at padded keys, broadcastable to
-    (B, H, T, S) logits in ``dtype``; None without either. Added to the logits, its backward
-    costs nothing (a masked fill's is another fill)."""
-    mask = None if attn_mask is None else attn_mask.to(dtype)
-    if key_padding_mask is not None:
-        padded = torch.zeros(key_padding_mask.shape, dtype=dtype, device=key_padding_mask.device)
-        padded = padded.masked_fill_(key_padding_mask.to(torch.bool), float("-inf"))[:, None, None, :]
-        mask = padded if mask is None else mask + padded
-    return mask
-
-
 @with_incremental_state
 class PositionAttention(AttentionMechanism, nn.Module):
     """Self-attention ``softmax(A) V`` with logits ``A`` that depend on positions only.
@@ -162,25 +149,12 @@ class PositionAttention(AttentionMechanism, nn.Module):
         keys (None if nothing is padded)."""
         tgt_len, bsz, _ = query.size()
         v = self.v_proj(query).view(tgt_len, bsz, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
-        cache = self.cache(incremental_state)
-        earlier, earlier_padding = cache.values, cache.key_padding
-        start = 0 if earlier is None else earlier.size(2)
-        if earlier is not None:
-            v = torch.cat([earlier, v], dim=2)
-        if key_padding_mask is not None or earlier_padding is not None:
-            now = (key_padding_mask.to(torch.bool) if key_padding_mask is not None
-                   else v.new_zeros(bsz, tgt_len, dtype=torch.bool))
-            before = (earlier_padding if earlier_padding is not None
-                      else v.new_zeros(bsz, start, dtype=torch.bool))
-            key_padding_mask = torch.cat([before, now], dim=1)
-            cache.key_padding = key_padding_mask
-        cache.values = v
-        return v, start, key_padding_mask
+        _, v, key_padding_mask = self.cache(incremental_state).extend(None, v, key_padding_mask)
+        return v, v.size(2) - tgt_len, key_padding_mask
 
     def pass_one_hot(self, padding_mask: Tensor, positions: Tensor, dtype: torch.dtype) -> Tensor:
         """:func:`sentence_one_hot`, made once per pass of the stack (every layer alike)."""
-        return shared_in_pass(self.attention_maps, f"one_hot:{dtype}", (padding_mask, positions),
-                              lambda: sentence_one_hot(padding_mask, positions, dtype))
+        return self.derived(f"self:one_hot:{dtype}", lambda: sentence_one_hot(padding_mask, positions, dtype))
 
     def position_logits(self, query_positions: Tensor, key_positions: Tensor,
                         padding_mask: Optional[Tensor], start: int, dtype: torch.dtype) -> Tensor:
@@ -191,67 +165,62 @@ class PositionAttention(AttentionMechanism, nn.Module):
         raise NotImplementedError
 
     def decoding_step_weights(self, start: int, tgt_len: int, src_len: int, incremental_state,
-                              dtype: torch.dtype) -> Optional[Tensor]:
+                              dtype: torch.dtype) -> Tensor:
         """The softmax weights (H, T, S) of a causal decoding step, shared by the whole batch
-        (nothing padded, no dropout, no weights asked for), or None (here: always) to compute
-        them per sentence through :meth:`position_logits`."""
-        return None
+        (nothing padded, no dropout, no weights asked for): a mechanism that can give them
+        without computing logits (RAN: rows of a causal softmax kept for the run) defines
+        this, and sets :attr:`step_weights_shared`."""
+        raise NotImplementedError
+
+    #: whether :meth:`decoding_step_weights` is defined
+    step_weights_shared = False
 
     def forward(self, query, key, value, key_padding_mask=None, incremental_state=None,
                 need_weights: bool = True, static_kv: bool = False, attn_mask=None,
                 before_softmax: bool = False, need_head_weights: bool = False):
+        """The attention path of every mechanism
+        (:meth:`~ea_fairseq.modules.attention_mechanism.AttentionMechanism.forward`), but for
+        a causal decoding step whose weights are the same for the whole batch, which takes
+        them from :meth:`decoding_step_weights`."""
+        if (self.step_weights_shared and incremental_state is not None and self.causal
+                and key_padding_mask is None and not torch.is_grad_enabled() and not self.drops_weights()
+                and not (need_weights or need_head_weights or before_softmax)
+                and self.cache(incremental_state).key_padding is None):
+            tgt_len, bsz, _ = query.size()
+            v, start, _ = self.cached_values(query, incremental_state)
+            weights = self.decoding_step_weights(start, tgt_len, v.size(2), incremental_state, v.dtype)
+            out = torch.matmul(weights, v)  # one set of weights for the batch
+            return self.out_proj(out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, self.embed_dim)), None
+        return super().forward(query, key, value, key_padding_mask, incremental_state, need_weights,
+                               static_kv, attn_mask, before_softmax, need_head_weights)
+
+    def attention_logits(self, query, key, value, key_padding_mask, attn_mask, incremental_state, static_kv):
+        """The logit source: :meth:`position_logits` at the positions of this call's queries
+        and keys (per sentence, padding skipped; a decoding run's steps), in at least float32,
+        and the values; a decoding step of several queries gets its own future mask."""
         tgt_len, bsz, _ = query.size()
         if incremental_state is None:  # (B * H, T, head_dim), as the value product reads them
             v = self.v_proj(query).view(tgt_len, bsz * self.num_heads, self.head_dim).transpose(0, 1)
-            start, src_len = 0, tgt_len
+            dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
+            # the same for every layer of the pass: counted once
+            positions = self.derived("self:positions",
+                                     lambda: sentence_positions(key_padding_mask, tgt_len, query.device))
+            logits = self.position_logits(positions, positions, key_padding_mask, 0, dtype)
         else:
             v, start, key_padding_mask = self.cached_values(query, incremental_state, key_padding_mask)
             src_len = v.size(2)
-        if (incremental_state is not None and self.causal and key_padding_mask is None
-                and not torch.is_grad_enabled() and not self.drops_weights()
-                and not (need_weights or need_head_weights or before_softmax)):
-            weights = self.decoding_step_weights(start, tgt_len, src_len, incremental_state, v.dtype)
-            if weights is not None:
-                out = torch.matmul(weights, v)  # one set of weights for the batch
-                return self.out_proj(out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, self.embed_dim)), None
-        # softmax in at least float32; float64 stays float64
-        dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
-        # rows whose every key is masked (a left-padded target's leading positions) get zero
-        # weights: where the key padding meets the future mask or a decoding run's cached
-        # keys (key padding alone empties a row only for a sentence that is all padding,
-        # which fairseq never batches)
-        empty = None
-        if incremental_state is None:
-            if key_padding_mask is not None and attn_mask is not None:
-                empty = shared_in_pass(
-                    self.attention_maps, "empty_rows", (key_padding_mask, attn_mask),
-                    lambda: fully_masked_rows(boolean_mask(key_padding_mask, attn_mask)))
-            # the same for every layer of the pass: counted once
-            q_pos = k_pos = shared_in_pass(self.attention_maps, "positions", (key_padding_mask,),
-                                           lambda: sentence_positions(key_padding_mask, tgt_len, query.device))
-            logits = self.position_logits(q_pos, k_pos, key_padding_mask, 0, dtype)
-            # fairseq's future mask (decoder) and the key padding, one additive mask per pass
-            masks = shared_in_pass(self.attention_maps, f"additive_mask:{dtype}", (key_padding_mask, attn_mask),
-                                   lambda: additive_mask(key_padding_mask, attn_mask, dtype))
-            if masks is not None:
-                logits = logits + masks
-        else:
+            v = v.reshape(bsz * self.num_heads, src_len, self.head_dim)
+            dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
             k_pos = torch.arange(src_len, device=query.device).unsqueeze(0)
             q_pos = k_pos[:, start : start + tgt_len]
             logits = self.position_logits(q_pos, k_pos, None, start, dtype)
-            future = None
             if self.causal and tgt_len > 1:
-                future = (k_pos[:, None, :] > q_pos[:, :, None]).unsqueeze(1)
-                logits = logits.masked_fill(future, float("-inf"))
-            if key_padding_mask is not None:
-                padded = key_padding_mask.to(torch.bool)[:, None, None, :]
-                logits = logits.masked_fill(padded, float("-inf"))
-                empty = fully_masked_rows(padded if future is None else padded | future)
-        if logits.size(0) != bsz:
+                attn_mask = k_pos[0][None, :] > q_pos[0][:, None]
+        if logits.size(0) != bsz:  # (the same logits for every sentence)
             logits = logits.expand(bsz, -1, -1, -1)
-        self.report_maps(lambda: {self.map_name: logits.masked_fill(torch.isneginf(logits), 0.0)}, None)
-        if incremental_state is not None:
-            v = v.reshape(bsz * self.num_heads, src_len, self.head_dim)
-        if before_softmax:
-            return logits.reshape(bsz * self.num_heads, tgt_len, src_len), v
-        return self.attend_with(logits, v, bsz, tgt_len, need_weights, need_head_weights, empty)
+        return logits, v, key_padding_mask, attn_mask
+
+    def transform_logits(self, logits, masked, query_padding_mask, incremental_state):
+        """The masking, out of place (the source's logits may be a view of a parameter)."""
+        self.report_maps(lambda: {self.map_name: logits}, masked)
+        return fill_masked(logits, masked, float("-inf"))

@@ -5,7 +5,8 @@ For every encoder block but the first::
     A = softmax(α · CNN(A_pre_logits) + (1 − α) · Attention(X)_logits)
 
 ``A_pre_logits`` are the previous block's logits before its softmax (what this module
-hands on through the stack's carrier); ``CNN`` is ``--pa-conv-layers`` 3x3 heads-to-heads
+hands on to the next block, :mod:`~ea_fairseq.modules.attention_map_carrier`); ``CNN`` is
+``--pa-conv-layers`` 3x3 heads-to-heads
 convolutions (:class:`~ea_ops.map_conv.AttentionMapConv`, the same
 convolution EA uses) each followed by a ReLU. With zero layers the prediction is the
 previous logits themselves: the paper's "Transformer with RC" (Table 5). The first block
@@ -38,10 +39,12 @@ class PredictiveAttention(LogitMapAttention):
             if predict else None
         )
 
+    def carried_names(self):
+        return (("self",) if self.predictor is not None else ()), ("self",)
+
     def transform_logits(self, logits, masked, query_padding_mask, incremental_state):
-        carrier = self.attention_maps
         current = fill_masked(logits, masked, 0.0)
-        previous = carrier.previous("self") if carrier is not None else None  # None: built alone
+        previous = self.previous_map("self")  # None: the first block, or built alone
         prediction = None
         if self.predictor is not None and previous is not None:
             neutral = self.neutral_entries(masked, query_padding_mask)
@@ -51,8 +54,7 @@ class PredictiveAttention(LogitMapAttention):
             current = self.alpha * prediction + (1.0 - self.alpha) * current  # Eq. (4)
         # ``current`` is finite, zero where masked (both of its terms are), as the next
         # block's A_pre_logits must be
-        if carrier is not None:
-            carrier.hand_on("self", current)
+        self.hand_on("self", current)
         self.report_maps(lambda: {
             "dot_product": logits,
             "prediction": prediction if prediction is not None else current.new_zeros(()),

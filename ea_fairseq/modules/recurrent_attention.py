@@ -35,7 +35,6 @@ fairseq's FP16Optimizer (float32 master copies) and MemoryEfficientFP16Optimizer
 steps each parameter in float32 and writes it back in its own dtype) both take such a
 model; :func:`mixed_precision_caveats` names the fairseq paths that do not.
 """
-import contextlib
 from typing import List, Optional, Tuple
 
 import torch
@@ -66,7 +65,6 @@ class RecurrentAttentionMatrices(nn.Module):
         nn.init.xavier_uniform_(self.initial)
         self.transition = nn.Linear(max_positions, max_positions)  # W, b of Eq. 3
         self.layer_norm = nn.LayerNorm(max_positions) if layer_norm else None
-        self._this_pass: Optional[Tuple[Tensor, ...]] = None  # A_1 .. A_n during a pass
 
     def _apply(self, fn, recurse=True):
         """Every conversion of the model applies, except to a dtype below float32 (see the
@@ -98,27 +96,6 @@ class RecurrentAttentionMatrices(nn.Module):
                 a = self.step(a)
                 out.append(a)
         return tuple(out)
-
-    @contextlib.contextmanager
-    def shared_for_pass(self, rows: int, incremental_state=None):
-        """Compute ``A_1 .. A_n`` once for one forward pass of the stack (:meth:`forward`)
-        and let its RAN layers read theirs (:meth:`layer`) until the pass ends; nothing
-        (no autograd graph) outlives it."""
-        self._this_pass = self(rows, incremental_state)
-        try:
-            yield
-        finally:
-            self._this_pass = None
-
-    def layer(self, index: int) -> Tensor:
-        """``A_(index + 1)``, (H, rows, L) in float32 or wider, of the pass under way."""
-        if self._this_pass is None:
-            raise RuntimeError(
-                "RAN attention runs inside its encoder's or decoder's forward pass, which "
-                "computes the stack's attention matrices; call the stack, not a layer alone "
-                "(or wrap the call in the stack's attention_scope())."
-            )
-        return self._this_pass[index]
 
     def forward(self, rows: int, incremental_state=None) -> Tuple[Tensor, ...]:
         """The matrices of every RAN layer, at least their first ``rows`` query rows.
@@ -182,6 +159,7 @@ class RecurrentAttention(PositionAttention):
     """
 
     map_name = "recurrent"
+    step_weights_shared = True
 
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
                  causal: bool = False, q_noise: float = 0.0, qn_block_size: int = 8,
@@ -191,10 +169,13 @@ class RecurrentAttention(PositionAttention):
         self.ran_index = ran_index  # this layer attends with A_(ran_index + 1) of its stack
         self.share_matrices(None)  # the stack's, handed over when the stack is built
 
+    def carried_names(self):
+        return (f"ran:{self.ran_index}",), ()
+
     def share_matrices(self, matrices: Optional[RecurrentAttentionMatrices]) -> None:
-        """Read ``A_l`` from the stack's matrices, which the stack owns: a reference held
-        outside this module's submodules, so the matrices are in the state dict (and
-        converted by ``.to()``/``.half()``) once, under the stack, not once per layer."""
+        """The stack's matrices, whose ``A_(ran_index + 1)`` the stack hands this layer in every
+        pass: a reference held outside this module's submodules, so the matrices are in the
+        state dict (and converted by ``.to()``/``.half()``) once, under the stack."""
         object.__setattr__(self, "matrices", matrices)
 
     def causal_weights(self, matrix: Tensor, rows: int, incremental_state, dtype: torch.dtype) -> Tensor:
@@ -218,11 +199,15 @@ class RecurrentAttention(PositionAttention):
         return weights
 
     def matrix(self) -> Tensor:
-        """``A_l`` of this layer, from the stack's matrices of the pass under way."""
-        if self.matrices is None:
-            raise RuntimeError("RAN attention reads its stack's matrices: build it in an encoder or "
-                               "decoder of this plugin (which calls share_matrices()), not alone.")
-        return self.matrices.layer(self.ran_index)
+        """``A_l`` of this layer, (H, rows, L) in float32 or wider: the stack computes the
+        matrices of a pass when it opens it and hands each RAN layer its own."""
+        matrix = self.previous_map(f"ran:{self.ran_index}")
+        if matrix is None:
+            raise RuntimeError(
+                "RAN attention reads the matrix its stack computes in each forward pass and hands each "
+                "RAN layer: build it in an encoder or decoder of this plugin and call the stack, not a "
+                "layer or an attention alone.")
+        return matrix
 
     def position_logits(self, query_positions, key_positions, padding_mask, start, dtype):
         """``A_l[pos_i, pos_j]`` of this layer's matrix (float32 or wider)."""

@@ -8,9 +8,9 @@ Each layer adds the previous layer's pre-softmax attention scores to its own::
 
 per attention kind of a stack (encoder self-attention; decoder self- and encoder-decoder
 attention each with their own chain). ``Prev^(i-1)`` -- the previous layer's scores, which
-already hold its own residual -- comes from the stack's
-:class:`~ea_fairseq.modules.attention_maps.AttentionMapCarrier`, and ``Prev^i`` is handed
-on to the next layer. The module has no parameters of its own: a RealFormer's parameters
+already hold its own residual -- is what the previous layer handed on
+(:mod:`~ea_fairseq.modules.attention_map_carrier`), and ``Prev^i`` is handed on to the next
+layer. The module has no parameters of its own: a RealFormer's parameters
 are exactly its Transformer's.
 
 Masked entries (padding keys, future positions) and padded query rows are zeros in both
@@ -27,11 +27,14 @@ class ResidualAttention(LogitMapAttention):
     def setup_mechanism(self, slot: str) -> None:
         self.slot = slot
 
+    def carried_names(self):
+        return (self.slot,), (self.slot,)
+
     def transform_logits(self, logits, masked, query_padding_mask, incremental_state):
         scores = fill_masked_(logits, neutral_entries(masked, query_padding_mask), 0.0)
-        previous = self.attention_maps.previous(self.slot)
+        previous = self.previous_map(self.slot)
         if previous is not None:  # zero where ``scores`` is: the sum is too
             scores = scores + previous
-        self.attention_maps.hand_on(self.slot, scores)
+        self.hand_on(self.slot, scores)
         self.report_maps(lambda: {"dot_product": logits, "logits": scores}, masked)
         return fill_masked(scores, masked, float("-inf"))

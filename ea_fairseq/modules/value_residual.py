@@ -7,9 +7,10 @@ Alleviating Attention Concentration in Transformers*, Eq. (5)::
 ``V_1`` is the first layer's value projection of its input, ``V_n`` layer n's; the paper's
 default is λ1 = λ2 = 0.5. :class:`ValueResidualProjection` is the attention's own value
 projection (an ``nn.Linear``, made by the attention in place of its plain one: same
-parameters, same names in the state dict, same initialisation) that, in the first layer of its stack, hands its output on through the stack's
-:class:`~ea_fairseq.modules.attention_maps.AttentionMapCarrier` and, in the later ones,
-mixes it with that output. The mix is per position, so the values an attention caches for
+parameters, same names in the state dict, same initialisation) that, in the first layer of
+its stack, hands its output on to the later layers
+(:mod:`~ea_fairseq.modules.attention_map_carrier`) and, in the later ones, mixes it with
+that output. The mix is per position, so the values an attention caches for
 incremental decoding are the mixed ones, exactly those a full pass computes; a decoding step
 hands on the first layer's values of the step's own positions. The attention around it is
 whichever variant the role uses, made with this value projection (``value_projection=``
@@ -32,16 +33,18 @@ class ValueResidualProjection(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.slot = f"{slot}:values"
         self.lambdas = (float(lambdas[0]), float(lambdas[1]))
-        self.carrier = None  # set by attach()
+        self.layer_maps = None  # set by its layer while the layer runs
 
-    def attach(self, carrier) -> None:
-        self.carrier = carrier
+    def carried_names(self):
+        return (self.slot,), (self.slot,)
 
     def forward(self, x: Tensor) -> Tensor:
         values = super().forward(x)
-        first = self.carrier.previous(self.slot)
+        maps = self.layer_maps
+        first = None if maps is None else maps.previous(self.slot)
         if first is None:  # the first layer of the stack: V_1
-            self.carrier.hand_on(self.slot, values)
+            if maps is not None:
+                maps.hand_on(self.slot, values)
             return values
         first_weight, own_weight = self.lambdas
         return first_weight * first + own_weight * values
