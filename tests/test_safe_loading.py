@@ -177,7 +177,6 @@ def test_fairseq_reads_the_file_once(tmp_path, checkpoints, monkeypatch):
     (["--arch", "ea_transformer_lite", "--ea-alpha", "-1"], "--ea-alpha must lie in [0, 1], got -1.0"),
     (["--arch", "ea_transformer_lite", "--drop-attention", "element", "--drop-attention-p", "1.5"],
      "--drop-attention-p must lie in [0, 1), got 1.5"),
-    (["--arch", "ea_transformer_lite", "--checkpoint-activations"], "--checkpoint-activations recomputes"),
     (["--arch", "transformer_lite", "--drop-attention-p", "0.2"], "--drop-attention-p given without --drop-attention"),
 ])
 def test_option_errors_are_raised_as_option_errors(extra, message):
