@@ -2,7 +2,7 @@
 
 fairseq's tools let every exception end the process with a traceback; argparse errors are
 the only one-line errors they print. The plugin's option values are checked by argparse
-where argparse sees them, but combinations (EA with ``--checkpoint-activations``) and
+where argparse sees them, but combinations (``--cross-self-attention`` with an EA decoder) and
 values that reach a model another way (hydra, a checkpoint) are checked when the model is
 built, deep inside fairseq. Those checks raise :class:`OptionError`, and in a process that
 runs one of those tools or one of the plugin's own (:func:`serving_command_line`),
