@@ -98,10 +98,15 @@ def _main(argv: Optional[Sequence[str]]) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("arch", nargs="?", help="the architecture (--arch of fairseq-train); "
                                                 "none: list the plugin's")
+    parser.add_argument("--arch", "-a", dest="arch_option", metavar="ARCH",
+                        help="the same, written as for fairseq-train")
     parser.add_argument("--all", action="store_true",
                         help="print the whole fairseq-train help, with the options of the arch and "
                              "of the --task, --criterion, ... given")
     args, train_options = parser.parse_known_args(argv)
+    if args.arch and args.arch_option and args.arch != args.arch_option:
+        raise _error(f"two architectures, {args.arch!r} and --arch {args.arch_option!r}: give one")
+    args.arch = args.arch or args.arch_option
     from ea_fairseq import load_plugin  # fairseq and torch, after the arguments (a fast --help)
 
     load_plugin()

@@ -140,6 +140,14 @@ def test_options_refusals_and_the_whole_help(capsys):
     wanted = ("--ea-alpha", "--hcsa-normalize", "--encoder-layers", "--eval-bleu", "--label-smoothing")
     assert all(f"{o} " in whole for o in wanted)
     assert options.main([]) == 0 and "  ea_transformer_lite\n" in capsys.readouterr().out
+    # the arch as fairseq-train takes it (--arch X, -a X, --arch=X) lists the same
+    options.main(["ea_transformer_lite"])
+    listing = capsys.readouterr().out
+    for written in (["--arch", "ea_transformer_lite"], ["-a", "ea_transformer_lite"], ["--arch=ea_transformer_lite"]):
+        assert options.main(written) == 0 and capsys.readouterr().out == listing
+    with pytest.raises(SystemExit, match=r"^ea-fairseq-options: error: two architectures, 'ran_d' and --arch "
+                                         r"'ea_transformer_lite': give one$"):
+        options.main(["ran_d", "--arch", "ea_transformer_lite"])
 
     from fairseq import options as fairseq_options
 
