@@ -20,6 +20,7 @@ from test_decoding_properties import assert_incremental_equals_full
 DOC = os.path.join(REPO, "docs", "adding-a-variant.md")
 MODULE = "ea_fairseq.modules.talking_heads_attention"
 SIZES = ("--encoder-layers", "2", "--decoder-layers", "2")
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest)
 
 
 def doc_blocks():

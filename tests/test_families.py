@@ -17,6 +17,7 @@ from conftest import build_model, decoder_out, random_batch
 from ea_fairseq.models import building
 from families import FAMILIES, LSRA_BRANCHES, Family, added_parameters, draw, module_name, settings, twin_model
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest)
 SMALL = ("--encoder-layers", "2", "--decoder-layers", "1")  # PA predicts from the second layer on
 
 
