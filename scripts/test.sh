@@ -32,8 +32,7 @@ echo "[test] stored outputs and exactness on ATen's generic CPU kernels" >&2
 ATEN_CPU_CAPABILITY=default "$venv/bin/python" -m pytest -q -p no:cacheprovider \
   -n "${EA_FAIRSEQ_TEST_WORKERS:-auto}" --dist loadfile "$@" \
   tests/test_checkpoint_fixtures.py tests/test_ea_exactness.py tests/test_ea_equation.py \
-  tests/test_attention_module.py tests/test_pa.py::test_alpha_zero_is_the_vanilla_transformer \
-  tests/test_realformer_resformer.py::test_reduces_to_the_transformer \
+  tests/test_attention_module.py tests/test_families.py::test_reduces_to_its_twin \
   tests/test_baseline_drop_attention.py::test_without_the_flag_it_is_fairseqs_transformer \
   tests/test_decoding_properties.py::test_incremental_equals_full_pass_with_beam_reorders \
   tests/test_dispatch.py::test_both_backends_agree_wherever_both_may_run \
