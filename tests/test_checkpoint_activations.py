@@ -10,7 +10,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import REPO, build_model, cli, random_batch, randomize_convs
+from conftest import REPO, build_model, cli, cpu_autocast_supports, random_batch, randomize_convs
 from ea_fairseq.models.ea_transformer import StackLayer
 from families import FAMILIES
 
@@ -122,3 +122,46 @@ def test_fairseq_train_with_offloaded_checkpointed_activations(tmp_path, tiny_da
     # each update's loss and gradient norm, as fairseq logs them
     logged = [float(x) for x in re.findall(r'"(?:loss|gnorm)": "([\d.]+)"', proc.stdout + proc.stderr)]
     assert len(logged) == 4 and all(0 < x < 100 for x in logged)
+
+
+def autocast_grads(model, dictionary, checkpoint: bool):
+    for layer in [*model.encoder.layers, *model.decoder.layers]:
+        layer.checkpoint = checkpoint
+    model.zero_grad()
+    src, lengths, prev = random_batch(dictionary, [5, 7, 3], 6)
+    torch.manual_seed(11)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(src, lengths, prev)[0]
+    out.float().pow(2).mean().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", ["ea-lite", "realformer-lite"])
+def test_a_layer_recomputed_under_the_forwards_autocast(dictionary, family, monkeypatch):
+    """A checkpointed layer runs again in the backward pass, outside the forward's autocast
+    (fairseq's --amp): it recomputes in the forward's precision, so the gradients are those
+    of the run without checkpoints (each within bfloat16's rounding of the largest).
+    Negative control: recomputed with autocast off, a layer computes other gradients (or EA's
+    fails on float32 logits beside the bfloat16 map it was handed)."""
+    from ea_fairseq.models import ea_transformer
+
+    if not cpu_autocast_supports(torch.bfloat16):
+        pytest.skip("CPU autocast does not run bfloat16 matmuls here")
+    f = FAMILIES[family]
+    model, _ = build_model(f.arch, *f.options, *SMALL, "--checkpoint-activations")
+    randomize_convs(model)
+    model.train()
+    expected = autocast_grads(model, dictionary, False)
+
+    def close(got):
+        return all((got[n] - g).abs().max() <= 2 ** -8 * g.abs().max() for n, g in expected.items())
+
+    assert expected.keys() == autocast_grads(model, dictionary, True).keys()
+    assert close(autocast_grads(model, dictionary, True))
+    settings = ea_transformer.autocast_settings
+    monkeypatch.setattr(ea_transformer, "autocast_settings",
+                        lambda: (tuple((d, False, t) for d, _, t in settings()[0]), True))
+    try:
+        assert not close(autocast_grads(model, dictionary, True))
+    except RuntimeError as err:
+        assert "dtype" in str(err)

@@ -16,7 +16,7 @@ same inputs and gradients reach them. The decoder's beam reorder is the faster o
 """
 import copy
 import logging
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from functools import partial
 from typing import FrozenSet, Optional, Tuple
 
@@ -51,13 +51,32 @@ logger = logging.getLogger(__name__)
 def checkpointed(function, offload: bool, *args, **kwargs):
     """``function(*args, **kwargs)`` under fairseq's activation checkpointing (its
     ``CheckpointFunction``, as its ``checkpoint_wrapper`` calls it): run without storing
-    activations, run again in the backward pass with the same tensor arguments (and random
-    state), gradients to every tensor argument; ``offload`` keeps those arguments on the CPU
-    in between."""
+    activations, run again in the backward pass with the same tensor arguments, random
+    state and autocast settings (fairseq's backward runs outside the forward's autocast,
+    e.g. ``--amp``: recomputed in another precision, a layer would compute other values
+    than its forward did, and mix dtypes with what it saved), gradients to every tensor
+    argument; ``offload`` keeps those arguments on the CPU in between."""
     keys, flat = pack_kwargs(*args, **kwargs)
     context = {"offload": offload}
-    outputs = CheckpointFunction.apply(function, context, keys, *flat)
+    outputs = CheckpointFunction.apply(partial(under_autocast, autocast_settings(), function), context, keys, *flat)
     return unpack_non_tensors(outputs, context.get("packed_non_tensor_outputs"))
+
+
+def autocast_settings():
+    """Autocast's settings here and now, per device type (the CPU's, and CUDA's where there
+    is one): ``(device_type, enabled, dtype)`` each, and whether its cache is on."""
+    devices = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+    return (tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices),
+            torch.is_autocast_cache_enabled())
+
+
+def under_autocast(settings, function, *args, **kwargs):
+    """``function(*args, **kwargs)`` with autocast as :func:`autocast_settings` found it."""
+    devices, cache = settings
+    with ExitStack() as stack:
+        for device_type, enabled, dtype in devices:
+            stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache))
+        return function(*args, **kwargs)
 
 
 class StackLayer:
