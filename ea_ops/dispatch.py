@@ -73,6 +73,7 @@ class Call(NamedTuple):
     triton: bool = False        # triton can be imported (ea_ops.triton.installed())
     triton_on_cpu: bool = False  # CPU calls may go to the Triton kernels (ea_ops.triton.on_cpu())
     row_elements: int = 0       # heads x keys of a query row, each rounded up to a power of two
+    autocast: bool = False      # autocast is on for the call's device
 
 
 class Condition(NamedTuple):
@@ -98,6 +99,9 @@ ACCELERATED = (
     Condition("no intermediate maps asked for", lambda c: not c.return_maps),
     Condition("a map convolution", lambda c: c.has_conv),
     Condition("the C++ extension built", lambda c: bool(c.built)),
+    # the reference follows autocast's dtypes (its convolution in autocast's); the fused
+    # passes take the maps' dtype alone
+    Condition("autocast off", lambda c: not c.autocast),
 )
 STEP = (
     Condition("a decoding step", lambda c: c.step),
@@ -160,7 +164,8 @@ def describe(logits: Tensor, masked: Optional[Tensor], neutral: Optional[Tensor]
                 0 if weight is None else weight.size(-1), params.layout, state is not None, rows,
                 masked is not None and masked.dim() == 4 and masked.size(1) != 1,
                 neutral is not None, values is not None, hand_on, unshared,
-                gpu.installed(), gpu.on_cpu(), gpu.row_elements(heads, keys))
+                gpu.installed(), gpu.on_cpu(), gpu.row_elements(heads, keys),
+                torch.is_autocast_enabled(logits.device.type))
 
 
 def choose(call: Call) -> str:
@@ -195,5 +200,5 @@ def accelerated_dtype(device_type: str, dtype: torch.dtype) -> bool:
                 built=library.status(), grad_enabled=False, return_maps=False, has_conv=True, kernel_size=3,
                 layout="full", step=False, rows=1, mask_per_head=False, padded_query_rows=False,
                 values=False, hand_on=False, unshared_values_batch=0, triton=gpu.installed(),
-                triton_on_cpu=gpu.on_cpu())
+                triton_on_cpu=gpu.on_cpu(), autocast=torch.is_autocast_enabled(device_type))
     return choose(call) != REFERENCE

@@ -26,14 +26,16 @@ def evolving_attention_reference(logits: Tensor, previous: Optional[Tensor], mas
     a_input = fill_masked(logits, neutral, 0.0)
     dot_product = a_input.clone() if return_maps and previous is not None else a_input
     if previous is not None:  # line 1, the α skip connection (previous's masked entries re-zeroed)
-        a_input = fill_masked_(torch.lerp(a_input, previous, params.alpha), neutral, 0.0)
+        # (a previous map of another dtype, and under autocast the convolution's output, are
+        # taken in the maps' dtype, as the sum of the two lines written out would promote them)
+        a_input = fill_masked_(torch.lerp(a_input, previous.to(a_input.dtype), params.alpha), neutral, 0.0)
     conv = None  # ReLU(Conv(A_input))
     following = state
     if params.weight is None:
         a_logit = a_input
     else:
         conv, following = convolve_rows(a_input, params, state)
-        conv = F.relu(conv)
+        conv = F.relu(conv).to(a_input.dtype)
         a_logit = torch.lerp(a_input, conv, params.beta)  # line 2, β·ReLU(Conv) + (1-β)·A_input
     maps = None
     if return_maps:

@@ -55,6 +55,7 @@ BREAK = {
     "no intermediate maps asked for": dict(return_maps=True),
     "a map convolution": dict(has_conv=False),
     "the C++ extension built": dict(built=False),
+    "autocast off": dict(autocast=True),
     "a decoding step": dict(step=False),
     "a full pass": dict(step=True),
     "autograd off": dict(grad_enabled=True),
@@ -111,7 +112,7 @@ def expected_backend(c):
             and not c.step and c.row_elements <= gpu.MAX_ROW_ELEMENTS):
         return dispatch.TRITON_FULL_PASS
     accelerated = (c.accelerators_on and c.built and c.device_type == "cpu" and not c.return_maps
-                   and c.dtype in (torch.float32, torch.float64) and c.has_conv)
+                   and c.dtype in (torch.float32, torch.float64) and c.has_conv and not c.autocast)
     if not accelerated:
         return dispatch.REFERENCE
     if not c.step:
@@ -304,3 +305,24 @@ def test_the_operations_package_imports_neither_fairseq_nor_the_plugin():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize("layout", ["full", "causal"])
+def test_a_call_under_autocast_runs_the_reference(kernel, layout):
+    """Float32 maps under CPU autocast (bfloat16): the reference runs, its convolution in
+    autocast's dtype, as it does inside ``reference_only()`` (the fused passes, which take
+    the maps' dtype alone, would meet a bfloat16 convolution output)."""
+    from conftest import cpu_autocast_supports
+
+    if not cpu_autocast_supports(torch.bfloat16):
+        pytest.skip("CPU autocast does not run bfloat16 here")
+    logits, previous, masked, neutral, params, _, _ = random_call("full", layout, 3, torch.float32,
+                                                                   torch.Generator().manual_seed(8))
+    ran = []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with spy(ran):
+            got = evolving_attention(logits, previous, masked, neutral, params, hand_on=True)
+        with accelerators.reference_only():
+            want = evolving_attention(logits, previous, masked, neutral, params, hand_on=True)
+    assert ran == [dispatch.REFERENCE]
+    assert torch.equal(got.carried, want.carried) and torch.equal(got.logits, want.logits)
