@@ -40,6 +40,8 @@ def build(verbose: bool = False) -> str:
     name = library.extension_name()
     directory = library.build_directory(name)
     path = os.path.join(directory, name + library.LIBRARY_SUFFIX)
+    if os.path.isfile(path) and library.cut_short(path):  # newer than its sources, to ninja
+        os.remove(path)
     env = build_environment()
     ninja = shutil.which("ninja", path=env.get("PATH"))
     built = os.path.isfile(path) and os.path.isfile(os.path.join(directory, "build.ninja"))

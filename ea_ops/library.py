@@ -11,7 +11,8 @@ read-only, in ``~/.cache/ea_ops/<name>``; ``<name>`` carries a hash of everythin
 build file holds: the sources and where they are, the compiler, its flags, the torch
 installation and Python's headers. Two checkouts or two environments never load or
 overwrite each other's library, and a changed source is a new name, never a stale
-library. Paths are taken with symbolic links resolved: the package reached through a link
+library. A library cut short (a link that did not finish) is not loaded, which would
+crash the process, and ``python -m ea_ops.build`` builds it again. Paths are taken with symbolic links resolved: the package reached through a link
 is this copy, with this copy's library.
 """
 import hashlib
@@ -79,6 +80,35 @@ def build_directory(name: str) -> str:
     raise OSError("no writable directory for the CPU backend's build")
 
 
+def cut_short(path: str) -> bool:
+    """Whether the ELF library at ``path`` ends before its segments or its section headers
+    do (a link that did not finish, a copy cut short): loading it would crash the process
+    (SIGBUS on the pages past its end), not raise. False for a complete or a non-ELF file."""
+    import struct
+
+    with open(path, "rb") as f:
+        header = f.read(64)
+        size = os.fstat(f.fileno()).st_size
+        if len(header) < 52 or header[:4] != b"\x7fELF" or header[4] not in (1, 2) or header[5] not in (1, 2):
+            return header[:4] == b"\x7fELF"  # an ELF header cut short
+        order, wide = "<" if header[5] == 1 else ">", header[4] == 2
+        if wide and len(header) < 64:
+            return True
+        # e_phoff, e_shoff; e_phentsize, e_phnum, e_shentsize, e_shnum
+        ph, sh = struct.unpack_from(order + ("QQ" if wide else "II"), header, 32 if wide else 28)
+        ph_size, ph_count, sh_size, sh_count = struct.unpack_from(order + "HHHH", header, 54 if wide else 42)
+        if sh + sh_size * sh_count > size or ph + ph_size * ph_count > size:
+            return True
+        f.seek(ph)
+        table = f.read(ph_size * ph_count)
+    for i in range(ph_count):  # each segment's bytes in the file: p_offset, p_filesz
+        offset, length = (struct.unpack_from(order + "QxxxxxxxxxxxxxxxxQ", table, i * ph_size + 8) if wide
+                          else struct.unpack_from(order + "IxxxxxxxxI", table, i * ph_size + 4))
+        if offset + length > size:
+            return True
+    return False
+
+
 def status() -> Optional[bool]:
     """Whether :func:`extension` found the library: None before it was asked."""
     return (_state["module"] is not None) if _state["tried"] else None
@@ -103,6 +133,8 @@ def _load():
         path = library_path(name)
         if path is None:
             reason = "it is not built"
+        elif cut_short(path):
+            reason = f"{path} is cut short, a build that did not finish"
         else:
             import importlib.util
 

@@ -382,3 +382,39 @@ def test_fused_functions_pass_gradcheck(kernel):
         assert torch.autograd.gradcheck(
             lambda a, c: cpu_ea.ConvolutionResidual.apply(a, c, masked, 0.4).masked_fill(neutral, 0),
             (a_input, conv))
+
+
+def test_a_library_cut_short_runs_the_reference_and_is_built_again(kernel, tmp_path, monkeypatch, caplog):
+    """A library that ends before its segments (a link that did not finish, a copy cut short)
+    would crash the process when loaded (SIGBUS), not raise: it is not loaded (the reference
+    runs, one warning says why and names the build command), and the build command builds
+    it again where ninja would find it newer than its sources. Negative control: the
+    complete library is not cut short, and neither is a file that is no ELF (which fails to
+    load with an ImportError)."""
+    complete = open(kernel.__file__, "rb").read()
+    assert not library.cut_short(kernel.__file__)
+    monkeypatch.setattr(library, "HERE", str(tmp_path))
+    monkeypatch.setattr(library, "_state", {"module": None, "tried": False})
+    name = library.extension_name()
+    path = os.path.join(library.directories(name)[0], name + library.LIBRARY_SUFFIX)
+    os.makedirs(os.path.dirname(path))
+    for end in (4, 63, len(complete) // 3, len(complete) - 1):
+        with open(path, "wb") as f:
+            f.write(complete[:end])
+        assert library.cut_short(path), end
+    with open(str(tmp_path / "text"), "wb") as f:
+        f.write(b"not a library")
+    assert not library.cut_short(str(tmp_path / "text"))
+    params = EvolvingAttentionParams(0.3, 0.5, torch.randn(HEADS, HEADS, 3, 3), None, "full")
+    with caplog.at_level(logging.WARNING, logger=library.__name__):
+        out = evolving_attention(torch.randn(2, HEADS, 5, 5), None, None, None, params)
+    assert library.status() is False and torch.isfinite(out.logits).all()
+    assert [r.getMessage() for r in caplog.records if "cut short" in r.getMessage() and library.COMMAND in r.getMessage()]
+    dispatch.forget()
+    commands = []
+    monkeypatch.setattr(build.subprocess, "run", lambda argv, **kw: commands.append(argv) or subprocess.CompletedProcess(
+        argv, 1, "", "stopped"))
+    open(os.path.join(os.path.dirname(path), "build.ninja"), "w").close()
+    with pytest.raises(build.BuildError):
+        build.build()
+    assert not os.path.exists(path) and commands[0][0] == sys.executable  # torch's first build, not ninja's check
