@@ -12,8 +12,9 @@ build file holds: the sources and where they are, the compiler, its flags, the t
 installation and Python's headers. Two checkouts or two environments never load or
 overwrite each other's library, and a changed source is a new name, never a stale
 library. A library cut short (a link that did not finish) is not loaded, which would
-crash the process, and ``python -m ea_ops.build`` builds it again. Paths are taken with symbolic links resolved: the package reached through a link
-is this copy, with this copy's library.
+crash the process, and ``python -m ea_ops.build`` builds it again. Paths are taken with
+symbolic links resolved: the package reached through a link is this copy, with this copy's
+library.
 """
 import hashlib
 import logging
