@@ -312,3 +312,32 @@ def test_the_kernels_compile_for_a_gpu_without_spilling_registers():
         name, usage = line.split(" ", 1)
         usage = json.loads(usage)
         assert usage["STACK"] == "0" and usage["LOCAL"] == "0", f"{name} spills registers: {usage}"
+
+
+def test_arguments_of_any_strides():
+    """Views as the operation's arguments (logits and previous map transposed or broadcast,
+    a weight transposed, a bias that is every other entry of a tensor): the kernels' results
+    and gradients are those of contiguous copies. Negative control: the strided bias read as
+    if contiguous takes other entries (the comparison with copies fails)."""
+    g = torch.Generator().manual_seed(5)
+    heads, tgt_len, src_len = 3, 4, 5
+
+    def drawn(*shape):
+        return torch.randn(*shape, generator=g).to(DEVICE)
+
+    views = [lambda: drawn(BSZ, src_len, heads, tgt_len).permute(0, 2, 3, 1),
+             lambda: drawn(1, heads, tgt_len, src_len).expand(BSZ, -1, -1, -1),
+             lambda: drawn(heads, heads, 3, 3).transpose(0, 1), lambda: drawn(2 * heads)[::2]]
+    masked, neutral = masks("causal", tgt_len, src_len, heads)
+    results = []
+    for contiguous in (False, True):
+        g.manual_seed(5)
+        leaves = [view().contiguous() if contiguous else view() for view in views]
+        assert contiguous or not any(v.is_contiguous() for v in leaves)
+        leaves = [v.requires_grad_() for v in leaves]
+        out, carried = EvolvingAttentionTriton.apply(*leaves, masked, neutral, 0.4, 0.7, "causal", True, True, None)
+        grads = torch.autograd.grad((out * torch.arange(out.numel(), device=DEVICE).view_as(out)).sum()
+                                    + carried.sum(), leaves)
+        results.append([out, carried, *grads])
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

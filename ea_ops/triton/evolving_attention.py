@@ -311,6 +311,7 @@ class EvolvingAttentionTriton(torch.autograd.Function):
         logits = logits.contiguous()
         previous = None if previous is None else previous.contiguous()
         weight = weight.contiguous()
+        bias = None if bias is None else bias.contiguous()  # read as bias_ptr + head
         bsz, heads, tgt_len, src_len = shape = logits.shape
         k = weight.size(-1)
         block_h, block_t, block_s, warps = blocks(heads, tgt_len, src_len, block_t)
