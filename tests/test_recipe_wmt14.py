@@ -76,10 +76,12 @@ def test_evaluate_other_wmt_mode_and_errors(wmt14_en_de, env, capsys):
 def test_evaluate_without_comet_scores_bleu_and_says_why(wmt14_en_de, env, tmp_path):
     """--comet-model where no COMET venv exists: BLEU and chrF are still scored and shown,
     one line says COMET was not and how to get it, and the run fails with ea-fairseq-bleu's
-    exit status 3 (COMET was asked for)."""
+    exit status 3 (COMET was asked for). The run's last epoch checkpoint is scored as it is
+    (averaging is the end-to-end test's)."""
     env = dict(env, EA_FAIRSEQ_COMET_VENV=str(tmp_path / "no-comet-venv"))
     info = wmt14_en_de
-    proc = run(["bash", RECIPES / "evaluate.sh", info["save"], info["data"], "wmt", "--num-avg", "2", "--cpu",
+    proc = run(["bash", RECIPES / "evaluate.sh", info["save"], info["data"], "wmt",
+                "--checkpoint", info["save"] / "checkpoint2.pt", "--cpu",
                 "--comet-model", str(tmp_path / "model.ckpt"), "--out-dir", str(tmp_path / "eval"), "--",
                 "--max-len-a", "0", "--max-len-b", "6"], env, info["root"], check=False)
     assert proc.returncode == 3, proc.stderr[-3000:]
