@@ -102,8 +102,16 @@ SIDE_EFFECTS: Tuple[SideEffect, ...] = (
 )
 
 
+#: the plugin's package as this process loaded it: ``ea_fairseq``, or the name of the folder
+#: fairseq's ``--user-dir`` gave it (the table's ``ea_fairseq.`` names are this package's
+#: modules, never a second copy of the plugin imported under its own name)
+PLUGIN = __name__.rpartition(".")[0]
+
+
 def _named(dotted: str) -> Any:
     module, _, name = dotted.partition(":")
+    if module.split(".")[0] == "ea_fairseq":
+        module = PLUGIN + module[len("ea_fairseq"):]
     value = importlib.import_module(module)
     for part in name.split(".") if name else ():
         value = getattr(value, part)

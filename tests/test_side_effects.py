@@ -143,3 +143,23 @@ def test_loading_the_plugin_replaces_the_tables_rows_and_nothing_else():
     assert found["excepthook chained once"] and found["registry originals kept"]
     assert found["gate"] == "omegaconf.base"  # the scoped replacement is not in place after loading
     assert set(found["hidden"]) - set(found["served"]) == {"fairseq.utils:move_to_cpu"}  # negative control
+
+
+def test_the_plugin_loaded_by_user_dir_under_another_name_is_loaded_once(tmp_path):
+    """fairseq's ``--user-dir`` imports the folder under its own name: the table's rows name
+    that package's replacements, so the plugin is loaded once, its replacements in place. (A
+    table read by its written names imports a second copy as ``ea_fairseq``, which registers
+    every model again: fairseq's 'Cannot register duplicate model architecture', exit 1.)"""
+    (tmp_path / "my_plugin").symlink_to(os.path.join(REPO, "ea_fairseq"))
+    code = (
+        "import argparse, sys\n"
+        "from fairseq.utils import import_user_module\n"
+        "import_user_module(argparse.Namespace(user_dir=sys.argv[1]))\n"
+        "from fairseq import checkpoint_utils\n"
+        "from fairseq.models import ARCH_MODEL_REGISTRY\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules if m.split('.')[0] in ('my_plugin', 'ea_fairseq')}),\n"
+        "      checkpoint_utils.load_checkpoint_to_cpu.__module__, ARCH_MODEL_REGISTRY['transformer'].__module__)\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "my_plugin")], capture_output=True, text=True,
+                          cwd=str(tmp_path), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["['my_plugin']", "my_plugin.checkpoint_safety.hook", "my_plugin.models.baseline"]
