@@ -165,7 +165,13 @@ def describe(logits: Tensor, masked: Optional[Tensor], neutral: Optional[Tensor]
                 masked is not None and masked.dim() == 4 and masked.size(1) != 1,
                 neutral is not None, values is not None, hand_on, unshared,
                 gpu.installed(), gpu.on_cpu(), gpu.row_elements(heads, keys),
-                torch.is_autocast_enabled(logits.device.type))
+                autocast_on(logits.device.type))
+
+
+def autocast_on(device_type: str) -> bool:
+    """Whether autocast is on for ``device_type`` (off for a device autocast does not know:
+    the meta device)."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
 
 
 def choose(call: Call) -> str:
@@ -200,5 +206,5 @@ def accelerated_dtype(device_type: str, dtype: torch.dtype) -> bool:
                 built=library.status(), grad_enabled=False, return_maps=False, has_conv=True, kernel_size=3,
                 layout="full", step=False, rows=1, mask_per_head=False, padded_query_rows=False,
                 values=False, hand_on=False, unshared_values_batch=0, triton=gpu.installed(),
-                triton_on_cpu=gpu.on_cpu(), autocast=torch.is_autocast_enabled(device_type))
+                triton_on_cpu=gpu.on_cpu(), autocast=autocast_on(device_type))
     return choose(call) != REFERENCE

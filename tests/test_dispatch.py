@@ -326,3 +326,13 @@ def test_a_call_under_autocast_runs_the_reference(kernel, layout):
             want = evolving_attention(logits, previous, masked, neutral, params, hand_on=True)
     assert ran == [dispatch.REFERENCE]
     assert torch.equal(got.carried, want.carried) and torch.equal(got.logits, want.logits)
+
+
+def test_a_call_on_a_device_autocast_does_not_know_goes_to_the_reference():
+    """The meta device (shapes only, no values: a model's dry run) is no device of
+    autocast's: the call's facts are gathered without asking autocast about it (which
+    raises), and the reference takes the call."""
+    params = EvolvingAttentionParams(0.5, 0.5, torch.randn(HEADS, HEADS, 3, 3, device="meta"), None, "causal")
+    logits = torch.randn(2, HEADS, 3, 5, device="meta")
+    call = dispatch.describe(logits, None, None, params, None, None, True, False)
+    assert not call.autocast and dispatch.choose(call) == dispatch.REFERENCE
