@@ -92,8 +92,9 @@ def test_run_hygiene_log_record_and_refusal_to_resume_changed_settings(iwslt, en
 
 
 def test_seeds_train_one_run_each_and_evaluate_to_one_table(iwslt, env, tmp_path):
-    """SEEDS="1 2": one run per seed in SAVE_DIR/seedN; evaluate.sh scores each and prints
-    their mean and deviation; compare_systems.py puts two systems in one table."""
+    """SEEDS="1 2": one run per seed in SAVE_DIR/seedN; evaluate.sh scores each (its
+    checkpoint_best.pt: averaging is test_evaluate_iwslt_end_to_end's) and prints their mean
+    and deviation; compare_systems.py puts two systems in one table."""
     base = tmp_path / "seeds"
     proc = run(["bash", RECIPES / "train.sh", *iwslt["train_args"]],
                dict(iwslt["train_env"], SAVE_DIR=str(base), MAX_EPOCH="1", SEEDS="1 2"), tmp_path)
@@ -103,7 +104,7 @@ def test_seeds_train_one_run_each_and_evaluate_to_one_table(iwslt, env, tmp_path
         assert (run_dir / "checkpoint1.pt").is_file() and (run_dir / "train.log").is_file()
         assert f"--seed {seed} " in (run_dir / "train.command").read_text()
     assert not list(base.glob("*.pt"))
-    out = run(["bash", RECIPES / "evaluate.sh", base, iwslt["data"], "iwslt", "--num-avg", "1",
+    out = run(["bash", RECIPES / "evaluate.sh", base, iwslt["data"], "iwslt", "--best",
                "--cpu", "--", "--max-len-a", "0", "--max-len-b", "6"], env, tmp_path).stdout
     row = compare_table(out)["seeds"]
     assert row[1] == "2" and len(row[2].split()) == 2 and "±" in row[3]
