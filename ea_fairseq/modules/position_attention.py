@@ -27,7 +27,6 @@ from fairseq.modules.fairseq_dropout import FairseqDropout
 from fairseq.modules.quant_noise import quant_noise
 from torch import Tensor
 
-from ea_ops.masks import fill_masked
 from .attention_mechanism import AttentionMechanism
 
 
@@ -99,6 +98,11 @@ def matrix_logits(matrix: Tensor, tgt_len: int, src_len: int, padding_mask: Opti
         # broadcast over the batch, is a sum over the batch)
         return matrix[:, start : start + tgt_len, :src_len].unsqueeze(0)
     return sentence_logits(matrix[:, :tgt_len, :tgt_len], padding_mask, positions, one_hot)
+
+
+def additive_mask(masked: Tensor, like: Tensor) -> Tensor:
+    """0 where ``masked`` is False, ``-inf`` where True, in ``like``'s dtype and device."""
+    return torch.zeros((), dtype=like.dtype, device=like.device).masked_fill(masked, float("-inf"))
 
 
 @with_incremental_state
@@ -221,6 +225,10 @@ class PositionAttention(AttentionMechanism, nn.Module):
         return logits, v, key_padding_mask, attn_mask
 
     def transform_logits(self, logits, masked, query_padding_mask, incremental_state):
-        """The masking, out of place (the source's logits may be a view of a parameter)."""
+        """The masking, out of place (the source's logits may be a view of a parameter): an
+        additive mask, 0 or ``-inf``, made from ``masked`` once per pass of the stack (a sum's
+        backward costs nothing where a masked fill's is another fill, per layer)."""
         self.report_maps(lambda: {self.map_name: logits}, masked)
-        return fill_masked(logits, masked, float("-inf"))
+        if masked is None:
+            return logits
+        return logits + self.derived(f"self:additive_mask:{logits.dtype}", lambda: additive_mask(masked, logits))
