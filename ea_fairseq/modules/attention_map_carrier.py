@@ -66,9 +66,6 @@ class LayerMaps:
         if name in self.wanted:
             self.outgoing[name] = tensor
 
-    def derive(self, name: str, compute: Callable[[], T]) -> T:
-        return compute() if self.stack_pass is None else self.stack_pass.derive(name, compute)
-
 
 @contextmanager
 def bound(modules: Iterable, maps: Optional[LayerMaps]):

@@ -69,11 +69,6 @@ class AttentionMechanism:
         maps = self.layer_maps
         return None if maps is None else maps.previous(name)
 
-    def hands_on(self, name: str) -> bool:
-        """Whether a later layer of the pass reads what this module hands on as ``name``."""
-        maps = self.layer_maps
-        return maps is not None and name in maps.wanted
-
     def hand_on(self, name: str, tensor: Tensor) -> None:
         if self.layer_maps is not None:
             self.layer_maps.hand_on(name, tensor)
