@@ -46,19 +46,6 @@ class StepState(NamedTuple):
     def kernel_for(self, backend: str) -> Optional[Tensor]:
         return self.kernel if self.kernel_of == backend else None
 
-    # fairseq keeps a module's incremental state as a dict of tensors
-    def as_dict(self) -> Dict[str, Optional[Tensor]]:
-        state = {"conv_rows": self.rows, "conv_rows_order": self.order}
-        if self.kernel is not None:
-            state["kernel." + self.kernel_of] = self.kernel
-        return state
-
-    @classmethod
-    def from_dict(cls, state: Dict[str, Optional[Tensor]]) -> "StepState":
-        kernel_of = next((k[len("kernel."):] for k in state if k.startswith("kernel.")), None)
-        return cls(state.get("conv_rows"), state.get("conv_rows_order"),
-                   state.get("kernel." + kernel_of) if kernel_of else None, kernel_of)
-
 
 class BackendResult(NamedTuple):
     """What a backend of Eq. 4 returns to the operation, which finishes it (the ``-inf``

@@ -159,12 +159,15 @@ def describe(logits: Tensor, masked: Optional[Tensor], neutral: Optional[Tensor]
     weight = params.weight
     bsz, heads, rows, keys = logits.shape
     unshared = bsz if (values is not None and params.layout == "rows" and values.size(0) == bsz * heads) else 0
+    # the sizes as far as a condition tells them apart (one row or more; within a limit or
+    # over it), so that the calls of a decoding run, whose keys grow every step, and of
+    # batches of any length are a handful of configurations, each chosen once
     return Call(logits.device.type, logits.dtype, accelerators.switched_on(), library.status(),
                 torch.is_grad_enabled(), return_maps, weight is not None,
-                0 if weight is None else weight.size(-1), params.layout, state is not None, rows,
+                0 if weight is None else weight.size(-1), params.layout, state is not None, min(rows, 2),
                 masked is not None and masked.dim() == 4 and masked.size(1) != 1,
-                neutral is not None, values is not None, hand_on, unshared,
-                gpu.installed(), gpu.on_cpu(), gpu.row_elements(heads, keys),
+                neutral is not None, values is not None, hand_on, min(unshared, STEP_VALUES_MAX_BATCH + 1),
+                gpu.installed(), gpu.on_cpu(), min(gpu.row_elements(heads, keys), 2 * gpu.MAX_ROW_ELEMENTS),
                 autocast_on(logits.device.type))
 
 

@@ -144,9 +144,10 @@ def test_every_combination_of_facts_goes_where_the_rules_say():
     assert seen == set(dispatch.PREFERENCE)
 
 
-def random_call(kind, layout, kernel_size, dtype, g, bsz=3, heads=HEADS, src=7):
-    """Arguments of one call of the operation: ``kind`` says which conditions it meets."""
-    rows = 1 if kind.startswith("step") else 5
+def random_call(kind, layout, kernel_size, dtype, g, bsz=3, heads=HEADS, src=7, tgt=5):
+    """Arguments of one call of the operation: ``kind`` says which conditions it meets
+    (a full pass's maps have ``tgt`` query rows)."""
+    rows = 1 if kind.startswith("step") else tgt
     width = src
     logits = torch.randn(bsz, heads, rows, width, generator=g, dtype=dtype) * 2
     keys = torch.zeros(bsz, 1, 1, width, dtype=torch.bool)
@@ -290,6 +291,28 @@ def test_the_backend_is_chosen_once_per_configuration_and_follows_the_switches(k
             evolving_attention(logits, previous, masked, neutral, params)
         evolving_attention(logits, previous, masked, neutral, params)
     assert ran[3:] == [dispatch.REFERENCE, dispatch.CPU_FULL_PASS] and len(evaluated) == 2
+    monkeypatch.undo()
+    dispatch.forget()
+
+
+def test_a_decoding_run_and_batches_of_any_length_are_a_handful_of_configurations(kernel, monkeypatch):
+    """The keys of a decoding run grow every step and batches come in every length: the
+    table is evaluated once per size the conditions tell apart (one query row or more,
+    the Triton row's width in powers of two), not once per length."""
+    evaluated = []
+    select = dispatch.select
+    monkeypatch.setattr(dispatch, "select", lambda call: evaluated.append(call) or select(call))
+    dispatch.forget()
+    g = torch.Generator().manual_seed(3)
+    widths = set()
+    with torch.no_grad():
+        for kind, lengths in (("step", range(3, 41)), ("full", range(3, 31))):
+            for src in lengths:
+                logits, previous, masked, neutral, params, state, values = random_call(
+                    kind, "causal", 3, torch.float32, g, src=src, tgt=src)
+                evolving_attention(logits, previous, masked, neutral, params, state=state)
+                widths.add((kind, gpu.row_elements(HEADS, src)))
+    assert len(evaluated) == len(widths) < 12
     monkeypatch.undo()
     dispatch.forget()
 
