@@ -19,6 +19,7 @@ from fairseq.sequence_generator import SequenceGenerator
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # workload.py beside it, however this file is loaded
 from workload import CPU, batch, build, keep_freed_memory, on, optimizer, place, synced, synchronizer  # noqa: E402,F401
+from ea_fairseq.models import fairseq_speedups  # noqa: E402,F401  (benchmark.py's --fairseq-reorder switches it)
 
 CLI = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmark.py")
 
