@@ -7,9 +7,14 @@ one beam-search decoding step (beam 5, one sentence: the decoder's forward for t
 token and the beam reorder of its caches) and one training forward + backward, for every
 family against ``transformer_lite`` (fairseq's own attention: its fused
 ``scaled_dot_product_attention`` in training, its unfused path in decoding steps).
-``python tests/test_operation_counts.py`` prints the table (benchmarks/operation_counts.md).
+``python tests/test_operation_counts.py`` prints the table (benchmarks/operation_counts.md);
+``python tests/test_operation_counts.py EA-Lite clone,cat`` a family against transformer_lite
+operation by operation, and where the named operations come from (:class:`Where`).
 """
+import collections
+import re
 import sys
+import traceback
 
 import pytest
 import torch
@@ -43,17 +48,27 @@ BEAM, SOURCE, STEPS_BEFORE = 5, 20, 4
 
 class OperationCounter(TorchDispatchMode):
     """Counts the aten operations dispatched inside it: ``count`` those that are not views
-    (nor a reshape's or ``detach``'s alias), ``all`` every one."""
+    (nor a reshape's or ``detach``'s alias), ``all`` every one; ``ops``, the former by name."""
 
     def __init__(self):
         super().__init__()
         self.count = self.all = 0
+        self.ops = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.all += 1
         if not (func.is_view or torch.Tag.view_copy in func.tags or func in _ALIASES):
             self.count += 1
+            self.ops[func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))
+
+    def kernels(self) -> int:
+        """``count`` less the operations that only allocate (no kernel on a GPU)."""
+        return self.count - sum(self.ops[name] for name in ALLOCATIONS)
+
+
+#: non-view operations that allocate memory and launch nothing on a GPU
+ALLOCATIONS = ("empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided")
 
 
 _ALIASES = {torch.ops.aten.detach.default, torch.ops.aten._unsafe_view.default,
@@ -68,7 +83,7 @@ def build(family: str):
     return model
 
 
-def decoding_step_count(model) -> int:
+def decoding_step_count(model, counter=None) -> OperationCounter:
     """One beam-search step after ``STEPS_BEFORE``: the beam reorder of the decoder's caches,
     then its forward for the newest token (what fairseq's generator runs per step)."""
     model.eval()
@@ -86,19 +101,20 @@ def decoding_step_count(model) -> int:
             if t > 0:
                 model.decoder.reorder_incremental_state_scripting(state, order)
             model.decoder(tokens[:, : t + 1], encoder_out, incremental_state=state)
-        with OperationCounter() as counter:
+        with counter or OperationCounter() as counter:
             model.decoder.reorder_incremental_state_scripting(state, order)
             model.decoder(tokens, encoder_out, incremental_state=state)
     return counter
 
 
-def training_count(model) -> int:
-    """One training forward + backward of a 3-sentence left-padded batch."""
+def training_count(model, counter=None) -> OperationCounter:
+    """One training forward + backward of a 3-sentence left-padded batch (``counter``: an
+    :class:`OperationCounter`, a new one by default)."""
     model.train()
     d = model.decoder.dictionary
     src, lengths, prev = random_batch(d, [12, 9, 7], 10)
     target = torch.randint(d.nspecial, len(d), prev.shape, generator=torch.Generator().manual_seed(1))
-    with OperationCounter() as counter:
+    with counter or OperationCounter() as counter:
         logits = model(src, lengths, prev)[0]
         F.cross_entropy(logits.view(-1, logits.size(-1)), target.view(-1)).backward()
     return counter
@@ -210,7 +226,67 @@ def test_mechanisms_compute_stack_constants_once_per_pass():
         assert seen.ops[op] <= most, (family, op, seen.ops[op])
 
 
+class Where(OperationCounter):
+    """:class:`OperationCounter` that also keeps, for the operations named in ``names``,
+    where they come from: the innermost line of this repository (not its tests) that made
+    them; in the backward pass, the line whose forward recorded the autograd node (under
+    ``torch.autograd.detect_anomaly``, which keeps each node's forward traceback)."""
+
+    def __init__(self, names):
+        super().__init__()
+        self.names, self.where = set(names), collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in self.names:
+            node = torch._C._current_autograd_node()
+            if node is None:
+                lines, suffix = [(f.filename, f.lineno) for f in traceback.extract_stack()], ""
+            else:
+                lines = re.findall(r'File "([^"]+)", line (\d+)', "".join(node.metadata.get("traceback_", [])))
+                suffix = f" (backward: {node.name()})"
+            ours = [f"{path[len(ROOT):]}:{line}" for path, line in lines if path.startswith(ROOT)
+                    and not path.startswith(ROOT + "tests/") and "/.venv/" not in path]
+            self.where[(name, (ours[-1] if ours else "(torch or fairseq)") + suffix)] += 1
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+ROOT = str(__import__("pathlib").Path(__file__).resolve().parents[1]) + "/"
+
+
+def by_operation(family: str, names=()) -> str:
+    """``family`` against transformer_lite, per operation (the non-view ones that differ), per
+    decoding step and training update on the reference path; with ``names``, where those
+    operations of ``family`` come from."""
+    rows, where = [], []
+    for label, count in (("decoding step", decoding_step_count), ("training fwd+bwd", training_count)):
+        got = {}
+        for name in ("transformer_lite", family):
+            counter = Where(names)
+            with accelerators.reference_only(), torch.autograd.detect_anomaly(check_nan=False):
+                got[name] = count(build(name), counter)
+        base, ours = got["transformer_lite"], got[family]
+        rows += [f"| **{label}** | **{base.count}** | **{ours.count}** | **{ours.count - base.count:+d}** |"]
+        rows += [f"| {op} | {base.ops[op]} | {ours.ops[op]} | {ours.ops[op] - base.ops[op]:+d} |"
+                 for op in sorted(set(base.ops) | set(ours.ops), key=lambda op: (base.ops[op] - ours.ops[op], op))
+                 if base.ops[op] != ours.ops[op]]
+        where += [f"| {label} | {op} | {line} | {n} |"
+                  for (op, line), n in sorted(ours.where.items(), key=lambda kv: (kv[0][0], -kv[1]))]
+    out = [f"| operation | transformer_lite | {family} | difference |", "|---|---:|---:|---:|"] + rows
+    if where:
+        out += ["", f"| {family} | operation | made by | count |", "|---|---|---|---:|"] + where
+    return "\n".join(out)
+
+
 if __name__ == "__main__":
+    # python tests/test_operation_counts.py                       the table
+    # python tests/test_operation_counts.py EA-Lite [op,op,...]   EA-Lite per operation, and where ops come from
+    import warnings
+
+    warnings.simplefilter("ignore")  # detect_anomaly's notice
     torch.manual_seed(0)
-    print(table())
+    if len(sys.argv) > 1:
+        print(by_operation(sys.argv[1], sys.argv[2].split(",") if len(sys.argv) > 2 else ()))
+    else:
+        print(table())
     sys.exit(0)
