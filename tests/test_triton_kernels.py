@@ -341,3 +341,70 @@ def test_arguments_of_any_strides():
         results.append([out, carried, *grads])
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+class KernelLaunches:
+    """What a training update launches on CUDA with the kernels, counted on any device: the
+    non-view aten operations (``test_operation_counts.OperationCounter``) around them, and
+    each of the kernels' launches as one; on a CPU the interpreter's own operations during a
+    launch (its copies of the arguments) are not counted."""
+
+    NAMES = ("_forward_kernel", "_backward_conv_kernel", "_backward_input_kernel")
+
+    def __init__(self, monkeypatch):
+        import test_operation_counts as counts
+        from ea_ops.triton import evolving_attention as kernels
+
+        outer = self
+
+        class Counter(counts.OperationCounter):
+            paused = False
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if self.paused:
+                    return func(*args, **(kwargs or {}))
+                return super().__torch_dispatch__(func, types, args, kwargs)
+
+        class Counted:
+            def __init__(self, kernel, name):
+                self.kernel, self.name = kernel, name
+
+            def __getitem__(self, grid):
+                launch = self.kernel[grid]
+
+                def run(*args, **kwargs):
+                    counter = outer.counter
+                    counter.count, counter.all = counter.count + 1, counter.all + 1
+                    counter.ops["triton:" + self.name] += 1
+                    counter.paused = True
+                    try:
+                        return launch(*args, **kwargs)
+                    finally:
+                        counter.paused = False
+                return run
+
+        for name in self.NAMES:
+            monkeypatch.setattr(kernels, name, Counted(getattr(kernels, name), name))
+        self.counter = Counter()
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="counted on a CPU, under Triton's interpreter")
+def test_an_ea_lite_training_update_launches_at_most_5_percent_more_than_the_twin(monkeypatch):
+    """EA-Lite's training update (tests/test_operation_counts.py's batch) with EA's Eq. 4 on the
+    kernels, as on CUDA: at most 1.05x transformer_lite's non-view operations (its fused
+    attention), 3 launches per EA attention. Negative control: the reference path's count
+    (convolution, ReLU, mixes, masks and softmax as aten operations) exceeds the bound."""
+    import test_operation_counts as counts
+    from ea_ops.triton import interpret_on_cpu
+
+    twin = counts.counts("transformer_lite")[1]
+    reference = counts.counts("EA-Lite")[1]
+    launches = KernelLaunches(monkeypatch)
+    with interpret_on_cpu():
+        fused = counts.training_count(counts.build("EA-Lite"), launches.counter)
+    attentions = 18  # 6 encoder, 6 decoder self, 6 cross
+    assert all(fused.ops["triton:" + name] == attentions for name in KernelLaunches.NAMES), fused.ops
+    table = (f"transformer_lite {twin.count} ({twin.kernels()} less allocations), EA-Lite on the kernels "
+             f"{fused.count} ({fused.kernels()}), on the reference path {reference.count} ({reference.kernels()})")
+    assert fused.count <= 1.05 * twin.count, table
+    assert reference.count > 1.05 * twin.count, table
