@@ -395,10 +395,11 @@ def test_an_ea_lite_training_update_launches_at_most_5_percent_more_than_the_twi
     attention), 3 launches per EA attention. Negative control: the reference path's count
     (convolution, ReLU, mixes, masks and softmax as aten operations) exceeds the bound."""
     import test_operation_counts as counts
+    from ea_ops import accelerators
     from ea_ops.triton import interpret_on_cpu
 
-    twin = counts.counts("transformer_lite")[1]
-    reference = counts.counts("EA-Lite")[1]
+    with accelerators.reference_only():
+        twin, reference = (counts.training_count(counts.build(family)) for family in ("transformer_lite", "EA-Lite"))
     launches = KernelLaunches(monkeypatch)
     with interpret_on_cpu():
         fused = counts.training_count(counts.build("EA-Lite"), launches.counter)
