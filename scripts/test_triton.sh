@@ -9,7 +9,7 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${EA_FAIRSEQ_VENV:-$repo/.venv}"
 cd "$repo"
 if ! "$venv/bin/python" -c "import triton" 2>/dev/null; then
-  "$venv/bin/python" -m pip install --no-deps "triton>=3.0"
+  "$venv/bin/python" -m pip install --no-deps -c "$repo/constraints.txt" "triton>=3.0"
 fi
 export PYTHONDONTWRITEBYTECODE=1 TRITON_INTERPRET=1
 exec "$venv/bin/python" -m pytest -q -p no:cacheprovider -rs -n 0 "$@" tests/test_triton_kernels.py
