@@ -127,6 +127,10 @@ def test_eval_bleu_validates_with_bleu_and_keeps_the_best_by_it(eval_bleu_run):
     best = re.search(r"Saved checkpoint .*checkpoint_best\.pt \(epoch 1 @ 6 updates, score ([0-9.]+)\)", proc.stdout)
     assert bleu and best and float(best.group(1)) == float(bleu.group(1)), proc.stdout[-2000:]
     assert "--best-checkpoint-metric bleu" in (save / "train.settings").read_text()
+    # the validation's translation says what it does and when it is done (--task translation_progress)
+    said = proc.stdout + log
+    total = re.search(r"\[valid BLEU\] 'valid': translating (\d+) sentences with beam 5", said)
+    assert total and f"[valid BLEU] 'valid': {total.group(1)}/{total.group(1)} sentences in " in said, said[-2000:]
 
 
 def test_an_eval_bleu_checkpoint_is_scored_by_evaluate_sh(eval_bleu_run, env, tiny_data_bin):
