@@ -102,10 +102,22 @@ def test_every_recipe_config_has_its_fairseq_train_equivalent():
     assert names == sorted(EQUIVALENT)
 
 
+# each family's attention (encoder self, decoder self, cross), as the config builds it
+ATTENTION = {
+    "transformer_lite_iwslt14": ("MultiheadAttention", "MultiheadAttention", "MultiheadAttention"),
+    "ea_transformer_lite_iwslt14": ("EvolvingAttention", "EvolvingAttention", "EvolvingAttention"),
+    "pa_transformer_lite_iwslt14": ("PredictiveAttention", "MultiheadAttention", "MultiheadAttention"),
+    "ran_e_wmt14_en_de": ("RecurrentAttention", "MultiheadAttention", "MultiheadAttention"),
+    "ran_d_wmt14_en_de": ("MultiheadAttention", "RecurrentAttention", "MultiheadAttention"),
+    "ran_all_wmt14_en_de": ("RecurrentAttention", "RecurrentAttention", "MultiheadAttention"),
+    "dropattn_wmt14_en_de": ("LogitMapAttention", "LogitMapAttention", "LogitMapAttention"),
+}
+
+
 @pytest.mark.parametrize("name", sorted(EQUIVALENT))
 def test_hydra_builds_the_model_fairseq_train_builds(name):
     """Same classes, settings, parameter names and shapes; the Lite models (built for real)
-    also the same initial weights under the same seed."""
+    also the same initial weights under the same seed; each family its attention."""
     arch, options = EQUIVALENT[name]
     meta = "lite" not in arch
     hydra, cfg = hydra_model(name, meta=meta)
@@ -118,6 +130,12 @@ def test_hydra_builds_the_model_fairseq_train_builds(name):
     if not meta:
         for (k, a), b in zip(hydra.state_dict().items(), train.state_dict().values()):
             assert torch.equal(a, b), k
+    if name in ATTENTION:
+        encoder, decoder, cross = ATTENTION[name]
+        assert attention_classes(hydra) == {"encoder": {encoder}, "decoder": {decoder}, "cross": {cross}}
+    if name == "dropattn_wmt14_en_de":
+        drops = {repr(m.weight_dropout) for m in hydra.modules() if hasattr(m, "weight_dropout")}
+        assert drops == {"DropAttention(mode=element, p=0.2, window=2, rescale=normalized)"}
 
 
 PLUGIN_ARCHS = sorted(arch for arch, model in ARCH_MODEL_REGISTRY.items() if model is EATransformerModel)
@@ -130,24 +148,6 @@ def test_every_plugin_arch_builds_through_hydra(arch):
     train = train_model(arch, "--share-decoder-input-output-embed --dropout 0.2", meta=True)
     assert type(hydra) is EATransformerModel
     assert signature(hydra) == signature(train)
-
-
-def test_each_family_builds_its_attention_through_hydra():
-    expected = {
-        "transformer_lite_iwslt14": ("MultiheadAttention", "MultiheadAttention", "MultiheadAttention"),
-        "ea_transformer_lite_iwslt14": ("EvolvingAttention", "EvolvingAttention", "EvolvingAttention"),
-        "pa_transformer_lite_iwslt14": ("PredictiveAttention", "MultiheadAttention", "MultiheadAttention"),
-        "ran_e_wmt14_en_de": ("RecurrentAttention", "MultiheadAttention", "MultiheadAttention"),
-        "ran_d_wmt14_en_de": ("MultiheadAttention", "RecurrentAttention", "MultiheadAttention"),
-        "ran_all_wmt14_en_de": ("RecurrentAttention", "RecurrentAttention", "MultiheadAttention"),
-        "dropattn_wmt14_en_de": ("LogitMapAttention", "LogitMapAttention", "LogitMapAttention"),
-    }
-    for name, (encoder, decoder, cross) in expected.items():
-        model, _ = hydra_model(name, meta=True)
-        assert attention_classes(model) == {"encoder": {encoder}, "decoder": {decoder}, "cross": {cross}}, name
-    model, _ = hydra_model("dropattn_wmt14_en_de", meta=True)
-    drops = {repr(m.weight_dropout) for m in model.modules() if hasattr(m, "weight_dropout")}
-    assert drops == {"DropAttention(mode=element, p=0.2, window=2, rescale=normalized)"}
 
 
 def test_overrides_on_the_command_line_change_the_model():
@@ -225,7 +225,7 @@ def test_negative_control_fairseq_receives_a_typo_in_a_fixed_section_silently():
 
 
 def test_fairseq_hydra_train_trains_and_its_checkpoint_reloads(tiny_data_bin, tmp_path):
-    """A real ``fairseq-hydra-train`` run of a recipe config (2 updates on tiny data): the model
+    """A real ``fairseq-hydra-train`` run of a recipe config (1 update on tiny data): the model
     it trains is fairseq-train's, and its checkpoint rebuilds the same model with the options
     it was trained with (also through fairseq-generate)."""
     save = tmp_path / "ckpt"
@@ -233,7 +233,7 @@ def test_fairseq_hydra_train_trains_and_its_checkpoint_reloads(tiny_data_bin, tm
         [cli("fairseq-hydra-train"), "--config-dir", CONFIG_DIR, "--config-name", "ea_transformer_lite_iwslt14",
          f"task.data={tiny_data_bin}", "task.source_lang=src", "task.target_lang=tgt",
          f"common.user_dir={os.path.join(REPO, 'ea_fairseq')}", "common.fp16=false", "common.cpu=true",
-         "optimization.max_update=2", "dataset.max_tokens=1024", f"checkpoint.save_dir={save}",
+         "optimization.max_update=1", "dataset.max_tokens=512", "dataset.num_workers=0", f"checkpoint.save_dir={save}",
          "checkpoint.patience=-1", "model.ea_alpha=0.3", "+model.encoder_layers=3"],
         cwd=tmp_path, capture_output=True, text=True,
     )
@@ -297,32 +297,52 @@ ALPAH = ("fairseq-hydra-train: error: model.ea_alpah: not an option of --arch ea
          "model.a_b)")
 
 
-# an unknown option (ALPAH) is refused the same way: the README's example below, run through
-# hydra-train.sh with and without its filter
-@pytest.mark.parametrize("name, overrides, message", [
-    ("ea_transformer_lite_iwslt14", ["model.ea_alpha=2"],
-     "fairseq-hydra-train: error: --ea-alpha must lie in [0, 1], got 2.0"),
+# the plugin's config errors and the CPU cases (fp16, a world size above the GPUs here), each
+# message as the run's callback gives it (in-process: the real command takes seconds to start);
+# the real command's refusal (one line, exit status 1, no traceback, nothing written) is the
+# run below, the README's examples (test_the_readme_examples_print_what_the_readme_shows, a
+# fp16 and world-size refusal) and the unknown key of test_hydra_train_command.py
+REFUSALS = [
+    ("ea_transformer_lite_iwslt14", ["model.ea_alpha=2"], "--ea-alpha must lie in [0, 1], got 2.0"),
     pytest.param("ea_transformer_lite_iwslt14", [],
-                 f"fairseq-hydra-train: error: common.fp16=true needs a CUDA GPU, and {TORCH_SEEN}: run with "
-                 "common.fp16=false, or on a CUDA GPU",
+                 f"common.fp16=true needs a CUDA GPU, and {TORCH_SEEN}: run with common.fp16=false, or on a CUDA GPU",
                  marks=pytest.mark.skipif(not NO_CUDA, reason="a CUDA GPU is visible")),
     pytest.param("ran_d_wmt14_en_de", ["common.fp16=false"],
-                 "fairseq-hydra-train: error: distributed_training.distributed_world_size=8 needs 8 CUDA GPUs, "
+                 "distributed_training.distributed_world_size=8 needs 8 CUDA GPUs, "
                  f"and {TORCH_SEEN}: run with distributed_training.distributed_world_size=1 "
                  "(optimization.update_freq=[8] keeps the config's batch), or on 8 CUDA GPUs",
                  marks=pytest.mark.skipif(not NO_CUDA, reason="a CUDA GPU is visible")),
     ("ea_transformer_lite_iwslt14", ["common.cpu=true"],
-     "fairseq-hydra-train: error: common.fp16=true needs a CUDA GPU, and common.cpu=true trains on the CPU: "
+     "common.fp16=true needs a CUDA GPU, and common.cpu=true trains on the CPU: "
      "run with common.fp16=false, or on a CUDA GPU"),
-])
-def test_fairseq_hydra_train_refuses_in_one_line_before_writing(name, overrides, message, tiny_data_bin, tmp_path):
-    """The plugin's config errors and the CPU cases (fp16, a world size above the GPUs here):
-    the last line of stderr is the one-line refusal naming the override, no traceback, exit
-    status 1, and no checkpoint directory made."""
+]
+
+
+@pytest.mark.parametrize("name, overrides, message", REFUSALS)
+def test_the_run_callback_refuses_in_one_line(name, overrides, message, tiny_data_bin, tmp_path):
+    from ea_fairseq.hydra_checks import RunChecks
+
+    config = composed(name, f"task.data={tiny_data_bin}", "task.source_lang=src", "task.target_lang=tgt",
+                      f"checkpoint.save_dir={tmp_path / 'ckpt'}", *overrides)
+    with pytest.raises(SystemExit) as refused:
+        RunChecks().on_run_start(config)
+    assert str(refused.value).split(": error: ", 1)[1] == message, refused.value
+    assert "\n" not in str(refused.value) and not (tmp_path / "ckpt").exists()
+
+
+def test_fairseq_hydra_train_refuses_in_one_line_before_writing(tiny_data_bin, tmp_path):
+    """The real command (hydra-train.sh with EA_FAIRSEQ_SHOW_WARNINGS=1: fairseq-hydra-train's
+    output unfiltered) on a value the model refuses: the last line of stderr is the one-line
+    refusal naming the override, no traceback, exit status 1, and no checkpoint directory
+    made; the known warnings the script leaves out are shown again (the filter's negative
+    control: the README's examples print the refusal alone)."""
     save = tmp_path / "ckpt"
-    proc = hydra_train(name, tiny_data_bin, save, *overrides)
+    proc = hydra_train("ea_transformer_lite_iwslt14", tiny_data_bin, save, "model.ea_alpha=2", script=True,
+                       env={"EA_FAIRSEQ_SHOW_WARNINGS": "1"})
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert proc.stderr.rstrip("\n").splitlines()[-1] == message, proc.stderr[-3000:]
+    assert "Hydra14MigrationWarning" in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.rstrip("\n").splitlines()[-1] == (
+        "fairseq-hydra-train: error: --ea-alpha must lie in [0, 1], got 2.0"), proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "Error executing job" not in proc.stderr
     assert not save.exists()
 
@@ -339,17 +359,11 @@ def test_without_the_checks_fairseq_asserts_and_leaves_a_directory(tiny_data_bin
 
 
 def test_a_failed_run_leaves_no_directory_and_the_script_prints_only_the_refusal(tiny_data_bin, tmp_path):
-    """hydra-train.sh: hydra's and torch's known warnings filtered, so a refusal is the only
-    line on stderr (EA_FAIRSEQ_SHOW_WARNINGS=1 shows them again); a job that fails inside
-    fairseq (no data) leaves no directory holding only hydra's files, and the filter keeps
-    its traceback."""
-    save = tmp_path / "ckpt"
-    # filtered, the refusal is all it prints: the README's example (test below)
-    shown = hydra_train("ea_transformer_lite_iwslt14", tiny_data_bin, save, "+model.ea_alpah=0.5", script=True,
-                        env={"EA_FAIRSEQ_SHOW_WARNINGS": "1"})
-    assert shown.returncode == 1 and "Hydra14MigrationWarning" in shown.stderr, shown.stderr[-3000:]
-    assert shown.stderr.splitlines()[-1] == ALPAH and "Traceback" not in shown.stderr
-    assert not save.exists()
+    """hydra-train.sh: hydra's and torch's known warnings filtered, so the plugin's refusal
+    is the only line on stderr; a job that fails inside fairseq (no data) leaves no directory
+    holding only hydra's files, and the filter keeps its traceback."""
+    # filtered, the refusal is all it prints: the README's examples (test below); with
+    # EA_FAIRSEQ_SHOW_WARNINGS=1 the warnings are there again: the refusal test above
     # hydra makes the run directory's parents too (parents=True): they go with it; a data
     # directory that is not there is the plugin's one line, a missing split fairseq's traceback
     nested = tmp_path / "runs" / "iwslt" / "ckpt"
@@ -394,11 +408,15 @@ def test_the_readme_examples_print_what_the_readme_shows():
                         readme)
     cpu = re.search(r"without a CUDA GPU, `(bash examples/translation/hydra-train\.sh [^`]*)`\nprints[^\n]*\n\n```\n"
                     r"([^\n]*)\n```", readme)
+    assert command.group(2) == ALPAH
     examples = [(command.group(1), command.group(2))]
     if NO_CUDA:
         examples.append((cpu.group(1), re.sub(r"\(torch [^,]*, built for CUDA: [^)]*\)", TORCH_SEEN[len("torch sees 0 here "):],
                                               cpu.group(2))))
     before = set(os.listdir(REPO))
+    # the configs' save directories (checkpoints/NAME...), where a checkpoints folder is there already
+    checkpoints = os.path.join(REPO, "checkpoints")
+    saved_before = set(os.listdir(checkpoints)) if os.path.isdir(checkpoints) else None
     env = {k: v for k, v in os.environ.items() if k != "EA_FAIRSEQ_SHOW_WARNINGS"}
     env["PATH"] = f"{os.path.dirname(cli('python'))}{os.pathsep}{env['PATH']}"
     for line, shown in examples:
@@ -408,3 +426,5 @@ def test_the_readme_examples_print_what_the_readme_shows():
     tools = {".hypothesis"}
     assert {name for name in set(os.listdir(REPO)) - before
             if name not in tools and not name.startswith(".coverage")} == set()
+    if saved_before is not None:
+        assert set(os.listdir(checkpoints)) == saved_before
