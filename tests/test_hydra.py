@@ -4,6 +4,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -224,7 +225,7 @@ def test_negative_control_fairseq_receives_a_typo_in_a_fixed_section_silently():
     assert cfg.optimization.lrr == 0.1 and list(cfg.optimization.lr) == [0.001]
 
 
-def test_fairseq_hydra_train_trains_and_its_checkpoint_reloads(tiny_data_bin, tmp_path):
+def test_fairseq_hydra_train_trains_and_its_checkpoint_reloads(tiny_data_bin, tmp_path, monkeypatch):
     """A real ``fairseq-hydra-train`` run of a recipe config (1 update on tiny data): the model
     it trains is fairseq-train's, and its checkpoint rebuilds the same model with the options
     it was trained with (also through fairseq-generate)."""
@@ -235,7 +236,7 @@ def test_fairseq_hydra_train_trains_and_its_checkpoint_reloads(tiny_data_bin, tm
          f"common.user_dir={os.path.join(REPO, 'ea_fairseq')}", "common.fp16=false", "common.cpu=true",
          "optimization.max_update=1", "dataset.max_tokens=512", "dataset.num_workers=0", f"checkpoint.save_dir={save}",
          "checkpoint.patience=-1", "model.ea_alpha=0.3", "+model.encoder_layers=3"],
-        cwd=tmp_path, capture_output=True, text=True,
+        cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     logged = int(re.search(r"num\. shared model params: ([\d,]+)", proc.stderr + proc.stdout).group(1).replace(",", ""))
@@ -260,14 +261,17 @@ def test_fairseq_hydra_train_trains_and_its_checkpoint_reloads(tiny_data_bin, tm
                                              "--encoder-attention ea, --decoder-attention ea, --cross-attention ea"):
         warm_start(str(save / "checkpoint_last.pt"), "ea_transformer_lite")
 
-    gen = subprocess.run(
-        [cli("fairseq-generate"), tiny_data_bin, "--user-dir", os.path.join(REPO, "ea_fairseq"),
-         "--path", str(save / "checkpoint_last.pt"), "--gen-subset", "valid", "--beam", "2",
-         "--max-len-b", "5", "--required-batch-size-multiple", "1", "--cpu"],
-        cwd=tmp_path, capture_output=True, text=True,
-    )
-    assert gen.returncode == 0, gen.stderr[-3000:]
-    assert len(re.findall(r"^H-\d+", gen.stdout, re.M)) == 40
+    # fairseq-generate's console entry point, in-process (a fresh fairseq-generate process
+    # loading a checkpoint through --user-dir: test_cli_end_to_end.py)
+    from fairseq_cli import generate
+
+    results = tmp_path / "generated"
+    monkeypatch.setattr(sys, "argv", [
+        "fairseq-generate", tiny_data_bin, "--user-dir", os.path.join(REPO, "ea_fairseq"),
+        "--path", str(save / "checkpoint_last.pt"), "--gen-subset", "valid", "--beam", "2",
+        "--max-len-b", "5", "--required-batch-size-multiple", "1", "--cpu", "--results-path", str(results)])
+    generate.cli_main()
+    assert len(re.findall(r"^H-\d+", (results / "generate-valid.txt").read_text(), re.M)) == 40
 
 
 # ------------------------------------------------------------ refusals through fairseq-hydra-train
