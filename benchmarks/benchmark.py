@@ -2,7 +2,7 @@
 """Speed and memory of every architecture against its fairseq twin, side by side in one run.
 
     python benchmarks/benchmark.py                    # full run (about 15 min on 2 cores)
-    python benchmarks/benchmark.py --quick            # small smoke run
+    python benchmarks/benchmark.py --quick            # small smoke run (2+2-layer models)
     python benchmarks/benchmark.py --only ea_transformer_lite ran_all_lite
     python benchmarks/benchmark.py --device cuda --dtype fp16 --only ea_transformer_lite
 
@@ -70,6 +70,7 @@ PAIRS = {  # arch -> (twin, family)
 }
 VOCAB = {"lite": 10000, "base": 32000}
 DTYPES = ("bf16", "fp16", "fp32")
+QUICK_LAYERS = 2  # --quick: encoder and decoder layers of every model (a smoke run, not a measurement)
 
 
 def load_measurements():
@@ -234,7 +235,8 @@ def profile_markdown(arch, twin, p) -> list:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="tiny settings: checks the pipeline, not speed")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"tiny settings ({QUICK_LAYERS}+{QUICK_LAYERS}-layer models): checks the pipeline, not speed")
     ap.add_argument("--only", nargs="+", choices=sorted(PAIRS), help="architectures to measure")
     ap.add_argument("--skip", nargs="+", default=[], choices=["training", "memory", "generation", "scaling"])
     ap.add_argument("--profile", action="store_true",
@@ -272,6 +274,7 @@ def main():
     ap.add_argument("--memory-probe", help=argparse.SUPPRESS)
     ap.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--tokens", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--layers", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     import torch
 
@@ -284,7 +287,8 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.memory_probe:
-        probe = m.memory_probe(args.memory_probe, args.vocab, args.tokens, updates=2, dtype=args.dtype)
+        probe = m.memory_probe(args.memory_probe, args.vocab, args.tokens, updates=2, dtype=args.dtype,
+                                 layers=args.layers)
         print(json.dumps(probe))
         return
     kept = m.keep_freed_memory() if not args.system_allocator else False
@@ -292,6 +296,7 @@ def main():
         m.fairseq_speedups.use_fairseq_reorder()  # arch and twin alike
 
     quick = args.quick
+    layers = QUICK_LAYERS if quick else None  # None: each arch's own depth
     archs = args.only or (["ea_transformer_lite", "ran_all_lite"] if quick else list(PAIRS))
     report = {"machine": {**m.machine(device, args.dtype), "freed_memory_kept": kept,
                           "fairseq_reorder": args.fairseq_reorder},
@@ -304,7 +309,7 @@ def main():
         tokens = 300 if quick else (4096 if family == "lite" else 2048)
         print(f"[bench] {arch} vs {twin} (vocab {vocab}, {args.device} {args.dtype})",
               file=sys.stderr, flush=True)
-        on_device = {"device": device, "dtype": args.dtype}
+        on_device = {"device": device, "dtype": args.dtype, "layers": layers}
         report["attention_paths"][arch] = m.detect_attention_paths(arch, twin, vocab, **on_device)
         if "training" not in args.skip:
             report["training"][arch] = m.bench_training(arch, twin, vocab, tokens, updates=1,
@@ -329,7 +334,7 @@ def main():
             steps = [8, 16] if quick else [8, 16, 32, 64, 128, 255]
             report["scaling"] = m.bench_scaling(scaled + [LITE_TWIN], 1000 if quick else VOCAB["lite"],
                                               steps, bsz=8 if quick else 40, repeats=1 if quick else 3,
-                                              device=device, dtype=args.dtype)
+                                              device=device, dtype=args.dtype, layers=layers)
     report["loadavg_end"] = os.getloadavg()
     os.makedirs(args.out, exist_ok=True)
     name = report_name(args.device, args.dtype)

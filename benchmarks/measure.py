@@ -92,11 +92,11 @@ LENGTH_BUCKETS = ((10, 13), (22, 25), (34, 37))
 
 
 def bench_training(arch, twin, vocab, tokens, updates, repeats, buckets=LENGTH_BUCKETS,
-                   device=CPU, dtype="fp32"):
+                   device=CPU, dtype="fp32", layers=None):
     data = None
     fns, opts = {}, {}
     for name in (arch, twin):
-        model, d = build(name, vocab)
+        model, d = build(name, vocab, layers=layers)
         model = place(model, device, dtype)
         model.train()
         opts[name] = opt = optimizer(model, device, dtype)
@@ -120,9 +120,9 @@ def bench_training(arch, twin, vocab, tokens, updates, repeats, buckets=LENGTH_B
     return out
 
 
-def memory_probe(arch, vocab, tokens, updates, dtype="fp32"):
+def memory_probe(arch, vocab, tokens, updates, dtype="fp32", layers=None):
     """Peak resident-set growth of training ``arch`` (on CPU) in this (fresh) process, in MiB."""
-    model, d = build(arch, vocab)
+    model, d = build(arch, vocab, layers=layers)
     model = place(model, CPU, dtype)
     model.train()
     opt = optimizer(model, CPU, dtype)
@@ -139,14 +139,14 @@ def memory_probe(arch, vocab, tokens, updates, dtype="fp32"):
     return {"peak_mib": peak / 1024, "step_peak_mib": (peak - min(base, rss_now)) / 1024}
 
 
-def cuda_memory_probe(arch, vocab, tokens, device, dtype="fp32"):
+def cuda_memory_probe(arch, vocab, tokens, device, dtype="fp32", layers=None):
     """Peak CUDA memory of one training step of ``arch`` on the longest batch, in MiB:
     ``peak_mib`` all that is allocated at the step's peak (weights, optimizer state,
     activations), ``step_peak_mib`` its growth over what is allocated just before the step.
     Only this model is alive on the device meanwhile (nothing else of this process's is)."""
     gc.collect()
     torch.cuda.empty_cache()
-    model, d = build(arch, vocab)
+    model, d = build(arch, vocab, layers=layers)
     model = place(model, device, dtype)
     model.train()
     opt = optimizer(model, device, dtype)
@@ -171,26 +171,27 @@ def cuda_memory_probe(arch, vocab, tokens, device, dtype="fp32"):
     return {"peak_mib": peak / 2**20, "step_peak_mib": (peak - base) / 2**20}
 
 
-def bench_memory(arch, twin, vocab, tokens, device=CPU, dtype="fp32"):
+def bench_memory(arch, twin, vocab, tokens, device=CPU, dtype="fp32", layers=None):
     out = {}
     for name in (arch, twin):
         if device.type == "cuda":
-            out[name] = cuda_memory_probe(name, vocab, tokens, device, dtype)
+            out[name] = cuda_memory_probe(name, vocab, tokens, device, dtype, layers)
             continue
         proc = subprocess.run(
             [sys.executable, CLI, "--memory-probe", name, "--vocab", str(vocab),
-             "--tokens", str(tokens), "--dtype", dtype],
+             "--tokens", str(tokens), "--dtype", dtype, *(["--layers", str(layers)] if layers else [])],
             capture_output=True, text=True, check=True,
         )
         out[name] = json.loads(proc.stdout.strip().splitlines()[-1])
     return {**out, "ratio": out[arch]["step_peak_mib"] / max(out[twin]["step_peak_mib"], 1e-9)}
 
 
-def bench_generation(arch, twin, vocab, beams, batch_sizes, length, repeats, device=CPU, dtype="fp32"):
+def bench_generation(arch, twin, vocab, beams, batch_sizes, length, repeats, device=CPU, dtype="fp32",
+                     layers=None):
     results = []
     models = {}
     for name in (arch, twin):
-        model, d = build(name, vocab)
+        model, d = build(name, vocab, layers=layers)
         models[name] = place(model, device, dtype), d
     for beam in beams:
         for bsz in batch_sizes:
@@ -219,13 +220,13 @@ def bench_generation(arch, twin, vocab, beams, batch_sizes, length, repeats, dev
     return results
 
 
-def bench_scaling(archs, vocab, steps_at, bsz, repeats, device=CPU, dtype="fp32"):
+def bench_scaling(archs, vocab, steps_at, bsz, repeats, device=CPU, dtype="fp32", layers=None):
     """Milliseconds of one incremental decoding step at prefix length t."""
     out = {}
     max_t = max(steps_at)
     sync = synchronizer(device)
     for name in archs:
-        model, d = build(name, vocab)
+        model, d = build(name, vocab, layers=layers)
         model = place(model, device, dtype)
         model.eval()
         src, lengths = on(device, batch(d, seed=2, lo=20, hi=20, sentences=bsz)[:2])
@@ -314,11 +315,11 @@ def attention_paths(model, data, device):
     return {phase: {role: verdict(c) for role, c in roles_seen.items()} for phase, roles_seen in out.items()}
 
 
-def detect_attention_paths(arch, twin, vocab, device=CPU, dtype="fp32"):
+def detect_attention_paths(arch, twin, vocab, device=CPU, dtype="fp32", layers=None):
     """:func:`attention_paths` of ``arch`` and its twin, as placed for this run."""
     paths = {}
     for name in (arch, twin):
-        model, d = build(name, vocab)
+        model, d = build(name, vocab, layers=layers)
         model = place(model, device, dtype)
         data = on(device, batch(d, sentences=4, lo=10, hi=13, seed=0))
         paths[name] = attention_paths(model, data, device)
@@ -367,7 +368,8 @@ def profile_table(events, device, top: int):
                     for name, ms, n in timed[:top]]}
 
 
-def profile_pair(arch, twin, vocab, tokens, updates, beam, length, device=CPU, dtype="fp32", top=20):
+def profile_pair(arch, twin, vocab, tokens, updates, beam, length, device=CPU, dtype="fp32", top=20,
+                 layers=None):
     """Where the time goes: torch.profiler over ``updates`` training updates (the middle
     length bucket, after one warm-up update) and over one beam search (batch 1, ``beam``,
     ``length`` tokens), for ``arch`` and its twin on the same batches."""
@@ -377,7 +379,7 @@ def profile_pair(arch, twin, vocab, tokens, updates, beam, length, device=CPU, d
     sync = synchronizer(device)
     out = {}
     for name in (arch, twin):
-        model, d = build(name, vocab)
+        model, d = build(name, vocab, layers=layers)
         model = place(model, device, dtype)
         lo, hi = LENGTH_BUCKETS[1]
         data = on(device, batch(d, tokens, seed=0, lo=lo, hi=hi))

@@ -14,10 +14,12 @@ CPU = torch.device("cpu")
 
 
 # -- building ---------------------------------------------------------------------------
-def build(arch: str, vocab: int, seed: int = 1):
-    """``arch`` with a placeholder vocabulary; a fairseq twin's decoder gets the plugin's
-    beam-reorder bookkeeping too (``fairseq_speedups``), so ratios compare attention only."""
-    model, _ = build_model(arch, "--share-all-embeddings", vocab=vocab, seed=seed)
+def build(arch: str, vocab: int, seed: int = 1, layers=None):
+    """``arch`` with a placeholder vocabulary (and ``layers`` encoder and decoder layers in
+    place of its own, where given); a fairseq twin's decoder gets the plugin's beam-reorder
+    bookkeeping too (``fairseq_speedups``), so ratios compare attention only."""
+    depth = ("--encoder-layers", str(layers), "--decoder-layers", str(layers)) if layers else ()
+    model, _ = build_model(arch, "--share-all-embeddings", *depth, vocab=vocab, seed=seed)
     if not isinstance(model.decoder, fairseq_speedups.ListedStateHolders):
         fairseq_speedups.list_state_holders(model.decoder)
     return model, model.encoder.dictionary
