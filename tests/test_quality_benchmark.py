@@ -1,6 +1,6 @@
 """benchmarks/quality.py end to end on a tiny budget: two systems, seed 1 as the learning-rate
 run (translated and scored on the validation set too) and a second seed, trained through the
-demo on a few hundred short verses of the shipped corpus, scored, probed and reported. The
+demo on a hundred-odd short verses of the shipped corpus, scored, probed and reported. The
 report's numbers are checked against sacreBLEU (scores) and scipy (Welch's t), the records
 against git and pip. The choice among several learning rates (each candidate a whole run of
 its own) is checked on stored candidates, without training them."""
@@ -19,7 +19,8 @@ from sacrebleu.metrics import BLEU, CHRF
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "quality.py"
 SYSTEMS, SEEDS, LRS = ("transformer_lite", "realformer_lite"), (1, 2), ("0.002",)
-BUDGET = ["--updates", "4", "--bpe-merges", "100", "--avg", "2", "--max-tokens", "512", "--warmup", "2",
+UPDATES, TRAIN, VALID, TEST = 2, 120, 6, 8  # the demo's budget and corpus, cut to what the assertions read
+BUDGET = ["--updates", str(UPDATES), "--bpe-merges", "100", "--avg", "2", "--max-tokens", "256", "--warmup", "2",
           "--lrs", *LRS]
 KOCMI = {"sacrebleu": (0.52, 1.39), "chrf": (0.33, 1.00)}  # Kocmi et al. (2024), Table 1
 
@@ -28,10 +29,10 @@ def tiny_corpus(out: Path) -> None:
     """Short verse pairs of the shipped corpus (quick BPE, training and beam search)."""
     out.mkdir()
     corpus = REPO / "examples" / "translation" / "bible-es-en"
-    for split, n in (("train", 300), ("valid", 10), ("test", 16)):
+    for split, n in (("train", TRAIN), ("valid", VALID), ("test", TEST)):
         es = lzma.open(corpus / f"{split}.es.xz", "rt", encoding="utf-8").read().splitlines()
         en = lzma.open(corpus / f"{split}.en.xz", "rt", encoding="utf-8").read().splitlines()
-        pairs = [(s, t) for s, t in zip(es, en) if len(s.split()) <= 12 and len(t.split()) <= 12][:n]
+        pairs = [(s, t) for s, t in zip(es, en) if len(s.split()) <= 9 and len(t.split()) <= 9][:n]
         assert len(pairs) == n
         for lang, k in (("es", 0), ("en", 1)):
             with lzma.open(out / f"{split}.{lang}.xz", "wt", encoding="utf-8") as f:
@@ -91,7 +92,7 @@ def test_runs_are_recorded_in_the_repository_layout(finished):
             assert record["lr"] == choice["lr"] and f"DEMO_LR={choice['lr']:g}" in record["commands"][0]
             assert "DEMO_DROPOUT=0.0" in record["commands"][0] and "--dropout 0.0" in record["demo_train_stamp"]
             assert record["wall_s"] > 0 and record["cpu_s"] > 0 and record["train_wall_s"] >= 0
-            assert record["machine"]["cores"] == os.cpu_count() and record["training"]["updates"] == 4
+            assert record["machine"]["cores"] == os.cpu_count() and record["training"]["updates"] == UPDATES
             assert f"DEMO_SEED={seed}" in record["commands"][0] and f"DEMO_ARCHS={system}" in record["commands"][0]
             assert "ea-fairseq-bleu" in record["commands"][1]
             # provenance: the commit, the environment, the logs, the collapse probe's output
@@ -102,7 +103,7 @@ def test_runs_are_recorded_in_the_repository_layout(finished):
             assert "decoder NLL" in (run / "probe.txt").read_text() and record["probe_exit"] == 0
             # references are one shared copy, linked; the hypotheses are the run's own
             assert (run / "eval" / "test.es-en.ref.sacrebleu").is_symlink()
-            assert len(lines(run / "eval" / "test.es-en.hyp.sacrebleu")) == 16
+            assert len(lines(run / "eval" / "test.es-en.hyp.sacrebleu")) == TEST
     assert not list(res.glob("runs/*/.seed*.partial")) and not list(res.glob("lr_selection/*/.lr*.partial"))
     assert not list((tmp / "work").glob("runs/realformer_lite/seed2/train/*/checkpoint_9_99.pt"))
     assert list((tmp / "work").glob("**/*.pt"))  # checkpoints live in the work dir, not in the results
@@ -121,7 +122,7 @@ def test_learning_rate_run_is_scored_on_the_validation_set(finished):
         for lr in LRS:
             d = res / "lr_selection" / system / f"lr{float(lr):g}"
             hyp = lines(d / "valid" / "valid.es-en.hyp.sacrebleu")
-            assert lines(d / "valid" / "valid.es-en.ref.sacrebleu") == raw and len(hyp) == 10
+            assert lines(d / "valid" / "valid.es-en.ref.sacrebleu") == raw and len(hyp) == VALID
             valid[float(lr)] = (BLEU().corpus_score(hyp, [raw]).score, CHRF().corpus_score(hyp, [raw]).score)
             assert choice["valid"][f"{float(lr):g}"]["sacrebleu"] == pytest.approx(valid[float(lr)][0])
             assert choice["valid"][f"{float(lr):g}"]["chrf"] == pytest.approx(valid[float(lr)][1])
@@ -189,8 +190,8 @@ def test_report_arithmetic_matches_sacrebleu_and_scipy(finished):
 def test_markdown_readme_and_ea_fairseq_compare_agree(finished):
     tmp, res, _, report = finished
     md = (tmp / "res.md").read_text(encoding="utf-8")
-    assert md.startswith("# Progress after 4 updates on a corpus of 300 training pairs: every family from scratch")
-    assert "### sacreBLEU after 4 updates" in md
+    assert md.startswith(f"# Progress after {UPDATES} updates on a corpus of {TRAIN} training pairs: every family from scratch")
+    assert f"### sacreBLEU after {UPDATES} updates" in md
     for m in ("sacrebleu", "chrf"):
         x = report["systems"]["realformer_lite"]["metrics"][m]
         base = report["systems"]["transformer_lite"]["metrics"][m]
@@ -214,7 +215,7 @@ def test_markdown_readme_and_ea_fairseq_compare_agree(finished):
     b = report["systems"]["realformer_lite"]["metrics"]["sacrebleu"]
     ci = b["welch_ci"] or b["ci"]
     assert f"| {b['delta']:+.2f} [{ci[0]:+.2f}, {ci[1]:+.2f}] (p " in readme
-    assert "Progress after 4 updates on a corpus of 300 training pairs" in readme
+    assert f"Progress after {UPDATES} updates on a corpus of {TRAIN} training pairs" in readme
 
 
 def test_a_finished_run_is_kept_and_another_budget_refused(finished):
@@ -223,7 +224,8 @@ def test_a_finished_run_is_kept_and_another_budget_refused(finished):
     again = quality("run", *common)
     assert "0 run(s) to do" in again.stderr
     assert {p: p.read_bytes() for p in res.glob("runs/*/seed*/run.json")} == before
-    other = quality("run", *[a if a != "4" else "5" for a in common], check=False)
+    at = common.index("--updates") + 1
+    other = quality("run", *common[:at], UPDATES + 1, *common[at + 1:], check=False)
     assert other.returncode != 0
     assert other.stderr.strip().splitlines()[-1].startswith("quality.py: ")
     assert "another budget" in other.stderr and "Traceback" not in other.stderr
