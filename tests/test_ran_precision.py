@@ -111,6 +111,7 @@ FP16_TRAINING = ("--encoder-layers", "3", "--decoder-layers", "3", "--encoder-ff
                  "--decoder-ffn-embed-dim", "160", "--dropout", "0.0", "--attention-dropout", "0.0")
 
 
+@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("arch,wrapper,extra", [
     ("ran_all_lite", "memory-efficient", ("--memory-efficient-fp16",)),
     ("ran_all_lite", "fp32-master-copy", ()),
