@@ -13,6 +13,7 @@ from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from conftest import build_model, make_dictionary, parse, random_batch
 from families import FAMILIES
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # small models: a second thread only spins
 SMALL = ("--encoder-layers", "3", "--decoder-layers", "3", "--dropout", "0.0",
          "--attention-dropout", "0.0", "--ran-max-positions", "32")
 ARCHS = [FAMILIES[name].arch for name in ("ran-e-lite", "ran-d-lite", "ran-all-lite")]
@@ -111,7 +112,6 @@ FP16_TRAINING = ("--encoder-layers", "3", "--decoder-layers", "3", "--encoder-ff
                  "--decoder-ffn-embed-dim", "160", "--dropout", "0.0", "--attention-dropout", "0.0")
 
 
-@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("arch,wrapper,extra", [
     ("ran_all_lite", "memory-efficient", ("--memory-efficient-fp16",)),
     ("ran_all_lite", "fp32-master-copy", ()),
