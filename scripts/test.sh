@@ -16,10 +16,12 @@ export PYTHONDONTWRITEBYTECODE=1
 # it up to date): a forward pass never compiles, and without it the PyTorch reference runs.
 "$venv/bin/python" -m ea_ops.build
 # One pytest-xdist worker per core (EA_FAIRSEQ_TEST_WORKERS=0: all in this process), each test file
-# in one worker so its module fixtures are built once; tests/conftest.py gives each worker
-# and the commands it starts their share of the cores' threads.
+# in one worker so its module fixtures are built once, handed out in collection order, where
+# tests/conftest.py puts the end-to-end files first (HEAVY_FIRST) so both workers finish
+# together; conftest.py also gives each worker and the commands it starts their share of the
+# cores' threads.
 "$venv/bin/python" -m pytest -q -p no:cacheprovider -rs -n "${EA_FAIRSEQ_TEST_WORKERS:-auto}" \
-  --dist loadfile "$@" tests
+  --dist loadfile --no-loadscope-reorder "$@" tests
 echo "[test] EA's tests with its reference implementation alone" >&2
 EA_FAIRSEQ_ACCELERATORS=0 "$venv/bin/python" -m pytest -q -p no:cacheprovider "$@" \
   tests/test_ea_exactness.py tests/test_ea_model.py tests/test_ea_equation.py

@@ -239,3 +239,23 @@ def cpu_autocast_supports(dtype) -> bool:
                 return (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == dtype
         except RuntimeError:
             return False
+
+
+# The files that run real commands end to end, heaviest first. scripts/test.sh runs each file
+# in one xdist worker (--dist loadfile) and hands out the files in collection order
+# (--no-loadscope-reorder; xdist's default order, most tests first, leaves these files with few
+# long tests to the end, where one worker runs them while the other idles): these go first, so
+# the workers finish together. An order only: a file missing here runs after them, as collected.
+HEAVY_FIRST = (
+    "test_hydra.py", "test_quality_benchmark.py", "test_recipe_iwslt14.py", "test_benchmark.py",
+    "test_cli_end_to_end.py", "test_recipes.py", "test_trainer_checkpoints.py", "test_safe_loading.py",
+    "test_decoding_properties.py", "test_recipe_walk_through.py", "test_device_fp16.py", "test_analysis.py",
+    "test_recipe_wmt14.py", "test_tools_quiet.py", "test_archives.py", "test_figures.py",
+    "test_checkpoint_schema.py", "test_recipe_cpu_feedback.py", "test_ran_precision.py", "test_warm_start.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    order = {id(item): n for n, item in enumerate(items)}
+    items.sort(key=lambda item: (rank.get(os.path.basename(str(item.path)), len(rank)), order[id(item)]))
