@@ -35,12 +35,10 @@ from fairseq.modules.fairseq_dropout import FairseqDropout
 from fairseq.modules.quant_noise import quant_noise
 from torch import Tensor
 
-from ea_ops.masks import (boolean_mask, fill_masked, fill_masked_,  # noqa: F401  (re-exported)
-                              neutral_entries, pad_rows_to)
-from .attention_mechanism import AttentionMechanism  # noqa: F401  (re-exported)
+from ea_ops.masks import neutral_entries
+
+from .attention_mechanism import AttentionMechanism
 from .attention_projections import joined_projection, project
-from ea_ops.softmax import attention_weights, fully_masked_rows  # noqa: F401  (one softmax for all)
-from ea_ops.values import fairseq_weights, value_product  # noqa: F401  (re-exported)
 
 
 @with_incremental_state

@@ -14,8 +14,10 @@ from typing import Optional
 
 from ea_ops.contract import EvolvingAttentionParams, StepState
 from ea_ops.map_conv import AttentionMapConv
-from .attention_maps import LogitMapAttention, fairseq_weights
 from ea_ops.operation import evolving_attention
+from ea_ops.values import fairseq_weights
+
+from .attention_maps import LogitMapAttention
 
 
 class EvolvingAttention(LogitMapAttention):

@@ -21,7 +21,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ea_ops.map_conv import AttentionMapConv
-from .attention_maps import LogitMapAttention, fill_masked
+from ea_ops.masks import fill_masked
+
+from .attention_maps import LogitMapAttention
 
 
 class PredictiveAttention(LogitMapAttention):

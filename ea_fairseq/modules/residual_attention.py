@@ -18,7 +18,9 @@ terms and in the map handed on, never ``-inf``; ``-inf`` is written only into th
 input. In a decoding step the previous layer hands on this step's row, the only row this
 layer reads, so decoding needs no cache of its own.
 """
-from .attention_maps import LogitMapAttention, fill_masked, fill_masked_, neutral_entries
+from ea_ops.masks import fill_masked, fill_masked_, neutral_entries
+
+from .attention_maps import LogitMapAttention
 
 
 class ResidualAttention(LogitMapAttention):
