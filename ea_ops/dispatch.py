@@ -14,7 +14,12 @@ documents the operation):
 * :data:`TRITON_FULL_PASS`: whole maps on CUDA in float16, bfloat16 or float32, Triton
   kernels (one forward, two backward) with the softmax where the weights are asked for
   (:func:`ea_ops.triton.full_pass`; triton from the ``triton`` extra). Its tests give it CPU
-  calls under Triton's interpreter (:func:`ea_ops.triton.interpret_on_cpu`).
+  calls under Triton's interpreter (:func:`ea_ops.triton.interpret_on_cpu`);
+* :data:`TRITON_STEP`: one decoding step on CUDA in float16, bfloat16 or float32, the whole
+  of Eq. 4 in one Triton kernel with the softmax where the weights are asked for, the
+  earlier rows read in beam search's order (:func:`ea_ops.triton.step`); the value product
+  is a ``bmm`` after it. The same conditions as :data:`CPU_STEP`'s for the step, the
+  Triton kernels' for the device.
 
 A backend is a row of :data:`TABLE` (:class:`Backend`: its conditions, its function, whether
 it computes the weights itself) and a place in :data:`PREFERENCE`; its function has the one
@@ -42,7 +47,7 @@ from . import triton as gpu
 from .contract import BackendResult, EvolvingAttentionParams, StepState
 
 REFERENCE, CPU_FULL_PASS, CPU_STEP, CPU_STEP_ATTEND = "reference", "cpu_full_pass", "cpu_step", "cpu_step_attend"
-TRITON_FULL_PASS = "triton_full_pass"
+TRITON_FULL_PASS, TRITON_STEP = "triton_full_pass", "triton_step"
 
 # A decoding step's softmax and value product run inside the CPU step (one call instead of
 # half a dozen small tensor operations), except for encoder-decoder attention whose values
@@ -126,19 +131,19 @@ TRITON = (
     Condition("float16, bfloat16 or float32", lambda c: c.dtype in (torch.float16, torch.bfloat16, torch.float32)),
     ACCELERATED[3],  # no intermediate maps
     ACCELERATED[4],  # a map convolution
-    FULL_PASS,
     Condition("triton installed (the triton extra)", lambda c: c.triton),
     Condition(f"at most {gpu.MAX_ROW_ELEMENTS} heads x keys a row (powers of two)",
               lambda c: c.row_elements <= gpu.MAX_ROW_ELEMENTS),
 )
 TABLE: Dict[str, Backend] = {
-    TRITON_FULL_PASS: Backend(TRITON, gpu.full_pass, attends=True),
+    TRITON_FULL_PASS: Backend(TRITON + (FULL_PASS,), gpu.full_pass, attends=True),
+    TRITON_STEP: Backend(TRITON + STEP, gpu.step, attends=True),
     CPU_STEP_ATTEND: Backend(ACCELERATED + STEP + ATTEND, cpu.step, attends=True),
     CPU_STEP: Backend(ACCELERATED + STEP, cpu.step),
     CPU_FULL_PASS: Backend(ACCELERATED + (FULL_PASS,), cpu.full_pass),
     REFERENCE: Backend((), reference.evolving_attention_reference),
 }
-PREFERENCE = (TRITON_FULL_PASS, CPU_STEP_ATTEND, CPU_STEP, CPU_FULL_PASS, REFERENCE)
+PREFERENCE = (TRITON_FULL_PASS, TRITON_STEP, CPU_STEP_ATTEND, CPU_STEP, CPU_FULL_PASS, REFERENCE)
 
 
 def refusals(call: Call, backend: str):

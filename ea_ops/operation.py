@@ -27,9 +27,10 @@ last ``k - 1`` rows of ``A_input``, exactly what the convolution reads of earlie
 beam search's pending reorder) and returns the next one, which the caller stores; nothing
 is kept anywhere else. The backends -- the PyTorch reference (:mod:`ea_ops.reference`, for
 every device and dtype, autocast and autograd included), the CPU's fused passes
-(:mod:`ea_ops.cpu`) and, on CUDA, Triton kernels for a full pass (:mod:`ea_ops.triton`: one
-kernel forward, two backward, in float16, bfloat16 and float32, with the softmax where the
-weights are asked for; the ``triton`` extra) -- compute the same values and gradients; which
+(:mod:`ea_ops.cpu`) and, on CUDA, Triton kernels (:mod:`ea_ops.triton`, in float16, bfloat16
+and float32, with the softmax where the weights are asked for; the ``triton`` extra) for a
+full pass (one kernel forward, two backward) and for a decoding step (one kernel, reading
+the earlier rows in beam search's order) -- compute the same values and gradients; which
 one runs a call is decided in one table (:mod:`ea_ops.dispatch`), once per configuration.
 """
 from typing import Optional

@@ -47,6 +47,11 @@ BASE = {
         return_maps=False, has_conv=True, kernel_size=3, layout="causal", step=False, rows=6,
         mask_per_head=True, padded_query_rows=True, values=True, hand_on=True, unshared_values_batch=0,
         triton=True, triton_on_cpu=False, row_elements=gpu.MAX_ROW_ELEMENTS),
+    dispatch.TRITON_STEP: dispatch.Call(
+        device_type="cuda", dtype=torch.bfloat16, accelerators_on=True, built=False, grad_enabled=False,
+        return_maps=False, has_conv=True, kernel_size=3, layout="rows", step=True, rows=1,
+        mask_per_head=False, padded_query_rows=False, values=True, hand_on=True, unshared_values_batch=65,
+        triton=True, triton_on_cpu=False, row_elements=gpu.MAX_ROW_ELEMENTS),
 }
 BREAK = {
     "accelerators switched on": dict(accelerators_on=False),
@@ -82,6 +87,7 @@ THEN = {
         "A_logit not handed on": dispatch.CPU_STEP,
         f"at most {dispatch.STEP_VALUES_MAX_BATCH} hypotheses with values of their own": dispatch.CPU_STEP},
     dispatch.TRITON_FULL_PASS: {},  # a half-precision call on CUDA: the reference, whichever condition breaks
+    dispatch.TRITON_STEP: {"a decoding step": dispatch.TRITON_FULL_PASS},  # the same call as a full pass
 }
 
 
@@ -109,8 +115,12 @@ def expected_backend(c):
     """The dispatcher's rules, as the documentation states them (written apart from the table)."""
     if (c.accelerators_on and c.triton and (c.device_type == "cuda" or (c.device_type == "cpu" and c.triton_on_cpu))
             and c.dtype in (torch.float16, torch.bfloat16, torch.float32) and not c.return_maps and c.has_conv
-            and not c.step and c.row_elements <= gpu.MAX_ROW_ELEMENTS):
-        return dispatch.TRITON_FULL_PASS
+            and c.row_elements <= gpu.MAX_ROW_ELEMENTS):
+        if not c.step:
+            return dispatch.TRITON_FULL_PASS
+        if (not c.grad_enabled and c.rows == 1 and c.kernel_size > 1 and c.layout != "full" and not c.mask_per_head
+                and not c.padded_query_rows):
+            return dispatch.TRITON_STEP
     accelerated = (c.accelerators_on and c.built and c.device_type == "cpu" and not c.return_maps
                    and c.dtype in (torch.float32, torch.float64) and c.has_conv and not c.autocast)
     if not accelerated:

@@ -351,14 +351,24 @@ class KernelLaunches:
 
     NAMES = ("_forward_kernel", "_backward_conv_kernel", "_backward_input_kernel")
 
-    def __init__(self, monkeypatch):
+    def __init__(self, monkeypatch, kernels=None, names=NAMES):
+        """``names``: the kernels of module ``kernels`` (the full pass's by default) counted."""
         import test_operation_counts as counts
-        from ea_ops.triton import evolving_attention as kernels
+        if kernels is None:
+            from ea_ops.triton import evolving_attention as kernels
 
         outer = self
 
         class Counter(counts.OperationCounter):
-            paused = False
+            paused = active = False  # active: inside the counter's block (launches outside are not counted)
+
+            def __enter__(self):
+                self.active = True
+                return super().__enter__()
+
+            def __exit__(self, *exc):
+                self.active = False
+                return super().__exit__(*exc)
 
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 if self.paused:
@@ -374,6 +384,8 @@ class KernelLaunches:
 
                 def run(*args, **kwargs):
                     counter = outer.counter
+                    if not counter.active:
+                        return launch(*args, **kwargs)
                     counter.count, counter.all = counter.count + 1, counter.all + 1
                     counter.ops["triton:" + self.name] += 1
                     counter.paused = True
@@ -383,7 +395,7 @@ class KernelLaunches:
                         counter.paused = False
                 return run
 
-        for name in self.NAMES:
+        for name in names:
             monkeypatch.setattr(kernels, name, Counted(getattr(kernels, name), name))
         self.counter = Counter()
 

@@ -1,11 +1,12 @@
-"""EA Eq. (4) on CUDA as Triton kernels (:mod:`.evolving_attention`, which imports triton):
-a backend of the operation :func:`ea_ops.evolving_attention`, which its dispatcher
-(:mod:`ea_ops.dispatch`) gives full passes on CUDA in float16, bfloat16 and float32 where
-triton is installed (the ``triton`` extra).
+"""EA Eq. (4) on CUDA as Triton kernels: backends of the operation
+:func:`ea_ops.evolving_attention`, which its dispatcher (:mod:`ea_ops.dispatch`) gives calls
+on CUDA in float16, bfloat16 and float32 where triton is installed (the ``triton`` extra):
+full passes (:mod:`.evolving_attention`: one kernel forward, two backward) and decoding
+steps (:mod:`.decoding_step`: one kernel a step).
 
-This module imports neither triton nor the kernels (:func:`full_pass` does, at its first
-call): it says whether they can run and holds the switch that gives them CPU calls under
-Triton's interpreter (``TRITON_INTERPRET=1``, set before triton is imported), which is how
+This module imports neither triton nor the kernels (:func:`full_pass` and :func:`step` do,
+at their first call): it says whether they can run and holds the switch that gives them CPU
+calls under Triton's interpreter (``TRITON_INTERPRET=1``, set before triton is imported), which is how
 their tests run on a machine without a GPU (``bash scripts/test_triton.sh``).
 """
 import functools
@@ -39,10 +40,22 @@ def full_pass(*args, **kwargs):
     return _kernels().full_pass(*args, **kwargs)
 
 
+def step(*args, **kwargs):
+    """:func:`ea_ops.triton.decoding_step.step` (the backend's signature of
+    :class:`~ea_ops.contract.BackendResult`), imported at the first call."""
+    return _step_kernel().step(*args, **kwargs)
+
+
 @functools.lru_cache(maxsize=None)
 def _kernels():
     from . import evolving_attention
     return evolving_attention
+
+
+@functools.lru_cache(maxsize=None)
+def _step_kernel():
+    from . import decoding_step
+    return decoding_step
 
 
 def interpreted() -> bool:
