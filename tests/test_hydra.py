@@ -109,8 +109,8 @@ ATTENTION = {
     "ea_transformer_lite_iwslt14": ("EvolvingAttention", "EvolvingAttention", "EvolvingAttention"),
     "pa_transformer_lite_iwslt14": ("PredictiveAttention", "MultiheadAttention", "MultiheadAttention"),
     "ran_e_wmt14_en_de": ("RecurrentAttention", "MultiheadAttention", "MultiheadAttention"),
-    "ran_d_wmt14_en_de": ("MultiheadAttention", "RecurrentAttention", "MultiheadAttention"),
-    "ran_all_wmt14_en_de": ("RecurrentAttention", "RecurrentAttention", "MultiheadAttention"),
+    "ran_d_wmt14_en_de": ("MultiheadAttention", "RecurrentAttention", "LogitMapAttention"),
+    "ran_all_wmt14_en_de": ("RecurrentAttention", "RecurrentAttention", "LogitMapAttention"),
     "dropattn_wmt14_en_de": ("LogitMapAttention", "LogitMapAttention", "LogitMapAttention"),
 }
 

@@ -1,13 +1,21 @@
-"""RAN-E / RAN-D / RAN-ALL: the matrices, the decoding shortcut, caching. (Causality,
+"""RAN-E / RAN-D / RAN-ALL: the matrices, the decoding shortcut, caching, a RAN decoder's
+encoder-decoder attention (the plugin's: computes what fairseq's does). (Causality,
 incremental == full pass, positions per sentence (batch invariance) of every RAN family:
 test_decoding_properties.py; parameter counts, at the Lite and the papers' sizes:
 test_families.py.)"""
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
+from fairseq import checkpoint_utils
+from fairseq.modules.multihead_attention import MultiheadAttention
+from fairseq.sequence_generator import SequenceGeneratorWithAlignment
 
+import test_checkpoint_fixtures as fixtures
 from conftest import build_model, decoder_out, incremental_logprobs, random_batch
 from ea_fairseq.modules.attention_map_carrier import layer_maps
+from ea_fairseq.modules.attention_maps import LogitMapAttention
 from ea_fairseq.modules.evolving_attention import EvolvingAttention
 from ea_fairseq.modules.recurrent_attention import (RecurrentAttention, RecurrentAttentionMatrices,
                                                     sentence_logits, sentence_positions)
@@ -223,3 +231,67 @@ def test_weights_changed_through_data_are_used(dictionary, arch):
     steps, _ = incremental_logprobs(model, src, lengths, prev)
     assert (steps - incremental_logprobs(fresh, src, lengths, prev)[0]).abs().max().item() <= 1e-6
     assert (steps - expected).abs().max().item() <= 1e-5
+
+
+def cross_attention_kinds(model):
+    return {type(layer.encoder_attn) for layer in model.decoder.layers}
+
+
+@pytest.mark.parametrize("arch, options, kind", [
+    ("ran_d_lite", (), LogitMapAttention), ("ran_all_lite", (), LogitMapAttention),
+    ("ran_e_lite", ("--decoder-attention", "ran"), LogitMapAttention),  # a RAN decoder, however chosen
+    ("ran_e_lite", (), MultiheadAttention),  # the transformer's decoder
+    ("ran_all_lite", ("--cross-attention", "vanilla"), MultiheadAttention),
+])
+def test_a_ran_decoders_encoder_decoder_attention_is_the_plugins(arch, options, kind):
+    """RAN leaves the encoder-decoder attention dot-product: a RAN decoder's is the plugin's
+    (``--cross-attention dot_product``), fairseq's parameters under fairseq's names."""
+    model, args = build_model(arch, *SMALL, *options)
+    assert cross_attention_kinds(model) == {kind}
+    vanilla, _ = build_model(arch, *SMALL, *options, "--cross-attention", "vanilla")
+    assert model.state_dict().keys() == vanilla.state_dict().keys()
+
+
+def load_fixture(family, **overrides):
+    """A stored checkpoint fixture (test_checkpoint_fixtures.py), loaded as fairseq-generate
+    loads it, with ``overrides`` of its configuration (fairseq's --model-overrides)."""
+    (model,), _, task = checkpoint_utils.load_model_ensemble_and_task(
+        [os.path.join(fixtures.FIXTURES, family, "checkpoint.pt")],
+        arg_overrides=dict(data=fixtures.FIXTURES, source_lang="src", target_lang="tgt", **overrides))
+    return model.eval(), task
+
+
+@pytest.mark.usefixtures("one_thread")  # (tiny models: conftest)
+@pytest.mark.parametrize("family", ["ran_all", "ran_d"])
+def test_stored_ran_checkpoints_compute_the_same_on_the_plugins_encoder_decoder_attention(family):
+    """A RAN checkpoint written with fairseq's encoder-decoder attention loads as written,
+    and loads into the plugin's (``cross_attention`` overridden): both compute the stored
+    logits, encoder outputs and beam search within the fixtures' rounding bound, and give
+    fairseq-generate --print-alignment the same alignments from the same weights (the last
+    decoder layer's encoder-decoder attention, head-averaged, at every decoding step); the
+    query scaling 1 % off, and the logits leave the bound."""
+    written, task = load_fixture(family)
+    plugin, _ = load_fixture(family, cross_attention="dot_product")
+    assert cross_attention_kinds(written) == {MultiheadAttention}
+    assert cross_attention_kinds(plugin) == {LogitMapAttention}
+    dictionary = task.target_dictionary
+    ratios = fixtures.excess(fixtures.expected(family), fixtures.outputs(plugin, task), dictionary)
+    assert {name: r for name, r in ratios.items() if r > 1} == {}, ratios
+    src, lengths, _ = fixtures.batch(dictionary, left_pad=True)
+    sample = {"net_input": {"src_tokens": src, "src_lengths": lengths}}
+    aligned = {}
+    for name, model in (("written", written), ("plugin", plugin)):
+        generator = SequenceGeneratorWithAlignment([model], dictionary, beam_size=fixtures.BEAM, max_len_a=0,
+                                                   max_len_b=fixtures.MAX_LEN_B, print_alignment="hard")
+        aligned[name] = [h for sentence in generator.generate([model], sample) for h in sentence]
+    for want, got in zip(aligned["written"], aligned["plugin"]):
+        assert torch.equal(got["tokens"], want["tokens"]) and got["alignment"] == want["alignment"]
+        assert got["attention"].shape == want["attention"].shape
+        assert (got["attention"] - want["attention"]).abs().max() <= fixtures.bound(want["attention"])
+    assert any(h["alignment"] for h in aligned["plugin"])
+    # negative control: the query scaling 1 % larger in every layer, and the logits leave the bound
+    for layer in plugin.decoder.layers:
+        layer.encoder_attn.scaling *= 1.01
+    ratios = fixtures.excess(fixtures.expected(family), fixtures.outputs(plugin, task), dictionary)
+    assert min(ratios["logits_left"], ratios["logits_right"]) > 1, ratios
+

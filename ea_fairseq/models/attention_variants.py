@@ -103,7 +103,7 @@ def build_attention(role: str, attention: RoleAttention, cfg, layer_index: int =
         variant = "vanilla"  # the authors' code can keep standard attention in layer 1
     dropping = role in (getattr(cfg, "drop_attention_on", None) or ()) and cfg.drop_attention != "none"
     if variant == "vanilla" and (dropping or "value_projection" in settings):
-        variant = "dot_product"  # the plugin's own: DropAttention and value residual act in it
+        variant = "dot_product"  # DropAttention and value residual act in the plugin's own
     attn = _build_variant(variant, role, RoleAttention(settings, attention.fairseq), cfg, layer_index)
     if dropping:
         attn.set_weight_dropout(DropAttention(
@@ -129,8 +129,6 @@ def cfg_heads(cfg, role: str) -> int:
 
 
 def _build_variant(variant, role, attention: RoleAttention, cfg, layer_index):
-    if variant == "dot_product":
-        return LogitMapAttention(**attention.settings)
     if variant not in VARIANTS:
         raise ValueError(
             f"--{role}-attention {variant}: unknown attention variant; "
@@ -345,6 +343,14 @@ def build_synthesizer_attention(attention, cfg, role, layer_index):
 @register_variant("realformer", roles=ROLES)
 def build_residual_attention(attention, cfg, role, layer_index):
     return ResidualAttention(**attention.settings, slot=SLOT[role])
+
+
+@register_variant("dot_product", roles=ROLES)
+def build_dot_product_attention(attention, cfg, role, layer_index):
+    """fairseq's dot-product attention (its math, its parameters under its names) on the
+    plugin's attention path, with no mechanism: fewer kernels per decoding step than
+    fairseq's unfused path (RAN's decoders take it for their encoder-decoder attention)."""
+    return LogitMapAttention(**attention.settings)
 
 
 #: --hcsa-normalize: see the option's help and :mod:`~ea_fairseq.modules.hard_coded_attention`
