@@ -240,6 +240,7 @@ def cross_attention_kinds(model):
 @pytest.mark.parametrize("arch, options, kind", [
     ("ran_d_lite", (), LogitMapAttention), ("ran_all_lite", (), LogitMapAttention),
     ("ran_e_lite", ("--decoder-attention", "ran"), LogitMapAttention),  # a RAN decoder, however chosen
+    ("hcsa_lite", ("--decoder-attention", "ran"), LogitMapAttention),
     ("ran_e_lite", (), MultiheadAttention),  # the transformer's decoder
     ("ran_all_lite", ("--cross-attention", "vanilla"), MultiheadAttention),
 ])

@@ -349,7 +349,7 @@ def build_residual_attention(attention, cfg, role, layer_index):
 def build_dot_product_attention(attention, cfg, role, layer_index):
     """fairseq's dot-product attention (its math, its parameters under its names) on the
     plugin's attention path, with no mechanism: fewer kernels per decoding step than
-    fairseq's unfused path (RAN's decoders take it for their encoder-decoder attention)."""
+    fairseq's unfused path (a RAN decoder's encoder-decoder attention: :func:`fill_defaults`)."""
     return LogitMapAttention(**attention.settings)
 
 
@@ -371,6 +371,11 @@ def fill_defaults(args) -> None:
     """Defaults shared by every architecture of the plugin: everything off."""
     filled_before_hcsa_normalize = getattr(args, "hcsa_normalize", None) is None and all(
         getattr(args, name, None) is not None for name in FILLED_BEFORE_HCSA_NORMALIZE)
+    # a RAN decoder's encoder-decoder attention, which RAN leaves dot-product, is the plugin's
+    # (fairseq's attention and parameters, fewer kernels per decoding step), however the
+    # decoder was chosen; a configuration that names fairseq's (a checkpoint) keeps it
+    if variant_of(args, "decoder") == "ran":
+        set_default(args, "cross_attention", "dot_product")
     for role in ROLES:
         set_default(args, f"{role}_attention", "vanilla")
         set_default(args, f"ea_no_{role}_conv", False)

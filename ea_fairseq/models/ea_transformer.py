@@ -437,12 +437,9 @@ def pa_transformer_lite(args):
 
 
 def _ran_defaults(args, encoder: bool, decoder: bool, dims) -> None:
-    """RAN (RAN paper §3) in the encoder and/or the decoder; attention dropout 0.2 (§Settings).
-    A RAN decoder's encoder-decoder attention, which RAN leaves dot-product, is the plugin's
-    (fairseq's math and parameters, fewer kernels per decoding step than fairseq's)."""
+    """RAN (RAN paper §3) in the encoder and/or the decoder; attention dropout 0.2 (§Settings)."""
     variants.set_default(args, "encoder_attention", "ran" if encoder else "vanilla")
     variants.set_default(args, "decoder_attention", "ran" if decoder else "vanilla")
-    variants.set_default(args, "cross_attention", "dot_product" if args.decoder_attention == "ran" else "vanilla")
     variants.set_default(args, "attention_dropout", 0.2)
     dims(args)
 
