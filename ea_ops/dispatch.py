@@ -170,7 +170,7 @@ def describe(logits: Tensor, masked: Optional[Tensor], neutral: Optional[Tensor]
     return Call(logits.device.type, logits.dtype, accelerators.switched_on(), library.status(),
                 torch.is_grad_enabled(), return_maps, weight is not None,
                 0 if weight is None else weight.size(-1), params.layout, state is not None, min(rows, 2),
-                masked is not None and masked.dim() == 4 and masked.size(1) != 1,
+                masked is not None and masked.dim() >= 3 and masked.size(-3) != 1,
                 neutral is not None, values is not None, hand_on, min(unshared, STEP_VALUES_MAX_BATCH + 1),
                 gpu.installed(), gpu.on_cpu(), min(gpu.row_elements(heads, keys), 2 * gpu.MAX_ROW_ELEMENTS),
                 autocast_on(logits.device.type))

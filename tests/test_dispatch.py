@@ -369,3 +369,16 @@ def test_a_call_on_a_device_autocast_does_not_know_goes_to_the_reference():
     logits = torch.randn(2, HEADS, 3, 5, device="meta")
     call = dispatch.describe(logits, None, None, params, None, None, True, False)
     assert not call.autocast and dispatch.choose(call) == dispatch.REFERENCE
+
+
+def test_a_mask_of_three_dimensions_that_differs_between_heads_is_per_head():
+    """A (H, 1, S) mask broadcasts over the batch of (B, H, 1, S) logits and differs between
+    heads: the decoding steps (one mask for all heads) must not take it; a (1, 1, S) mask
+    and a (B, 1, 1, S) one are one mask for all heads."""
+    params = EvolvingAttentionParams(0.5, 0.5, torch.randn(HEADS, HEADS, 3, 3), None, "rows")
+    logits = torch.randn(2, HEADS, 1, 5)
+    for masked, per_head in ((torch.zeros(HEADS, 1, 5, dtype=torch.bool), True),
+                             (torch.zeros(1, 1, 5, dtype=torch.bool), False),
+                             (torch.zeros(2, 1, 1, 5, dtype=torch.bool), False)):
+        call = dispatch.describe(logits, masked, None, params, StepState(), None, False, False)
+        assert call.mask_per_head == per_head, tuple(masked.shape)
