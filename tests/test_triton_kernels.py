@@ -421,3 +421,41 @@ def test_an_ea_lite_training_update_launches_at_most_5_percent_more_than_the_twi
              f"{fused.count} ({fused.kernels()}), on the reference path {reference.count} ({reference.kernels()})")
     assert fused.count <= 1.05 * twin.count, table
     assert reference.count > 1.05 * twin.count, table
+
+
+def test_a_previous_map_that_broadcasts_is_read_and_differentiated_as_the_reference_does():
+    """A previous map (1, H, T, S) broadcast over the batch, as the reference's α mix
+    broadcasts it: the values and its gradient (summed over the batch) are the float64
+    reference's; no sentence reads or writes beyond it."""
+    from ea_ops import accelerators, evolving_attention
+    from ea_ops.triton import interpret_on_cpu
+
+    heads, tgt_len, src_len, k = 3, 4, 5, 3
+    logits, previous, weight, bias = inputs(heads, tgt_len, src_len, k, torch.float32, seed=3)
+    masked, neutral = masks("causal", tgt_len, src_len, heads)
+    results = []
+    for dtype, context in ((torch.float32, interpret_on_cpu), (torch.float64, accelerators.reference_only)):
+        first = previous[:1].detach().to(dtype).requires_grad_()
+        params = EvolvingAttentionParams(0.3, 0.6, weight.detach().to(dtype), bias.detach().to(dtype), "causal")
+        with context():
+            carried = evolving_attention(logits.detach().to(dtype), first, masked, neutral, params,
+                                         hand_on=True).carried
+        results.append((carried.detach(), torch.autograd.grad(carried, first, torch.ones_like(carried))[0]))
+    (got, got_grad), (want, want_grad) = results
+    relative = bound(torch.float32, BSZ * tgt_len * src_len + 2 * heads * k * k)
+    close(got, want, relative, "A_logit of a broadcast previous map")
+    close(got_grad, want_grad, relative, "the broadcast previous map's gradient")
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32])
+def test_a_mask_that_is_not_bool_is_refused_with_a_message(dtype):
+    """As the reference and the CPU backends: a mask is a bool tensor (a float mask's bytes
+    are no mask)."""
+    from ea_ops import evolving_attention
+    from ea_ops.triton import interpret_on_cpu
+
+    logits, previous, weight, bias = inputs(3, 4, 5, 3, torch.float32, seed=3)
+    masked, _ = masks("causal", 4, 5, 3)
+    params = EvolvingAttentionParams(0.3, 0.6, weight, bias, "causal")
+    with interpret_on_cpu(), pytest.raises(ValueError, match="bool"):
+        evolving_attention(logits, previous, masked.to(dtype), None, params)

@@ -364,3 +364,47 @@ def test_the_kernel_compiles_for_a_gpu_without_spilling_registers():
         keys, usage = line.split(" ", 1)
         usage = json.loads(usage)
         assert usage["STACK"] == "0" and usage["LOCAL"] == "0", f"{keys} keys: spills registers: {usage}"
+
+
+def test_an_order_of_any_strides_and_integer_dtype_reads_the_hypotheses_it_names():
+    """Beam search's order as StepState keeps it (a strided view, int32 or int64): hypothesis n
+    continues cached hypothesis order[n], as the reference's index_select reads it."""
+    run = Decoding("rows", torch.float32)
+    logits, previous, masked, _ = run.inputs(0)
+    earlier = run.draw(BSZ, HEADS, K - 1, run.src_len)
+    spread = torch.tensor([3, 0, 3, 0, 1, 0, 0, 0], device=DEVICE)
+    relative = bound(torch.float32, 2 * HEADS * K * K)
+    for order in (spread[::2], spread[::2].int()):
+        with torch.no_grad(), on_kernels():
+            got = evolving_attention(logits, previous, masked, None, run.params, state=StepState(earlier, order),
+                                     hand_on=True)
+        with torch.no_grad(), accelerators.reference_only():
+            want = evolving_attention(logits.double(), previous.double(), masked, None, wide(run.params),
+                                      state=StepState(earlier.double(), order), hand_on=True)
+        close(got.carried, want.carried, relative, f"{order.dtype} order of strides {order.stride()}")
+        close(got.state.rows, want.state.rows, relative, f"{order.dtype} order: the next state")
+
+
+def test_a_previous_map_that_broadcasts_is_read_as_the_reference_reads_it():
+    """A previous map (1, H, 1, S) broadcast over the hypotheses, as the reference's α mix
+    broadcasts it: no hypothesis reads beyond it."""
+    run = Decoding("causal", torch.float32)
+    logits, previous, masked, _ = run.inputs(2)
+    earlier = run.draw(BSZ, HEADS, K - 1, logits.size(-1) - 1)
+    previous = previous[:1].clone()
+    with torch.no_grad(), on_kernels():
+        got = evolving_attention(logits, previous, masked, None, run.params, state=StepState(earlier), hand_on=True)
+    with torch.no_grad(), accelerators.reference_only():
+        want = evolving_attention(logits.double(), previous.double(), masked, None, wide(run.params),
+                                  state=StepState(earlier.double()), hand_on=True)
+    close(got.carried, want.carried, bound(torch.float32, 2 * HEADS * K * K), "a broadcast previous map")
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32])
+def test_a_mask_that_is_not_bool_is_refused_with_a_message(dtype):
+    """As the reference and the CPU backends: a mask is a bool tensor (a float mask's bytes
+    are no mask)."""
+    run = Decoding("rows", torch.float32)
+    logits, previous, masked, values = run.inputs(0)
+    with torch.no_grad(), on_kernels(), pytest.raises(ValueError, match="bool"):
+        evolving_attention(logits, previous, masked.to(dtype), None, run.params, state=StepState())

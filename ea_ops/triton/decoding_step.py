@@ -45,7 +45,7 @@ from torch import Tensor
 
 from ..contract import BackendResult, EvolvingAttentionParams, StepState
 from ..values import value_product
-from .evolving_attention import blocks
+from .evolving_attention import _mask_args, blocks
 
 NAME = "cuda_triton_step"
 
@@ -63,7 +63,7 @@ def _new_row(x_ptr, p_ptr, heads, cols, keep, sxh, sxs, sph, sps, alpha, HAS_PRE
 
 @triton.jit
 def _step_kernel(x_ptr, p_ptr, e_ptr, order_ptr, m_ptr, w_ptr, bias_ptr, out_ptr, carry_ptr, rows_ptr,
-                 H, S, B_E, S_E, sxb, sxh, sxs, spb, sph, sps, seb, seh, ser, ses, smb, sms, alpha, beta,
+                 H, S, B_E, S_E, sxb, sxh, sxs, spb, sph, sps, seb, seh, ser, ses, so, smb, sms, alpha, beta,
                  K: tl.constexpr, C0: tl.constexpr, CAUSAL: tl.constexpr, HAS_PREV: tl.constexpr,
                  HAS_EARLIER: tl.constexpr, HAS_ORDER: tl.constexpr, HAS_MASK: tl.constexpr,
                  HAS_BIAS: tl.constexpr, SOFTMAX: tl.constexpr, HAND_ON: tl.constexpr,
@@ -86,7 +86,7 @@ def _step_kernel(x_ptr, p_ptr, e_ptr, order_ptr, m_ptr, w_ptr, bias_ptr, out_ptr
     if HAS_EARLIER:
         source = n
         if HAS_ORDER:
-            source = tl.load(order_ptr + n)
+            source = tl.load(order_ptr + n * so).to(tl.int64)
             poison = tl.where((source >= 0) & (source < B_E), 0.0, float("nan"))
             source = tl.where((source >= 0) & (source < B_E), source, 0)
         e_ptr += source * seb
@@ -176,10 +176,10 @@ def step(logits: Tensor, previous: Optional[Tensor], masked: Optional[Tensor], n
     block_h, _, block_s, warps = blocks(heads, 1, src_len, 1)
     weight = weight.contiguous()
     bias = None if params.bias is None else params.bias.contiguous()  # read as bias_ptr + head
-    m, m_strides = None, (0, 0)
-    if masked is not None:
-        m = masked.expand(bsz, 1, 1, src_len).view(torch.uint8)
-        m_strides = (m.stride(0), m.stride(3))
+    m, m_strides = _mask_args(masked, (bsz, 1, 1, src_len))
+    m_strides = m_strides[0], m_strides[3]
+    if previous is not None:
+        previous = previous.expand_as(logits)  # a map that broadcasts, read as the reference's α mix reads it
     softmax = values is not None
     shape = (bsz, heads, 1, src_len)
     out = logits.new_empty(shape, dtype=torch.float32 if softmax else logits.dtype)
@@ -191,7 +191,8 @@ def step(logits: Tensor, previous: Optional[Tensor], masked: Optional[Tensor], n
     _step_kernel[(bsz,)](
         logits, previous, earlier, order, m, weight, bias, out, carried, rows, heads, src_len,
         0 if earlier is None else earlier.size(0), 0 if earlier is None else earlier.size(3),
-        *x_strides, *p_strides, *e_strides, *m_strides, float(params.alpha), float(params.beta),
+        *x_strides, *p_strides, *e_strides, 0 if order is None else order.stride(0), *m_strides,
+        float(params.alpha), float(params.beta),
         K=k, C0=k - 1 if params.layout == "causal" else k // 2, CAUSAL=params.layout == "causal",
         HAS_PREV=previous is not None, HAS_EARLIER=earlier is not None, HAS_ORDER=order is not None,
         HAS_MASK=m is not None, HAS_BIAS=bias is not None, SOFTMAX=softmax, HAND_ON=hand_on,

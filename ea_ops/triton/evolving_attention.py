@@ -296,6 +296,8 @@ def _mask_args(mask: Optional[Tensor], shape):
     """A bool mask broadcast to ``shape`` as (bytes, strides); a placeholder without one."""
     if mask is None:
         return None, (0, 0, 0, 0)
+    if mask.dtype != torch.bool:
+        raise ValueError(f"EA's masks are bool tensors (True: masked), got {mask.dtype}: pass mask.bool()")
     mask = mask.expand(shape)
     return mask.view(torch.uint8), tuple(mask.stride())
 
@@ -382,6 +384,8 @@ def full_pass(logits: Tensor, previous: Optional[Tensor], masked: Optional[Tenso
     kernel (zero weights in rows whose every key is masked), and their product with the
     values. With ``hand_on`` the finite ``A_logit`` too, written by the same kernel."""
     softmax = values is not None
+    if previous is not None:
+        previous = previous.expand_as(logits)  # a map that broadcasts: its gradient is summed back by autograd
     out, carried = EvolvingAttentionTriton.apply(
         logits, previous, params.weight, params.bias, masked, neutral, float(params.alpha), float(params.beta),
         params.layout, softmax, hand_on, None)
