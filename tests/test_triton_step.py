@@ -3,7 +3,8 @@
 self-attention (causal, keys growing every step) and encoder-decoder attention (rows, an
 odd source length), padded keys (rows whose every key is masked), beam reorders between
 steps, the first step from ``StepState()``, A_logit and the weights with and without the
-map handed on, float32/float16/bfloat16; its purity; an EA-Lite model decoding step by step
+map handed on, float32/float16/bfloat16; beam orders of any strides (int32 or int64), a previous
+map that broadcasts, masks that are not bool refused; its purity; an EA-Lite model decoding step by step
 on it as its full pass computes; its operation count per decoding step against the twin's;
 and its compilation for a GPU.
 

@@ -10,7 +10,8 @@ One program per hypothesis holds every head and every key of its row, so the who
 Eq. (4) is one launch per attention and step:
 
 * the earlier rows are read through the state's ``order`` (beam search's pending reorder:
-  hypothesis n reads cached hypothesis ``order[n]``; nothing is gathered or copied first),
+  hypothesis n reads cached hypothesis ``order[n]``, an int32 or int64 tensor of any stride;
+  nothing is gathered or copied first),
   zero beyond their ``S' <= S`` keys (decoder self-attention's rows are one key narrower
   per step) and before the first target position (no state yet);
 * the new row of ``A_input`` (the α mix with the previous layer's finite ``A_logit``, zero
