@@ -217,7 +217,9 @@ def test_a_state_that_fits_no_step_is_refused_with_a_message():
     logits, previous, masked, _ = run.inputs(0)
     for rows, order in ((run.draw(BSZ, HEADS, K, run.src_len), None),
                         (run.draw(BSZ, HEADS, K - 1, run.src_len + 1), None),
-                        (run.draw(BSZ, HEADS, K - 1, run.src_len), torch.zeros(BSZ + 1, dtype=torch.long))):
+                        (run.draw(BSZ, HEADS, K - 1, run.src_len), torch.zeros(BSZ + 1, dtype=torch.long)),
+                        (run.draw(BSZ, HEADS, K - 1, run.src_len), torch.zeros(BSZ)),  # index_select's refusal
+                        (run.draw(BSZ, HEADS, K - 1, run.src_len), torch.zeros(BSZ, dtype=torch.int16))):
         with torch.no_grad(), pytest.raises(ValueError, match="StepState.reordered"):
             decoding_step.step(logits, previous, masked, masked, run.params, state=StepState(rows, order))
 

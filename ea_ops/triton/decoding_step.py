@@ -169,11 +169,13 @@ def step(logits: Tensor, previous: Optional[Tensor], masked: Optional[Tensor], n
                          f"{params.layout!r}; the dispatcher gives other calls to the reference")
     if earlier is not None and (earlier.dim() != 4 or earlier.shape[1:3] != (heads, k - 1)
                                 or earlier.size(3) > src_len or (order is None and earlier.size(0) != bsz)
-                                or (order is not None and tuple(order.shape) != (bsz,))):
+                                or (order is not None and (tuple(order.shape) != (bsz,)
+                                                           or order.dtype not in (torch.int32, torch.int64)))):
         raise ValueError(f"a decoding step's state must hold rows (B', {heads}, {k - 1}, S' <= {src_len}) and an "
-                         f"order of {bsz} hypotheses (B' = {bsz} without one), got rows {tuple(earlier.shape)} and "
-                         f"order {None if order is None else tuple(order.shape)}: pass the state the previous step "
-                         "returned, reordered by StepState.reordered")
+                         f"int32/int64 order of {bsz} hypotheses (B' = {bsz} without one), got rows "
+                         f"{tuple(earlier.shape)} and order "
+                         f"{None if order is None else (tuple(order.shape), order.dtype)}: pass the state the "
+                         "previous step returned, reordered by StepState.reordered")
     block_h, _, block_s, warps = blocks(heads, 1, src_len, 1)
     weight = weight.contiguous()
     bias = None if params.bias is None else params.bias.contiguous()  # read as bias_ptr + head
