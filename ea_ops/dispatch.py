@@ -45,6 +45,7 @@ from torch import Tensor
 from . import accelerators, cpu, library, reference
 from . import triton as gpu
 from .contract import BackendResult, EvolvingAttentionParams, StepState
+from .map_conv import check_layout
 
 REFERENCE, CPU_FULL_PASS, CPU_STEP, CPU_STEP_ATTEND = "reference", "cpu_full_pass", "cpu_step", "cpu_step_attend"
 TRITON_FULL_PASS, TRITON_STEP = "triton_full_pass", "triton_step"
@@ -194,7 +195,11 @@ def choose(call: Call) -> str:
 
 @functools.lru_cache(maxsize=4096)
 def _cached(call: Call) -> Optional[str]:
-    """:func:`select`'s answer, or None where it depends on a build not looked for yet."""
+    """:func:`select`'s answer, or None where it depends on a build not looked for yet; a
+    convolution no backend computes (an even kernel, an unknown layout) is refused here, once
+    per configuration, with what to pass instead."""
+    if call.has_conv:
+        check_layout(call.layout, call.kernel_size)
     if call.built is not None:
         return select(call)
     backend = select(call._replace(built=True))

@@ -40,7 +40,8 @@ def check_layout(layout: str, kernel_size: int) -> None:
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if kernel_size < 1 or kernel_size % 2 == 0:
-        raise ValueError(f"the attention-map kernel size must be odd and >= 1, got {kernel_size}")
+        raise ValueError(f"the attention-map kernel size must be odd and >= 1, got {kernel_size}: the "
+                         "layouts' padding centres the kernel on a map entry (the papers use 3)")
 
 
 def layout_padding(layout: str, k: int, rows_given: bool = False) -> Tuple[int, int]:

@@ -382,3 +382,18 @@ def test_a_mask_of_three_dimensions_that_differs_between_heads_is_per_head():
                              (torch.zeros(2, 1, 1, 5, dtype=torch.bool), False)):
         call = dispatch.describe(logits, masked, None, params, StepState(), None, False, False)
         assert call.mask_per_head == per_head, tuple(masked.shape)
+
+
+@pytest.mark.parametrize("layout", ["full", "causal", "rows"])
+def test_an_even_kernel_is_refused_with_a_message_by_every_backend(layout):
+    """No layout's padding centres an even kernel: the operation refuses it in one line, in a
+    full pass and a decoding step alike, instead of a backend's shape error or a result; an
+    odd one runs (the control; the full layout, an encoder's, has no decoding steps)."""
+    logits = torch.randn(2, HEADS, 1, 5)
+    for k, state in ((4, None), (4, StepState()), (2, StepState())):
+        params = EvolvingAttentionParams(0.5, 0.5, torch.randn(HEADS, HEADS, k, k), None, layout)
+        with pytest.raises(ValueError, match=f"^the attention-map kernel size must be odd and >= 1, got {k}: "):
+            evolving_attention(logits, None, None, None, params, state=state)
+    params = EvolvingAttentionParams(0.5, 0.5, torch.randn(HEADS, HEADS, 3, 3), None, layout)
+    state = None if layout == "full" else StepState()
+    assert evolving_attention(logits, None, None, None, params, state=state).logits.shape == logits.shape
