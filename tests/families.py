@@ -15,7 +15,8 @@ test modules pick from :data:`FAMILIES` by these fields, never keep a list of th
   training only, nor the same mechanism at another size);
 * ``anchor``: whether its outputs and gradients are held to float64 (test_device.py);
 * ``cli``: whether it goes through fairseq-train/-generate (test_cli_end_to_end.py; the
-  others are saved and loaded in process there);
+  others are saved and loaded in process there; fairseq's own transformer goes through
+  those commands with the plugin loaded in test_quality_benchmark.py and the recipes' tests);
 * ``variant_of``: the family whose modules it builds at other option values or sizes (its
   checkpoint round trip is that family's);
 * ``twin``: fairseq's transformer of the same size: every parameter or buffer of the family
@@ -239,7 +240,7 @@ LSRA_MAP_CONV = (("*self_attn.attention.conv.*", 0.5),)  # EA's map convolution 
 #: every family, one line each
 FAMILIES: Dict[str, Family] = {
     # fairseq's own transformer: the control every mechanism is compared with
-    "vanilla": Family("transformer_lite", dtypes=FP32, cli=True, maps=frozenset(), fixture="vanilla"),
+    "vanilla": Family("transformer_lite", dtypes=FP32, maps=frozenset(), fixture="vanilla"),
     "ea-lite": Family("ea_transformer_lite", EA_ON, EVERY_ROLE, accelerator=True, cli=True, mechanism=MAP_CONV,
                       reduces=("--ea-alpha", "0", "--ea-beta", "0", "--ea-decoder-alpha", "0"),
                       maps=frozenset({"dot_product", "convolution", "logits"}), fixture="ea"),
