@@ -1,8 +1,12 @@
 """benchmarks/collapse_probe.py on a real fairseq-train checkpoint of RAN-ALL: it tells a model
 whose encoder still separates its tokens from the same model with its tokens washed out (a
-constant added by every encoder self-attention), and bad input is one line."""
+constant added by every encoder self-attention), and bad input is one line. The probe runs
+in process (its ``main``), the command itself once: the refusal of a missing checkpoint."""
+import contextlib
+import io
 import os
 import re
+import runpy
 import subprocess
 import sys
 
@@ -13,12 +17,19 @@ from conftest import REPO
 from trained_checkpoints import ENV, family_checkpoints
 
 PROBE = os.path.join(REPO, "benchmarks", "collapse_probe.py")
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def probe(checkpoint, data_bin, *extra):
-    proc = subprocess.run([sys.executable, PROBE, str(checkpoint), str(data_bin), "--batch", "0", *extra],
-                          capture_output=True, text=True, env=ENV, timeout=300)
-    return proc.returncode, proc.stdout, proc.stderr
+    """The probe's ``main`` in this process: (exit status, stdout, the message it exits with)."""
+    main = runpy.run_path(PROBE)["main"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            rc, err = main([str(checkpoint), str(data_bin), "--batch", "0", *extra]), ""
+        except SystemExit as refused:
+            rc, err = 1, str(refused.code)
+    return rc, out.getvalue(), err
 
 
 def rows(stdout, side):
@@ -68,6 +79,8 @@ def test_bad_input_is_one_line(ran, tiny_data_bin, tmp_path):
     rc, _, err = probe(ran, tiny_data_bin, "--batch", "100000")
     assert rc != 0 and err.strip().splitlines()[-1].startswith("collapse_probe: the training data has fewer")
     assert "Traceback" not in err
-    rc, _, err = probe(tmp_path / "missing.pt", tiny_data_bin)
-    assert rc != 0 and "Traceback" not in err
-    assert err.strip().splitlines()[-1].startswith("collapse_probe: cannot load")
+    # the command itself: one line on stderr, no traceback
+    proc = subprocess.run([sys.executable, PROBE, str(tmp_path / "missing.pt"), str(tiny_data_bin)],
+                          capture_output=True, text=True, env=ENV, timeout=300)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("collapse_probe: cannot load"), proc.stderr[-2000:]
