@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import REPO, build_model, cli, cpu_autocast_supports, random_batch, randomize_convs
-from ea_fairseq.models.ea_transformer import StackLayer
+from ea_fairseq.models.stack import StackLayer
 from families import FAMILIES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -72,13 +72,13 @@ def test_negative_control_a_value_read_from_outside_the_checkpointed_call_loses_
     """Had a layer read the previous logits from the pass (a side object) instead of its
     explicit input, the recomputed layer would hold no gradient path to the layer that made
     them: the earlier layers' gradients would differ."""
-    from ea_fairseq.models import ea_transformer
+    from ea_fairseq.models import stack
 
     f = FAMILIES["realformer-lite"]
     model, _ = build_model(f.arch, *f.options, *SMALL, "--checkpoint-activations")
     model = model.double().train()
     expected = loss_and_grads(model, dictionary, False)[1]
-    body = ea_transformer.StackLayer.body
+    body = stack.StackLayer.body
 
     def detached_inputs(self, stack_pass, names, x, *rest, **kwargs):
         values = rest[len(rest) - len(names):]
@@ -86,10 +86,10 @@ def test_negative_control_a_value_read_from_outside_the_checkpointed_call_loses_
         return body(self, stack_pass, names, x, *rest, **kwargs)
 
     try:
-        ea_transformer.StackLayer.body = detached_inputs
+        stack.StackLayer.body = detached_inputs
         got = loss_and_grads(model, dictionary, True)[1]
     finally:
-        ea_transformer.StackLayer.body = body
+        stack.StackLayer.body = body
     name = "encoder.layers.0.self_attn.q_proj.weight"  # reaches the loss through the logits handed on
     assert not torch.allclose(got[name], expected[name])
 
@@ -143,7 +143,7 @@ def test_a_layer_recomputed_under_the_forwards_autocast(dictionary, family, monk
     of the run without checkpoints (each within bfloat16's rounding of the largest).
     Negative control: recomputed with autocast off, a layer computes other gradients (or EA's
     fails on float32 logits beside the bfloat16 map it was handed)."""
-    from ea_fairseq.models import ea_transformer
+    from ea_fairseq.models import stack
 
     if not cpu_autocast_supports(torch.bfloat16):
         pytest.skip("CPU autocast does not run bfloat16 matmuls here")
@@ -158,8 +158,8 @@ def test_a_layer_recomputed_under_the_forwards_autocast(dictionary, family, monk
 
     assert expected.keys() == autocast_grads(model, dictionary, True).keys()
     assert close(autocast_grads(model, dictionary, True))
-    settings = ea_transformer.autocast_settings
-    monkeypatch.setattr(ea_transformer, "autocast_settings",
+    settings = stack.autocast_settings
+    monkeypatch.setattr(stack, "autocast_settings",
                         lambda: (tuple((d, False, t) for d, _, t in settings()[0]), True))
     try:
         assert not close(autocast_grads(model, dictionary, True))

@@ -11,7 +11,7 @@ from fairseq.models.transformer import TransformerModel
 from fairseq.modules import MultiheadAttention
 
 from conftest import beam_reorder_gap, build_model, decoder_out, incremental_logprobs, random_batch, randomize_convs
-from ea_fairseq.models.ea_transformer import StackLayer
+from ea_fairseq.models.stack import StackLayer
 from ea_fairseq.modules import AttentionMapConv, EvolvingAttention
 from ea_fairseq.modules.attention_maps import LogitMapAttention
 from ea_ops.reference import evolving_attention_reference

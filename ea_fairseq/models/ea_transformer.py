@@ -4,25 +4,14 @@ Only the attention builders of fairseq's layers are overridden (``build_self_att
 ``build_encoder_attention``): they hand the settings fairseq gives each role's attention to
 the variant registry (:class:`~ea_fairseq.models.attention_variants.RoleAttention`), which
 builds the role's module; the encoder and decoder loops are fairseq's. What the layers of a
-stack hand each other (the previous layer's attention logits, value residual's first
-values, RAN's matrices) travels as explicit values: the encoder and the decoder open one
-:class:`~ea_fairseq.modules.attention_map_carrier.StackPass` per forward pass and hand it to
-their layers, then return ``super()``'s result; each layer (:class:`StackLayer`) runs
-fairseq's layer with what it reads as explicit inputs and what it hands on as explicit
-outputs, which is also what it hands fairseq's activation checkpointing
-(``--checkpoint-activations``, ``--offload-activations``), so a recomputed layer gets the
-same inputs and gradients reach them. The decoder's beam reorder is the faster one of
+stack hand each other travels as explicit values (:mod:`~ea_fairseq.models.stack`: one
+pass per forward, each layer's inputs and outputs, activation checkpointing). The decoder's beam reorder is the faster one of
 :mod:`~ea_fairseq.models.fairseq_speedups`.
 """
 import copy
 import logging
-from contextlib import ExitStack, contextmanager
 from functools import partial
-from typing import FrozenSet, Optional, Tuple
 
-import torch
-
-from fairseq.distributed import fsdp_wrap
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import (
     TransformerDecoderBase,
@@ -31,130 +20,17 @@ from fairseq.models.transformer import (
 )
 from fairseq.models.transformer.transformer_legacy import base_architecture
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
-from fairseq.modules.checkpoint_activations import CheckpointFunction, pack_kwargs, unpack_non_tensors
 from omegaconf import OmegaConf
-from torch import Tensor
 
-from ..modules.attention_map_carrier import LayerMaps, StackPass
-from ..modules.attention_mechanism import AttentionMechanism
-from ..modules.recurrent_attention import (RecurrentAttention, RecurrentAttentionMatrices,
-                                            mixed_precision_caveats)
+from ..modules.recurrent_attention import mixed_precision_caveats
 from ..errors import OptionError, note_position_limit
 from . import attention_variants as variants
 from . import hydra_config
 from .fairseq_speedups import ListedStateHolders
+from .stack import AttentionMapsMixin, StackLayer, wrap_layer
 from .transformer_lite import transformer_lite
 
 logger = logging.getLogger(__name__)
-
-
-def checkpointed(function, offload: bool, *args, **kwargs):
-    """``function(*args, **kwargs)`` under fairseq's activation checkpointing (its
-    ``CheckpointFunction``, as its ``checkpoint_wrapper`` calls it): run without storing
-    activations, run again in the backward pass with the same tensor arguments, random
-    state and autocast settings (fairseq's backward runs outside the forward's autocast,
-    e.g. ``--amp``: recomputed in another precision, a layer would compute other values
-    than its forward did, and mix dtypes with what it saved), gradients to every tensor
-    argument; ``offload`` keeps those arguments on the CPU in between."""
-    keys, flat = pack_kwargs(*args, **kwargs)
-    context = {"offload": offload}
-    outputs = CheckpointFunction.apply(partial(under_autocast, autocast_settings(), function), context, keys, *flat)
-    return unpack_non_tensors(outputs, context.get("packed_non_tensor_outputs"))
-
-
-def autocast_settings():
-    """Autocast's settings here and now, per device type (the CPU's, and CUDA's where there
-    is one): ``(device_type, enabled, dtype)`` each, and whether its cache is on."""
-    devices = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
-    return (tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices),
-            torch.is_autocast_cache_enabled())
-
-
-def under_autocast(settings, function, *args, **kwargs):
-    """``function(*args, **kwargs)`` with autocast as :func:`autocast_settings` found it."""
-    devices, cache = settings
-    with ExitStack() as stack:
-        for device_type, enabled, dtype in devices:
-            stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache))
-        return function(*args, **kwargs)
-
-
-class StackLayer:
-    """What a layer of this plugin's stacks adds to fairseq's (a mixin before fairseq's layer
-    class): the values it reads from the layers before it go in, and the values it hands on
-    come out, as explicit tensors of one call of its body (:meth:`body`, fairseq's layer),
-    under activation checkpointing where the model asks for it.
-
-    Its stack sets :attr:`stack_pass` for the duration of a forward pass and, once built,
-    which values the layer reads and hands on (:meth:`setup_stack_layer`); :func:`wrap_layer`
-    sets ``checkpoint`` and ``offload``."""
-
-    def init_stack_layer(self) -> None:
-        self.stack_pass: Optional[StackPass] = None
-        self.reads: Tuple[str, ...] = ()
-        self.hands: Tuple[str, ...] = ()
-        self.wanted: FrozenSet[str] = frozenset()
-        self.checkpoint, self.offload = False, False
-        self._mechanisms = ()
-        self.hands_target_padding = False
-
-    def mechanisms(self):
-        """The modules of this layer that read or hand on values of the pass."""
-        return [m for m in self.modules() if m is not self and hasattr(m, "carried_names")]
-
-    def carried_names(self):
-        """``(reads, writes)`` of the layer's modules, each a set of names."""
-        reads, writes = set(), set()
-        for module in self.mechanisms():
-            r, w = module.carried_names()
-            reads.update(r)
-            writes.update(w)
-        return reads, writes
-
-    def setup_stack_layer(self, reads: Tuple[str, ...], hands: Tuple[str, ...]) -> None:
-        self.reads, self.hands, self.wanted = tuple(reads), tuple(hands), frozenset(hands)
-        self._mechanisms = self.mechanisms()
-        # the encoder-decoder attention of a mechanism is handed the target padding (fairseq
-        # gives it only the source's), whose rows a map transform treats as neutral:
-        # left-padded targets' padded rows then do not reach real rows
-        self.hands_target_padding = isinstance(getattr(self, "encoder_attn", None), AttentionMechanism)
-
-    def forward(self, x, *args, **kwargs):
-        stack_pass = self.stack_pass
-        inputs = {}
-        if stack_pass is not None:
-            for name in self.reads:
-                inputs[name] = stack_pass.values.get(name)
-        if self.hands_target_padding:
-            inputs["target_padding"] = kwargs.get("self_attn_padding_mask")
-        names = tuple(inputs)
-        if self.checkpoint and torch.is_grad_enabled():
-            out = checkpointed(self.body, self.offload, stack_pass, names, x, *args, *inputs.values(), **kwargs)
-        else:
-            out = self.body(stack_pass, names, x, *args, *inputs.values(), **kwargs)
-        result, handed = out[:len(out) - len(self.hands)], out[len(out) - len(self.hands):]
-        if stack_pass is not None:
-            for name, value in zip(self.hands, handed):
-                if value is not None:
-                    stack_pass.values[name] = value
-        return result[0] if len(result) == 1 else result
-
-    def body(self, stack_pass: Optional[StackPass], names: Tuple[str, ...], x, *rest, **kwargs):
-        """fairseq's layer on ``x``, its arguments and ``rest``'s last ``len(names)`` values
-        (what the layer reads, by name); returns its result's items, then one value (or
-        None) per name the layer hands on."""
-        args, values = rest[:len(rest) - len(names)], rest[len(rest) - len(names):]
-        maps = LayerMaps(stack_pass, dict(zip(names, values)), self.wanted)
-        mechanisms = self._mechanisms
-        for module in mechanisms:  # what this call's attentions read and hand on
-            module.layer_maps = maps
-        try:
-            result = super().forward(x, *args, **kwargs)
-        finally:
-            for module in mechanisms:
-                module.layer_maps = None
-        result = (result,) if isinstance(result, Tensor) else tuple(result)  # (an encoder layer's x alone)
-        return result + tuple(map(maps.outgoing.get, self.hands))
 
 
 class EATransformerEncoderLayer(StackLayer, TransformerEncoderLayerBase):
@@ -196,68 +72,6 @@ class EATransformerDecoderLayer(StackLayer, TransformerDecoderLayerBase):
                         xformers_att_config=cfg.encoder.xformers_att_config)
         fairseq = partial(super().build_encoder_attention, cfg=cfg)
         return variants.build_attention("cross", variants.RoleAttention(settings, fairseq), cfg, self.layer_index)
-
-
-def wrap_layer(layer, cfg):
-    """fairseq's wrapping policy for a layer this plugin builds itself (see its
-    ``build_encoder_layer``): activation checkpointing -- the layer's own, whose inputs and
-    outputs include what it reads from and hands to the other layers (:class:`StackLayer`)
-    -- then FSDP."""
-    checkpoint = cfg.checkpoint_activations
-    layer.checkpoint, layer.offload = bool(checkpoint), bool(checkpoint and cfg.offload_activations)
-    return fsdp_wrap(layer, min_num_params=cfg.min_params_to_wrap if not checkpoint else 0)
-
-
-class AttentionMapsMixin:
-    """What an encoder or decoder of this plugin adds to fairseq's: one
-    :class:`~ea_fairseq.modules.attention_map_carrier.StackPass` per forward pass handed to
-    its layers, and the RAN matrices its RAN layers share."""
-
-    def setup_attention_maps(self, cfg, heads: int) -> None:
-        self.stack_pass: Optional[StackPass] = None
-        self.stack_layers = [m for m in self.modules() if isinstance(m, StackLayer)]
-        recurrent = [m for m in self.modules() if isinstance(m, RecurrentAttention)]
-        self.recurrent_matrices = None
-        if recurrent:
-            self.recurrent_matrices = RecurrentAttentionMatrices(
-                heads, cfg.ran_max_positions, len(recurrent), fixed_init=cfg.ran_fixed_init,
-                layer_norm=not cfg.ran_no_layernorm, residual=not cfg.ran_no_residual,
-            )
-            for module in recurrent:
-                module.share_matrices(self.recurrent_matrices)
-        # each layer reads what an earlier layer hands on or the pass provides (RAN's
-        # matrices), and hands on only what a later layer reads (the last one: nothing)
-        names = [layer.carried_names() for layer in self.stack_layers]
-        provided = {f"ran:{k}" for k in range(len(recurrent))}
-        for i, layer in enumerate(self.stack_layers):
-            earlier = provided.union(*(writes for _, writes in names[:i]))
-            later = set().union(*(reads for reads, _ in names[i + 1:]))
-            layer.setup_stack_layer(tuple(sorted(names[i][0] & earlier)), tuple(sorted(names[i][1] & later)))
-
-    def next_layer_index(self) -> int:
-        """Index of the layer being built, the one source of layer indices: fairseq builds
-        a stack's layers in order, so it is the layer's position in ``self.layers``."""
-        self._layers_built = getattr(self, "_layers_built", 0) + 1
-        return self._layers_built - 1
-
-    @contextmanager
-    def attention_scope(self, length: int, incremental_state=None):
-        """One forward pass of the stack: a fresh :class:`StackPass` handed to its layers,
-        with the RAN matrices of its RAN layers computed once (a decoding run keeps them in
-        its incremental state)."""
-        values = {}
-        if self.recurrent_matrices is not None:
-            values = {f"ran:{k}": m for k, m in enumerate(self.recurrent_matrices(length, incremental_state))}
-        stack_pass = StackPass(values)
-        self.stack_pass = stack_pass
-        for layer in self.stack_layers:
-            layer.stack_pass = stack_pass
-        try:
-            yield stack_pass
-        finally:
-            self.stack_pass = None
-            for layer in self.stack_layers:
-                layer.stack_pass = None
 
 
 def side_config(cfg, role: str):
