@@ -76,6 +76,35 @@ def train(data, save, env, *args, epochs=2):
     return save
 
 
+def fairseq_train_in_process(*argv):
+    """fairseq-train with this command line through its console entry point in this process
+    (fairseq is imported here already; a process of its own pays the imports again), on one
+    thread; the deprecation warnings of hydra that fairseq's configuration prints unshown, as
+    the command's stderr is. Not from a worker thread: fairseq's training keeps process-wide state."""
+    import warnings
+
+    import torch
+    from fairseq_cli.train import cli_main
+
+    threads, saved_argv = torch.get_num_threads(), sys.argv
+    torch.set_num_threads(1)
+    sys.argv = ["fairseq-train", *[str(a) for a in argv]]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cli_main()
+    finally:
+        sys.argv = saved_argv
+        torch.set_num_threads(threads)
+
+
+def train_in_process(data, save, *args, epochs=2):
+    """``train``'s command, with ``fairseq_train_in_process``."""
+    fairseq_train_in_process(data, *TINY, "--share-all-embeddings", "--optimizer", "adam", "--lr", "1e-3",
+                             "--max-tokens", "1000", "--max-epoch", epochs, "--save-dir", save, *TINY_RUN, *args)
+    return save
+
+
 def lines(path: Path):
     return path.read_text(encoding="utf-8").splitlines()
 

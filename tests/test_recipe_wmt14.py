@@ -1,19 +1,19 @@
 """WMT'14 En-De end to end, offline: prepare-wmt14en2de.sh on tiny fixture archives, 2 epochs
-of fairseq-train, evaluate.sh's tokenized, compound-split and detokenized scores, its other
-modes and errors, and a run without COMET."""
+of fairseq-train (its entry point, in this process), evaluate.sh's tokenized, compound-split
+and detokenized scores, its other modes and errors, and a run without COMET."""
 import re
 
 import pytest
 
 import recipe_fixtures as fx
 from ea_fairseq_cli import bleu
-from recipe_support import RECIPES, env, evaluate_recipe, lines, prepare, run, train  # noqa: F401  (fixture)
+from recipe_support import RECIPES, env, evaluate_recipe, lines, prepare, run, train_in_process  # noqa: F401  (fixture)
 
 
 def _wmt14_en_de(root, env):
     tests = fx.wmt14(root / "raw", "de")
     data = prepare("prepare-wmt14en2de.sh", root / "raw", root, env)
-    save = train(data, root / "checkpoints", env)
+    save = train_in_process(data, root / "checkpoints")
     return dict(root=root, data=data, save=save, tests=tests)
 
 
