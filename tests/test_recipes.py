@@ -1,35 +1,27 @@
 """The prepare scripts of the translation recipes, offline, on tiny fixture archives
 (tests/recipe_fixtures.py): each runs with --raw-dir (so it never touches the network;
 EA_NO_DOWNLOAD is set as well) and its binarized output is checked; WMT'14 En-Fr and WMT'17
-Lv-En are trained on for a few updates with fairseq-train. IWSLT'14 (prepared, trained and
-evaluated) is in test_recipe_iwslt14.py, WMT'14 En-De in test_recipe_wmt14.py, the own-data
-walk-through in test_recipe_walk_through.py; what they share is in recipe_support.py.
+Lv-En are trained on for a few updates with fairseq-train (its entry point, in this process).
+IWSLT'14 (prepared, trained and evaluated) is in test_recipe_iwslt14.py, WMT'14 En-De in
+test_recipe_wmt14.py, the own-data walk-through in test_recipe_walk_through.py; what they share
+is in recipe_support.py.
 """
 import pytest
 
 import recipe_fixtures as fx
-from recipe_support import RECIPES, env, lines, prepare, run, train, two_at_a_time  # noqa: F401  (fixture)
+from recipe_support import RECIPES, env, lines, prepare, run, train_in_process, two_at_a_time  # noqa: F401  (fixture)
 
 
-def _iwslt14_joined(root, env):
-    fx.iwslt14(root / "raw", n_train=40)
-    return dict(root=root, data=prepare("prepare-iwslt14.sh", root / "raw", root, env, "--joined-dictionary"))
 
 
 def _wmt14_en_fr(root, env):
     fx.wmt14(root / "raw", "fr")
-    data = prepare("prepare-wmt14en2fr.sh", root / "raw", root, env)
-    train(data, root / "checkpoints", env, "--max-update", "2", "--no-save", epochs=1)
-    return dict(root=root, data=data)
+    return dict(root=root, data=prepare("prepare-wmt14en2fr.sh", root / "raw", root, env))
 
 
 def _wmt17_lv(root, env):
-    """Both directions: LV->EN trains on the en-lv pairs and validates on the lv-en set."""
     tests = fx.wmt17(root / "raw", "lv")
-    data = prepare("prepare-wmt17.sh", root / "raw", root, env, "lv")
-    train(data, root / "checkpoints", env, "-s", "lv", "-t", "en", "--max-update", "2",
-          "--no-save", epochs=1)
-    return dict(root=root, data=data, tests=tests)
+    return dict(root=root, data=prepare("prepare-wmt17.sh", root / "raw", root, env, "lv"), tests=tests)
 
 
 def _wmt17(lang):
@@ -39,13 +31,17 @@ def _wmt17(lang):
     return job
 
 
-def _iwslt14_spm(root, env):
+def _iwslt14_joined_spm(root, env):
+    """--joined-dictionary and --sentencepiece in one run: the dictionary option is
+    fairseq-preprocess's, the subword option the step before it (the BPE path with separate
+    dictionaries is test_recipe_iwslt14.py's)."""
     fx.iwslt14(root / "raw", n_train=40)
-    return dict(root=root, data=prepare("prepare-iwslt14.sh", root / "raw", root, env, "--sentencepiece", "300"))
+    return dict(root=root, data=prepare("prepare-iwslt14.sh", root / "raw", root, env, "--joined-dictionary",
+                                        "--sentencepiece", "300"))
 
 
-JOBS = {"iwslt14_joined": _iwslt14_joined, "wmt14_en_fr": _wmt14_en_fr, "wmt17_lv": _wmt17_lv,
-        "wmt17_fi": _wmt17("fi"), "wmt17_tr": _wmt17("tr"), "iwslt14_spm": _iwslt14_spm}
+JOBS = {"iwslt14_joined_spm": _iwslt14_joined_spm, "wmt14_en_fr": _wmt14_en_fr, "wmt17_lv": _wmt17_lv,
+        "wmt17_fi": _wmt17("fi"), "wmt17_tr": _wmt17("tr")}
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +52,7 @@ def recipes(tmp_path_factory, env):  # noqa: F811
 
 
 def test_prepare_iwslt14_joined_dictionary(recipes):
-    data = recipes("iwslt14_joined")["data"]
+    data = recipes("iwslt14_joined_spm")["data"]
     assert (data / "dict.de.txt").read_text() == (data / "dict.en.txt").read_text()
     assert (data / "train.de-en.en.idx").is_file()
 
@@ -67,9 +63,11 @@ def test_prepare_wmt14en2fr(recipes):
     # five corpora of 60 pairs (Giga-FrEn read from its .gz), minus what cleaning drops
     assert 240 < len(lines(prep / "train.fr")) <= 300
     assert (res["data"] / "test.raw.en-fr.fr").is_file()
+    train_in_process(res["data"], res["root"] / "checkpoints", "--max-update", "2", "--no-save", epochs=1)
 
 
 def test_prepare_wmt17_lv_both_directions(recipes):
+    """Both directions: LV->EN trains on the en-lv pairs and validates on the lv-en set."""
     res = recipes("wmt17_lv")
     data, tests = res["data"], res["tests"]
     for name in ("train.en-lv.lv", "valid.en-lv.lv", "test.en-lv.lv", "valid.lv-en.lv", "test.lv-en.en"):
@@ -78,6 +76,8 @@ def test_prepare_wmt17_lv_both_directions(recipes):
     assert lines(data / "test.raw.en-lv.lv") == tests["en-lv"][1]
     assert lines(data / "test.raw.lv-en.en") == tests["lv-en"][1]
     assert (data / "preprocess.log").read_text().count("Wrote preprocessed data") == 1
+    train_in_process(data, res["root"] / "checkpoints", "-s", "lv", "-t", "en", "--max-update", "2",
+                     "--no-save", epochs=1)
 
 
 @pytest.mark.parametrize("lang", ["fi", "tr"])
@@ -93,7 +93,7 @@ def test_prepare_wmt17(recipes, lang):
 
 def test_prepare_iwslt14_sentencepiece(recipes):
     """--sentencepiece: the subword step is SentencePiece, its model kept beside the data."""
-    res = recipes("iwslt14_spm")
+    res = recipes("iwslt14_joined_spm")
     data, prep = res["data"], res["root"] / "work" / "prep"
     assert (data / "sentencepiece.bpe.model").is_file() and not (data / "code").exists()
     text = (prep / "train.de").read_text(encoding="utf-8")
