@@ -61,25 +61,35 @@ def test_own_data_walk_through(walk_through):
     assert len(hyps) == WALK_SIZES["test"] and not any("\u2581" in h for h in hyps)
 
 
-HUB_CHECKS = """
+# the Spanish that test_readme_interactive_example_takes_raw_text gives fairseq-interactive
+RAW = ["Y dijo Dios: Sea la luz.", "¿Dónde está el rey?", "Y fué la tarde y la mañana el día primero."]
+SHORT = dict(max_len_a=0, max_len_b=10)  # an untrained model's output is long otherwise
+
+HUB_CHECKS = f"""
 import json
 sentence = "And God said, Let there be light: and there was light."
 hyp = ea.generate([ea.encode("Y dijo Dios: Sea la luz.")], beam=5)[0][0]["tokens"]
 print("CHECKS", json.dumps(dict(
     spanish=ea.tokenize("Vea la pág. 12 de la Sra. García."), pieces=ea.apply_bpe(ea.tokenize(sentence)),
-    round_trip=ea.decode(ea.encode(sentence)), first=ea.decode(hyp))))
+    round_trip=ea.decode(ea.encode(sentence)), first=ea.decode(hyp),
+    interactive=ea.translate({RAW!r}, beam=5, **{SHORT!r}))))
 """
 
 
-def test_readme_hub_example_takes_raw_text(walk_through, env):
+@pytest.fixture(scope="module")
+def hub(walk_through, env):  # noqa: F811
     """README.md's hub example, run as written on the walk-through's model (in a Python of its
-    own, from the repository layout's root): raw Spanish in, detokenized English out, Spanish
-    Moses rules on the way in."""
-    root = walk_through["root"]
+    own, from the repository layout's root), and checks of the hub object it makes: (the
+    example's print, the checks)."""
     code = doc_block(REPO / "README.md", "### Translating from Python (fairseq's hub)", "python")
-    out = run([sys.executable, "-c", code + HUB_CHECKS], env, cwd=root).stdout.splitlines()
-    translations = ast.literal_eval(out[-2])  # the example's print: a list of strings
-    checks = json.loads(out[-1].removeprefix("CHECKS "))
+    out = run([sys.executable, "-c", code + HUB_CHECKS], env, cwd=walk_through["root"]).stdout.splitlines()
+    return ast.literal_eval(out[-2]), json.loads(out[-1].removeprefix("CHECKS "))  # a list of strings; the checks
+
+
+def test_readme_hub_example_takes_raw_text(hub):
+    """README.md's hub example: raw Spanish in, detokenized English out, Spanish Moses rules on
+    the way in."""
+    translations, checks = hub
     assert len(translations) == 2 and all(isinstance(t, str) and t for t in translations)
     assert not any("\u2581" in t for t in translations)
     assert checks["first"] == translations[0]  # the pieces, joined and detokenized
@@ -89,28 +99,20 @@ def test_readme_hub_example_takes_raw_text(walk_through, env):
     assert checks["round_trip"] == "And God said, Let there be light: and there was light."
 
 
-def test_readme_interactive_example_takes_raw_text(walk_through):
+def test_readme_interactive_example_takes_raw_text(walk_through, hub):
     """README.md's fairseq-interactive command, run as written: detokenized D- lines, the
-    hub's translations."""
+    translations of README.md's hub object."""
     root = walk_through["root"]
     (command,) = doc_commands(REPO / "README.md", "### fairseq-interactive")
     assert command.startswith("fairseq-interactive ") and command.endswith("< raw.es")
-    raw = ["Y dijo Dios: Sea la luz.", "¿Dónde está el rey?", "Y fué la tarde y la mañana el día primero."]
-    (root / "raw.es").write_text("".join(line + "\n" for line in raw), encoding="utf-8")
+    (root / "raw.es").write_text("".join(line + "\n" for line in RAW), encoding="utf-8")
     env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", CUDA_VISIBLE_DEVICES="")
-    short = " --max-len-a 0 --max-len-b 10"  # an untrained model's output is long otherwise
+    short = "".join(f" --{k.replace('_', '-')} {v}" for k, v in SHORT.items())
     out = run(["bash", "-c", command.replace(" < raw.es", short + " < raw.es")], env, cwd=root).stdout
     detok = dict(re.findall(r"^D-(\d+)\t\S+\t(.*)$", out, re.M))
     assert sorted(detok) == ["0", "1", "2"]
     assert not any("\u2581" in d for d in detok.values())
-    from fairseq.models.transformer import TransformerModel
-
-    save = root / "checkpoints" / "ea_lite.own"
-    hub = TransformerModel.from_pretrained(str(save), checkpoint_file="checkpoint_best.pt",
-                                           data_name_or_path=str(root / "data-bin" / "bible.es-en"),
-                                           user_dir=str(REPO / "ea_fairseq"), tokenizer="moses",
-                                           source_lang="es", target_lang="en", bpe="sentencepiece")
-    assert [detok[str(i)] for i in range(3)] == hub.translate(raw, beam=5, max_len_a=0, max_len_b=10)
+    assert [detok[str(i)] for i in range(3)] == hub[1]["interactive"]
 
 
 def test_documented_generate_commands_translate_every_sentence():
