@@ -132,17 +132,26 @@ def write_synthetic_corpus(directory: str, sizes=(("train", 400), ("valid", 40),
 
 @pytest.fixture(scope="session")
 def tiny_data_bin(tmp_path_factory):
-    import subprocess
+    """The synthetic corpus binarized by fairseq-preprocess's ``main``, in this process (as the
+    recipes' examples/translation/binarize.py runs it; fairseq is imported here already)."""
+    from fairseq import options
+    from fairseq_cli import preprocess
 
     raw = str(tmp_path_factory.mktemp("raw"))
     write_synthetic_corpus(raw)
     dest = os.path.join(raw, "bin")
-    subprocess.run(
-        [cli("fairseq-preprocess"), "--source-lang", "src", "--target-lang", "tgt",
+    args = options.get_preprocessing_parser().parse_args(
+        ["--source-lang", "src", "--target-lang", "tgt",
          "--trainpref", f"{raw}/train", "--validpref", f"{raw}/valid", "--testpref", f"{raw}/test",
-         "--destdir", dest, "--joined-dictionary", "--workers", "1"],
-        check=True, capture_output=True,
-    )
+         "--destdir", dest, "--joined-dictionary", "--workers", "1"])
+    before = list(preprocess.logger.handlers)
+    try:
+        preprocess.main(args)
+    finally:  # its DESTDIR/preprocess.log handler, closed
+        for handler in list(preprocess.logger.handlers):
+            if handler not in before:
+                preprocess.logger.removeHandler(handler)
+                handler.close()
     return dest
 
 
