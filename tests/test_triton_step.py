@@ -11,10 +11,7 @@ and its compilation for a GPU.
 As ``tests/test_triton_kernels.py`` (whose bounds it uses): on CUDA compiled, on a CPU run in
 Triton's interpreter (``bash scripts/test_triton.sh``), skipped elsewhere (the default suite).
 """
-import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -29,7 +26,7 @@ from ea_ops import EvolvingAttentionParams, accelerators, dispatch, evolving_att
 from ea_ops.contract import StepState  # noqa: E402
 from ea_ops.softmax import fully_masked_rows  # noqa: E402
 from ea_ops.triton import decoding_step, interpret_on_cpu  # noqa: E402
-from test_triton_kernels import DEVICE, KernelLaunches, bound, close  # noqa: E402
+from test_triton_kernels import DEVICE, KernelLaunches, bound, close, compiles_without_spills  # noqa: E402
 
 SENTENCES, BEAMS, HEADS, K, HEAD_DIM = 2, 2, 3, 3, 4
 BSZ = SENTENCES * BEAMS
@@ -357,16 +354,7 @@ COMPILE = textwrap.dedent("""
 
 
 def test_the_kernel_compiles_for_a_gpu_without_spilling_registers():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    done = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.splitlines()
-    assert len(lines) == 2, done.stdout
-    for line in lines:
-        keys, usage = line.split(" ", 1)
-        usage = json.loads(usage)
-        assert usage["STACK"] == "0" and usage["LOCAL"] == "0", f"{keys} keys: spills registers: {usage}"
+    compiles_without_spills(COMPILE, 2)
 
 
 def test_an_order_of_any_strides_and_integer_dtype_reads_the_hypotheses_it_names():
