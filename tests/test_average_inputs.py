@@ -170,3 +170,25 @@ def test_negative_control_a_plain_save_follows_the_planted_link(tmp_path, vanill
     os.symlink(a, tmp_path / "avg.pt.tmp")
     torch.save({"model": {}}, str(tmp_path / "avg.pt") + ".tmp")
     assert sha(a) != before
+
+
+@pytest.mark.parametrize("first, second", [(None, "dot_product"), ("vanilla", "dot_product"), (None, "vanilla")])
+def test_a_ran_decoders_encoder_decoder_attention_on_either_path_is_the_same_model(tmp_path, first, second, capsys):
+    """A RAN-D checkpoint that names no --cross-attention (written before the option's
+    default was the plugin's path) builds the plugin's dot-product attention; one that names
+    fairseq's module (vanilla) has the same parameters and computes the same attention: a
+    run resumed across versions averages its epochs. Another attention is refused."""
+    from test_checkpoint_fixtures import FIXTURES
+
+    paths = []
+    for name, value in (("a", first), ("b", second), ("c", "ea")):
+        state = torch.load(os.path.join(FIXTURES, "ran_d", "checkpoint.pt"), weights_only=False)
+        if value is None:
+            del state["cfg"]["model"].cross_attention
+        else:
+            state["cfg"]["model"].cross_attention = value
+        paths.append(str(tmp_path / f"{name}.pt"))
+        torch.save(state, paths[-1])
+    assert avg.main(["--inputs", *paths[:2], "--output", str(tmp_path / "avg.pt")]) == 0, capsys.readouterr().err
+    assert avg.main(["--inputs", paths[0], paths[2], "--output", str(tmp_path / "other.pt")]) == 1
+    assert "--cross-attention is 'ea' there" in capsys.readouterr().err

@@ -81,6 +81,13 @@ def variant_of(cfg, role: str) -> str:
     return getattr(cfg, f"{role}_attention", None) or "vanilla"
 
 
+def computed_attention(cfg, role: str) -> str:
+    """The attention ``role`` computes: fairseq's module (vanilla) and the plugin's
+    ``dot_product`` are one attention, with the same parameters under the same names."""
+    variant = variant_of(cfg, role)
+    return "vanilla" if variant == "dot_product" else variant
+
+
 def uses(cfg, option: str, role: str) -> bool:
     """Does the per-role option ``option`` (a list of roles) name ``role``?"""
     return role in (getattr(cfg, option, None) or ())

@@ -43,6 +43,8 @@ def model_options(state: Mapping, path: str) -> Optional[Dict[str, Any]]:
     from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY
 
     from ..checkpoint_safety import architecture
+    from ..models import attention_variants as variants
+    from ..models.ea_transformer import EATransformerModel
     from ..models.hydra_config import namespace_from_config, option_actions
 
     section = _section(state, "model")
@@ -63,7 +65,12 @@ def model_options(state: Mapping, path: str) -> Optional[Dict[str, Any]]:
     if arch not in ARCH_CONFIG_REGISTRY:
         raise InputMismatch(f"{path}: model configuration of unknown architecture {arch!r}")
     ARCH_CONFIG_REGISTRY[arch](args)  # the configuration fairseq builds the model from
-    fields = sorted(option_actions(ARCH_MODEL_REGISTRY[arch]))
+    model = ARCH_MODEL_REGISTRY[arch]
+    if issubclass(model, EATransformerModel):
+        variants.fill_defaults(args)  # what the plugin's build_model fills in
+        for role in variants.ROLES:  # the same attention on fairseq's module or the plugin's path
+            setattr(args, f"{role}_attention", variants.computed_attention(args, role))
+    fields = sorted(option_actions(model))
     return {"arch": arch, **{name: getattr(args, name, None) for name in fields}}
 
 
