@@ -157,3 +157,12 @@ def test_options_refusals_and_the_whole_help(capsys):
                                                      "--criterion", "label_smoothed_cross_entropy"])
     fairseq_help = capsys.readouterr().out
     assert fairseq_help.startswith("usage: ") and not any(f"{o} " in fairseq_help for o in wanted)
+
+
+def test_options_show_and_explain_a_ran_decoders_encoder_decoder_attention(capsys):
+    """ran_d_lite's --cross-attention is dot_product, and its help says what that is beside
+    vanilla (the same attention and parameters; fairseq's module or the plugin's path)."""
+    assert options.main(["ran_d_lite"]) == 0
+    block = " ".join(capsys.readouterr().out.split("  --cross-attention")[1].split("\n  --")[0].split())
+    assert block.endswith("[dot_product]"), block
+    assert "vanilla: fairseq's module" in block and "dot_product: the same attention" in block, block

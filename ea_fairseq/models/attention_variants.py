@@ -163,7 +163,8 @@ def add_args(parser):
         group.add_argument(
             f"--{role}-attention",
             choices=choices_for(role),
-            help=f"attention variant of the {what} (default: set by --arch)",
+            help=f"attention variant of the {what} (default: set by --arch; vanilla: fairseq's "
+                 "module, dot_product: the same attention and parameters on the plugin's path)",
         )
     ea.add_argument("--ea-alpha", type=float, metavar="A",
                     help="α: weight of the previous layer's attention logits in the encoder "
