@@ -5,10 +5,12 @@ activation function, pre- instead of post-norm, or embeddings of another diction
 same size. Their average is a model of neither and translates badly without a word. So:
 
 * **the model**: each input's model configuration (``cfg.model``, fairseq-hydra-train's
-  dict layout or the legacy ``args``) is completed with its architecture's defaults, as
-  fairseq does before it builds the model, and every option the architecture's model class
-  defines (``add_args``: dimensions, layers, heads, activation, normalisation, dropout, the
-  plugin's mechanisms, ...) and the arch itself must be equal;
+  dict layout or the legacy ``args``) is completed with its architecture's defaults and the
+  plugin's (``fill_defaults``), as fairseq and the plugin do before they build the model, and
+  every option the architecture's model class defines (``add_args``: dimensions, layers,
+  heads, activation, normalisation, dropout, the plugin's mechanisms, ...) and the arch
+  itself must be equal (an attention on fairseq's module or on the plugin's path, ``vanilla``
+  or ``dot_product``, is one attention: the same parameters and math);
 * **the data**: a checkpoint records no checksum of its dictionaries, only its task, the
   data directory it was trained on and its languages (``cfg.task``); those must be equal, the
   directory compared as recorded and never opened. Inputs trained on data recorded under
