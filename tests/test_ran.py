@@ -296,3 +296,30 @@ def test_stored_ran_checkpoints_compute_the_same_on_the_plugins_encoder_decoder_
     ratios = fixtures.excess(fixtures.expected(family), fixtures.outputs(plugin, task), dictionary)
     assert min(ratios["logits_left"], ratios["logits_right"]) > 1, ratios
 
+
+
+@pytest.mark.usefixtures("one_thread")  # (tiny models: conftest)
+@pytest.mark.parametrize("layout", ["cfg", "legacy-args", "cfg-dict"])
+def test_a_ran_checkpoint_that_names_no_cross_attention_computes_its_stored_outputs(tmp_path, layout):
+    """A RAN-D checkpoint whose configuration has no cross_attention key (written before the
+    option; fairseq-train's cfg Namespace, the legacy ``args``, fairseq-hydra-train's dict)
+    loads into the plugin's encoder-decoder attention and computes its stored outputs."""
+    import copy
+
+    state = torch.load(os.path.join(fixtures.FIXTURES, "ran_d", "checkpoint.pt"), weights_only=False)
+    model_cfg = copy.deepcopy(state["cfg"]["model"])
+    del model_cfg.cross_attention
+    if layout == "legacy-args":
+        state["args"], state["cfg"] = model_cfg, None
+        for name, section in (("task", "translation"), ("criterion", "cross_entropy"), ("optimizer", "adam"),
+                              ("lr_scheduler", "fixed"), ("lr", [0.1])):
+            setattr(state["args"], name, section)
+    else:
+        state["cfg"]["model"] = model_cfg if layout == "cfg" else dict(vars(model_cfg), _name=model_cfg.arch)
+    path = str(tmp_path / "checkpoint.pt")
+    torch.save(state, path)
+    (model,), _, task = checkpoint_utils.load_model_ensemble_and_task(
+        [path], arg_overrides=dict(data=fixtures.FIXTURES, source_lang="src", target_lang="tgt"))
+    assert cross_attention_kinds(model) == {LogitMapAttention}
+    ratios = fixtures.excess(fixtures.expected("ran_d"), fixtures.outputs(model.eval(), task), task.target_dictionary)
+    assert {name: r for name, r in ratios.items() if r > 1} == {}, ratios
