@@ -10,6 +10,7 @@ calls under Triton's interpreter (``TRITON_INTERPRET=1``, set before triton is i
 their tests run on a machine without a GPU (``bash scripts/test_triton.sh``).
 """
 import functools
+import importlib
 import importlib.util
 import os
 import threading
@@ -37,25 +38,19 @@ def row_elements(heads: int, keys: int) -> int:
 def full_pass(*args, **kwargs):
     """:func:`ea_ops.triton.evolving_attention.full_pass` (the backend's signature of
     :class:`~ea_ops.contract.BackendResult`), imported at the first call."""
-    return _kernels().full_pass(*args, **kwargs)
+    return _kernels("evolving_attention").full_pass(*args, **kwargs)
 
 
 def step(*args, **kwargs):
     """:func:`ea_ops.triton.decoding_step.step` (the backend's signature of
     :class:`~ea_ops.contract.BackendResult`), imported at the first call."""
-    return _step_kernel().step(*args, **kwargs)
+    return _kernels("decoding_step").step(*args, **kwargs)
 
 
 @functools.lru_cache(maxsize=None)
-def _kernels():
-    from . import evolving_attention
-    return evolving_attention
-
-
-@functools.lru_cache(maxsize=None)
-def _step_kernel():
-    from . import decoding_step
-    return decoding_step
+def _kernels(module: str):
+    """The kernels' module ``module`` of this package, imported once (it imports triton)."""
+    return importlib.import_module(f"{__name__}.{module}")
 
 
 def interpreted() -> bool:

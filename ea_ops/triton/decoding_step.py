@@ -48,9 +48,6 @@ from ..contract import BackendResult, EvolvingAttentionParams, StepState
 from ..values import value_product
 from .evolving_attention import _mask_args, blocks
 
-NAME = "cuda_triton_step"
-
-
 @triton.jit
 def _new_row(x_ptr, p_ptr, heads, cols, keep, sxh, sxs, sph, sps, alpha, HAS_PREV: tl.constexpr):
     """The new row of ``A_input`` at ``heads`` and key columns ``cols``, zero where not

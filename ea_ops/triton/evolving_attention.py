@@ -33,7 +33,6 @@ from ..contract import BackendResult, EvolvingAttentionParams, StepState
 from ..values import value_product
 from . import MAX_ROW_ELEMENTS
 
-NAME = "cuda_triton"
 # query rows per program: at most this many float32 values of a (heads x rows x keys) tile,
 # and threads for 16 of them each: compiled for sm_90 (H = 8, S = 32), the backward's
 # convolution kernel then holds 128 registers a thread, no spills (32 each: 252 registers)
