@@ -255,16 +255,15 @@ def test_an_ea_model_trains_through_the_kernels(monkeypatch):
 # functions, which the compiler does not take. For sm_90 with cuobjdump's resource count
 # (both ship in the triton wheel), every kernel in the variants the backend launches, at
 # EA-Base's 8 heads and a 32-key row: no registers spilled to local memory.
-COMPILE = textwrap.dedent("""
+SM90 = textwrap.dedent("""
     import json, os, subprocess, tempfile, triton
     from triton.compiler import ASTSource
     from triton.backends.compiler import GPUTarget
-    from ea_ops.triton import evolving_attention as ea
     CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    block_h, block_t, block_s, warps = ea.blocks(8, 32, 32)
-    shape = dict(BLOCK_H=block_h, BLOCK_T=block_t, BLOCK_S=block_s, K=3)
 
-    def build(kernel, pointers, constants):
+    def report(label, kernel, pointers, constants, warps):
+        \"\"\"Compile ``kernel`` for sm_90 (``pointers``: argument types, None for an absent one;
+        ``constants``: the constexprs) and print ``label`` and cuobjdump's resource count.\"\"\"
         signature, values = {}, {}
         for i, name in enumerate(kernel.arg_names):
             if name in constants or (name in pointers and pointers[name] is None):
@@ -278,7 +277,15 @@ COMPILE = textwrap.dedent("""
         usage = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True, check=True)
         os.unlink(f.name)
         line = next(l for l in usage.stdout.splitlines() if "REG:" in l)
-        print(kernel.__name__, json.dumps(dict(field.split(":") for field in line.split()[:5])))
+        print(label, json.dumps(dict(field.split(":") for field in line.split()[:5])))
+""")
+COMPILE = textwrap.dedent("""
+    from ea_ops.triton import evolving_attention as ea
+    block_h, block_t, block_s, warps = ea.blocks(8, 32, 32)
+    shape = dict(BLOCK_H=block_h, BLOCK_T=block_t, BLOCK_S=block_s, K=3)
+
+    def build(kernel, pointers, constants):
+        report(kernel.__name__, kernel, pointers, constants, warps)
 
     maps = dict(x_ptr="*fp16", p_ptr="*fp16", w_ptr="*fp16", bias_ptr="*fp16", m_ptr="*u8", n_ptr="*u8")
     first = dict(maps, p_ptr=None, bias_ptr=None, m_ptr=None, n_ptr=None)
@@ -302,11 +309,11 @@ COMPILE = textwrap.dedent("""
 
 
 def compiles_without_spills(code: str, kernels: int) -> None:
-    """``code`` (a program printing one line ``NAME USAGE-JSON`` per kernel it compiles for
+    """``code`` (a program that calls :data:`SM90`'s ``report`` once per kernel it compiles for
     sm_90) run without the interpreter: ``kernels`` lines, none with stack or local memory."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    done = subprocess.run([sys.executable, "-c", SM90 + code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert len(lines) == kernels, done.stdout

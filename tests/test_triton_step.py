@@ -315,32 +315,13 @@ def test_an_ea_lite_decoding_step_launches_no_more_than_the_twins(monkeypatch):
 # 8 heads, a 256-key row (self-attention, every input: fp16) and the widest row the
 # dispatcher gives it (cross-attention, a first step: float32 weights): no register spills.
 COMPILE = textwrap.dedent("""
-    import json, os, subprocess, tempfile, triton
-    from triton.compiler import ASTSource
-    from triton.backends.compiler import GPUTarget
     from ea_ops.triton import MAX_ROW_ELEMENTS
     from ea_ops.triton import decoding_step as ea
     from ea_ops.triton.evolving_attention import blocks
-    CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
     def build(pointers, constants, keys):
         block_h, _, block_s, warps = blocks(8, 1, keys, 1)
-        constants = dict(constants, BLOCK_H=block_h, BLOCK_S=block_s, K=3)
-        kernel = ea._step_kernel
-        signature, values = {}, {}
-        for i, name in enumerate(kernel.arg_names):
-            if name in constants or (name in pointers and pointers[name] is None):
-                signature[name], values[(i,)] = "constexpr", constants.get(name)
-            else:
-                signature[name] = pointers.get(name, "fp32" if name in ("alpha", "beta") else "i32")
-        compiled = triton.compile(ASTSource(kernel, signature, values), target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": warps})
-        with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
-            f.write(compiled.asm["cubin"])
-        usage = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True, check=True)
-        os.unlink(f.name)
-        line = next(l for l in usage.stdout.splitlines() if "REG:" in l)
-        print(keys, json.dumps(dict(field.split(":") for field in line.split()[:5])))
+        report(keys, ea._step_kernel, pointers, dict(constants, BLOCK_H=block_h, BLOCK_S=block_s, K=3), warps)
 
     every = dict(x_ptr="*fp16", p_ptr="*fp16", e_ptr="*fp16", order_ptr="*i64", m_ptr="*u8", w_ptr="*fp16",
                  bias_ptr="*fp16", out_ptr="*fp32", carry_ptr="*fp16", rows_ptr="*fp16")
