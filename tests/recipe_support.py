@@ -69,13 +69,6 @@ def prepare(script, raw, work, env, *args):
     return dest
 
 
-def train(data, save, env, *args, epochs=2):
-    run([tool("fairseq-train"), data, *TINY, "--share-all-embeddings", "--optimizer", "adam",
-         "--lr", "1e-3", "--max-tokens", "1000", "--max-epoch", str(epochs), "--save-dir", save,
-         *TINY_RUN, *args], env, cwd=save.parent)
-    return save
-
-
 def fairseq_train_in_process(*argv):
     """fairseq-train with this command line through its console entry point in this process
     (fairseq is imported here already; a process of its own pays the imports again), on one
@@ -99,7 +92,8 @@ def fairseq_train_in_process(*argv):
 
 
 def train_in_process(data, save, *args, epochs=2):
-    """``train``'s command, with ``fairseq_train_in_process``."""
+    """The tiny transformer of ``TINY`` trained on ``data`` into ``save`` (Adam, 1000 tokens a
+    batch, ``epochs`` epochs, ``args`` last), with ``fairseq_train_in_process``."""
     fairseq_train_in_process(data, *TINY, "--share-all-embeddings", "--optimizer", "adam", "--lr", "1e-3",
                              "--max-tokens", "1000", "--max-epoch", epochs, "--save-dir", save, *TINY_RUN, *args)
     return save
