@@ -46,11 +46,8 @@ extra=()
 if [ -n "${TORCH_INDEX_URL:-}" ]; then extra=(--extra-index-url "$TORCH_INDEX_URL"); fi
 
 echo "[setup] installing $torch_pin" >&2
-# the CPU build's requirements under the pins too; a build of another index (CUDA) brings
-# requirements of its own (its triton, NVIDIA's libraries), resolved for it
-pins=(-c "$constraints")
-if [ -n "${TORCH_INDEX_URL:-}" ]; then pins=(); fi
-"${pip[@]}" install -q "${extra[@]}" "${pins[@]}" "$torch_pin"
+# under the constraints as every later call: torch's own requirements (sympy, networkx, ...) pinned too
+"${pip[@]}" install -q "${extra[@]}" -c "$constraints" "$torch_pin"
 echo "[setup] installing fairseq and ea_fairseq[test,corpus] (editable) under constraints.txt" >&2
 "${pip[@]}" install -q "${extra[@]}" -c "$constraints" setuptools
 "${pip[@]}" install -q "${extra[@]}" -c "$constraints" --no-build-isolation \
