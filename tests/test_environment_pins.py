@@ -1,6 +1,8 @@
 """The environment scripts/setup_env.sh builds is the tested set of constraints.txt: every
-distribution in it pinned there, at its pinned version (a package left unpinned is whatever
-is newest on the day a fresh machine builds it)."""
+package it installs (what it names, torch, ve-fairseq, this project with its ``test`` and
+``corpus`` extras, and all they require) pinned there, and installed at its pin. A package
+left unpinned is whatever is newest on the day a fresh machine builds it. What a user installs
+into the venv beside them is theirs, and not looked at."""
 import hashlib
 import os
 import re
@@ -13,11 +15,14 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-#: not pinned: the project itself, and the pip that comes with the Python that made the venv
-UNPINNED = {"ea-fairseq", "pip"}
+CONSTRAINTS = os.path.join(REPO, "constraints.txt")
+#: what setup_env.sh installs by name (and scripts/test_triton.sh: triton, where present):
+#: name -> extras
+ROOTS = {"torch": (), "setuptools": (), "ve-fairseq": (), "ea-fairseq": ("test", "corpus"), "triton": ()}
+PROJECT = "ea-fairseq"  # installed from the checkout, not pinned
 
 
-def pins(path):
+def pins(path=CONSTRAINTS):
     out = {}
     with open(path, encoding="utf-8") as f:
         for line in f:
@@ -43,39 +48,64 @@ def built_by_setup_env() -> bool:
 
 
 def installed():
-    """What pip installed into the venv (not the packages some of them vendor, which land on
-    sys.path once imported: setuptools')."""
-    site = {sysconfig.get_paths()[key] for key in ("purelib", "platlib")}
-    return {canonicalize_name(d.metadata["Name"]): d.version for d in metadata.distributions(path=sorted(site))}
+    """name -> (version, requirements) of what pip installed into the venv (not the packages
+    some of them vendor, which land on sys.path once imported: setuptools')."""
+    site = sorted({sysconfig.get_paths()[key] for key in ("purelib", "platlib")})
+    return {canonicalize_name(d.metadata["Name"]): (d.version, d.requires or [])
+            for d in metadata.distributions(path=site)}
+
+
+def required(have, roots=ROOTS):
+    """The installed packages ``roots`` (with their extras) require, themselves included."""
+    seen, todo = set(), [(canonicalize_name(name), frozenset(extras)) for name, extras in roots.items()]
+    while todo:
+        name, extras = todo.pop()
+        if (name, extras) in seen or name not in have:
+            continue
+        seen.add((name, extras))
+        for line in have[name][1]:
+            req = Requirement(line)
+            if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in (*extras, "")):
+                todo.append((canonicalize_name(req.name), frozenset(req.extras)))
+    return {name for name, _ in seen}
 
 
 def findings(pinned, have):
-    """(installed but not pinned, {name: (installed, pin)} off their pin)."""
-    unpinned = sorted(set(have) - set(pinned) - UNPINNED)
-    wrong = {name: (have[name], str(spec)) for name, spec in pinned.items()
-             if name in have and not spec.contains(have[name], prereleases=True)}
+    """(required but not pinned, {name: (installed, pin)} off their pin)."""
+    unpinned = sorted(required(have) - set(pinned) - {PROJECT})
+    wrong = {name: (have[name][0], str(spec)) for name, spec in pinned.items()
+             if name in have and not spec.contains(have[name][0], prereleases=True)}
     return unpinned, wrong
 
 
 def test_the_constraints_are_exact_pins_and_name_each_package_once():
-    with open(os.path.join(REPO, "constraints.txt"), encoding="utf-8") as f:
+    with open(CONSTRAINTS, encoding="utf-8") as f:
         names = [canonicalize_name(re.split(r"[=<>!~ \[]", line.strip(), 1)[0]) for line in f
                  if line.strip() and not line.lstrip().startswith("#")]
-    assert len(names) == len(set(names)) == len(pins(os.path.join(REPO, "constraints.txt")))
+    assert len(names) == len(set(names)) == len(pins())
 
 
 @pytest.mark.skipif(not built_by_setup_env(),
                     reason="this environment is not setup_env.sh's for this constraints.txt with the CPU torch")
-def test_every_installed_package_is_pinned_at_its_version():
-    unpinned, wrong = findings(pins(os.path.join(REPO, "constraints.txt")), installed())
-    assert not unpinned, f"installed but not pinned in constraints.txt: {unpinned}: pin the tested versions"
+def test_every_package_setup_env_installs_is_pinned_at_its_version():
+    have = installed()
+    assert {"torch", "ve-fairseq", "scipy", "scikit-learn", "pytest"} <= required(have)  # the walk reaches them
+    unpinned, wrong = findings(pins(), have)
+    assert not unpinned, f"installed by setup_env.sh but not pinned in constraints.txt: {unpinned}: pin them"
     assert not wrong, f"installed versions differ from constraints.txt: {wrong}"
 
 
-def test_a_package_unpinned_or_off_its_pin_is_found():
-    """The check above on an environment with one package too many and one off its pin."""
-    pinned = pins(os.path.join(REPO, "constraints.txt"))
-    have = {name: str(spec.version) for name, spec in pinned.items()}
+def test_an_unpinned_requirement_or_a_version_off_its_pin_is_found():
+    """The check above on an environment where a pinned package requires one that is not
+    pinned, through an extra, another package is off its pin, and a package nothing requires
+    (a user's own) is installed."""
+    pinned = pins()
+    have = {name: (str(spec.version), []) for name, spec in pinned.items()}
+    have[PROJECT] = ("0", ['scipy; extra == "test"'])
     assert findings(pinned, have) == ([], {})
-    have.update({"some-new-dependency": "1.0", "scipy": "0.1"})
-    assert findings(pinned, have) == (["some-new-dependency"], {"scipy": ("0.1", str(pinned["scipy"]))})
+    have["scipy"] = ("0.1", ["new-dependency[fast]"])
+    have["new-dependency"] = ("1.0", ['deeper; extra == "fast"', 'not-needed; extra == "slow"'])
+    have["deeper"] = have["not-needed"] = have["a-users-own"] = ("1.0", [])
+    unpinned, wrong = findings(pinned, have)
+    assert unpinned == ["deeper", "new-dependency"]
+    assert wrong == {"scipy": ("0.1", str(pinned["scipy"]))}
