@@ -5,10 +5,10 @@ left unpinned is whatever is newest on the day a fresh machine builds it. What a
 into the venv beside them is theirs, and not looked at."""
 import hashlib
 import os
-import re
 import sys
 import sysconfig
 from importlib import metadata
+from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
@@ -23,6 +23,8 @@ PROJECT = "ea-fairseq"  # installed from the checkout, not pinned
 
 
 def pins(path=CONSTRAINTS):
+    """name -> its ``==`` specifier; asserts each line is an exact pin of a package not
+    pinned on an earlier line."""
     out = {}
     with open(path, encoding="utf-8") as f:
         for line in f:
@@ -30,8 +32,10 @@ def pins(path=CONSTRAINTS):
             if line:
                 req = Requirement(line)
                 (spec,) = req.specifier
+                name = canonicalize_name(req.name)
                 assert spec.operator == "==", f"{path}: {line!r} is not an exact pin"
-                out[canonicalize_name(req.name)] = spec
+                assert name not in out, f"{path}: {req.name} is pinned twice"
+                out[name] = spec
     return out
 
 
@@ -41,10 +45,10 @@ def built_by_setup_env() -> bool:
     stamp = os.path.join(sys.prefix, ".ea_fairseq_stamp")
     if not os.path.isfile(stamp):
         return False
-    blob = b"".join(open(os.path.join(REPO, name), "rb").read() for name in ("constraints.txt", "pyproject.toml"))
+    blob = b"".join(Path(REPO, name).read_bytes() for name in ("constraints.txt", "pyproject.toml"))
     import torch
 
-    return open(stamp).read().strip() == hashlib.sha256(blob).hexdigest() and torch.version.cuda is None
+    return Path(stamp).read_text().strip() == hashlib.sha256(blob).hexdigest() and torch.version.cuda is None
 
 
 def installed():
@@ -78,11 +82,12 @@ def findings(pinned, have):
     return unpinned, wrong
 
 
-def test_the_constraints_are_exact_pins_and_name_each_package_once():
-    with open(CONSTRAINTS, encoding="utf-8") as f:
-        names = [canonicalize_name(re.split(r"[=<>!~ \[]", line.strip(), 1)[0]) for line in f
-                 if line.strip() and not line.lstrip().startswith("#")]
-    assert len(names) == len(set(names)) == len(pins())
+def test_the_constraints_are_exact_pins_and_name_each_package_once(tmp_path):
+    assert "scipy" in pins()
+    for text, message in (("torch>=2\n", "is not an exact pin"), ("SciPy==1\nscipy==1\n", "scipy is pinned twice")):
+        (tmp_path / "c.txt").write_text(text)
+        with pytest.raises(AssertionError, match=message):
+            pins(tmp_path / "c.txt")
 
 
 @pytest.mark.skipif(not built_by_setup_env(),
