@@ -104,6 +104,20 @@ def load_runs(results: str) -> Dict[str, Dict[int, dict]]:
     return runs
 
 
+def load_candidates(results: str, runs: Dict[str, Dict[int, dict]]) -> Dict[str, Dict[str, dict]]:
+    """The learning-rate runs (``lr_selection/SYSTEM/lrX/``) that are no family's seed 1: the
+    rates not chosen, or every rate while a family's choice waits for its runs."""
+    seed_runs = {os.path.realpath(r["dir"]) for rs in runs.values() for r in rs.values()}
+    candidates: Dict[str, Dict[str, dict]] = {}
+    for path in sorted(glob.glob(os.path.join(results, "lr_selection", "*", "lr*", "run.json"))):
+        if os.path.realpath(os.path.dirname(path)) in seed_runs:
+            continue
+        record = _read(path)
+        record["dir"] = os.path.dirname(path)
+        candidates.setdefault(record["system"], {})[f"{float(record['lr']):g}"] = record
+    return candidates
+
+
 def _training(record: dict) -> dict:
     """The run's training summary, from its committed log (this code's reading of it)."""
     log = os.path.join(record["dir"], "train.log")
@@ -168,22 +182,21 @@ def comparisons(finished: Dict[str, Dict[int, dict]], order: List[str], base_nam
     return out
 
 
-def provenance(runs: Dict[str, Dict[int, dict]]) -> dict:
-    """The commits the runs ran on, the runs that recorded none, and whether the commits'
-    code differs (git diff outside the results, where this checkout knows both commits)."""
+def provenance(named: List[tuple]) -> dict:
+    """The commits the runs (``(name, record)`` pairs) ran on, the runs that recorded none, and
+    whether the commits' code differs (git diff outside the results, where this checkout knows
+    both commits)."""
     commits: Dict[str, List[str]] = {}
     unrecorded, dirty, frozen = [], [], 0
-    for s, rs in runs.items():
-        for k, r in sorted(rs.items()):
-            git = r.get("git") or {}
-            name = f"{s} seed {k}"
-            if git.get("commit"):
-                commits.setdefault(git["commit"], []).append(name)
-            else:
-                unrecorded.append(name)
-            if git.get("dirty"):
-                dirty.append(f"{name}: {', '.join(git['dirty'][:10])}")
-            frozen += os.path.exists(os.path.join(r["dir"], "pip-freeze.txt"))
+    for name, r in named:
+        git = r.get("git") or {}
+        if git.get("commit"):
+            commits.setdefault(git["commit"], []).append(name)
+        else:
+            unrecorded.append(name)
+        if git.get("dirty"):
+            dirty.append(f"{name}: {', '.join(git['dirty'][:10])}")
+        frozen += os.path.exists(os.path.join(r["dir"], "pip-freeze.txt"))
     same_code = None
     if len(commits) > 1:
         first, *rest = commits
@@ -192,8 +205,7 @@ def provenance(runs: Dict[str, Dict[int, dict]]) -> dict:
                                 cwd=REPO, capture_output=True) for c in rest]
         same_code = (None if any(d.returncode not in (0, 1) for d in diffs)
                      else all(d.returncode == 0 for d in diffs))
-    total = sum(len(rs) for rs in runs.values())
-    return {"commits": commits, "unrecorded": unrecorded, "dirty": dirty, "pip_freeze": frozen, "runs": total,
+    return {"commits": commits, "unrecorded": unrecorded, "dirty": dirty, "pip_freeze": frozen, "runs": len(named),
             "same_code": same_code}
 
 
@@ -209,13 +221,17 @@ def build(results: str) -> dict:
     order = [s for s in config["systems"] if s in planned or s in runs]
     finished = {s: {k: r for k, r in runs.get(s, {}).items() if r["status"] == "finished"} for s in order}
     scores = {s: {k: _read(_scores_json(r))["metrics"] for k, r in finished[s].items()} for s in order}
+    candidates = {s: c for s, c in load_candidates(results, runs).items() if s in order}
     choices = lr_choices(results)
     rel = os.path.relpath(results, REPO)
     out = {"results": rel if not rel.startswith("..") else results, "budget": config["budget"], "baseline": base_name,
            "copy_source": copy,
            "test": {"bootstrap": BOOTSTRAP, "trials": TRIALS, "seed": SEED,
                     "type": "seed-level inference of ea-fairseq-compare"},
-           "systems": {}, "findings": [], "machines": [], "signatures": {}, "provenance": provenance(runs)}
+           "systems": {}, "findings": [], "machines": [], "signatures": {},
+           "provenance": provenance([(f"{s} seed {k}", r) for s in order for k, r in sorted(runs.get(s, {}).items())] +
+                                    [(candidate_name(s, lr, s in choices), r) for s in order
+                                     for lr, r in sorted(candidates.get(s, {}).items(), key=lambda x: float(x[0]))])}
     compared = comparisons(finished, order, base_name)
     for m in METRICS:
         sig = next((v[m]["signature"] for s in order for v in scores[s].values() if m in v), None)
@@ -235,20 +251,14 @@ def build(results: str) -> dict:
                  "cpu_s_mean": statistics.fmean(cpu) if cpu else None,
                  "seeds_planned": sorted(planned.get(s, [])), "seeds_finished": sorted(finished[s]),
                  "seeds_failed": sorted(k for k, r in runs.get(s, {}).items() if r["status"] != "finished"),
-                 "seeds_missing": [k for k in seeds if k not in runs.get(s, {})], "runs": {}, "metrics": {}}
+                 "seeds_missing": [k for k in seeds if k not in runs.get(s, {})], "runs": {}, "metrics": {},
+                 "lr_candidates": {}}
         for k, r in sorted(runs.get(s, {}).items()):
-            mine = scores[s].get(k, {})
-            entry["runs"][str(k)] = {
-                "status": r["status"], "scores": {m: mine[m]["score"] for m in METRICS if m in mine},
-                "training": {x: y for x, y in _training(r).items() if x != "loss_curve"},
-                "lr": r.get("lr") if r.get("lr") is not None else _stamp_option(r, "lr"),
-                "train_wall_s": r.get("train_wall_s"), "wall_s": r.get("wall_s"), "cpu_s": r.get("cpu_s"),
-                "load_at_start": r.get("load_at_start"), "load_at_end": r.get("load_at_end"),
-                "started": r.get("started"), "machine": r["machine"], "commands": r["commands"],
-                "git": r.get("git"), "probe": (os.path.relpath(os.path.join(r["dir"], "probe.txt"), REPO)
-                                               if os.path.exists(os.path.join(r["dir"], "probe.txt")) else None),
-                "demo_train_stamp": r.get("demo_train_stamp"), "log_tail": r.get("log_tail"),
-                "failure": r.get("failure")}
+            entry["runs"][str(k)] = run_entry(r, scores[s].get(k, {}))
+        for lr, r in sorted(candidates.get(s, {}).items(), key=lambda x: float(x[0])):
+            entry["lr_candidates"][lr] = run_entry(r, _read(_scores_json(r))["metrics"]
+                                                   if r["status"] == "finished" else {})
+        for r in [*entry["runs"].values(), *entry["lr_candidates"].values()]:
             if r["machine"] not in out["machines"]:
                 out["machines"].append(r["machine"])
         for m in METRICS:
@@ -267,31 +277,61 @@ def build(results: str) -> dict:
     return out
 
 
+def candidate_name(system: str, lr: str, decided: bool) -> str:
+    """How the report names a learning-rate run that is not the family's seed 1."""
+    return f"{system} seed 1 at lr {lr} (learning-rate run, {_not_chosen(decided)})"
+
+
+def _not_chosen(decided: bool) -> str:
+    return "not chosen" if decided else "its family's choice waits for its other rates"
+
+
+def run_entry(r: dict, metrics: dict) -> dict:
+    """One stored run as the report keeps it: its scores (``metrics``: its scores.json's),
+    training summary, times, records and the paths of its kept outputs."""
+    return {"status": r["status"], "scores": {m: metrics[m]["score"] for m in METRICS if m in metrics},
+            "training": {x: y for x, y in _training(r).items() if x != "loss_curve"},
+            "lr": r.get("lr") if r.get("lr") is not None else _stamp_option(r, "lr"),
+            "train_wall_s": r.get("train_wall_s"), "wall_s": r.get("wall_s"), "cpu_s": r.get("cpu_s"),
+            "load_at_start": r.get("load_at_start"), "load_at_end": r.get("load_at_end"),
+            "started": r.get("started"), "machine": r["machine"], "commands": r["commands"],
+            "git": r.get("git"), "probe": (os.path.relpath(os.path.join(r["dir"], "probe.txt"), REPO)
+                                           if os.path.exists(os.path.join(r["dir"], "probe.txt")) else None),
+            "demo_train_stamp": r.get("demo_train_stamp"), "log_tail": r.get("log_tail"),
+            "failure": r.get("failure")}
+
+
+def named_runs(out: dict) -> List[tuple]:
+    """(name, run entry) of every stored run: the table's, then the learning-rate runs not chosen."""
+    return ([(f"{s} seed {k}", r) for s, e in out["systems"].items() for k, r in e["runs"].items()] +
+            [(candidate_name(s, lr, bool(e["lr_selection"])), r) for s, e in out["systems"].items()
+             for lr, r in e["lr_candidates"].items()])
+
+
 def findings(out: dict) -> List[str]:
-    """What the stored runs show of runs that failed or did not train: failed runs, NaN or
-    rising training loss, scores at or below the copy-the-source baseline; where the run kept
-    the collapse probe's output, where it is."""
+    """What the stored runs show of runs that failed or did not train, the learning-rate runs
+    not chosen among them: failed runs, NaN or rising training loss, test scores at or below the
+    copy-the-source baseline; where the run kept the collapse probe's output, where it is."""
     found = []
     copy = out["copy_source"]
-    for s, e in out["systems"].items():
-        for k, r in e["runs"].items():
-            t = r["training"]
-            mine = []
-            if r["status"] != "finished":
-                mine.append(f"{s} seed {k}: {r['status']} ({r['failure']})")
-            if t and not t.get("finite_loss", True):
-                mine.append(f"{s} seed {k}: NaN or infinite training loss")
-            elif t and t.get("points", 0) > 1 and t["last_loss"] >= t["first_loss"]:
-                mine.append(f"{s} seed {k}: training loss did not fall ({t['first_loss']} at the first "
-                            f"log line, {t['last_loss']} at the last): diverged")
-            for m in METRICS:
-                if copy and m in r["scores"] and r["scores"][m] <= copy["metrics"][m]["score"]:
-                    mine.append(f"{s} seed {k}: {LABEL[m]} {r['scores'][m]:.2f}, not above the copy-the-source "
-                                f"baseline ({copy['metrics'][m]['score']:.2f}); training loss "
-                                f"{_f(t.get('last_loss'))} at update {t.get('updates', '?')}")
-            if mine and r.get("probe"):
-                mine.append(f"{s} seed {k}: the collapse probe's output on its averaged checkpoint: `{r['probe']}`")
-            found += mine
+    for name, r in named_runs(out):
+        t = r["training"]
+        mine = []
+        if r["status"] != "finished":
+            mine.append(f"{name}: {r['status']} ({r['failure']})")
+        if t and not t.get("finite_loss", True):
+            mine.append(f"{name}: NaN or infinite training loss")
+        elif t and t.get("points", 0) > 1 and t["last_loss"] >= t["first_loss"]:
+            mine.append(f"{name}: training loss did not fall ({t['first_loss']} at the first "
+                        f"log line, {t['last_loss']} at the last): diverged")
+        for m in METRICS:
+            if copy and m in r["scores"] and r["scores"][m] <= copy["metrics"][m]["score"]:
+                mine.append(f"{name}: {LABEL[m]} {r['scores'][m]:.2f}, not above the copy-the-source "
+                            f"baseline ({copy['metrics'][m]['score']:.2f}); training loss "
+                            f"{_f(t.get('last_loss'))} at update {t.get('updates', '?')}")
+        if mine and r.get("probe"):
+            mine.append(f"{name}: the collapse probe's output on its averaged checkpoint: `{r['probe']}`")
+        found += mine
     return found
 
 
@@ -444,6 +484,7 @@ def markdown(out: dict, compare: dict) -> str:
     missing = [f"{s} seed {k}" for s, e in out["systems"].items() for k in e["seeds_missing"]]
     done = sum(len(e["seeds_finished"]) for e in out["systems"].values())
     total = sum(len(set(e["seeds_planned"]) | set(map(int, e["runs"]))) for e in out["systems"].values())
+    not_chosen = sum(len(e["lr_candidates"]) for e in out["systems"].values())
     t = out["test"]
     lines = [f"# {title(out)}", "",
              "Generated by `benchmarks/quality.py report` from the runs stored in "
@@ -452,7 +493,9 @@ def markdown(out: dict, compare: dict) -> str:
              "averaged as the demo does, beam 5 on the test set); scored with `ea-fairseq-bleu --mode wmt` "
              f"(detokenized sacreBLEU and chrF on {out['copy_source']['sentences'] if out['copy_source'] else '?'} "
              "test sentences).", "",
-             f"Runs finished: {done} of {total}." + (f" **Missing** (not run yet): {', '.join(missing)}." if missing else ""),
+             f"Runs finished: {done} of {total}" + (f", besides {not_chosen} other learning-rate run(s) (listed "
+                                                    "under Runs)" if not_chosen else "") + "." +
+             (f" **Missing** (not run yet): {', '.join(missing)}." if missing else ""),
              "", "## Systems", ""] + settings_table(out) + ["", "## Learning rate", ""] + lr_lines(out) + \
         ["", "## Provenance", ""] + [f"* {x}" for x in provenance_lines(out)] + \
         ["", "## Scores and differences to the baseline", "",
@@ -472,25 +515,26 @@ def markdown(out: dict, compare: dict) -> str:
     lines += ["## Findings", ""]
     lines += [f"* {x}" for x in out["findings"]] or ["None: every finished run trained (finite, falling loss) "
                                                      "and scores above the copy-the-source baseline."]
-    for sname, e in out["systems"].items():
-        for k, r in e["runs"].items():
-            if r["status"] != "finished" and r.get("log_tail"):
-                lines += ["", f"{sname} seed {k}, the end of its log:", "", "```", *r["log_tail"][-12:], "```"]
+    for name, r in named_runs(out):
+        if r["status"] != "finished" and r.get("log_tail"):
+            lines += ["", f"{name}, the end of its log:", "", "```", *r["log_tail"][-12:], "```"]
     lines += ["", "## Runs", "", "Times of one run (`scripts/demo.sh` for one system and seed, then "
               "`ea-fairseq-bleu`): *train* is fairseq-train's wall clock (the demo's), *run* the whole run's, "
               "*CPU* user + system time of every process of the run. Other jobs may share the cores "
-              "(the load average at start and end): wall times depend on that contention, CPU times much less.", ""]
+              "(the load average at start and end): wall times depend on that contention, CPU times much less. "
+              "After the table's runs, the other learning-rate runs (seed 1 at the rates not chosen).", ""]
     rows = []
-    for s, e in out["systems"].items():
-        for k, r in e["runs"].items():
-            t = r["training"]
-            la = r.get("load_at_start") or [None]
-            lb = r.get("load_at_end") or [None]
-            commit = (r.get("git") or {}).get("commit")
-            rows.append([s, k, r["status"], str(r["lr"] or "–"), str(t.get("updates", "–")), _f(t.get("last_loss")),
-                         _minutes(r["train_wall_s"]), _minutes(r["wall_s"]), _minutes(r["cpu_s"]),
-                         f"{_f(la[0])} → {_f(lb[0])}", f"`{commit[:12]}`" if commit else "not recorded",
-                         r["started"] or "–"])
+    for s, k, r in [(s, k, r) for s, e in out["systems"].items() for k, r in e["runs"].items()] + \
+                   [(s, f"1 ({_not_chosen(bool(e['lr_selection']))})", r) for s, e in out["systems"].items()
+                    for r in e["lr_candidates"].values()]:
+        t = r["training"]
+        la = r.get("load_at_start") or [None]
+        lb = r.get("load_at_end") or [None]
+        commit = (r.get("git") or {}).get("commit")
+        rows.append([s, k, r["status"], str(r["lr"] or "–"), str(t.get("updates", "–")), _f(t.get("last_loss")),
+                     _minutes(r["train_wall_s"]), _minutes(r["wall_s"]), _minutes(r["cpu_s"]),
+                     f"{_f(la[0])} → {_f(lb[0])}", f"`{commit[:12]}`" if commit else "not recorded",
+                     r["started"] or "–"])
     lines += _table(rows, ["system", "seed", "status", "lr", "updates", "last train loss", "train", "run", "CPU",
                            "load (1 min)", "commit", "started"])
     lines += ["", "## Machines", ""] + [f"* {json.dumps(x, sort_keys=True)}" for x in out["machines"]]

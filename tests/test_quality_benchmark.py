@@ -209,6 +209,57 @@ def test_learning_rate_run_is_scored_on_the_validation_set(finished):
     assert "chosen on the validation set" in md and "No learning-rate selection" not in md
 
 
+def test_learning_rate_runs_not_chosen_are_reported_and_checked_like_the_tables(finished, tmp_path):
+    """A learning-rate run that was not chosen (here realformer_lite's seed 1 at 0.001, a copy of
+    its chosen run scoring 0 on the test set) is no row of the score tables, but the report
+    counts it in the provenance, lists it under the runs, and flags it as it flags a table
+    run, with the path of its collapse probe's output; the chosen run is listed once."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import quality_report
+
+    _, res, _, real = finished
+    results = tmp_path / "res"
+    shutil.copytree(res, results, symlinks=True)
+    chosen = results / "lr_selection" / "realformer_lite" / f"lr{float(LRS[0]):g}"
+    other = chosen.parent / "lr0.001"
+    shutil.copytree(chosen, other, symlinks=True)
+    record = json.loads((other / "run.json").read_text())
+    (other / "run.json").write_text(json.dumps({**record, "lr": 0.001}))
+    scores = json.loads((other / "eval" / "test.es-en.scores.json").read_text())
+    for m in ("sacrebleu", "chrf"):
+        scores["metrics"][m]["score"] = 0.0
+    (other / "eval" / "test.es-en.scores.json").write_text(json.dumps(scores))
+
+    out = quality_report.build(str(results))
+    realformer = out["systems"]["realformer_lite"]
+    assert list(realformer["lr_candidates"]) == ["0.001"]  # the chosen rate is seed 1, listed once
+    assert realformer["lr_candidates"]["0.001"]["scores"] == {"sacrebleu": 0.0, "chrf": 0.0}
+    assert realformer["metrics"] == real["systems"]["realformer_lite"]["metrics"]  # not in the tables
+    assert not out["systems"]["transformer_lite"]["lr_candidates"]
+    name = "realformer_lite seed 1 at lr 0.001 (learning-rate run, not chosen)"
+    mine = [f for f in out["findings"] if f.startswith(name)]
+    assert [f.split(": ")[1].split(" ")[0] for f in mine] == ["sacreBLEU", "chrF", "the"]
+    assert mine[-1].endswith(f"`{os.path.relpath(other / 'probe.txt', REPO)}`")
+    moved = [f.replace(os.path.relpath(results, REPO), os.path.relpath(res, REPO)) for f in out["findings"]]
+    assert moved[:len(real["findings"])] == real["findings"] and len(moved) == len(real["findings"]) + len(mine)
+    p = out["provenance"]
+    assert p["runs"] == p["pip_freeze"] == len(SYSTEMS) * len(SEEDS) + 1
+    assert name in next(iter(p["commits"].values()))
+    md = quality_report.markdown(out, {"command": "", "output": ""})
+    assert md.count("| realformer_lite | 1 (not chosen) | finished | 0.001 | ") == 1
+    assert md.count("| realformer_lite | 1 | finished | ") == 1
+    assert f"Runs finished: {len(SYSTEMS) * len(SEEDS)} of {len(SYSTEMS) * len(SEEDS)}, besides 1 other learning-rate " \
+           "run(s) (listed under Runs)." in md
+    # before the family's choice (its seed 1 not linked yet) every rate's run waits, none is "not chosen"
+    (results / "lr_selection" / "realformer_lite" / "choice.json").unlink()
+    (results / "runs" / "realformer_lite" / "seed1").unlink()
+    out = quality_report.build(str(results))
+    assert list(out["systems"]["realformer_lite"]["lr_candidates"]) == ["0.001", f"{float(LRS[0]):g}"]
+    waiting = [f for f in out["findings"] if f.startswith("realformer_lite seed 1 at lr 0.001 (learning-rate run, "
+                                                          "its family's choice waits for its other rates): ")]
+    assert len(waiting) == 3 and not [f for f in out["findings"] if "not chosen" in f]
+
+
 def test_report_arithmetic_matches_sacrebleu_and_scipy(finished, derived):
     """The runner's own report (one seed per system) and the report of the results with derived
     seeds: every score, mean, spread, Δ, test and CI recomputed from the stored hypotheses."""
