@@ -106,16 +106,50 @@ def load_runs(results: str) -> Dict[str, Dict[int, dict]]:
 
 def load_candidates(results: str, runs: Dict[str, Dict[int, dict]]) -> Dict[str, Dict[str, dict]]:
     """The learning-rate runs (``lr_selection/SYSTEM/lrX/``) that are no family's seed 1: the
-    rates not chosen, or every rate while a family's choice waits for its runs."""
+    rates not chosen, or every rate while a family's choice waits for its runs. A seed 1 is its
+    learning-rate run where it links to it or is a copy of it (the links dereferenced); each run
+    is keyed by its rate (its record's, else its directory's), two runs at one rate by the rate
+    and the directory."""
     seed_runs = {os.path.realpath(r["dir"]) for rs in runs.values() for r in rs.values()}
+    seed_records = [{x: y for x, y in r.items() if x != "dir"} for rs in runs.values() for r in rs.values()]
     candidates: Dict[str, Dict[str, dict]] = {}
     for path in sorted(glob.glob(os.path.join(results, "lr_selection", "*", "lr*", "run.json"))):
-        if os.path.realpath(os.path.dirname(path)) in seed_runs:
-            continue
         record = _read(path)
+        if os.path.realpath(os.path.dirname(path)) in seed_runs or record in seed_records:
+            continue
         record["dir"] = os.path.dirname(path)
-        candidates.setdefault(record["system"], {})[f"{float(record['lr']):g}"] = record
+        name = os.path.basename(record["dir"])
+        lr = record.get("lr") if record.get("lr") is not None else _stamp_option(record, "lr") or name[len("lr"):]
+        key = _rate(lr)
+        mine = candidates.setdefault(record["system"], {})
+        mine[key if key not in mine else f"{key} ({name})"] = record
     return candidates
+
+
+def _rate(lr) -> str:
+    try:
+        return f"{float(lr):g}"
+    except (TypeError, ValueError):
+        return str(lr)
+
+
+def _rate_order(item) -> tuple:
+    """Candidates in the order of their rates (a rate that is no number last)."""
+    key = item[0].split(" ")[0]
+    try:
+        return 0, float(key), item[0]
+    except ValueError:
+        return 1, 0.0, item[0]
+
+
+def selection(choice: Optional[dict], lr: str, has_seed1: bool) -> str:
+    """What its family's choice (``choice.json``, or None) made of a learning-rate run that is not
+    the family's seed 1."""
+    if not choice:
+        return "its family's choice waits for its other rates"
+    if not has_seed1 and lr.split(" ")[0] == _rate(choice.get("lr")):
+        return "chosen, not linked as the family's seed 1 yet"
+    return "not chosen"
 
 
 def _training(record: dict) -> dict:
@@ -230,8 +264,8 @@ def build(results: str) -> dict:
                     "type": "seed-level inference of ea-fairseq-compare"},
            "systems": {}, "findings": [], "machines": [], "signatures": {},
            "provenance": provenance([(f"{s} seed {k}", r) for s in order for k, r in sorted(runs.get(s, {}).items())] +
-                                    [(candidate_name(s, lr, s in choices), r) for s in order
-                                     for lr, r in sorted(candidates.get(s, {}).items(), key=lambda x: float(x[0]))])}
+                                    [(candidate_name(s, lr, selection(choices.get(s), lr, 1 in runs.get(s, {}))), r)
+                                     for s in order for lr, r in sorted(candidates.get(s, {}).items(), key=_rate_order)])}
     compared = comparisons(finished, order, base_name)
     for m in METRICS:
         sig = next((v[m]["signature"] for s in order for v in scores[s].values() if m in v), None)
@@ -255,9 +289,10 @@ def build(results: str) -> dict:
                  "lr_candidates": {}}
         for k, r in sorted(runs.get(s, {}).items()):
             entry["runs"][str(k)] = run_entry(r, scores[s].get(k, {}))
-        for lr, r in sorted(candidates.get(s, {}).items(), key=lambda x: float(x[0])):
-            entry["lr_candidates"][lr] = run_entry(r, _read(_scores_json(r))["metrics"]
-                                                   if r["status"] == "finished" else {})
+        for lr, r in sorted(candidates.get(s, {}).items(), key=_rate_order):
+            entry["lr_candidates"][lr] = {**run_entry(r, _read(_scores_json(r))["metrics"]
+                                                      if r["status"] == "finished" else {}),
+                                          "selection": selection(choices.get(s), lr, 1 in runs.get(s, {}))}
         for r in [*entry["runs"].values(), *entry["lr_candidates"].values()]:
             if r["machine"] not in out["machines"]:
                 out["machines"].append(r["machine"])
@@ -277,13 +312,10 @@ def build(results: str) -> dict:
     return out
 
 
-def candidate_name(system: str, lr: str, decided: bool) -> str:
-    """How the report names a learning-rate run that is not the family's seed 1."""
-    return f"{system} seed 1 at lr {lr} (learning-rate run, {_not_chosen(decided)})"
-
-
-def _not_chosen(decided: bool) -> str:
-    return "not chosen" if decided else "its family's choice waits for its other rates"
+def candidate_name(system: str, lr: str, chosen: str) -> str:
+    """How the report names a learning-rate run that is not the family's seed 1 (``chosen``: its
+    ``selection``)."""
+    return f"{system} seed 1 at lr {lr} (learning-rate run, {chosen})"
 
 
 def run_entry(r: dict, metrics: dict) -> dict:
@@ -304,7 +336,7 @@ def run_entry(r: dict, metrics: dict) -> dict:
 def named_runs(out: dict) -> List[tuple]:
     """(name, run entry) of every stored run: the table's, then the learning-rate runs not chosen."""
     return ([(f"{s} seed {k}", r) for s, e in out["systems"].items() for k, r in e["runs"].items()] +
-            [(candidate_name(s, lr, bool(e["lr_selection"])), r) for s, e in out["systems"].items()
+            [(candidate_name(s, lr, r["selection"]), r) for s, e in out["systems"].items()
              for lr, r in e["lr_candidates"].items()])
 
 
@@ -525,7 +557,7 @@ def markdown(out: dict, compare: dict) -> str:
               "After the table's runs, the other learning-rate runs (seed 1 at the rates not chosen).", ""]
     rows = []
     for s, k, r in [(s, k, r) for s, e in out["systems"].items() for k, r in e["runs"].items()] + \
-                   [(s, f"1 ({_not_chosen(bool(e['lr_selection']))})", r) for s, e in out["systems"].items()
+                   [(s, f"1 ({r['selection']})", r) for s, e in out["systems"].items()
                     for r in e["lr_candidates"].values()]:
         t = r["training"]
         la = r.get("load_at_start") or [None]

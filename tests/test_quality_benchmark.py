@@ -464,3 +464,56 @@ def test_the_learning_rate_is_the_best_validation_candidate(tmp_path, scores, ch
         "ea_transformer_lite", chosen)).resolve()
     (Path(runner.candidate_dir("ea_transformer_lite", 0.002)) / "run.json").write_text(json.dumps({"status": "failed"}))
     assert runner.choose_lr("ea_transformer_lite") is None
+
+
+def _stored_run(path: Path, system: str, lr, **extra) -> dict:
+    """A failed run's record as quality.py writes it (no scores to read), under ``path``."""
+    record = {"system": system, "seed": 1, "lr": lr, "status": "failed", "failure": "scripts/demo.sh exited 1",
+              "machine": {"cpu": "test"}, "commands": ["bash scripts/demo.sh"], "started": f"{system} {path.name}",
+              "git": {"commit": "0" * 40, "dirty": []}, **extra}
+    if record["lr"] is None:
+        del record["lr"]
+    path.mkdir(parents=True)
+    (path / "run.json").write_text(json.dumps(record))
+    return record
+
+
+def test_every_learning_rate_run_is_listed_once_under_what_its_family_chose(tmp_path):
+    """Results the runner's layout allows, or a copy of them holds: a seed 1 that is a copy of
+    its learning-rate run (the links dereferenced) is listed once, as seed 1; two runs at one rate
+    (``lr0.002``, ``lr0.0020``) and a run.json without ``lr`` (named by its directory) are each
+    listed; a family whose choice is written but not yet linked names its chosen run as chosen."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import quality_report
+
+    res = tmp_path / "res"
+    systems = {s: {"arch": s, "train_args": "", "seeds": 1, "own_dropout": ""} for s in ("a_lite", "b_lite")}
+    res.mkdir()
+    (res / "config.json").write_text(json.dumps({"budget": {"lrs": [0.001, 0.002]}, "baseline": "a_lite",
+                                                 "planned": [[s, 1] for s in systems], "systems": systems}))
+    lrs = res / "lr_selection"
+    chosen = _stored_run(lrs / "a_lite" / "lr0.001", "a_lite", 0.001)
+    shutil.copytree(lrs / "a_lite" / "lr0.001", res / "runs" / "a_lite" / "seed1")  # a dereferenced copy
+    _stored_run(lrs / "a_lite" / "lr0.002", "a_lite", None)
+    _stored_run(lrs / "a_lite" / "lr0.0020", "a_lite", "0.0020")
+    _stored_run(lrs / "b_lite" / "lr0.001", "b_lite", 0.001)
+    _stored_run(lrs / "b_lite" / "lr0.002", "b_lite", 0.002)
+    for s, lr in (("a_lite", 0.001), ("b_lite", 0.002)):
+        (lrs / s / "choice.json").write_text(json.dumps({"system": s, "lr": lr, "seed": 1, "rule": "best",
+                                                         "valid": {}}))
+
+    out = quality_report.build(str(res))
+    a, b = out["systems"]["a_lite"], out["systems"]["b_lite"]
+    assert list(a["runs"]) == ["1"] and a["runs"]["1"]["started"] == chosen["started"]
+    assert sorted(r["started"] for r in a["lr_candidates"].values()) == ["a_lite lr0.002", "a_lite lr0.0020"]
+    assert sorted(r["started"] for r in b["lr_candidates"].values()) == ["b_lite lr0.001", "b_lite lr0.002"]
+    assert out["provenance"]["runs"] == 5 and len(set(out["provenance"]["commits"]["0" * 40])) == 5
+    names = [n for n, _ in quality_report.named_runs(out)]
+    assert len(names) == len(set(names)) == 5
+    assert [n for n in names if n.startswith("b_lite")] == [
+        "b_lite seed 1 at lr 0.001 (learning-rate run, not chosen)",
+        "b_lite seed 1 at lr 0.002 (learning-rate run, chosen, not linked as the family's seed 1 yet)"]
+    md = quality_report.markdown(out, {"command": "", "output": ""})
+    assert md.count("| a_lite | 1 (not chosen) | failed | ") == 2 and md.count("| a_lite | 1 | failed | ") == 1
+    assert md.count("| b_lite | 1 (not chosen) | failed | 0.001 |") == 1
+    assert md.count("| b_lite | 1 (chosen, not linked as the family's seed 1 yet) | failed | 0.002 |") == 1
