@@ -165,8 +165,11 @@ def _mean_std(values: List[float]):
 
 
 def _scores_json(record: dict) -> str:
-    (path,) = glob.glob(os.path.join(record["dir"], "eval", "*.scores.json"))
-    return path
+    found = glob.glob(os.path.join(record["dir"], "eval", "*.scores.json"))
+    if len(found) != 1:
+        raise SystemExit(f"quality.py: {record['dir']} is recorded as finished but holds {len(found)} "
+                         "eval/*.scores.json, not one: remove it and run `quality.py run` again to redo that run")
+    return found[0]
 
 
 def compare_cli(results: str, systems: List[str], runs) -> dict:

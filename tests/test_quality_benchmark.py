@@ -517,3 +517,25 @@ def test_every_learning_rate_run_is_listed_once_under_what_its_family_chose(tmp_
     assert md.count("| a_lite | 1 (not chosen) | failed | ") == 2 and md.count("| a_lite | 1 | failed | ") == 1
     assert md.count("| b_lite | 1 (not chosen) | failed | 0.001 |") == 1
     assert md.count("| b_lite | 1 (chosen, not linked as the family's seed 1 yet) | failed | 0.002 |") == 1
+
+
+def test_a_finished_run_without_its_scores_gets_one_line(tmp_path):
+    """A run recorded as finished whose eval/ holds no scores.json (a table run or a learning-rate
+    run not chosen) stops the report with one line naming the run, not a traceback."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import quality_report
+
+    res = tmp_path / "res"
+    systems = {"a_lite": {"arch": "a_lite", "train_args": "", "seeds": 1, "own_dropout": ""}}
+    res.mkdir()
+    (res / "config.json").write_text(json.dumps({"budget": {}, "baseline": "a_lite", "planned": [["a_lite", 1]],
+                                                 "systems": systems}))
+    run = res / "lr_selection" / "a_lite" / "lr0.002"
+    _stored_run(run, "a_lite", 0.002, status="finished")
+    (run / "eval").mkdir()
+    with pytest.raises(SystemExit, match=r"^[^\n]*lr0\.002[^\n]* finished[^\n]*scores\.json[^\n]*$"):
+        quality_report.build(str(res))
+    (res / "runs" / "a_lite").mkdir(parents=True)
+    (res / "runs" / "a_lite" / "seed1").symlink_to(os.path.relpath(run, res / "runs" / "a_lite"))
+    with pytest.raises(SystemExit, match=r"^[^\n]*seed1[^\n]* finished[^\n]*scores\.json[^\n]*$"):
+        quality_report.build(str(res))
