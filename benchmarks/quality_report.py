@@ -76,23 +76,29 @@ def copy_source_scores(src_path: str, ref_path: str) -> dict:
 
 
 def training_summary(log_path: str) -> dict:
-    """Updates, parameters and the training loss curve of a fairseq-train log."""
-    curve = []
-    params = None
+    """Updates, parameters and the training loss curve of a fairseq-train log: its train_inner
+    lines (each the mean over one log interval), or its per-epoch train lines in a log that has
+    none (a run shorter than one interval); the epoch lines are means over a whole epoch, so the
+    two are not mixed. ``updates``: the last update any line logs."""
+    inner, epochs = [], []
+    params, updates = None, 0
     with open(log_path, encoding="utf-8", errors="replace") as f:
         for line in f:
             m = PARAMS.search(line)
             params = m.group(1) if m else params
             loss, upd = LOSS.search(line), UPDATES.search(line)
             if loss and upd and " valid " not in line:
+                updates = max(updates, int(upd.group(1)))
                 try:
-                    curve.append([int(upd.group(1)), float(loss.group(1))])
+                    point = [int(upd.group(1)), float(loss.group(1))]
                 except ValueError:
-                    curve.append([int(upd.group(1)), float("nan")])
+                    point = [int(upd.group(1)), float("nan")]
+                (inner if " train_inner " in line else epochs).append(point)
+    curve = inner or epochs
     finite = all(math.isfinite(x) for _, x in curve)
-    return {"params": params, "updates": curve[-1][0] if curve else 0, "finite_loss": finite, "points": len(curve),
+    return {"params": params, "updates": updates, "finite_loss": finite, "points": len(curve),
             "first_loss": curve[0][1] if curve else None, "last_loss": curve[-1][1] if curve else None,
-            "loss_curve": curve}
+            "last_loss_update": curve[-1][0] if curve else None, "loss_curve": curve}
 
 
 def load_runs(results: str) -> Dict[str, Dict[int, dict]]:
@@ -363,7 +369,7 @@ def findings(out: dict) -> List[str]:
             if copy and m in r["scores"] and r["scores"][m] <= copy["metrics"][m]["score"]:
                 mine.append(f"{name}: {LABEL[m]} {r['scores'][m]:.2f}, not above the copy-the-source "
                             f"baseline ({copy['metrics'][m]['score']:.2f}); training loss "
-                            f"{_f(t.get('last_loss'))} at update {t.get('updates', '?')}")
+                            f"{_f(t.get('last_loss'))} at update {t.get('last_loss_update') or t.get('updates', '?')}")
         if mine and r.get("probe"):
             mine.append(f"{name}: the collapse probe's output on its averaged checkpoint: `{r['probe']}`")
         found += mine

@@ -539,3 +539,28 @@ def test_a_finished_run_without_its_scores_gets_one_line(tmp_path):
     (res / "runs" / "a_lite" / "seed1").symlink_to(os.path.relpath(run, res / "runs" / "a_lite"))
     with pytest.raises(SystemExit, match=r"^[^\n]*seed1[^\n]* finished[^\n]*scores\.json[^\n]*$"):
         quality_report.build(str(res))
+
+
+def test_the_training_loss_is_read_from_one_kind_of_log_line(tmp_path):
+    """fairseq-train logs a train_inner line per log interval (the mean over that interval) and a
+    train line per epoch (the mean over the epoch, at the same update where an epoch ends with an
+    interval): the loss curve and the last loss are the train_inner lines', never an epoch's mean;
+    a log shorter than one interval has only epoch lines, and those are its curve."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import quality_report
+
+    head = "2026-11-27 04:48:15 | INFO | "
+    log = tmp_path / "train.log"
+    log.write_text("".join([
+        f"{head}fairseq_cli.train | num. shared model params: 3,482,496 (num. trained: 3,482,496)\n",
+        f"{head}train_inner | epoch 001:     25 / 40 loss=12.214, nll_loss=12.1, ppl=4000, num_updates=25, lr=1e-4\n",
+        f"{head}train | epoch 001 | loss 11.5 | nll_loss 11.3 | ppl 2900 | num_updates 40 | lr 1.6e-4\n",
+        f"{head}train_inner | epoch 002:     10 / 40 loss=8.978, nll_loss=8.3, ppl=320, num_updates=50, lr=2e-4\n",
+        f"{head}train | epoch 002 | loss 8.983 | nll_loss 8.349 | ppl 326.07 | num_updates 52 | lr 2.1e-4\n",
+        f"{head}valid | epoch 002 | valid on 'valid' subset | loss 7.5 | nll_loss 7.1 | num_updates 52\n"]))
+    t = quality_report.training_summary(str(log))
+    assert t["loss_curve"] == [[25, 12.214], [50, 8.978]] and t["last_loss"] == 8.978
+    assert (t["updates"], t["last_loss_update"], t["first_loss"], t["params"]) == (52, 50, 12.214, "3,482,496")
+    log.write_text(f"{head}train | epoch 001 | loss 13.1 | nll_loss 13 | ppl 9000 | num_updates 2 | lr 1e-7\n")
+    t = quality_report.training_summary(str(log))
+    assert t["loss_curve"] == [[2, 13.1]] and (t["updates"], t["last_loss_update"]) == (2, 2)
