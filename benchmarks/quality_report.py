@@ -152,7 +152,7 @@ def selection(choice: Optional[dict], lr: str, has_seed1: bool) -> str:
     """What its family's choice (``choice.json``, or None) made of a learning-rate run that is not
     the family's seed 1."""
     if not choice:
-        return "its family's choice waits for its other rates"
+        return "its family's rate not chosen yet"
     if not has_seed1 and lr.split(" ")[0] == _rate(choice.get("lr")):
         return "chosen, not linked as the family's seed 1 yet"
     return "not chosen"
@@ -522,7 +522,8 @@ def provenance_lines(out: dict) -> List[str]:
 
 def markdown(out: dict, compare: dict) -> str:
     seeds = sorted({k for e in out["systems"].values() for k in e["seeds_planned"] + list(map(int, e["runs"]))})
-    missing = [f"{s} seed {k}" for s, e in out["systems"].items() for k in e["seeds_missing"]]
+    missing = [f"{s} seed {k}" + (" (its learning-rate runs are under Runs)" if k == 1 and e["lr_candidates"] else "")
+               for s, e in out["systems"].items() for k in e["seeds_missing"]]
     done = sum(len(e["seeds_finished"]) for e in out["systems"].values())
     total = sum(len(set(e["seeds_planned"]) | set(map(int, e["runs"]))) for e in out["systems"].values())
     not_chosen = sum(len(e["lr_candidates"]) for e in out["systems"].values())
@@ -563,7 +564,8 @@ def markdown(out: dict, compare: dict) -> str:
               "`ea-fairseq-bleu`): *train* is fairseq-train's wall clock (the demo's), *run* the whole run's, "
               "*CPU* user + system time of every process of the run. Other jobs may share the cores "
               "(the load average at start and end): wall times depend on that contention, CPU times much less. "
-              "After the table's runs, the other learning-rate runs (seed 1 at the rates not chosen).", ""]
+              "After the table's runs, the other learning-rate runs (seed 1 at the rates not chosen, or at every rate "
+              "while its family's is not chosen yet).", ""]
     rows = []
     for s, k, r in [(s, k, r) for s, e in out["systems"].items() for k, r in e["runs"].items()] + \
                    [(s, f"1 ({r['selection']})", r) for s, e in out["systems"].items()

@@ -256,7 +256,7 @@ def test_learning_rate_runs_not_chosen_are_reported_and_checked_like_the_tables(
     out = quality_report.build(str(results))
     assert list(out["systems"]["realformer_lite"]["lr_candidates"]) == ["0.001", f"{float(LRS[0]):g}"]
     waiting = [f for f in out["findings"] if f.startswith("realformer_lite seed 1 at lr 0.001 (learning-rate run, "
-                                                          "its family's choice waits for its other rates): ")]
+                                                          "its family's rate not chosen yet): ")]
     assert len(waiting) == 3 and not [f for f in out["findings"] if "not chosen" in f]
 
 
@@ -487,7 +487,7 @@ def test_every_learning_rate_run_is_listed_once_under_what_its_family_chose(tmp_
     import quality_report
 
     res = tmp_path / "res"
-    systems = {s: {"arch": s, "train_args": "", "seeds": 1, "own_dropout": ""} for s in ("a_lite", "b_lite")}
+    systems = {s: {"arch": s, "train_args": "", "seeds": 1, "own_dropout": ""} for s in ("a_lite", "b_lite", "c_lite")}
     res.mkdir()
     (res / "config.json").write_text(json.dumps({"budget": {"lrs": [0.001, 0.002]}, "baseline": "a_lite",
                                                  "planned": [[s, 1] for s in systems], "systems": systems}))
@@ -498,6 +498,7 @@ def test_every_learning_rate_run_is_listed_once_under_what_its_family_chose(tmp_
     _stored_run(lrs / "a_lite" / "lr0.0020", "a_lite", "0.0020")
     _stored_run(lrs / "b_lite" / "lr0.001", "b_lite", 0.001)
     _stored_run(lrs / "b_lite" / "lr0.002", "b_lite", 0.002)
+    _stored_run(lrs / "c_lite" / "lr0.002", "c_lite", 0.002)  # failed: the family's choice waits for this rate
     for s, lr in (("a_lite", 0.001), ("b_lite", 0.002)):
         (lrs / s / "choice.json").write_text(json.dumps({"system": s, "lr": lr, "seed": 1, "rule": "best",
                                                          "valid": {}}))
@@ -507,9 +508,11 @@ def test_every_learning_rate_run_is_listed_once_under_what_its_family_chose(tmp_
     assert list(a["runs"]) == ["1"] and a["runs"]["1"]["started"] == chosen["started"]
     assert sorted(r["started"] for r in a["lr_candidates"].values()) == ["a_lite lr0.002", "a_lite lr0.0020"]
     assert sorted(r["started"] for r in b["lr_candidates"].values()) == ["b_lite lr0.001", "b_lite lr0.002"]
-    assert out["provenance"]["runs"] == 5 and len(set(out["provenance"]["commits"]["0" * 40])) == 5
+    assert out["provenance"]["runs"] == 6 and len(set(out["provenance"]["commits"]["0" * 40])) == 6
     names = [n for n, _ in quality_report.named_runs(out)]
-    assert len(names) == len(set(names)) == 5
+    assert len(names) == len(set(names)) == 6
+    assert [n for n in names if n.startswith("c_lite")] == [
+        "c_lite seed 1 at lr 0.002 (learning-rate run, its family's rate not chosen yet)"]
     assert [n for n in names if n.startswith("b_lite")] == [
         "b_lite seed 1 at lr 0.001 (learning-rate run, not chosen)",
         "b_lite seed 1 at lr 0.002 (learning-rate run, chosen, not linked as the family's seed 1 yet)"]
@@ -517,6 +520,8 @@ def test_every_learning_rate_run_is_listed_once_under_what_its_family_chose(tmp_
     assert md.count("| a_lite | 1 (not chosen) | failed | ") == 2 and md.count("| a_lite | 1 | failed | ") == 1
     assert md.count("| b_lite | 1 (not chosen) | failed | 0.001 |") == 1
     assert md.count("| b_lite | 1 (chosen, not linked as the family's seed 1 yet) | failed | 0.002 |") == 1
+    assert "**Missing** (not run yet): b_lite seed 1 (its learning-rate runs are under Runs), c_lite seed 1 " \
+           "(its learning-rate runs are under Runs)." in md
 
 
 def test_a_finished_run_without_its_scores_gets_one_line(tmp_path):
