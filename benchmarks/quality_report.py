@@ -264,14 +264,18 @@ def build(results: str) -> dict:
     order = [s for s in config["systems"] if s in planned or s in runs]
     finished = {s: {k: r for k, r in runs.get(s, {}).items() if r["status"] == "finished"} for s in order}
     scores = {s: {k: _read(_scores_json(r))["metrics"] for k, r in finished[s].items()} for s in order}
-    candidates = {s: c for s, c in load_candidates(results, runs).items() if s in order}
+    stored = load_candidates(results, runs)
+    candidates = {s: c for s, c in stored.items() if s in order}
+    left_out = [os.path.relpath(r["dir"], results) for s in sorted(set(runs) - set(order))
+                for _, r in sorted(runs[s].items())] + \
+        [os.path.relpath(r["dir"], results) for s in sorted(set(stored) - set(order)) for r in stored[s].values()]
     choices = lr_choices(results)
     rel = os.path.relpath(results, REPO)
     out = {"results": rel if not rel.startswith("..") else results, "budget": config["budget"], "baseline": base_name,
            "copy_source": copy,
            "test": {"bootstrap": BOOTSTRAP, "trials": TRIALS, "seed": SEED,
                     "type": "seed-level inference of ea-fairseq-compare"},
-           "systems": {}, "findings": [], "machines": [], "signatures": {},
+           "systems": {}, "findings": [], "machines": [], "signatures": {}, "left_out": left_out,
            "provenance": provenance([(f"{s} seed {k}", r) for s in order for k, r in sorted(runs.get(s, {}).items())] +
                                     [(candidate_name(s, lr, selection(choices.get(s), lr, 1 in runs.get(s, {}))), r)
                                      for s in order for lr, r in sorted(candidates.get(s, {}).items(), key=_rate_order)])}
@@ -352,7 +356,8 @@ def named_runs(out: dict) -> List[tuple]:
 def findings(out: dict) -> List[str]:
     """What the stored runs show of runs that failed or did not train, the learning-rate runs
     not chosen among them: failed runs, NaN or rising training loss, test scores at or below the
-    copy-the-source baseline; where the run kept the collapse probe's output, where it is."""
+    copy-the-source baseline; where the run kept the collapse probe's output, where it is; and the
+    stored runs the report leaves out (of families config.json does not list)."""
     found = []
     copy = out["copy_source"]
     for name, r in named_runs(out):
@@ -373,6 +378,9 @@ def findings(out: dict) -> List[str]:
         if mine and r.get("probe"):
             mine.append(f"{name}: the collapse probe's output on its averaged checkpoint: `{r['probe']}`")
         found += mine
+    if out.get("left_out"):
+        found.append("Stored runs of families that config.json does not list, left out of this report: " +
+                     ", ".join(out["left_out"]))
     return found
 
 

@@ -499,6 +499,8 @@ def test_every_learning_rate_run_is_listed_once_under_what_its_family_chose(tmp_
     _stored_run(lrs / "b_lite" / "lr0.001", "b_lite", 0.001)
     _stored_run(lrs / "b_lite" / "lr0.002", "b_lite", 0.002)
     _stored_run(lrs / "c_lite" / "lr0.002", "c_lite", 0.002)  # failed: the family's choice waits for this rate
+    _stored_run(lrs / "gone_lite" / "lr0.001", "gone_lite", 0.001)  # a family config.json no longer lists
+    _stored_run(res / "runs" / "gone_lite" / "seed2", "gone_lite", 0.001, seed=2)
     for s, lr in (("a_lite", 0.001), ("b_lite", 0.002)):
         (lrs / s / "choice.json").write_text(json.dumps({"system": s, "lr": lr, "seed": 1, "rule": "best",
                                                          "valid": {}}))
@@ -511,6 +513,8 @@ def test_every_learning_rate_run_is_listed_once_under_what_its_family_chose(tmp_
     assert out["provenance"]["runs"] == 6 and len(set(out["provenance"]["commits"]["0" * 40])) == 6
     names = [n for n, _ in quality_report.named_runs(out)]
     assert len(names) == len(set(names)) == 6
+    assert out["findings"][-1] == ("Stored runs of families that config.json does not list, left out of this "
+                                   "report: runs/gone_lite/seed2, lr_selection/gone_lite/lr0.001")
     assert [n for n in names if n.startswith("c_lite")] == [
         "c_lite seed 1 at lr 0.002 (learning-rate run, its family's rate not chosen yet)"]
     assert [n for n in names if n.startswith("b_lite")] == [
