@@ -257,7 +257,7 @@ def test_learning_rate_runs_not_chosen_are_reported_and_checked_like_the_tables(
     assert list(out["systems"]["realformer_lite"]["lr_candidates"]) == ["0.001", f"{float(LRS[0]):g}"]
     waiting = [f for f in out["findings"] if f.startswith("realformer_lite seed 1 at lr 0.001 (learning-rate run, "
                                                           "its family's rate not chosen yet): ")]
-    assert len(waiting) == 3 and not [f for f in out["findings"] if "not chosen" in f]
+    assert len(waiting) == 3 and not [f for f in out["findings"] if "(learning-rate run, not chosen)" in f]
 
 
 def test_report_arithmetic_matches_sacrebleu_and_scipy(finished, derived):
