@@ -480,7 +480,8 @@ def settings_table(out: dict) -> List[str]:
     for s, e in out["systems"].items():
         lr = " / ".join(e["lr"]) or "–"
         sel = e["lr_selection"]
-        how = "chosen on the validation set" if sel else "the demo's, not selected"
+        how = ("chosen on the validation set" if sel else "not chosen yet" if e["lr_candidates"] or not e["lr"]
+               else "the demo's, not selected")
         drop = " / ".join(e["dropout"]) or "–"
         own = e["own_dropout"] or "–"
         rows.append([s, e["arch"] + (f" `{e['train_args']}`" if e["train_args"] else ""), f"{lr} ({how})", drop, own,
@@ -491,11 +492,19 @@ def settings_table(out: dict) -> List[str]:
 
 def lr_lines(out: dict) -> List[str]:
     chosen = {s: e["lr_selection"] for s, e in out["systems"].items() if e["lr_selection"]}
+    waiting = [s for s, e in out["systems"].items() if not e["lr_selection"] and e["lr_candidates"]]
+    rates = ' and '.join(f'{x:g}' for x in out['budget'].get('lrs') or [0.001, 0.002])
+    later = [f"Not chosen yet: {', '.join(waiting)} ({'its' if len(waiting) == 1 else 'their'} learning-rate runs are "
+             "under Runs)."] if waiting else []
+    if not chosen and (waiting or not any(e["lr"] for e in out["systems"].values())):
+        return [f"No family's learning rate is chosen yet: `quality.py run` chooses each family's from {rates} on "
+                "the validation set (seed 1) once all its rates' runs have finished; those stored so far are listed "
+                "under Runs."]
     if not chosen:
         lrs = sorted({lr for e in out["systems"].values() for lr in e["lr"]})
         return [f"No learning-rate selection is stored for these runs: every family trained at {' / '.join(lrs)}, the "
                 "demo's rate, which was not selected on the validation set (`quality.py run` selects each "
-                f"family's from {' and '.join(f'{x:g}' for x in out['budget'].get('lrs') or [0.001, 0.002])} on the "
+                f"family's from {rates} on the "
                 "validation set, seed 1, for the runs it trains)."]
     grid = sorted({lr for c in chosen.values() for lr in c["valid"]}, key=float)
     rows = [[s] + [" / ".join(_f(c["valid"][lr][m]) for m in METRICS) if lr in c["valid"] else "–" for lr in grid]
@@ -503,7 +512,7 @@ def lr_lines(out: dict) -> List[str]:
     rule = next(iter(chosen.values()))["rule"]
     return ([f"Each family's learning rate, chosen on the validation set with seed 1 ({rule}; that run is the "
              "family's seed 1): validation sacreBLEU / chrF at each rate.", ""] +
-            _table(rows, ["system"] + [f"lr {lr}" for lr in grid] + ["chosen"]))
+            _table(rows, ["system"] + [f"lr {lr}" for lr in grid] + ["chosen"]) + ([""] + later if later else []))
 
 
 def provenance_lines(out: dict) -> List[str]:

@@ -526,6 +526,17 @@ def test_every_learning_rate_run_is_listed_once_under_what_its_family_chose(tmp_
     assert md.count("| b_lite | 1 (chosen, not linked as the family's seed 1 yet) | failed | 0.002 |") == 1
     assert "**Missing** (not run yet): b_lite seed 1 (its learning-rate runs are under Runs), c_lite seed 1 " \
            "(its learning-rate runs are under Runs)." in md
+    assert "| c_lite | c_lite | – (not chosen yet) |" in md and "the demo's, not selected" not in md
+    assert "Not chosen yet: c_lite (its learning-rate runs are under Runs)." in md
+    # before any family's choice (the runner's report after each of the first runs)
+    shutil.rmtree(res / "runs")
+    for s in systems:
+        with contextlib.suppress(FileNotFoundError):
+            (lrs / s / "choice.json").unlink()
+    md = quality_report.markdown(quality_report.build(str(res)), {"command": "", "output": ""})
+    assert "No family's learning rate is chosen yet: `quality.py run` chooses each family's from 0.001 and 0.002 " \
+           "on the validation set (seed 1) once all its rates' runs have finished; those stored so far are " \
+           "listed under Runs." in md and "the demo's, not selected" not in md and "No learning-rate selection" not in md
 
 
 def test_a_finished_run_without_its_scores_gets_one_line(tmp_path):
