@@ -264,7 +264,8 @@ class Runner:
                 record["train_wall_s"] = int(f.read())
             with open(os.path.join(run_dir, ".done"), encoding="utf-8") as f:
                 record["demo_train_stamp"] = f.read().strip()
-            self.link_refs(os.path.join(stage, "eval"))
+            for scored in ("eval", "valid") if validate else ("eval",):
+                self.link_refs(os.path.join(stage, scored))
             self.probe(record, averaged, os.path.join(stage, "probe.txt"))
             record["status"] = "finished"
         else:
@@ -336,7 +337,8 @@ class Runner:
             self.after_run(name, final)
 
     def link_refs(self, eval_dir: str):
-        """References are the same for every run: one copy in refs/, links beside the hypotheses."""
+        """References are the same for every run: one copy of each (test and validation) in refs/,
+        links beside the hypotheses."""
         refs = os.path.join(self.results, "refs")
         os.makedirs(refs, exist_ok=True)
         for f in sorted(os.listdir(eval_dir)):

@@ -198,6 +198,8 @@ def test_learning_rate_run_is_scored_on_the_validation_set(finished):
             d = res / "lr_selection" / system / f"lr{float(lr):g}"
             hyp = lines(d / "valid" / "valid.es-en.hyp.sacrebleu")
             assert lines(d / "valid" / "valid.es-en.ref.sacrebleu") == raw and len(hyp) == VALID
+            # one copy of the references in refs/, as the test set's: links beside the hypotheses
+            assert (d / "valid" / "valid.es-en.ref.sacrebleu").resolve() == (res / "refs" / "valid.es-en.ref.sacrebleu")
             valid[float(lr)] = (BLEU().corpus_score(hyp, [raw]).score, CHRF().corpus_score(hyp, [raw]).score)
             assert choice["valid"][f"{float(lr):g}"]["sacrebleu"] == pytest.approx(valid[float(lr)][0])
             assert choice["valid"][f"{float(lr):g}"]["chrf"] == pytest.approx(valid[float(lr)][1])
