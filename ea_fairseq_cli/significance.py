@@ -210,10 +210,14 @@ UPPER = ("below 55%", "up to 70%", "up to 70% or more")
 def agreement_range(ci: Tuple[float, float], thresholds: Tuple[float, float], system: str, baseline: str) -> str:
     """Kocmi et al.'s pairwise-accuracy bands that the differences in ``ci`` (system minus
     baseline, higher-better metric) fall in, and the system humans would prefer: named only
-    when the CI excludes zero, and then the one whose score is higher."""
+    when the CI excludes zero, and then the one whose score is higher; a CI that includes zero
+    reaches, on each side, the band of its end on that side."""
     lo, hi = ci
     if lo > 0 or hi < 0:
         near, far = sorted((abs(lo), abs(hi)))
         better = system if lo > 0 else baseline
         return f"{SPANS[_band(near, thresholds), _band(far, thresholds)]}: humans would prefer {better}"
-    return f"no preferred system, the CI includes 0 ({UPPER[_band(max(abs(lo), abs(hi)), thresholds)]} for either)"
+    for_system, for_baseline = UPPER[_band(hi, thresholds)], UPPER[_band(-lo, thresholds)]
+    reach = (f"{for_system} for either" if for_system == for_baseline
+             else f"{for_system} for {system}, {for_baseline} for {baseline}")
+    return f"no preferred system, the CI includes 0 ({reach})"

@@ -174,3 +174,9 @@ def test_agreement_range_names_the_better_system_only_when_the_ci_excludes_zero(
     for ci in ((-0.15, 5.3), (0.0, 2.0), (-0.1, 0.1)):
         assert sig.agreement_range(ci, chrf, "ea", "base").startswith("no preferred system, the CI includes 0")
         assert "prefer" not in sig.agreement_range(ci, chrf, "ea", "base").replace("no preferred", "")
+    # each side reaches the band of the CI's end on that side, not of the farther end
+    assert sig.agreement_range((-0.63, 3.87), chrf, "pa", "base").endswith(
+        "(up to 70% or more for pa, up to 70% for base)")
+    assert sig.agreement_range((-3.87, 0.2), chrf, "pa", "base").endswith(
+        "(below 55% for pa, up to 70% or more for base)")
+    assert sig.agreement_range((-1.5, 1.2), chrf, "pa", "base").endswith("(up to 70% or more for either)")
