@@ -563,9 +563,10 @@ def markdown(out: dict, compare: dict) -> str:
          "3 to 5 seeds it underestimates their spread. *95% CI, Welch* and *p*: Welch's t over the seeds' scores "
          "(it leaves out the test set's sampling noise, which every run shares); with one run each, a two-sided "
          f"approximate randomisation test ({t['trials']} trials). *p, Holm*: Holm's correction over the systems "
-         "compared. *sign*: of the pairs (baseline run, system run), how many differ in Δ's direction. "
+         "compared; the CIs are per comparison, not corrected for the systems compared (where they exclude zero "
+         "and *p, Holm* is 0.05 or more, the difference does not hold at 0.05 across the systems). *sign*: of the pairs (baseline run, system run), how many differ in Δ's direction. "
          "*human agreement*: the range of Kocmi et al.'s (2024) pairwise accuracy with humans that the "
-         "differences in both CIs reach, naming a system only when they exclude zero; those thresholds were "
+         "differences in both (uncorrected) CIs reach, naming a system only when they exclude zero; those thresholds were "
          "calibrated on differences between WMT systems, and these are small models far from convergence: "
          "a rough guide.", ""]
     for m in METRICS:
@@ -592,10 +593,12 @@ def markdown(out: dict, compare: dict) -> str:
         lb = r.get("load_at_end") or [None]
         commit = (r.get("git") or {}).get("commit")
         rows.append([s, k, r["status"], str(r["lr"] or "–"), str(t.get("updates", "–")), _f(t.get("last_loss")),
+                     " / ".join(_f(r["scores"].get(m)) for m in METRICS),
                      _minutes(r["train_wall_s"]), _minutes(r["wall_s"]), _minutes(r["cpu_s"]),
                      f"{_f(la[0])} → {_f(lb[0])}", f"`{commit[:12]}`" if commit else "not recorded",
                      r["started"] or "–"])
-    lines += _table(rows, ["system", "seed", "status", "lr", "updates", "last train loss", "train", "run", "CPU",
+    lines += _table(rows, ["system", "seed", "status", "lr", "updates", "last train loss",
+                           " / ".join(f"test {LABEL[m]}" for m in METRICS), "train", "run", "CPU",
                            "load (1 min)", "commit", "started"])
     lines += ["", "## Machines", ""] + [f"* {json.dumps(x, sort_keys=True)}" for x in out["machines"]]
     lines += ["", "## Commands", "", "The whole table (resumable; a finished run is kept), then the report from "
@@ -625,10 +628,15 @@ def readme_block(out: dict) -> str:
         rows.append([s, _seeds(e), _spread(b), _spread(e["metrics"]["chrf"]), delta, e["params"] or "–",
                      _minutes(e["cpu_s_mean"])])
     head = ["system", "seeds", "sacreBLEU, mean ± std", "chrF, mean ± std",
-            f"Δ sacreBLEU to {base} [95% CI, Welch] (p, Holm over the systems)", "parameters", "CPU per run"]
+            f"Δ sacreBLEU to {base} [95% CI, Welch, per comparison] (p, Holm over the systems)", "parameters",
+            "CPU per run"]
     where = "; ".join(sorted({f"{m['cpu']} ({m['cores']} cores), torch {m['torch']}" for m in out["machines"]}))
+    commits = list(out["provenance"]["commits"])
+    at = (f" at commit `{commits[0][:12]}`" if len(commits) == 1 and not out["provenance"]["unrecorded"] else
+          f" at {len(commits)} commits (see the report)" if commits else "")
     text = [README_BEGIN, "", f"{title(out)}:", "", *_table(rows, head), "",
-            (f"Measured on {where}. " if where else "No run has finished yet. ") + scope(out) +
+            (f"Measured on {where}{at}. " if where else "No run has finished yet. ") +
+            "The CIs are per comparison, not corrected for the systems compared; the Holm p is. " + scope(out) +
             " Bootstrap CIs, chrF differences, the learning rates and how they were chosen, dropout, provenance, "
             "every run's scores and times, findings and commands: [`benchmarks/quality.md`](benchmarks/quality.md).", "",
             *([f"Findings: {len(out['findings'])}, listed in the report.", ""] if out["findings"] else []),
