@@ -2,11 +2,11 @@
 # The README's demo: Transformer-Lite vs EA-Transformer-Lite on a small, real, offline
 # Spanish->English corpus (the Bible, examples/translation/bible-es-en), on CPU.
 #
-#   bash scripts/demo.sh                      # about 22 min on a 2-core CPU, creating the venv included
+#   bash scripts/demo.sh                      # about 20 min on a 2-core CPU, creating the venv included
 #   DEMO_UPDATES=300 bash scripts/demo.sh     # quicker (and weaker) run
 #
-# Reference run (2-core AMD EPYC VM, torch 2.13, creating the venv included: 22 min 15 s):
-#   copy source 0.10, transformer_lite 10.63, ea_transformer_lite 14.71 detokenized sacreBLEU
+# Reference run (2-core Intel Xeon VM, torch 2.13, the venv already created: 16 min 31 s):
+#   copy source 0.10, transformer_lite 11.93, ea_transformer_lite 13.36 detokenized sacreBLEU
 # after 1200 updates (~2 epochs, one seed): a check of the whole pipeline, not a benchmark.
 # The same machine and seed print the same table again; another CPU prints other digits
 # (README.md, "The two commands").
