@@ -265,11 +265,12 @@ def build(results: str) -> dict:
     finished = {s: {k: r for k, r in runs.get(s, {}).items() if r["status"] == "finished"} for s in order}
     scores = {s: {k: _read(_scores_json(r))["metrics"] for k, r in finished[s].items()} for s in order}
     stored = load_candidates(results, runs)
-    candidates = {s: c for s, c in stored.items() if s in order}
+    candidates = {s: dict(sorted(c.items(), key=_rate_order)) for s, c in stored.items() if s in order}
     left_out = [os.path.relpath(r["dir"], results) for s in sorted(set(runs) - set(order))
                 for _, r in sorted(runs[s].items())] + \
         [os.path.relpath(r["dir"], results) for s in sorted(set(stored) - set(order)) for r in stored[s].values()]
     choices = lr_choices(results)
+    chose = {s: {lr: selection(choices.get(s), lr, 1 in runs.get(s, {})) for lr in c} for s, c in candidates.items()}
     rel = os.path.relpath(results, REPO)
     out = {"results": rel if not rel.startswith("..") else results, "budget": config["budget"], "baseline": base_name,
            "copy_source": copy,
@@ -277,8 +278,8 @@ def build(results: str) -> dict:
                     "type": "seed-level inference of ea-fairseq-compare"},
            "systems": {}, "findings": [], "machines": [], "signatures": {}, "left_out": left_out,
            "provenance": provenance([(f"{s} seed {k}", r) for s in order for k, r in sorted(runs.get(s, {}).items())] +
-                                    [(candidate_name(s, lr, selection(choices.get(s), lr, 1 in runs.get(s, {}))), r)
-                                     for s in order for lr, r in sorted(candidates.get(s, {}).items(), key=_rate_order)])}
+                                    [(candidate_name(s, lr, chose[s][lr]), r)
+                                     for s in order for lr, r in candidates.get(s, {}).items()])}
     compared = comparisons(finished, order, base_name)
     for m in METRICS:
         sig = next((v[m]["signature"] for s in order for v in scores[s].values() if m in v), None)
@@ -302,10 +303,9 @@ def build(results: str) -> dict:
                  "lr_candidates": {}}
         for k, r in sorted(runs.get(s, {}).items()):
             entry["runs"][str(k)] = run_entry(r, scores[s].get(k, {}))
-        for lr, r in sorted(candidates.get(s, {}).items(), key=_rate_order):
+        for lr, r in candidates.get(s, {}).items():
             entry["lr_candidates"][lr] = {**run_entry(r, _read(_scores_json(r))["metrics"]
-                                                      if r["status"] == "finished" else {}),
-                                          "selection": selection(choices.get(s), lr, 1 in runs.get(s, {}))}
+                                                      if r["status"] == "finished" else {}), "selection": chose[s][lr]}
         for r in [*entry["runs"].values(), *entry["lr_candidates"].values()]:
             if r["machine"] not in out["machines"]:
                 out["machines"].append(r["machine"])
@@ -564,11 +564,11 @@ def markdown(out: dict, compare: dict) -> str:
          "(it leaves out the test set's sampling noise, which every run shares); with one run each, a two-sided "
          f"approximate randomisation test ({t['trials']} trials). *p, Holm*: Holm's correction over the systems "
          "compared; the CIs are per comparison, not corrected for the systems compared (where they exclude zero "
-         "and *p, Holm* is 0.05 or more, the difference does not hold at 0.05 across the systems). *sign*: of the pairs (baseline run, system run), how many differ in Δ's direction. "
-         "*human agreement*: the range of Kocmi et al.'s (2024) pairwise accuracy with humans that the "
-         "differences in both (uncorrected) CIs reach, naming a system only when they exclude zero; those thresholds were "
-         "calibrated on differences between WMT systems, and these are small models far from convergence: "
-         "a rough guide.", ""]
+         "and *p, Holm* is 0.05 or more, the difference does not hold at 0.05 across the systems). *sign*: of the "
+         "pairs (baseline run, system run), how many differ in Δ's direction. *human agreement*: the range of "
+         "Kocmi et al.'s (2024) pairwise accuracy with humans that the differences in both (uncorrected) CIs reach, "
+         "naming a system only when they exclude zero; those thresholds were calibrated on differences between "
+         "WMT systems, and these are small models far from convergence: a rough guide.", ""]
     for m in METRICS:
         lines += [f"### {LABEL[m]} after {updates(out)} updates", "", f"sacreBLEU signature: `{out['signatures'][m]}`", ""]
         lines += metric_table(out, m, seeds) + [""]
