@@ -12,6 +12,7 @@ of both reports is recomputed with sacreBLEU and scipy from the stored hypothese
 among several learning rates (each candidate a whole run of its own) is checked on stored
 candidates, without training them."""
 import contextlib
+import importlib
 import json
 import lzma
 import os
@@ -53,6 +54,13 @@ def tiny_corpus(out: Path) -> None:
                 f.writelines(p[k] + "\n" for p in pairs)
 
 
+def benchmarks_module(name: str):
+    """benchmarks/NAME.py, imported as quality.py imports its sibling (benchmarks/ on sys.path)."""
+    if str(REPO / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(REPO / "benchmarks"))
+    return importlib.import_module(name)
+
+
 def quality(*args, check=True):
     return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], cwd=REPO, capture_output=True,
                           text=True, check=check)
@@ -88,8 +96,7 @@ def derive_seed(results: Path, system: str, sentences, work: Path) -> None:
     logs and probe, a fresh eval/, its references linked to refs/ by the runner's own code."""
     from ea_fairseq_cli import bleu
 
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import quality as q
+    q = benchmarks_module("quality")
 
     seed1 = (results / "runs" / system / "seed1").resolve()
     run = results / "runs" / system / "seed2"
@@ -216,8 +223,7 @@ def test_learning_rate_runs_not_chosen_are_reported_and_checked_like_the_tables(
     its chosen run scoring 0 on the test set) is no row of the score tables, but the report
     counts it in the provenance, lists it under the runs, and flags it as it flags a table
     run, with the path of its collapse probe's output; the chosen run is listed once."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import quality_report
+    quality_report = benchmarks_module("quality_report")
 
     _, res, _, real = finished
     results = tmp_path / "res"
@@ -412,8 +418,7 @@ def test_a_second_runner_on_the_same_work_dir_is_refused(tmp_path):
 def test_a_dirty_tree_is_refused_unless_allowed(tmp_path, monkeypatch):
     """The runner records the commit each run ran on: uncommitted changes outside the results
     are refused (one line) unless --allow-dirty; git_state lists them, leaving out the results."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import quality as q
+    q = benchmarks_module("quality")
 
     repo = tmp_path / "repo"
     (repo / "res").mkdir(parents=True)
@@ -448,8 +453,7 @@ def test_a_dirty_tree_is_refused_unless_allowed(tmp_path, monkeypatch):
 def test_the_learning_rate_is_the_best_validation_candidate(tmp_path, scores, chosen):
     """choose_lr on stored candidate runs: validation sacreBLEU, then chrF, then the lower
     rate; seed 1 becomes a link to the chosen run; no choice while a candidate is unfinished."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import quality as q
+    q = benchmarks_module("quality")
 
     runner = q.Runner.__new__(q.Runner)  # no git or pip records: nothing here trains
     runner.results, runner.args = str(tmp_path), type("Args", (), {"lrs": sorted(scores)})()
@@ -485,8 +489,7 @@ def test_every_learning_rate_run_is_listed_once_under_what_its_family_chose(tmp_
     its learning-rate run (the links dereferenced) is listed once, as seed 1; two runs at one rate
     (``lr0.002``, ``lr0.0020``) and a run.json without ``lr`` (named by its directory) are each
     listed; a family whose choice is written but not yet linked names its chosen run as chosen."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import quality_report
+    quality_report = benchmarks_module("quality_report")
 
     res = tmp_path / "res"
     systems = {s: {"arch": s, "train_args": "", "seeds": 1, "own_dropout": ""} for s in ("a_lite", "b_lite", "c_lite")}
@@ -544,8 +547,7 @@ def test_every_learning_rate_run_is_listed_once_under_what_its_family_chose(tmp_
 def test_a_finished_run_without_its_scores_gets_one_line(tmp_path):
     """A run recorded as finished whose eval/ holds no scores.json (a table run or a learning-rate
     run not chosen) stops the report with one line naming the run, not a traceback."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import quality_report
+    quality_report = benchmarks_module("quality_report")
 
     res = tmp_path / "res"
     systems = {"a_lite": {"arch": "a_lite", "train_args": "", "seeds": 1, "own_dropout": ""}}
@@ -568,8 +570,7 @@ def test_the_training_loss_is_read_from_one_kind_of_log_line(tmp_path):
     train line per epoch (the mean over the epoch, at the same update where an epoch ends with an
     interval): the loss curve and the last loss are the train_inner lines', never an epoch's mean;
     a log shorter than one interval has only epoch lines, and those are its curve."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import quality_report
+    quality_report = benchmarks_module("quality_report")
 
     head = "2026-11-27 04:48:15 | INFO | "
     log = tmp_path / "train.log"
