@@ -61,6 +61,9 @@ SIDE_EFFECTS: Tuple[SideEffect, ...] = (
                "ea_fairseq.checkpoint_safety.hook:torch_for_checkpoint_utils",
                "inside that loader, in its thread, fairseq's torch.load returns the sanitized state instead "
                "of unpickling the file again; torch itself everywhere else", EVERY_PROCESS),
+    SideEffect("fairseq.models:build_model", "ea_fairseq.safety.budget:build_model",
+               "a model fairseq builds from a checkpoint (every task's build_model calls this) is built under "
+               "the budget of the weights this thread read last: nothing is allocated past it", EVERY_PROCESS),
     SideEffect("fairseq.file_utils:load_archive_file", "ea_fairseq.archives:archive_loader",
                "the hub extracts a model or data archive only into a fresh folder, its members checked",
                EVERY_PROCESS),

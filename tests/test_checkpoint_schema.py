@@ -186,18 +186,13 @@ def small_model_asking_big(state):
     return state
 
 
-def base_layers(state):
-    state["cfg"]["model"].base_layers = 1_000_000  # fairseq adds that many BASE layers to the decoder
-    return state
-
-
+BUDGET = "refused: the model its configuration describes would create more than"
 SIZE_ATTACKS = {
-    "base-layers": (base_layers, "cfg.model.base_layers = 1000000: more than the 2 layers"),
-    "nested-section": (nested_layers, "cfg.model.encoder_layers = 100000: more than the 2 encoder layers"),
-    "un-prefixed-alias": (alias_layers, "cfg.model.encoder_layers = 100000: more than the 2 encoder layers"),
-    "layers-to-keep": (layers_to_keep, "cfg.model.encoder_layers_to_keep = '0,0,0"),
-    "0-element-tensor": (empty_tensor, "cfg.model.encoder_ffn_embed_dim = 1073741824: more than the largest"),
-    "no-floor": (small_model_asking_big, "cfg.model.encoder_ffn_embed_dim = 16384: more than the largest"),
+    "nested-section": (nested_layers, BUDGET),
+    "un-prefixed-alias": (alias_layers, BUDGET),
+    "layers-to-keep": (layers_to_keep, BUDGET),
+    "0-element-tensor": (empty_tensor, BUDGET),
+    "no-floor": (small_model_asking_big, "refused: its weights are not those of the model"),
 }
 
 

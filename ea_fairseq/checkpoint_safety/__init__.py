@@ -42,7 +42,7 @@ fairseq receives has been generated here from it:
 tools, ``--restore-file``/``--finetune-from-model`` and the hub read a checkpoint;
 :func:`load_checkpoint` does the same for the plugin's own tools.
 """
-from .bounds import LIMIT_POSITIONS, check_model_sizes, vouched_model_class
+from .fields import LIMIT_POSITIONS
 from .hook import load_checkpoint, nonfinite_weights, sanitize, trusted
 from .literals import EVALUATED_FIELDS, UNUSED_FIELDS, Form
 from .plain import (LIMIT_AMPLIFICATION, LIMIT_CHARS, LIMIT_CONFIG_NODES, LIMIT_DEPTH, LIMIT_ITEMS,
@@ -56,7 +56,7 @@ from .schema import PATH_FIELDS, Generator
 __all__ = [
     "CheckpointError", "CorruptCheckpointError", "architecture", "EVALUATED_FIELDS", "Form", "Generator", "LIMIT_AMPLIFICATION",
     "LIMIT_CHARS", "LIMIT_CONFIG_NODES", "LIMIT_DEPTH", "LIMIT_ITEMS", "LIMIT_POSITIONS", "LIMIT_STATE_NODES",
-    "PATH_FIELDS", "TRUST_SWITCH", "UNUSED_FIELDS", "UnsafeCheckpointError", "check_model_sizes",
+    "PATH_FIELDS", "TRUST_SWITCH", "UNUSED_FIELDS", "UnsafeCheckpointError",
     "checkpoint_globals", "checkpoint_globals_allowed", "fairseq_checkpoint_globals", "load_checkpoint",
-    "nonfinite_weights", "numpy_checkpoint_globals", "read_checkpoint", "sanitize", "trusted", "vouched_model_class",
+    "nonfinite_weights", "numpy_checkpoint_globals", "read_checkpoint", "sanitize", "trusted",
 ]

@@ -4,11 +4,11 @@ what fairseq's trainer can read back.
 :func:`check_model_matches` builds the model the generated configuration describes, with the
 checkpoint's task, on torch's ``meta`` device (no memory;
 :func:`~ea_fairseq.models.building.build_on_meta`, placeholder dictionaries as large as the
-weights' embeddings) and loads the weights into it as fairseq does (``load_state_dict`` with
-``strict=True``, which upgrades and prunes them first): any exception, a missing or unexpected
-key or a shape that differs is refused in one line naming the first difference, before fairseq
-builds anything (so a head count that does not divide the dimension, a negative position limit
-or a switched-on layer the weights do not hold never reaches a deep traceback).
+weights' embeddings) under the budget of its weights (:mod:`ea_fairseq.safety.budget`), and
+loads the weights into it as fairseq does (``load_state_dict`` with ``strict=True``, which
+upgrades and prunes them first): a missing or unexpected key or a shape that differs is refused
+in one line naming the first difference, before fairseq builds anything. A model that does not
+build on ``meta`` at all is left to fairseq's own build, which says why.
 
 :func:`check_training_state` reads what fairseq's trainer reads back on ``--restore-file``:
 the metrics' meter classes (fairseq calls ``globals()[name]()`` in ``fairseq.logging.meters``:
@@ -29,6 +29,7 @@ from typing import Any, Dict, Iterator, Mapping, Tuple
 import numpy as np
 import torch
 
+from ..safety.budget import Budget, BudgetError
 from .reading import UnsafeCheckpointError, _shown
 
 LIMIT_UPDATES = 10 ** 12  # far beyond any training run; fairseq schedules learning rates from it
@@ -77,11 +78,12 @@ def check_model_matches(cfg: Dict[str, Any], weights: Any, source: str):
         raise _refuse(source, "its weights hold no token embeddings (encoder.embed_tokens.weight); "
                               "not a translation model's weights")
     try:
-        model, received = meta_model(cfg, weights)
-    except Exception as error:  # noqa: BLE001  (whatever fairseq would raise, said in one line)
-        first = (str(error).strip().splitlines() or [""])[0][:300]
-        raise _refuse(source, f"fairseq cannot build the model its configuration describes "
-                              f"({type(error).__name__}: {first})") from None
+        with Budget.for_weights(weights, source):
+            model, received = meta_model(cfg, weights)
+    except BudgetError:
+        raise
+    except Exception:  # noqa: BLE001  (a model that does not build on meta: fairseq's own build says why)
+        return None
     try:
         # names and shapes only: meta copies of the weights, no data read; one-element tensors
         # (fairseq's ``version`` buffers, which its state-dict upgrade reads with ``.item()``) as

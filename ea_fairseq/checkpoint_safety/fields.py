@@ -15,7 +15,6 @@ from typing import Any, Dict, List, Optional, Tuple
 from .literals import EVALUATED_FIELDS, _evaluated_value, _literal
 from .plain import _Refused
 from ..data_files import CHECKED_FORMATS, LANGUAGE_CODE
-from .bounds import LIMIT_POSITIONS
 from .reading import _shown
 
 
@@ -32,6 +31,7 @@ NAME_FIELDS = {"source_lang": "a language code", "target_lang": "a language code
                "gen_subset": "a split name"}
 LANGUAGE_FIELDS = frozenset(k for k, v in NAME_FIELDS.items() if v == "a language code")
 _LANGUAGE = LANGUAGE_CODE  # (the same codes as a language inferred from a data directory's file names)
+LIMIT_POSITIONS = 1 << 16  # fairseq's max_source/target_positions
 # integers by which fairseq sizes what it allocates when it loads data or translates with a
 # checkpoint's configuration (the analysis tool and the hub set their task up from it): padding
 # multiples, length buckets, position tables, ratios: (least, most); every other integer a
@@ -49,10 +49,6 @@ _NAMES = re.compile(r"[A-Za-z0-9_-]{1,64}(,[A-Za-z0-9_-]{1,64}){0,63}")
 # the task families whose configuration this plugin has checked (its recipes and hub use these);
 # another task's dataclass may name files and directories fairseq opens when it sets the task up
 VOUCHED_TASKS = frozenset({"translation", "translation_lines", "translation_progress"})
-# text processors the hub may build from a checkpoint: those that need no network (gpt2, bert,
-# hf_byte_bpe, ... download their vocabularies or reach for other packages' files)
-OFFLINE_TEXT = {"bpe": frozenset({"sentencepiece", "subword_nmt", "fastbpe", "characters", "bytes", "byte_bpe"}),
-                "tokenizer": frozenset({"moses", "nltk", "space"})}
 REGISTRY_SECTIONS = ("task", "criterion", "optimizer", "lr_scheduler", "scoring", "bpe", "tokenizer")
 _INTEGER, _NUMBER = re.compile(r"[-+]?\d{1,19}"), re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d{1,3})?")
 

@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Mapping
 
 import torch
 
-from .bounds import _check_family, check_model_sizes
+from ..safety.budget import weights_read
 from .consistency import check_model_matches, check_training_state, check_upgradable
 from .fields import shown_key, shown_text
 from .plain import LIMIT_AMPLIFICATION, _Walk
@@ -51,15 +51,10 @@ def sanitize(state: Dict[str, Any], source: str, *, build_check: bool = True) ->
         return out
     for root in config_roots:
         out[root] = walk.plain(state[root], root)[0]
-    _check_family(out, source)
     if not config_roots:
         return out
     generator = Generator(source)
     out["cfg"] = generator.generate(out.get("cfg"), out.get("args"))
-    model = out["cfg"]["model"]
-    if model is not None:
-        fields = vars(model) if type(model) is argparse.Namespace else model
-        check_model_sizes(fields, out.get("model"), "args" if out.get("args") is not None else "cfg.model", source)
     out["args"] = None
     _check_received(out["cfg"], source)
     if build_check:
@@ -165,6 +160,7 @@ def checkpoint_loader(original):
         source = shown_text(str(path))  # the name every message gives it (a file name is input too)
         state = sanitize(read_checkpoint(PathManager.get_local_path(path), source), source)
         check_upgradable(state, source)  # what fairseq's own upgrade indexes before anything else
+        weights_read(source, state.get("model"))  # the model fairseq builds next is budgeted by them
         states = _pending.__dict__.setdefault("states", [])
         states.append(state)
         try:

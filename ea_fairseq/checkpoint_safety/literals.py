@@ -72,6 +72,9 @@ for _names, _use, _kind in (
     (("adam_betas", "adamax_betas", "lamb_betas", "adafactor_eps"), "eval() when the optimizer is built", _NUMBERS),
     (("left_pad_source", "left_pad_target"), "utils.eval_bool() in the multilingual tasks", _BOOL),
     (("wer_args",), "eval() in the CTC criterion", _DATA),
+    (("encoder_layers", "decoder_layers", "encoder_attention", "decoder_attention", "self_attention",
+      "project_input", "gated_attention", "downsample", "pretrained"),
+     "eval() when a convolutional (fconv) model is built", _DATA),
     (("feature_encoder_spec", "character_filters"), "eval() when the model's data or embedder is built", _DATA),
 ):
     for _name in _names:

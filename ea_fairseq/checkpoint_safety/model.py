@@ -73,12 +73,20 @@ def _option_type(action: argparse.Action) -> Any:
     return List[kind] if many else kind
 
 
+def _declared_types(model_class) -> Dict[str, Any]:
+    """``TransformerConfig``'s types for a transformer (the plugin's models among them); none for
+    another family, whose fields of the same names may differ (fconv's ``encoder_layers`` is text)."""
+    from fairseq.models.transformer import TransformerModelBase
+
+    return _transformer_types() if isinstance(model_class, type) and issubclass(model_class, TransformerModelBase) else {}
+
+
 @functools.lru_cache(maxsize=None)
 def option_table(model_class) -> Dict[str, Any]:
     """``{field: declared type}`` of the options of ``model_class``."""
     from ..models.hydra_config import option_actions
 
-    transformer = _transformer_types()
+    transformer = _declared_types(model_class)
     return {dest: transformer.get(dest) or _option_type(action)
             for dest, action in option_actions(model_class).items() if dest != "help"}
 
@@ -142,7 +150,7 @@ def model_section(gen, given: Any, path: str, legacy: bool):
     model_class = ARCH_MODEL_REGISTRY.get(name) or MODEL_REGISTRY.get(name)
     table = dict(option_table(model_class))
     for key in _arch_keys(name):  # fields the architecture fills in that no option gives
-        table.setdefault(key, _transformer_types().get(key))
+        table.setdefault(key, _declared_types(model_class).get(key))
     try:
         flat = _flat_fields(fields, path, table)
     except _Refused as why:

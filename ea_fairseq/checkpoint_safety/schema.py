@@ -25,7 +25,7 @@ import logging
 import re
 from typing import Any, Dict, List, Optional
 
-from .fields import (OFFLINE_TEXT, PATH_FIELDS, REGISTRY_SECTIONS, VOUCHED_TASKS, _fields,  # noqa: F401
+from .fields import (PATH_FIELDS, REGISTRY_SECTIONS, VOUCHED_TASKS, _fields,  # noqa: F401
                      _unwrap_optional, declared, defaults, shown_key, shown_text, typed)
 from .literals import EVALUATED_FIELDS
 from .model import model_section
@@ -96,10 +96,6 @@ class Generator:
                 "only; for other tasks it has not checked which configuration fields fairseq opens or "
                 f"evaluates. Nothing in the checkpoint was run. To load a checkpoint you trust without these "
                 f"checks, set {TRUST_SWITCH}=1.")
-        if kind in OFFLINE_TEXT and (type(name) is not str or name not in OFFLINE_TEXT[kind]):
-            raise self.refuse("args." + kind if legacy is not None else f"cfg.{kind}._name", name,
-                              f"fairseq's hub builds this {kind} from the checkpoint, and only "
-                              f"{', '.join(sorted(OFFLINE_TEXT[kind]))} need no download")
         if type(name) is not str or name not in dataclasses_:
             self.dropped.append(f"cfg.{kind} ({_shown(name)}: no configuration dataclass registered)")
             return None
@@ -125,7 +121,7 @@ class Generator:
                     out[name] = None if source is None else model_section(self, source, path, legacy is not None)
                 elif name in REGISTRY_SECTIONS:
                     out[name] = self.registry_section(name, given, legacy)
-                    if name in OFFLINE_TEXT and out[name] is not None:
+                    if name in ("bpe", "tokenizer") and out[name] is not None:
                         self.text.append(f"{name}={out[name]['_name']}")
                 elif name == "generation":
                     out[name] = self.section(field.type, None, path)
@@ -139,6 +135,10 @@ class Generator:
                 if name not in out:
                     self.dropped.append(f"cfg.{shown_key(name)}")
         _resolve_references(out)
+        model = out.get("model")
+        if type(model) is argparse.Namespace:  # a legacy model reads the whole command line from its section
+            given = vars(legacy) if legacy is not None else _fields(cfg["model"])
+            _complete_namespace(model, out, given)
         return out
 
     def _note_generation(self, given: Optional[Dict[str, Any]], applied: Dict[str, Any]) -> None:
@@ -165,6 +165,21 @@ class Generator:
         if self.dropped:
             logger.info("%s: configuration fields fairseq does not declare were dropped: %s", self.source,
                         ", ".join(self.dropped[:20]) + (", ..." if len(self.dropped) > 20 else ""))
+
+
+def _complete_namespace(model: argparse.Namespace, out: Dict[str, Any], given: Dict[str, Any]) -> None:
+    """The fields of ``given`` (the checkpoint's model Namespace, which fairseq hands a legacy model
+    whole: LSTM reads ``args.criterion``, BART ``args.task``) that belong to another section, with
+    that section's generated value: a registry's name (``task``, ``criterion``, ...) or a field."""
+    generated: Dict[str, Any] = {}
+    for name, section in out.items():
+        if isinstance(section, dict) and name != "model":
+            generated.setdefault(name, section.get("_name"))
+            for key, value in section.items():
+                generated.setdefault(key, value)
+    for key in given:
+        if not hasattr(model, key) and key in generated and key != "_name":
+            setattr(model, key, generated[key])
 
 
 def _upgraded(args: argparse.Namespace) -> argparse.Namespace:

@@ -1,0 +1,107 @@
+"""Principle 3, budget the effect, not the declaration: what fairseq builds from a received
+checkpoint is counted as it is built, and stopped before it allocates more than the checkpoint's
+weights justify.
+
+No field of a configuration is bounded by what it declares: a model is built under
+:class:`Budget`, which runs every torch operation of the build first on the ``meta`` device (a
+shape, no memory) and adds the elements of each new tensor it would make (parameters, buffers,
+tables the checkpoint does not store, such as sinusoidal position tables, and the temporaries
+that compute them) before the real operation runs. Past the budget the build stops with
+:class:`BudgetError`, so a layer count, a dimension, a position limit or a dictionary that is
+too large costs no memory and no more time than the budget's worth of building.
+
+Where: every model fairseq builds from a checkpoint (``fairseq.models.build_model`` with
+``from_checkpoint``: the command-line tools, the hub, ``ea-fairseq-analysis``), with the task's
+real dictionaries, against the weights of the checkpoint this thread read last
+(:func:`weights_read`); and the meta build that compares a checkpoint's configuration with its
+weights when it is read (:mod:`ea_fairseq.checkpoint_safety.consistency`).
+"""
+import functools
+import threading
+from typing import Any, Mapping, Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ..checkpoint_safety.reading import UnsafeCheckpointError
+
+#: elements a build may create per element of the weights (a model built in float32 from fp16
+#: weights, the temporaries of its initialisation), plus :data:`SLACK` for what no weight
+#: stores (position tables, buffers, a tiny model's fixed costs)
+FACTOR = 4
+SLACK = 1 << 24
+#: torch operations a build may run per tensor of the weights (fairseq's and the plugin's
+#: models run about 11 to build and initialise one), plus :data:`OPERATIONS_SLACK`: a thousand
+#: layers of a few elements cost little memory, but time
+OPERATIONS_FACTOR = 64
+OPERATIONS_SLACK = 1 << 12
+
+
+class BudgetError(UnsafeCheckpointError):
+    """A model whose build would create far more than its checkpoint's weights."""
+
+
+def _storages(tree) -> set:
+    return {t.untyped_storage()._cdata for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)}
+
+
+class Budget(TorchFunctionMode):
+    """Counts the torch operations in its block and the elements of the tensors they create,
+    each before it is created, and raises :class:`BudgetError` past either limit, which
+    :meth:`for_weights` sets from the weights of the checkpoint the model is built for."""
+
+    def __init__(self, limit: int, operations: int, what: str):
+        super().__init__()
+        self.limit, self.operations, self.what, self.used = limit, operations, what, 0
+
+    @classmethod
+    def for_weights(cls, weights: Any, what: str) -> "Budget":
+        tensors = [v for v in weights.values() if torch.is_tensor(v)] if isinstance(weights, Mapping) else []
+        return cls(FACTOR * sum(t.numel() for t in tensors) + SLACK,
+                   OPERATIONS_FACTOR * len(tensors) + OPERATIONS_SLACK, what)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.operations -= 1
+        try:
+            on_meta = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs))
+            with torch.device("meta"):
+                out = func(*on_meta[0], **on_meta[1])
+            given = _storages(on_meta)
+            self.used += sum(t.numel() for t in tree_flatten(out)[0]
+                             if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in given)
+        except Exception:  # noqa: BLE001  (no meta kernel: an operation that reads values, not one that sizes)
+            pass
+        if self.used > self.limit or self.operations < 0:
+            raise BudgetError(f"{self.what}: refused: the model its configuration describes would create more "
+                              f"than {self.limit:,} elements (parameters, buffers and tables) or take more "
+                              "operations to build than its weights justify, with these dictionaries; nothing was "
+                              "allocated. Nothing in the checkpoint was run; use the dictionaries and "
+                              "configuration it was trained with.")
+        return func(*args, **kwargs)
+
+
+_read = threading.local()  # per thread: the budget of the checkpoint it read last
+
+
+def weights_read(source: str, weights: Any) -> None:
+    """Record, for this thread, the checkpoint just read: the next model fairseq builds from a
+    checkpoint in this thread is budgeted by its weights."""
+    _read.last = Budget.for_weights(weights, source)
+
+
+def build_model(original):
+    """``fairseq.models.build_model`` (``original``) building a model from a checkpoint under
+    the budget of the checkpoint this thread read last; any other build as fairseq does."""
+
+    @functools.wraps(original)
+    def build(cfg, task, from_checkpoint=False):
+        budget: Optional[Budget] = getattr(_read, "last", None) if from_checkpoint else None
+        if budget is None:
+            return original(cfg, task, from_checkpoint)
+        _read.last = None
+        with budget:
+            return original(cfg, task, from_checkpoint)
+
+    return build
