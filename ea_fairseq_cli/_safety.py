@@ -34,7 +34,7 @@ def _module(name: str):
     return sys.modules[name]
 
 
-_module("ea_fairseq.errors")
+OptionError = _module("ea_fairseq.errors").OptionError
 _module("ea_fairseq.safety")
 _confined, _writers = _module("ea_fairseq.safety.confined"), _module("ea_fairseq.safety.writers")
 ConfinedPathError, inside, open_inside = _confined.ConfinedPathError, _confined.inside, _confined.open_inside

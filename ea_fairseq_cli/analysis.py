@@ -367,17 +367,19 @@ def main(argv: Optional[List[str]] = None) -> int:
                         level=logging.WARNING, stream=sys.stderr)
     args = build_parser().parse_args(argv)
     check_inputs(args)
-    if args.command == "plot" and args.what in ("entropy", "js", "curves"):
-        return args.func(args)  # JSON and log files in, PNG out: no fairseq, no torch
-    from ea_fairseq import load_plugin
+    from ._safety import OptionError
 
-    load_plugin()
-    from ea_fairseq.checkpoint_safety import CheckpointError
-    from ea_fairseq.errors import OptionError
+    refused = (OptionError,)
+    if not (args.command == "plot" and args.what in ("entropy", "js", "curves")):
+        from ea_fairseq import load_plugin  # (JSON and log files in, PNG out: no fairseq, no torch)
 
+        load_plugin()
+        from ea_fairseq.checkpoint_safety import CheckpointError
+
+        refused += (CheckpointError,)
     try:
         return args.func(args)
-    except (CheckpointError, OptionError) as err:  # a refused checkpoint or data file: its reason, not a traceback
+    except refused as err:  # a refused checkpoint, data file or log: its reason, not a traceback
         raise SystemExit(f"ea-fairseq-analysis {args.command}: error: {err}")
 
 
