@@ -6,6 +6,7 @@ import os
 import sys
 from typing import List, Optional
 
+from ._safety import replaced, write_text
 from .inputs import need_file, need_files, need_folder
 
 logger = logging.getLogger("ea_fairseq.analysis")
@@ -82,6 +83,9 @@ def cmd_dump(args) -> int:
     for s in meta["sentences"]:
         kinds = "; ".join(f"{a}: {', '.join(k)}" for a, k in s["maps"].items())
         print(f"sentence {s['id']}: {len(s['source'])} source / {len(s['target'])} target tokens; {kinds}")
+    skipped = meta["skipped_longer_than_max_positions"]
+    if skipped:
+        print(f"skipped {len(skipped)} sentence(s) longer than the model's max_positions: {skipped}")
     print(f"wrote {args.out} and {os.path.splitext(args.out)[0]}.json")
     return 0
 
@@ -114,11 +118,10 @@ def cmd_metrics(args) -> int:
     report = M.markdown(results)
     prefix = args.out
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
-    with open(prefix + ".md", "w") as f:
-        f.write(report)
+    write_text(prefix + ".md", report)
     M.write_csv(prefix + ".csv", M.layer_rows(results))
     M.write_csv(prefix + ".js.csv", M.js_rows(results))
-    with open(prefix + ".json", "w") as f:
+    with replaced(prefix + ".json", "w") as f:
         json.dump({"data": source, "decoder_targets": "beam hypothesis" if args.hypothesis else "reference",
                    "checkpoints": dict(zip(names, map(os.path.abspath, args.checkpoints))),
                    "models": results}, f, indent=1)
@@ -140,30 +143,34 @@ def _read_metrics(paths: List[str]) -> dict:
 
 
 def _plot_dump(args, plots, written: List[str]) -> None:
-    """``plot maps``/``plot kinds``: each figure of the dump, named by :func:`plots.figure_path`."""
-    from ea_fairseq.analysis.maps import AttentionDump
+    """``plot maps``/``plot kinds``: each figure of the dump, named by :func:`plots.figure_path`;
+    at most :data:`plots.LIMIT_FIGURES` of them."""
+    from ea_fairseq.analysis.maps import AttentionDump, DumpError
 
     dump = AttentionDump(args.dump)
     sids = args.sentence if args.sentence else sorted(dump.sentences)
-    os.makedirs(args.out_dir, exist_ok=True)
+    figures = []  # (sid, attention, kind or head): all of them counted before one is drawn
     for sid in sids:
         if sid not in dump.sentences:
             raise SystemExit(f"sentence {sid} is not in {args.dump} ({sorted(dump.sentences)})")
         for attention, kinds in dump.sentences[sid].kinds.items():
             if args.attention and attention not in args.attention:
                 continue
-            if args.what == "kinds":
-                for head in args.heads or [1]:
-                    out = plots.figure_path(args.out_dir, f"s{sid}", attention, f"head{head}")
-                    written.append(plots.plot_kinds(dump, sid, attention, head, args.kind,
-                                                    out, args.layers, args.window_start))
-                continue
-            for kind in kinds:
-                if "all" not in args.kind and kind not in args.kind:
-                    continue
-                out = plots.figure_path(args.out_dir, f"s{sid}", attention, kind)
-                written.append(plots.plot_maps(dump, sid, attention, kind, out,
-                                               args.layers, args.heads, args.scale, args.window_start))
+            figures += ([(sid, attention, head) for head in args.heads or [1]] if args.what == "kinds" else
+                        [(sid, attention, kind) for kind in kinds if "all" in args.kind or kind in args.kind])
+            if len(figures) > plots.LIMIT_FIGURES:
+                raise DumpError(f"{args.dump}: more than the {plots.LIMIT_FIGURES} figures one command draws; "
+                                "pick some with --sentence, --attention or --kind")
+    os.makedirs(args.out_dir, exist_ok=True)
+    for sid, attention, which in figures:
+        if args.what == "kinds":
+            out = plots.figure_path(args.out_dir, f"s{sid}", attention, f"head{which}")
+            written.append(plots.plot_kinds(dump, sid, attention, which, args.kind, out, args.layers,
+                                            args.window_start))
+        else:
+            out = plots.figure_path(args.out_dir, f"s{sid}", attention, which)
+            written.append(plots.plot_maps(dump, sid, attention, which, out, args.layers, args.heads,
+                                           args.scale, args.window_start))
 
 
 def cmd_plot(args) -> int:
@@ -230,9 +237,8 @@ def cmd_flops(args) -> int:
     print(report)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out + ".md", "w") as f:
-            f.write(report)
-        with open(args.out + ".json", "w") as f:
+        write_text(args.out + ".md", report)
+        with replaced(args.out + ".json", "w") as f:
             json.dump({
                 "src_len": args.src_len, "tgt_len": args.tgt_len,
                 "conventions": {c: F.CONVENTIONS[c].description for c in conventions},
@@ -367,17 +373,19 @@ def main(argv: Optional[List[str]] = None) -> int:
                         level=logging.WARNING, stream=sys.stderr)
     args = build_parser().parse_args(argv)
     check_inputs(args)
-    if args.command == "plot" and args.what in ("entropy", "js", "curves"):
-        return args.func(args)  # JSON and log files in, PNG out: no fairseq, no torch
-    from ea_fairseq import load_plugin
+    from ._safety import OptionError
 
-    load_plugin()
-    from ea_fairseq.checkpoint_safety import CheckpointError
-    from ea_fairseq.errors import OptionError
+    refused = (OptionError,)
+    if not (args.command == "plot" and args.what in ("entropy", "js", "curves")):
+        from ea_fairseq import load_plugin  # (JSON and log files in, PNG out: no fairseq, no torch)
 
+        load_plugin()
+        from ea_fairseq.checkpoint_safety import CheckpointError
+
+        refused += (CheckpointError,)
     try:
         return args.func(args)
-    except (CheckpointError, OptionError) as err:  # a refused checkpoint or data file: its reason, not a traceback
+    except refused as err:  # a refused checkpoint, data file or log: its reason, not a traceback
         raise SystemExit(f"ea-fairseq-analysis {args.command}: error: {err}")
 
 

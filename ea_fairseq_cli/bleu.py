@@ -59,6 +59,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from ._safety import replaced
 from .inputs import need_file, need_output_folder
 
 _COMPOUND = re.compile(r"(\S)-(\S)")
@@ -264,7 +265,7 @@ def comet_model_name(path: str) -> Optional[str]:
 
 
 def _write(path: str, lines: List[str]) -> None:
-    with open(path, "w", encoding="utf-8") as f:
+    with replaced(path, "w", encoding="utf-8") as f:
         f.writelines(line + "\n" for line in lines)
 
 
@@ -418,7 +419,7 @@ def main(argv=None) -> int:
 
 def _write_report(prefix: Optional[str], report: dict) -> None:
     if prefix:
-        with open(f"{prefix}.scores.json", "w", encoding="utf-8") as f:
+        with replaced(f"{prefix}.scores.json", "w", encoding="utf-8") as f:
             json.dump(report, f, indent=1)
 
 

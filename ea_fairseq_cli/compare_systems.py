@@ -68,6 +68,7 @@ import numpy as np
 
 from . import bleu as bleu_script
 from . import significance as sig
+from ._safety import ConfinedPathError, open_inside
 
 # Kocmi et al. (2024), Table 1: metric delta for 55% / 70% pairwise accuracy with humans
 AGREEMENT = {"BLEU": (0.52, 1.39), "chrF": (0.33, 1.00), "COMET-22": (0.10, 0.35)}
@@ -138,8 +139,14 @@ def _one(where: str, found: List[str]) -> List[str]:
     return found
 
 
-def _lines(path: str) -> List[str]:
-    with open(path, encoding="utf-8") as f:
+LIMIT_TEXT = 1 << 30  # bytes of a hypothesis, reference or segment-score file
+LIMIT_SCORES = 1 << 24  # bytes of a scores.json
+
+
+def _lines(path: str, root: str) -> List[str]:
+    """The lines of ``path``, a file in the results directory ``root`` (links followed only
+    within it: a scores.json names the files it opens)."""
+    with open_inside(path, root, "r", limit=LIMIT_TEXT, encoding="utf-8") as f:
         return f.read().split("\n")[:-1]
 
 
@@ -149,7 +156,7 @@ class Run:
 
     def __init__(self, path: str):
         self.path = path
-        with open(path, encoding="utf-8") as f:
+        with open_inside(path, None, "r", limit=LIMIT_SCORES, encoding="utf-8") as f:
             self.report = json.load(f)
         self.dir = os.path.dirname(path)
         self.prefix = path[:-len(".scores.json")] if path.endswith(".scores.json") else os.path.splitext(path)[0]
@@ -167,7 +174,11 @@ class Run:
         if entry is None or "hyp" not in entry:
             raise SystemExit(f"ea-fairseq-compare: {self.path} has no '{metric}' files "
                              f"(it has: {', '.join(self.report['metrics'])})")
-        return _lines(os.path.join(self.dir, entry["hyp"])), _lines(os.path.join(self.dir, entry["ref"]))
+        if not all(isinstance(entry.get(side), str) for side in ("hyp", "ref")):
+            raise SystemExit(f"ea-fairseq-compare: {self.path}: the '{metric}' files are not file names: "
+                             "score the run again with examples/translation/evaluate.sh")
+        return (_lines(os.path.join(self.dir, entry["hyp"]), self.dir),
+                _lines(os.path.join(self.dir, entry["ref"]), self.dir))
 
     def segments(self, metric: str) -> np.ndarray:
         path = self.segment_files.get(metric)
@@ -175,7 +186,7 @@ class Run:
             raise SystemExit(f"ea-fairseq-compare: no segment scores {self.prefix}.seg.{metric} "
                              "(one score per line per translated sentence)")
         values = []
-        for i, line in enumerate(_lines(path), 1):
+        for i, line in enumerate(_lines(path, self.dir), 1):
             try:
                 values.append(float(line))
             except ValueError:
@@ -264,6 +275,13 @@ CAVEAT = ("human agreement: Kocmi et al. (2024), Navigating the Metrics Maze, AC
 
 
 def main(argv=None) -> int:
+    try:
+        return _main(argv)
+    except ConfinedPathError as err:  # a results folder naming a file outside it: one line
+        raise SystemExit(f"ea-fairseq-compare: error: {err}") from None
+
+
+def _main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("systems", nargs="+", metavar="[NAME=]DIR", help="the first is the baseline")
     p.add_argument("--metric", nargs="+", metavar="NAME",

@@ -14,13 +14,40 @@ subset), a list of ``{"epoch", "num_updates", "loss", ...}`` dicts with float va
 losses are in base 2). ``--eval-bleu`` adds ``bleu`` to the validation records.
 """
 import json
+import logging
 import re
-from typing import Dict, List
+from typing import Dict, Iterator, List
 
-_JSON = re.compile(r"\| (?P<tag>train_inner|train|valid\w*) \| (?P<body>\{.*\})\s*$")
-_INNER = re.compile(r"epoch (?P<epoch>\d+):\s+\d+ / \d+ (?P<body>\w+=.*)$")
-_PIPES = re.compile(r"epoch (?P<epoch>\d+) \| (?P<body>.*)$")
-_VALID = re.compile(r"^valid on '(?P<subset>[^']+)' subset$")
+from ._safety import open_inside
+
+logger = logging.getLogger(__name__)
+
+# Every pattern anchored or led by a literal, with no quantifier over a group: each line parsed
+# in time linear in its length (the body of a json record is json.loads's, also linear).
+_JSON = re.compile(r"\| (?P<tag>train_inner|train|valid\w*) \| \{")
+_INNER = re.compile(r"epoch (?P<epoch>\d+):\s+\d+ / \d+ (?=\w+=)")
+_PIPES = re.compile(r"epoch (?P<epoch>\d+) \| ")
+_VALID = re.compile(r"valid on '(?P<subset>[^']+)' subset")
+LIMIT_LINE = 1 << 16  # characters of a log line: fairseq's longest records are a few thousand
+
+
+def _lines(f) -> Iterator[str]:
+    """The lines of ``f``, each read at most :data:`LIMIT_LINE` characters at a time: a longer
+    line is skipped (read through, never held), with a warning."""
+    skipped = 0
+    while True:
+        line = f.readline(LIMIT_LINE + 1)
+        if not line:
+            break
+        if len(line) > LIMIT_LINE:
+            skipped += 1
+            while line and not line.endswith("\n"):
+                line = f.readline(LIMIT_LINE + 1)
+            continue
+        yield line.rstrip("\n")
+    if skipped:
+        logger.warning("%s: %d lines longer than %d characters skipped (not fairseq-train's)",
+                       f.name, skipped, LIMIT_LINE)
 
 
 def _number(value):
@@ -42,14 +69,16 @@ def _record(epoch, pairs) -> dict:
 def parse_log(path: str) -> Dict[str, List[dict]]:
     """Statistics of a fairseq-train log, by record kind, in the order they were logged."""
     records: Dict[str, List[dict]] = {}
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            line = line.rstrip("\n")
+    with open_inside(path, None, "r", encoding="utf-8", errors="replace") as f:
+        for line in _lines(f):
             m = _JSON.search(line)
-            if m:
+            body = line[m.end() - 1:].rstrip() if m else ""
+            if body.endswith("}"):
                 try:
-                    stats = json.loads(m.group("body"))
-                except json.JSONDecodeError:
+                    stats = json.loads(body)
+                except (ValueError, RecursionError):
+                    continue
+                if not isinstance(stats, dict):
                     continue
                 tag = m.group("tag")
                 prefix = "" if tag == "train_inner" else tag + "_"
@@ -58,15 +87,17 @@ def parse_log(path: str) -> Dict[str, List[dict]]:
                 continue
             m = _INNER.search(line)
             if m:
-                pairs = [p.strip().split("=", 1) for p in m.group("body").split(",") if "=" in p]
+                pairs = [p.strip().split("=", 1) for p in line[m.end():].split(",") if "=" in p]
                 records.setdefault("train_inner", []).append(_record(m.group("epoch"), pairs))
                 continue
             m = _PIPES.search(line)
             if m:
-                fields = [p.strip() for p in m.group("body").split(" | ")]
+                fields = [p.strip() for p in line[m.end():].split(" | ")]
                 tag = "train"
-                if fields and _VALID.match(fields[0]):
-                    tag = _VALID.match(fields.pop(0)).group("subset")
+                valid = _VALID.fullmatch(fields[0]) if fields else None
+                if valid:
+                    tag = valid.group("subset")
+                    fields.pop(0)
                 pairs = [p.split(" ", 1) for p in fields if " " in p]
                 record = _record(m.group("epoch"), pairs)
                 if "loss" in record and "num_updates" in record:

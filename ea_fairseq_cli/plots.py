@@ -69,10 +69,29 @@ def _label_text(token: str) -> str:
 
 
 def _save(fig, out: str) -> str:
+    from ._safety import replaced
+
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    try:
+        with replaced(out) as f:  # (a link planted under the figure's name replaced, not written through)
+            fig.savefig(f, dpi=110, format=os.path.splitext(out)[1][1:].lower() or "png")
+    finally:
+        plt.close(fig)
     return out
+
+
+LIMIT_PANELS = 256  # maps on one figure (a dump declares its layers x heads)
+LIMIT_FIGURES = 500  # figures one ``plot maps``/``plot kinds`` draws from a dump
+
+
+def check_panels(dump, rows: int, cols: int, what: str, options: str) -> None:
+    """Refuse a figure of more than :data:`LIMIT_PANELS` panels (the dump's declaration is not
+    a budget): one line naming the options that pick a subset."""
+    if rows * cols > LIMIT_PANELS:
+        from ea_fairseq.analysis.maps import DumpError
+
+        raise DumpError(f"{getattr(dump, 'path', 'the dump')}: {what}: {rows} x {cols} = {rows * cols:,} panels, "
+                        f"more than the {LIMIT_PANELS} one figure holds; pick some with {options}")
 
 
 def _norm(values: np.ndarray, probabilities: bool):
@@ -259,6 +278,8 @@ def plot_maps(dump: "AttentionDump", sid: int, attention: str, kind: str = "weig
     rows_tok, cols_tok = dump.axis_tokens(sid, attention)
     layers = list(layers) if layers else list(range(1, maps.shape[0] + 1))
     heads = list(heads) if heads else list(range(1, maps.shape[1] + 1))
+    check_panels(dump, len(layers), len(heads), f"sentence {sid} {attention} {kind}, layers x heads",
+                 "--layers and --heads")
     probabilities = kind == "weights"
     win = fit_window(len(layers), len(heads), maps.shape[2], maps.shape[3], window_start)
     shown = maps[[l - 1 for l in layers]][:, [h - 1 for h in heads]][:, :, win.q, win.k]
@@ -305,11 +326,13 @@ def plot_kinds(dump: "AttentionDump", sid: int, attention: str, head: int = 1,
     kinds = [k for k in (kinds or available) if k in available]
     if not kinds:
         raise ValueError(f"none of the kinds is in the dump; {attention} has {available}")
+    check_panels(dump, 1, len(kinds), f"sentence {sid} {attention}, kinds", "--kind")
     stacks = {k: dump.get(sid, attention, k) for k in kinds}
     stacks = {k: a for k, a in stacks.items() if a.ndim == 4}  # stacked (layers, heads, T, S)
     kinds = list(stacks)
     first = next(iter(stacks.values()))
     layers = list(layers) if layers else list(range(1, first.shape[0] + 1))
+    check_panels(dump, len(layers), len(kinds), f"sentence {sid} {attention}, layers x kinds", "--layers and --kind")
     rows_tok, cols_tok = dump.axis_tokens(sid, attention)
     win = fit_window(len(layers), len(kinds), first.shape[2], first.shape[3], window_start)
     rtok = _tokens(rows_tok, first.shape[2], win.q, win.labelled)

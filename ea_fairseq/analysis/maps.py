@@ -38,6 +38,9 @@ from torch import Tensor
 
 from . import ATTENTIONS
 from ..modules.attention_mechanism import AttentionMechanism
+from ..errors import OptionError
+from ..safety.confined import open_inside
+from ..safety.writers import replaced, write_text
 
 logger = logging.getLogger(__name__)
 
@@ -242,6 +245,18 @@ def batch_indices(dataset, ids: Optional[Iterable[int]] = None, max_tokens: Opti
                                          max_sentences=max_sentences))
 
 
+def within_positions(model, task, dataset, ids: Sequence[int]) -> Tuple[List[int], List[int]]:
+    """``(kept, skipped)``: the sentences ``ids`` of ``dataset`` within the model's
+    ``max_positions`` (``utils.resolve_max_positions`` of the task's and the model's, as
+    fairseq-generate), and those longer, which fairseq-generate skips with
+    ``--skip-invalid-size-inputs-valid-test``: a map is quadratic in a sentence's length."""
+    from fairseq import utils
+
+    limit = utils.resolve_max_positions(task.max_positions(), model.max_positions())
+    kept, skipped = dataset.filter_indices_by_size(np.asarray(list(ids), dtype=np.int64), limit)
+    return [int(i) for i in kept], [int(i) for i in skipped]
+
+
 def collate(dataset, indices) -> dict:
     return dataset.collater([dataset[int(i)] for i in indices])
 
@@ -287,6 +302,8 @@ def _strings(d, tokens: Tensor) -> List[str]:
 def dump(model, task, dataset, ids: Sequence[int], out: str, hypothesis: bool = False,
          beam: int = 5, extra_meta: Optional[dict] = None, max_len: Tuple[float, int] = (0.0, 200)) -> dict:
     """Write the maps of sentences ``ids`` to ``out`` (.npz) and ``out`` .json; returns the meta.
+    Sentences longer than the model's max_positions are skipped (:func:`within_positions`; the
+    meta lists them), and :class:`OptionError` when every one is.
 
     With ``hypothesis`` the decoder is teacher-forced on the best beam-``beam``
     hypothesis (max length ``max_len[0] * src_len + max_len[1]``), else on the reference.
@@ -298,6 +315,14 @@ def dump(model, task, dataset, ids: Sequence[int], out: str, hypothesis: bool = 
     for sid in ids:
         if not 0 <= sid < len(dataset):
             raise IndexError(f"sentence id {sid} outside 0..{len(dataset) - 1}")
+    ids, skipped = within_positions(model, task, dataset, ids)
+    if not ids:
+        from fairseq import utils
+
+        raise OptionError(f"sentences {skipped} are longer than the model's max_positions "
+                          f"{utils.resolve_max_positions(task.max_positions(), model.max_positions())}; "
+                          "pick shorter ones (--ids)")
+    for sid in ids:
         sample = dataset.collater([dataset[sid]])
         if generator is not None:
             sample = with_hypotheses(sample, generator, task)
@@ -331,14 +356,15 @@ def dump(model, task, dataset, ids: Sequence[int], out: str, hypothesis: bool = 
         "decoder_targets": "beam hypothesis" if hypothesis else "reference",
         "beam": beam if hypothesis else None,
         "sentences": sentences,
+        "skipped_longer_than_max_positions": skipped,
         **(extra_meta or {}),
     }
     text = json.dumps(meta, ensure_ascii=False, indent=1)
     arrays[META_KEY] = np.array(text)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    np.savez_compressed(out, **arrays)
-    with open(os.path.splitext(out)[0] + ".json", "w", encoding="utf-8") as f:
-        f.write(text)
+    with replaced(out if out.endswith(".npz") else out + ".npz") as f:  # (np.savez's name)
+        np.savez_compressed(f, **arrays)
+    write_text(os.path.splitext(out)[0] + ".json", text)
     return meta
 
 
@@ -359,6 +385,8 @@ _KIND = re.compile(r"[A-Za-z0-9_]{1,64}(\.layer[0-9]{1,4})?")  # a mechanism's m
 LIMIT_SENTENCE_ID = 1 << 31
 LIMIT_MAP_ELEMENTS = 1 << 28  # one stored map (layers x heads x queries x keys), 1 GiB of float32
 LIMIT_META_BYTES = 1 << 28  # the dump's metadata (its tokens)
+LIMIT_EXPANSION = 64  # bytes a member inflates to per compressed byte, above LIMIT_PLAIN (real maps: 1-3)
+LIMIT_PLAIN = 1 << 24  # bytes a member may inflate to whatever its compressed size
 
 
 def _checked_meta(meta, path: str) -> dict:
@@ -398,11 +426,12 @@ class AttentionDump:
 
     def __init__(self, path: str):
         self.path = path
-        self._npz = np.load(path, allow_pickle=False)
+        self._npz = np.load(open_inside(path), allow_pickle=False)
+        self._disjoint()
         try:
             self._stored_size(META_KEY, LIMIT_META_BYTES)
             meta = json.loads(str(self._npz[META_KEY]))
-        except (KeyError, ValueError) as err:
+        except (KeyError, ValueError, RecursionError) as err:
             raise DumpError(f"{path}: no dump metadata ({META_KEY}) that ea-fairseq-analysis dump writes "
                             f"({type(err).__name__}); make the dump again with ea-fairseq-analysis dump") from None
         self.meta = _checked_meta(meta, path)
@@ -411,12 +440,31 @@ class AttentionDump:
             for s in self.meta["sentences"]
         }
 
+    def _refuse(self, why: str):
+        raise DumpError(f"{self.path}: {why}; not a dump ea-fairseq-analysis dump wrote: make the dump again")
+
+    def _disjoint(self) -> None:
+        """Refuse a zip whose members share compressed bytes (an overlapping zip bomb: each
+        member's expansion bounded, their number not): each member's data ends before the next
+        member's header."""
+        zf = getattr(self._npz, "zip", None)
+        infos = sorted(zf.infolist(), key=lambda i: i.header_offset) if zf else []
+        for a, b in zip(infos, infos[1:]):
+            if a.header_offset + 30 + len(a.orig_filename.encode()) + a.compress_size > b.header_offset:
+                self._refuse(f"the members {a.filename} and {b.filename} overlap")
+
     def _stored_size(self, key: str, limit: int) -> None:
-        """Refuse member ``key`` unless the array its header declares is at most ``limit`` bytes
-        and is what the member holds: numpy allocates the declared array before it reads."""
+        """Refuse member ``key`` unless it inflates to at most :data:`LIMIT_EXPANSION` bytes a
+        compressed byte (above :data:`LIMIT_PLAIN`) and ``limit`` bytes, from the zip's sizes,
+        before anything is inflated; and unless the array its header declares is what the
+        member holds: numpy allocates the declared array before it reads."""
         zf, name = getattr(self._npz, "zip", None), key + ".npy"
         if zf is None or name not in zf.namelist():
             return  # (not stored: the caller's KeyError)
+        info = zf.getinfo(name)
+        if info.file_size > max(LIMIT_PLAIN, LIMIT_EXPANSION * info.compress_size) or info.file_size > limit + 4096:
+            self._refuse(f"{key} inflates from {info.compress_size:,} compressed bytes to {info.file_size:,}, over "
+                         f"the {LIMIT_EXPANSION} a compressed byte (or the {limit:,} bytes) a dump's maps take")
         with zf.open(name) as f:
             version = np.lib.format.read_magic(f)
             read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0

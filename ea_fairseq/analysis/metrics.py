@@ -18,6 +18,7 @@ distribution on the last axis. Logarithms are natural (nats).
 :class:`LayerMetrics` accumulates them over batches, ignoring padded queries.
 """
 import itertools
+import logging
 import math
 import sys
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence
@@ -165,9 +166,13 @@ def evaluate(model, task, dataset, hypothesis=False, beam=5, max_tokens=4000,
     (or on the best beam hypotheses), with a progress bar: ``{attention: result}``."""
     from tqdm import tqdm
 
-    from .maps import batch_indices, build_generator, capture, collate, query_masks, with_hypotheses
+    from .maps import (batch_indices, build_generator, capture, collate, query_masks, with_hypotheses,
+                       within_positions)
 
-    ids = range(min(limit, len(dataset))) if limit else None
+    ids, skipped = within_positions(model, task, dataset, range(min(limit, len(dataset)) if limit else len(dataset)))
+    if skipped:
+        logging.getLogger(__name__).warning("%d sentences longer than the model's max_positions skipped",
+                                            len(skipped))
     groups = batch_indices(dataset, ids, max_tokens, max_sentences)
     generator = build_generator(task, model, beam, *max_len) if hypothesis else None
     acc = ModelMetrics(js_mode)
@@ -246,11 +251,12 @@ def markdown(results, digits: int = 4) -> str:
 def write_csv(path: str, rows: Iterable[Mapping[str, object]]) -> None:
     import csv
 
+    from ..safety.writers import replaced
+
     rows = list(rows)
-    if not rows:
-        open(path, "w").close()
-        return
-    with open(path, "w", newline="") as f:
+    with replaced(path, "w", newline="") as f:
+        if not rows:
+            return
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
