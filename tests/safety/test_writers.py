@@ -1,0 +1,85 @@
+"""Principle 4, every writer is safe (:mod:`ea_fairseq.safety.writers`): what fairseq-train, the
+plugin's tools and the recipes write into a directory goes to a new file renamed into place, so
+a link someone planted there under an output's name is replaced, never written through. Each
+attack plants links to files outside the directory; each negative control shows the same
+write without the plugin's writer going through them."""
+import os
+
+import pytest
+from fairseq import checkpoint_utils, distributed_utils, options
+from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+from fairseq_cli import train
+
+from ea_fairseq import side_effects
+
+from trained_checkpoints import USER_DIR
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+OUTSIDE = b"an outside file: not the run's to write\n"
+TINY = ["--arch", "transformer", "--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "16",
+        "--decoder-embed-dim", "16", "--encoder-ffn-embed-dim", "16", "--decoder-ffn-embed-dim", "16",
+        "--encoder-attention-heads", "2", "--decoder-attention-heads", "2", "--share-all-embeddings"]
+#: what fairseq-train writes in the save dir when it resumes at update 1 and saves at update 2:
+#: the directory probe, the first checkpoint's temporary file, a copy of it
+WRITTEN = ("dummy", "checkpoint_1_2.pt.tmp", "checkpoint_best.pt")
+#: the rows that make fairseq's checkpoint writes the plugin's
+ROWS = ("fairseq.checkpoint_utils:PathManager", "fairseq.checkpoint_utils:verify_checkpoint_directory")
+
+
+def plant(directory, names, outside):
+    """A link under each name in ``directory`` to a file of its own in ``outside``."""
+    outside.mkdir(exist_ok=True)
+    for name in names:
+        (outside / name).write_bytes(OUTSIDE)
+        os.symlink(outside / name, directory / name)
+
+
+def overwritten(outside, names):
+    return [name for name in names if (outside / name).read_bytes() != OUTSIDE]
+
+
+def fairseq_train(data, save, *extra):
+    """fairseq-train's main on this command line, parsed and converted as the command does."""
+    args = options.parse_args_and_arch(options.get_training_parser(), [
+        data, "--user-dir", USER_DIR, *TINY, "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "200",
+        "--save-dir", str(save), "--no-epoch-checkpoints", "--cpu", "--num-workers", "0", "--no-progress-bar",
+        "--seed", "3", *extra])
+    if hasattr(checkpoint_utils.save_checkpoint, "best"):  # fairseq keeps the best loss on the function
+        del checkpoint_utils.save_checkpoint.best
+    distributed_utils.call_main(convert_namespace_to_omegaconf(args), train.main)
+
+
+@pytest.fixture(scope="module")
+def resumable(tmp_path_factory, tiny_data_bin):
+    """checkpoint_last.pt of one update: what a received save dir holds to resume from."""
+    save = tmp_path_factory.mktemp("first-run")
+    fairseq_train(tiny_data_bin, save, "--max-update", "1", "--disable-validation")
+    return (save / "checkpoint_last.pt").read_bytes()
+
+
+def resume_in_received_save_dir(tiny_data_bin, resumable, tmp_path):
+    save = tmp_path / "received"
+    save.mkdir()
+    (save / "checkpoint_last.pt").write_bytes(resumable)
+    plant(save, WRITTEN, tmp_path / "outside")
+    fairseq_train(tiny_data_bin, save, "--max-update", "2", "--save-interval-updates", "2")
+    return save
+
+
+def test_fairseq_train_resuming_in_a_received_save_dir_writes_through_no_link(tiny_data_bin, resumable, tmp_path):
+    save = resume_in_received_save_dir(tiny_data_bin, resumable, tmp_path)
+    assert overwritten(tmp_path / "outside", WRITTEN) == []
+    for name in ("checkpoint_1_2.pt", "checkpoint_best.pt", "checkpoint_last.pt"):
+        assert not (save / name).is_symlink() and (save / name).is_file()
+        assert checkpoint_utils.load_checkpoint_to_cpu(str(save / name))["optimizer_history"][-1]["num_updates"] == 2
+    assert not os.path.lexists(save / "checkpoint_1_2.pt.tmp")  # renamed into place
+    assert sorted(p.name for p in save.iterdir() if p.name.endswith(".tmp")) == []
+
+
+def test_negative_control_fairseqs_own_saver_writes_through_the_links(tiny_data_bin, resumable, tmp_path):
+    with pytest.MonkeyPatch.context() as patch:
+        for row in ROWS:
+            owner, attribute = side_effects._owner(row)
+            patch.setattr(owner, attribute, side_effects.original(row))
+        resume_in_received_save_dir(tiny_data_bin, resumable, tmp_path)
+    assert overwritten(tmp_path / "outside", WRITTEN) == list(WRITTEN)
