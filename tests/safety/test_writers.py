@@ -83,3 +83,21 @@ def test_negative_control_fairseqs_own_saver_writes_through_the_links(tiny_data_
             patch.setattr(owner, attribute, side_effects.original(row))
         resume_in_received_save_dir(tiny_data_bin, resumable, tmp_path)
     assert overwritten(tmp_path / "outside", WRITTEN) == list(WRITTEN)
+
+
+@pytest.mark.parametrize("async_write", [False, True])
+def test_fairseqs_checkpoint_save_and_copy_replace_links(tmp_path, async_write):
+    """``torch_persistent_save`` (its asynchronous mode too: on a local path the plugin writes
+    synchronously, where fairseq needs iopath) and ``PathManager.copy`` as fairseq's
+    ``save_checkpoint`` calls them, links planted at every name they write."""
+    names = ("checkpoint_last.pt", "checkpoint_last.pt.tmp", "checkpoint_best.pt")
+    plant(tmp_path, names, tmp_path / "outside")
+    last, best = str(tmp_path / names[0]), str(tmp_path / names[2])
+    checkpoint_utils.torch_persistent_save({"model": {}}, last, async_write=async_write)
+    assert checkpoint_utils.PathManager.copy(last, best, overwrite=True)
+    assert overwritten(tmp_path / "outside", names) == []
+    assert [(tmp_path / name).is_symlink() for name in names[::2]] == [False, False]
+    assert (tmp_path / names[0]).read_bytes() == (tmp_path / names[2]).read_bytes()
+    assert not checkpoint_utils.PathManager.copy(last, best)  # fairseq's (iopath's) overwrite=False
+    left = ["checkpoint_best.pt", "checkpoint_last.pt", *["checkpoint_last.pt.tmp"] * async_write, "outside"]
+    assert sorted(os.listdir(tmp_path)) == left  # the synchronous .tmp renamed onto the checkpoint; no other file
