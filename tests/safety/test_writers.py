@@ -4,6 +4,7 @@ a link someone planted there under an output's name is replaced, never written t
 attack plants links to files outside the directory; each negative control shows the same
 write without the plugin's writer going through them."""
 import os
+import subprocess
 
 import pytest
 from fairseq import checkpoint_utils, distributed_utils, options
@@ -12,6 +13,7 @@ from fairseq_cli import train
 
 from ea_fairseq import side_effects
 
+from recipe_support import RECIPES, env, run as recipe_run  # noqa: F401  (fixture)
 from trained_checkpoints import USER_DIR
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -101,3 +103,57 @@ def test_fairseqs_checkpoint_save_and_copy_replace_links(tmp_path, async_write):
     assert not checkpoint_utils.PathManager.copy(last, best)  # fairseq's (iopath's) overwrite=False
     left = ["checkpoint_best.pt", "checkpoint_last.pt", *["checkpoint_last.pt.tmp"] * async_write, "outside"]
     assert sorted(os.listdir(tmp_path)) == left  # the synchronous .tmp renamed onto the checkpoint; no other file
+
+
+def test_evaluate_sh_writes_its_outputs_through_no_link(env, resumable, tiny_data_bin, tmp_path):
+    """evaluate.sh's fairseq-generate output and log and its scores, in a received checkpoint
+    directory's eval/ where links were planted under their names."""
+    received = tmp_path / "received"
+    (received / "eval").mkdir(parents=True)
+    (received / "checkpoint_last.pt").write_bytes(resumable)
+    names = ("generate-test.src-tgt.txt", "generate-test.src-tgt.log", "bleu-test.src-tgt.txt")
+    plant(received / "eval", names, tmp_path / "outside")
+    proc = recipe_run(["bash", RECIPES / "evaluate.sh", received, tiny_data_bin, "iwslt", "--checkpoint",
+                       received / "checkpoint_last.pt", "--cpu", "--", "--max-len-a", "0", "--max-len-b", "4"],
+                      env, cwd=tmp_path)
+    assert overwritten(tmp_path / "outside", names) == []
+    assert "BLEU" in proc.stdout and proc.stdout == (received / "eval" / names[2]).read_text()
+    for name in names:
+        assert not (received / "eval" / name).is_symlink() and (received / "eval" / name).is_file()
+    assert (received / "eval" / names[0]).read_text().count("\nH-") == 24
+
+
+def test_train_sh_writes_its_records_through_no_link(env, tmp_path):
+    """train.sh's train.settings, its train.command and fairseq's train.log (appended to) and the
+    data's subword model, in a received SAVE_DIR (fairseq-train itself: ``true`` here)."""
+    data = tmp_path / "own"
+    data.mkdir()
+    for name in ("train.xx-yy.xx.idx", "train.xx-yy.yy.idx", "dict.xx.txt", "dict.yy.txt", "code"):
+        (data / name).write_text("a 1\n")
+    save = tmp_path / "received"
+    save.mkdir()
+    (save / "train.command").write_text("# an earlier run\n")
+    plant(save, ("train.settings", "code"), tmp_path / "outside")
+    train = dict(env, DATA=str(data), SAVE_DIR=str(save), CPU="1", FAIRSEQ_TRAIN="true")
+    recipe_run(["bash", RECIPES / "train.sh", "pa_lite", "own"], train, tmp_path)
+    assert overwritten(tmp_path / "outside", ("train.settings", "code")) == []
+    assert not any((save / name).is_symlink() for name in ("train.settings", "code", "train.command", "train.log"))
+    assert (save / "code").read_text() == "a 1\n" and "--arch pa_transformer_lite" in (save / "train.settings").read_text()
+    command = (save / "train.command").read_text()
+    assert command.startswith("# an earlier run\n# ") and command.count("--log-file") == 1  # appended
+    for name in ("train.command", "train.log"):  # a link where train.sh or fairseq appends: refused
+        os.replace(save / name, tmp_path / name)
+        plant(save, (name,), tmp_path / "outside")
+        proc = recipe_run(["bash", RECIPES / "train.sh", "pa_lite", "own"], train, tmp_path, check=False)
+        assert proc.returncode == 1 and overwritten(tmp_path / "outside", (name,)) == []
+        assert proc.stderr.strip().endswith(f"safe_write.py: error: {save}/{name}: a link: not appended to")
+        os.replace(tmp_path / name, save / name)
+
+
+def test_negative_control_a_plain_redirection_writes_through_the_links(tmp_path):
+    """What the recipes did: ``> FILE`` and ``>> FILE`` write through a link under FILE's name."""
+    plant(tmp_path, ("generate-test.src-tgt.txt", "train.command"), tmp_path / "outside")
+    subprocess.run(["bash", "-c", 'echo plain > "$1"; echo plain >> "$2"', "_", *(
+        tmp_path / name for name in ("generate-test.src-tgt.txt", "train.command"))], check=True)
+    assert overwritten(tmp_path / "outside", ("generate-test.src-tgt.txt", "train.command")) == [
+        "generate-test.src-tgt.txt", "train.command"]
