@@ -138,7 +138,8 @@ def test_train_sh_writes_its_records_through_no_link(env, tmp_path):
     recipe_run(["bash", RECIPES / "train.sh", "pa_lite", "own"], train, tmp_path)
     assert overwritten(tmp_path / "outside", ("train.settings", "code")) == []
     assert not any((save / name).is_symlink() for name in ("train.settings", "code", "train.command", "train.log"))
-    assert (save / "code").read_text() == "a 1\n" and "--arch pa_transformer_lite" in (save / "train.settings").read_text()
+    assert (save / "code").read_text() == "a 1\n"
+    assert "--arch pa_transformer_lite" in (save / "train.settings").read_text()
     command = (save / "train.command").read_text()
     assert command.startswith("# an earlier run\n# ") and command.count("--log-file") == 1  # appended
     for name in ("train.command", "train.log"):  # a link where train.sh or fairseq appends: refused
