@@ -64,6 +64,13 @@ SIDE_EFFECTS: Tuple[SideEffect, ...] = (
     SideEffect("fairseq.models:build_model", "ea_fairseq.safety.budget:build_model",
                "a model fairseq builds from a checkpoint (every task's build_model calls this) is built under "
                "the budget of the weights this thread read last: nothing is allocated past it", EVERY_PROCESS),
+    SideEffect("fairseq.checkpoint_utils:PathManager", "ea_fairseq.safety.writers:checkpoint_path_manager",
+               "the checkpoints fairseq saves and copies are new files renamed into place, never written "
+               "through a link planted in the save dir", EVERY_PROCESS),
+    SideEffect("fairseq.checkpoint_utils:verify_checkpoint_directory",
+               "ea_fairseq.safety.writers:checkpoint_directory_probe",
+               "fairseq-train's check that the save dir is writable creates a new file instead of truncating "
+               "what SAVE_DIR/dummy links to", EVERY_PROCESS),
     SideEffect("fairseq.file_utils:load_archive_file", "ea_fairseq.archives:archive_loader",
                "the hub extracts a model or data archive only into a fresh folder, its members checked",
                EVERY_PROCESS),

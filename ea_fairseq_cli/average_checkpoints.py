@@ -22,7 +22,7 @@ tensor within its storage. They must hold one model trained on the same data
 directory and languages; ``--data-dirs`` compares the dictionaries' checksums). An input
 refused there, one of another model or data, one holding NaN or infinite weights, or an
 ``--output`` that is one of the inputs stops the run before anything is written. The output
-is written to a new temporary file in its directory and renamed (:mod:`ea_fairseq.atomic_save`):
+is written to a new temporary file in its directory and renamed (:mod:`ea_fairseq.safety.writers`):
 no existing file or link is written through.
 """
 import argparse
@@ -162,8 +162,10 @@ def main(argv=None) -> int:
     from ea_fairseq import load_plugin  # fairseq and torch, after the arguments (a fast --help)
 
     load_plugin()
-    from ea_fairseq import atomic_save
+    import torch
+
     from ea_fairseq.checkpoint_safety import CheckpointError
+    from ea_fairseq.safety import writers
     from ea_fairseq.tools.average_inputs import InputMismatch, check_dictionaries
 
     try:
@@ -196,7 +198,8 @@ def main(argv=None) -> int:
         print(f"average_checkpoints: error: {err}", file=sys.stderr)
         return 1
     try:
-        atomic_save.save(state, args.output)  # never through a planted OUTPUT.tmp link
+        with writers.replaced(args.output) as f:  # a new file renamed onto OUTPUT, never through a link
+            torch.save(state, f)
     except OSError as err:
         print(f"average_checkpoints: error: --output {args.output}: {err.strerror or err}", file=sys.stderr)
         return 1

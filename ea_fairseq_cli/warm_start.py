@@ -275,7 +275,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from ea_fairseq import load_plugin  # fairseq and torch, after the arguments (a fast --help)
 
     load_plugin()  # registers the architectures
-    from ea_fairseq import atomic_save
+    import torch
+
+    from ea_fairseq.safety import writers
 
     try:
         state, report, command = warm_start(args.vanilla, args.arch, model_options, seed=args.seed)
@@ -284,7 +286,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 1
     command = shell_command(command[:-1] + [args.output])
     try:
-        atomic_save.save(state, args.output)  # never through a planted OUTPUT.tmp link
+        with writers.replaced(args.output) as f:  # a new file renamed onto OUTPUT, never through a link
+            torch.save(state, f)
     except OSError as err:
         print(f"warm_start: error: --output {args.output}: {err.strerror or err}", file=sys.stderr)
         return 1

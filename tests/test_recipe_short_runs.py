@@ -147,9 +147,10 @@ def test_evaluate_says_comet_failed_in_its_own_venv(env, tmp_path):  # noqa: F81
     python = venv / "bin" / "python"
     python.write_text("#!/usr/bin/env bash\necho 'COMET: not scored: the model could not be loaded'\nexit 3\n")
     python.chmod(python.stat().st_mode | stat.S_IXUSR)
-    stand_ins = dict(env, PYTHON="echo", FAIRSEQ_GENERATE="true", EA_FAIRSEQ_COMET_VENV=str(venv))
+    stand_ins = dict(env, FAIRSEQ_GENERATE="true", EA_FAIRSEQ_COMET_VENV=str(venv))  # (PYTHON: ea_write's)
     proc = run(["bash", RECIPES / "evaluate.sh", run_dir, data, "iwslt", "-s", "xx", "-t", "yy",
-                "--comet-model", "model.ckpt"], stand_ins, tmp_path, check=False)
+                "--checkpoint", run_dir / "checkpoint1.pt", "--comet-model", "model.ckpt"], stand_ins, tmp_path,
+               check=False)
     assert proc.returncode == 3, proc.stderr
     assert "COMET: not scored: the model could not be loaded" in proc.stdout
     assert proc.stderr.splitlines()[-1] == (

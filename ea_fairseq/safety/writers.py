@@ -7,6 +7,7 @@ through it, and the recipes' shell redirections through ``scripts/safe_write.py`
 """
 import contextlib
 import os
+import shutil
 import tempfile
 from typing import IO, Iterator
 
@@ -43,3 +44,53 @@ def write_bytes(path, data: bytes) -> None:
 def write_text(path, text: str) -> None:
     with replaced(path, "w", encoding="utf-8") as f:
         f.write(text)
+
+
+def checkpoint_path_manager(path_manager: type) -> type:
+    """fairseq's ``PathManager`` as ``fairseq.checkpoint_utils`` sees it (a row of
+    :data:`ea_fairseq.side_effects.SIDE_EFFECTS`): on a local path, what it opens for writing
+    (``torch_persistent_save``'s file, synchronously where asked to write asynchronously) and
+    what it copies (checkpoint_best/last and the other names of a saved checkpoint) are written
+    by :func:`replaced`; any other call, and any path of an iopath backend, is fairseq's."""
+
+    def local(path) -> bool:
+        return not path_manager.path_requires_pathmanager(os.fspath(path))
+
+    class WritingByRename(path_manager):
+        @staticmethod
+        def open(path, mode="r", *args, **kwargs):
+            if "w" in mode and local(path):
+                return replaced(path, mode, *args, **kwargs)
+            return path_manager.open(path, mode, *args, **kwargs)
+
+        @staticmethod
+        def opena(path, mode="r", *args, **kwargs):
+            if "w" in mode and local(path):
+                return replaced(path, mode, *args, **kwargs)
+            return path_manager.opena(path, mode, *args, **kwargs)
+
+        @staticmethod
+        def copy(src_path, dst_path, overwrite=False):
+            if not local(src_path) or not local(dst_path):
+                return path_manager.copy(src_path, dst_path, overwrite)
+            if not overwrite and os.path.lexists(dst_path):
+                return False
+            with open(src_path, "rb") as src, replaced(dst_path) as dst:
+                shutil.copyfileobj(src, dst)
+            return True
+
+    return WritingByRename
+
+
+def checkpoint_directory_probe(verify_checkpoint_directory):
+    """fairseq's ``verify_checkpoint_directory`` opens ``SAVE_DIR/dummy`` with ``open(.., "w")``,
+    truncating what a link of that name points to: the same check (the save dir can be created
+    and written in), by a new file created exclusively and removed."""
+
+    def verify(save_dir: str) -> None:
+        os.makedirs(save_dir, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=save_dir, prefix=".dummy.")
+        os.close(fd)
+        os.unlink(probe)
+
+    return verify

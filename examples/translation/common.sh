@@ -32,6 +32,9 @@ PYTHON="${PYTHON:-python3}"
 # Names taken from file names or arguments are checked with it before any use; none is ever
 # pasted into a sed/awk program or eval.
 ea_is_name() { [[ "$1" =~ ^[A-Za-z0-9_-]+$ ]]; }
+# ea_write [--append] FILE: standard input to FILE (for > FILE, >> FILE) through a new file
+# renamed onto it (scripts/safe_write.py): a link planted under FILE's name is never written through.
+ea_write() { "$PYTHON" "$EA_REPO/scripts/safe_write.py" "$@"; }
 # ea_shown VALUE: VALUE quoted for a one-line message (newlines and control characters
 # escaped, as bash's printf %q writes them).
 ea_shown() { printf '%q' "$1"; }

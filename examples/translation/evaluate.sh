@@ -53,7 +53,7 @@ FAIRSEQ_GENERATE="${FAIRSEQ_GENERATE:-fairseq-generate}"
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 die() { echo "evaluate.sh: error: $*" >&2; exit 1; }
-source "$repo/examples/translation/common.sh"  # ea_is_name, ea_shown, ea_direction
+source "$repo/examples/translation/common.sh"  # ea_is_name, ea_shown, ea_direction, ea_write
 
 if [ $# -lt 3 ]; then
   case "${1:-}" in -h|--help) usage; exit 0 ;; esac
@@ -179,17 +179,21 @@ skip=()
 if [ -n "$skip_long" ]; then skip=(--skip-invalid-size-inputs-valid-test); fi
 echo "[evaluate] translating $subset ($src->$tgt) with beam $beam, lenpen $lenpen: $what" >&2
 echo "[evaluate] fairseq-generate's output: $gen, its log: $gen_log" >&2
+# fairseq-generate writes into a private folder (the progress count reads it as it grows);
+# ea_write puts each file in place in $out_dir, never through a link planted there
+own=$(mktemp -d)
+gen_out="$own/generate.txt" gen_err="$own/generate.log"
 
 # every $1 seconds, how many of the subset's sentences fairseq-generate has written, when it
 # changed (the wait is bash's own read -t: no sleep process outlives the loop)
 loaded_count() {  # the count of fairseq-generate's "loaded N examples from: .../SUBSET.SRC-TGT.SRC"
   local line
-  [ -f "$gen_log" ] || return 0
+  [ -f "$gen_err" ] || return 0
   while IFS= read -r line; do
     if [[ "$line" == *"/$subset.$src-$tgt.$src" && "$line" =~ loaded\ ([0-9,]+)\ examples\ from:\  ]]; then
       echo "${BASH_REMATCH[1]}"; return 0
     fi
-  done < "$gen_log"
+  done < "$gen_err"
 }
 report_progress() {
   local total="" n shown=""
@@ -197,7 +201,7 @@ report_progress() {
   while ! read -r -t "$1" -u 3 _; do
     [ -n "$total" ] || total=$(loaded_count)
     [ -n "$total" ] || continue
-    n=$(grep -c '^H-' "$gen" 2>/dev/null || true)
+    n=$(grep -c '^H-' "$gen_out" 2>/dev/null || true)
     [ "${n:-0}" != "$shown" ] || continue
     shown="${n:-0}"
     echo "[evaluate] $shown of $total sentences translated" >&2
@@ -205,17 +209,21 @@ report_progress() {
 }
 report_progress "$progress_every" &
 progress_pid=$!
-trap 'kill "$progress_pid" 2>/dev/null || true' EXIT
+trap 'kill "$progress_pid" 2>/dev/null || true; rm -rf "$own"' EXIT
 t0=$SECONDS
 # --required-batch-size-multiple 1: fairseq (upstream main) drops a last batch smaller than
 # it (default 8), i.e. up to 7 test sentences; bleu.py checks none is missing.
-# PYTHONUNBUFFERED: hypotheses reach $gen as they are made (the progress count reads it).
-if ! PYTHONUNBUFFERED=1 "$FAIRSEQ_GENERATE" "$data" --user-dir "$user_dir" --path "$model" \
+# PYTHONUNBUFFERED: hypotheses reach $gen_out as they are made (the progress count reads it).
+generated=0
+PYTHONUNBUFFERED=1 "$FAIRSEQ_GENERATE" "$data" --user-dir "$user_dir" --path "$model" \
     --source-lang "$src" --target-lang "$tgt" --gen-subset "$subset" \
     --beam "$beam" --lenpen "$lenpen" "${remove_bpe[@]}" --max-tokens "$max_tokens" \
     --required-batch-size-multiple 1 ${skip[@]+"${skip[@]}"} \
-    ${cpu[@]+"${cpu[@]}"} ${extra[@]+"${extra[@]}"} > "$gen" 2> "$gen_log"; then
-  kill "$progress_pid" 2>/dev/null || true
+    ${cpu[@]+"${cpu[@]}"} ${extra[@]+"${extra[@]}"} > "$gen_out" 2> "$gen_err" || generated=$?
+kill "$progress_pid" 2>/dev/null || true
+ea_write "$gen" < "$gen_out"
+ea_write "$gen_log" < "$gen_err"
+if [ "$generated" != 0 ]; then
   limits=$(sed -n 's/.*since max_positions=(\([0-9]*\), \([0-9]*\)).*/\1 \2/p' "$gen_log" | tail -1)
   if [ -n "$limits" ]; then
     read -r max_src max_tgt <<< "$limits"
@@ -236,7 +244,6 @@ print(int(long.sum()), len(s), " ".join(map(str, long.nonzero()[0][:10])))' \
   ea_quiet < "$gen_log" | tail -20 >&2
   die "fairseq-generate failed (log: $gen_log)"
 fi
-kill "$progress_pid" 2>/dev/null || true
 echo "[evaluate] $(grep -c '^H-' "$gen" || true) sentences translated in $((SECONDS - t0)) s" >&2
 
 score_opts=(--mode "$mode" --target-lang "$tgt" --out-prefix "$out_dir/$subset.$src-$tgt"
@@ -264,7 +271,8 @@ status=0
   echo "model: $what"
   echo "data: $data ($subset, $src->$tgt), beam $beam, lenpen $lenpen"
   "$scorer" -m ea_fairseq_cli.bleu "$gen" "${score_opts[@]}" || status=$?
-} > "$scores"
+} > "$own/scores.txt"
+ea_write "$scores" < "$own/scores.txt"
 cat "$scores"
 # ea-fairseq-bleu exits 3 when BLEU and chrF are scored but COMET could not run (it said why)
 if [ "$status" = 3 ]; then

@@ -89,7 +89,7 @@ repo="$(cd "$here/../.." && pwd)"
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 die() { echo "train.sh: error: $*" >&2; exit 1; }
 is_on() { case "${1:-}" in ""|0|no|false) return 1 ;; *) return 0 ;; esac; }
-source "$here/common.sh"  # ea_is_name, ea_shown, ea_quiet, ea_direction
+source "$here/common.sh"  # ea_is_name, ea_shown, ea_quiet, ea_direction, ea_write
 
 if [ $# -lt 2 ]; then
   case "${1:-}" in -h|--help) usage; exit 0 ;; esac
@@ -557,11 +557,12 @@ $(diff <(grep -v '^#' "$record") <(echo "$settings") | grep '^[<>]' | sed 's/^</
       [ ! -f "$record" ] || mv "$record" "$record.before-$(date +%Y%m%d-%H%M%S)"
     fi
   fi
+  # ea_write: never through a link planted under these names in a received SAVE_DIR
   {
     echo "# resolved settings of the run in this directory (train.sh compares them before resuming)"
     echo "# evaluate with: $eval_hint"
     echo "$settings"
-  } > "$record"
+  } | ea_write "$record"
   {
     echo "# $(date '+%Y-%m-%d %H:%M:%S') on $(hostname): $devices_text, $precision"
     printf 'cd %q && ' "$PWD"
@@ -570,10 +571,12 @@ $(diff <(grep -v '^#' "$record") <(echo "$settings") | grep '^[<>]' | sed 's/^</
     if [ ${#extra[@]} -gt 0 ]; then printf ' %q' "${extra[@]}"; fi
     echo
     printf '%q ' "${cmd[@]}"; echo
-  } >> "$SAVE_DIR/train.command"
+  } | ea_write --append "$SAVE_DIR/train.command"
   for f in code sentencepiece.bpe.model; do  # the data's subword model, where fairseq's hub looks
-    if [ -f "$DATA/$f" ]; then cp "$DATA/$f" "$SAVE_DIR/"; fi
+    if [ -f "$DATA/$f" ]; then ea_write "$SAVE_DIR/$f" < "$DATA/$f"; fi
   done
+  # fairseq's --log-file appends to SAVE_DIR/train.log, through a link too: a regular file there first
+  ea_write --append "$SAVE_DIR/train.log" < /dev/null
 fi
 # fairseq-train's stdout through train_output (line by line: PYTHONUNBUFFERED), its stderr
 # without the known warnings of its stack (ea_quiet) through train_errors; its exit status kept
