@@ -106,11 +106,6 @@ def _yaml_configuration(state, marker):
     state["cfg"] = json.dumps({"model": model, "task": state["cfg"]["task"]})  # OmegaConf.create parses it
 
 
-def _lstm_family(state, marker):
-    state["cfg"]["model"].arch = state["cfg"]["model"]._name = "lstm_luong_wmt_en_de"
-    state["cfg"]["model"].encoder_layers = "1"  # clean: refused for its family alone
-
-
 def _pickled_callable(state, marker):
     state["hook"] = os.system
 
@@ -158,6 +153,7 @@ def _more_layers_than_its_weights(state, marker):
     state["cfg"]["model"].encoder_layers = 1_000_000
 
 
+BUDGET = "the model its configuration describes would create more than"  # (safety/budget.py)
 ATTACKS = {
     "bytes-in-fconv": (_bytes_in_fconv, "cfg.model.encoder_layers: a bytes value"),
     "bytearray-in-transformer": (_bytes_in_transformer, "cfg.model.adaptive_softmax_cutoff: a bytearray value"),
@@ -170,7 +166,6 @@ ATTACKS = {
     "cycle": (_cycle, "cfg.common.tensorboard_logdir[0]: it contains itself"),
     "legacy-args": (_legacy_args_layout, "args.adaptive_softmax_cutoff = "),
     "yaml-configuration": (_yaml_configuration, "cfg = '{"),
-    "lstm-family": (_lstm_family, "cfg.model._name = 'lstm_luong_wmt_en_de'"),
     "pickled-callable": (_pickled_callable, "posix.system"),
     "stride-0-tensor": (_stride_zero_tensor, "['model']['encoder.layers.0.fc1.bias'] declares (1073741824,)"),
     "nested-repetition": (_nested_repetition, "would hold more than 100000 items"),
@@ -178,10 +173,8 @@ ATTACKS = {
     "resolved-while-unpickled": (_resolved_while_unpickled, "reads the values of an omegaconf container"),
     "environment-read-while-unpickled": (_environment_read_while_unpickled,
                                          "reads the values of an omegaconf container"),
-    "model-larger-than-its-weights": (_model_larger_than_its_weights,
-                                      "cfg.model.encoder_ffn_embed_dim = 500000000: more than the largest"),
-    "more-layers-than-its-weights": (_more_layers_than_its_weights,
-                                     "cfg.model.encoder_layers = 1000000: more than the 2 encoder layers"),
+    "model-larger-than-its-weights": (_model_larger_than_its_weights, BUDGET),
+    "more-layers-than-its-weights": (_more_layers_than_its_weights, BUDGET),
 }
 
 

@@ -227,12 +227,14 @@ def test_an_index_of_another_format_is_refused_by_fairseq_generate(model_dir, vo
 
 
 # -- 3. tensors without data ---------------------------------------------------------------------
-def test_meta_weights_defeat_the_size_bound_without_the_guard():
-    """Negative control: a meta tensor has a shape and no data; the weights' largest dimension
-    then allows any model (2**16 x 2**18 floats: 64 GiB)."""
+def test_meta_weights_defeat_the_budget_without_the_guard():
+    """Negative control: a meta tensor has a shape and no data; counted as weights, it would
+    let a build create any model (2**16 x 2**18 floats: 64 GiB)."""
+    from ea_fairseq.safety.budget import Budget
+
     big = torch.empty(2 ** 16, 2 ** 18, device="meta")
-    safety.check_model_sizes({"encoder_embed_dim": 2 ** 18, "encoder_ffn_embed_dim": 2 ** 18},
-                             {"encoder.embed_tokens.weight": big}, "cfg.model", "c.pt")
+    with Budget.for_weights({"encoder.embed_tokens.weight": big}, "c.pt"), torch.device("meta"):
+        torch.nn.Linear(2 ** 16, 2 ** 18)
 
 
 @pytest.mark.parametrize("where", ["model", "last_optimizer_state", "extra_state.ema", "criterion"])

@@ -35,23 +35,37 @@ def test_fairseq_defaults_are_accepted(arch, task, optimizer):
 
 
 @pytest.mark.parametrize("arch", ["fconv_iwslt_de_en", "fconv_self_att_wp", "lstm", "lightconv_iwslt_de_en",
-                                  "wav2vec2", "transformer_lm", "bart_base", "transformer_align", "no_such_arch"])
+                                  "bart_base", "transformer_align", "no_such_arch"])
 @pytest.mark.parametrize("layout", ["arch", "_name", "legacy-args"])
-def test_other_families_are_refused_naming_the_trust_switch(arch, layout):
-    model = argparse.Namespace(**{"_name" if layout == "_name" else "arch": arch})
+def test_other_families_are_generated_from_their_own_options(arch, layout):
+    """By use, not by family: fairseq's other models are sanitized as their options declare them
+    (an unknown architecture passes through to fairseq, which says it does not know it); a field
+    fairseq evaluates for them (fconv's layer lists) holds a literal or is refused."""
+    known = arch != "no_such_arch"
+    fields = vars(options.parse_args_and_arch(options.get_training_parser(), [
+        "/nonexistent", "--arch", arch, "--task", "translation"])) if known else {}
+    model = argparse.Namespace(**{**fields, "_name" if layout == "_name" else "arch": arch})
     state = {"args": model} if layout == "legacy-args" else {"cfg": {"model": model}}
-    with pytest.raises(safety.UnsafeCheckpointError, match=f"= '{arch}'.*set {safety.TRUST_SWITCH}=1"):
-        safety.sanitize(state, "x.pt")
+    generated = safety.sanitize(state, "x.pt")["cfg"]["model"]
+    assert (vars(generated) if type(generated) is argparse.Namespace else generated).get(
+        "_name" if layout == "_name" else "arch") == arch
+    if arch.startswith("fconv"):
+        model.encoder_layers = "[__import__('os').system('true')]"
+        with pytest.raises(safety.UnsafeCheckpointError, match="encoder_layers.*function call"):
+            safety.sanitize(state, "x.pt")
 
 
-def test_other_families_load_with_the_trust_switch_and_a_warning(tmp_path, checkpoints, monkeypatch, caplog):
-    path = crafted(checkpoints["vanilla"], tmp_path / "c.pt", "lstm-family", tmp_path / "pwned")
+def test_other_tasks_load_with_the_trust_switch_and_a_warning(tmp_path, checkpoints, monkeypatch, caplog):
+    state = torch.load(checkpoints["vanilla"], weights_only=False)
+    state["cfg"]["task"]["_name"] = "language_modeling"
+    torch.save(state, tmp_path / "c.pt")
+    path = tmp_path / "c.pt"
     with pytest.raises(safety.UnsafeCheckpointError, match=f"set {safety.TRUST_SWITCH}=1"):
         checkpoint_utils.load_checkpoint_to_cpu(str(path))
     monkeypatch.setenv(safety.TRUST_SWITCH, "1")
     with caplog.at_level("WARNING", logger="ea_fairseq"):
         state = checkpoint_utils.load_checkpoint_to_cpu(str(path))
-    assert state["cfg"].model.arch == "lstm_luong_wmt_en_de"
+    assert state["cfg"].task._name == "language_modeling"
     assert any(f"{safety.TRUST_SWITCH}=1: loading" in r.getMessage() for r in caplog.records)
     for attack in ("pickled-callable", "stride-0-tensor"):  # what the switch leaves on
         path = crafted(checkpoints["vanilla"], tmp_path / "c.pt", attack, tmp_path / "pwned")

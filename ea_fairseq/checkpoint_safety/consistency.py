@@ -6,9 +6,8 @@ checkpoint's task, on torch's ``meta`` device (no memory;
 :func:`~ea_fairseq.models.building.build_on_meta`, placeholder dictionaries as large as the
 weights' embeddings) under the budget of its weights (:mod:`ea_fairseq.safety.budget`), and
 loads the weights into it as fairseq does (``load_state_dict`` with ``strict=True``, which
-upgrades and prunes them first): a missing or unexpected key or a shape that differs is refused
-in one line naming the first difference, before fairseq builds anything. A model that does not
-build on ``meta`` at all is left to fairseq's own build, which says why.
+upgrades and prunes them first): any exception, a missing or unexpected key or a shape that
+differs is refused in one line naming the first difference, before fairseq builds anything.
 
 :func:`check_training_state` reads what fairseq's trainer reads back on ``--restore-file``:
 the metrics' meter classes (fairseq calls ``globals()[name]()`` in ``fairseq.logging.meters``:
@@ -82,8 +81,10 @@ def check_model_matches(cfg: Dict[str, Any], weights: Any, source: str):
             model, received = meta_model(cfg, weights)
     except BudgetError:
         raise
-    except Exception:  # noqa: BLE001  (a model that does not build on meta: fairseq's own build says why)
-        return None
+    except Exception as error:  # noqa: BLE001  (whatever fairseq would raise, said in one line)
+        first = (str(error).strip().splitlines() or [""])[0][:300]
+        raise _refuse(source, f"fairseq cannot build the model its configuration describes "
+                              f"({type(error).__name__}: {first})") from None
     try:
         # names and shapes only: meta copies of the weights, no data read; one-element tensors
         # (fairseq's ``version`` buffers, which its state-dict upgrade reads with ``.item()``) as

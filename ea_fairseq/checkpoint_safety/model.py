@@ -65,6 +65,11 @@ def _option_type(action: argparse.Action) -> Any:
     many = action.nargs in ("+", "*") or isinstance(action.nargs, int)
     if action.choices is not None:
         return ("choices", tuple(action.choices), many)
+    names = getattr(getattr(action.type, "__code__", None), "co_names", ())
+    if getattr(action.type, "__name__", None) == "eval_bool":  # fairseq evaluates the text once, when parsing
+        return bool
+    if "eval_str_list" in names:  # (lightconv's kernel sizes: a lambda around it)
+        return typing.Union[List[int], List[float]]
     kind = action.type if action.type in (int, float, str) else (
         int if getattr(action.type, "__module__", "").startswith("ea_fairseq") else None)
     if action.type is not None and kind is None:
@@ -92,12 +97,16 @@ def option_table(model_class) -> Dict[str, Any]:
 
 
 @functools.lru_cache(maxsize=None)
-def _arch_keys(name: str) -> tuple:
+def _arch_fields(name: str) -> Dict[str, Any]:
+    """``{field: type}`` of what the architecture function of ``name`` fills in, typed by its
+    default (a flag's False is a bool); None where the default says nothing (None)."""
     from fairseq.models import ARCH_CONFIG_REGISTRY
 
-    from ..models.hydra_config import arch_keys
-
-    return tuple(arch_keys(name)) if name in ARCH_CONFIG_REGISTRY else ()
+    if name not in ARCH_CONFIG_REGISTRY:
+        return {}
+    args = argparse.Namespace()
+    ARCH_CONFIG_REGISTRY[name](args)
+    return {key: (type(value) if type(value) in (bool, int, float, str) else None) for key, value in vars(args).items()}
 
 
 def _flat_fields(fields: Dict[str, Any], path: str, table: Dict[str, Any]) -> Dict[str, Any]:
@@ -148,9 +157,9 @@ def model_section(gen, given: Any, path: str, legacy: bool):
             "reading arch would report (and average, warm-start, analyse) the other. Nothing in the "
             "checkpoint was run; if you wrote this checkpoint yourself, give both fields the same architecture.")
     model_class = ARCH_MODEL_REGISTRY.get(name) or MODEL_REGISTRY.get(name)
-    table = dict(option_table(model_class))
-    for key in _arch_keys(name):  # fields the architecture fills in that no option gives
-        table.setdefault(key, _declared_types(model_class).get(key))
+    table = dict(option_table(model_class)) if model_class is not None else {}  # (unknown: fairseq says so)
+    for key, kind in _arch_fields(name).items():  # fields the architecture fills in that no option gives
+        table.setdefault(key, _declared_types(model_class).get(key) or kind)
     try:
         flat = _flat_fields(fields, path, table)
     except _Refused as why:

@@ -107,6 +107,8 @@ class Generator:
         from fairseq.dataclass.configs import FairseqConfig
 
 
+        if cfg is not None and type(cfg) is not dict:  # (a string would be parsed as YAML by OmegaConf.create)
+            raise self.refuse("cfg", cfg, "not a configuration (a dict of sections)")
         legacy = None if args is None else _upgraded(args)
         out: Dict[str, Any] = {"_name": None}
         for field in dataclasses.fields(FairseqConfig):

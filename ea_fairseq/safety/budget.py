@@ -42,6 +42,9 @@ class BudgetError(UnsafeCheckpointError):
     """A model whose build would create far more than its checkpoint's weights."""
 
 
+_TO_HOST = (torch.Tensor.cpu, torch.Tensor.cuda)
+
+
 def _storages(tree) -> set:
     return {t.untyped_storage()._cdata for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)}
 
@@ -64,6 +67,8 @@ class Budget(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self.operations -= 1
+        if func in _TO_HOST and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            return args[0]  # a build on meta that initialises on the host (BART's normal_ draws on the CPU)
         try:
             on_meta = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs))
             with torch.device("meta"):
