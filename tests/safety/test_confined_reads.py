@@ -131,7 +131,8 @@ def test_fairseq_generate_refuses_a_dictionary_linked_outside(model_dir, built):
 def test_the_analysis_tool_refuses_a_dictionary_linked_outside(model_dir, built):
     link = link_dictionary_outside(model_dir, built[1])
     message = str(analysis_dump(model_dir))
-    assert message.startswith(f"{link}: a link to ") and SECRET_LINE not in message and "\n" not in message
+    assert message.startswith(f"ea-fairseq-analysis dump: error: {link}: a link to ") and "\n" not in message
+    assert SECRET_LINE not in message
     assert not (model_dir.parent / "dump.npz").exists()
 
 
@@ -139,7 +140,7 @@ def test_a_name_stepping_out_of_its_directory_is_refused(model_dir, built):
     """A language with a '/' (a checkpoint's, a command line's) puts '..' in the name fairseq
     joins to the directory: the directory it was named in is still the one it must stay in."""
     (model_dir / "dict.x").mkdir()
-    stepping = model_dir / "dict.x" / ".." / ".." / built[1].name / "secret.txt"
+    stepping = model_dir / "dict.x" / ".." / ".." / os.path.relpath(built[1] / "secret.txt", model_dir.parent)
     with pytest.raises(DataFileError, match="outside"):
         Dictionary.load(str(stepping))
 
@@ -168,6 +169,28 @@ def test_a_language_fairseq_accepts_trains_and_generates(tmp_path):
                raw / "valid", "--testpref", raw / "test", "--destdir", data, "--joined-dictionary")
     run(train_command(data, "transformer_lite", tmp_path / "ck", updates=1), timeout=300)
     code, out = run([cli("fairseq-generate"), data, "--user-dir", USER_DIR, "--path", tmp_path / "ck" /
-                     "checkpoint_last.pt", "--gen-subset", "test", "--beam", "2", "--cpu", "--max-len-b", "5"],
+                     "checkpoint_last.pt", "--gen-subset", "test", "--beam", "2", "--cpu", "--required-batch-size-multiple", "1"],
                     expect_ok=False, timeout=300)
     assert code == 0 and "S-0\t" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("target", ["relative", "absolute"])
+def test_an_archive_member_linked_out_of_its_folder_is_refused_by_the_hub(tmp_path, built, monkeypatch, target):
+    """The same principle for the hub's archives, checked on the members' names before anything
+    is written: a dictionary that is a symbolic link out of the archive's folder is refused."""
+    import tarfile
+    import tempfile
+
+    from fairseq.models.transformer import TransformerModel
+
+    from ea_fairseq.archives import ArchiveError
+    from test_archives import archive
+
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    secret = built[1] / "secret.txt"
+    link = str(secret) if target == "absolute" else "../" * 8 + str(secret).lstrip("/")
+    path = archive(tmp_path / "model.tar.gz", ("model/dict.src.txt", b"", tarfile.SYMTYPE, link))
+    with pytest.raises(ArchiveError, match="member 'model/dict.src.txt' is a symbolic link to .*nothing was extracted"):
+        TransformerModel.from_pretrained(str(path), checkpoint_file="model.pt", user_dir=USER_DIR)
+    assert os.listdir(tmp_path / "tmp") == []
