@@ -169,8 +169,7 @@ def check_members(archive: tarfile.TarFile, source: str, room: int) -> List[tarf
             continue
         elif m.issym() or m.islnk():
             target = m.linkname if m.islnk() else posixpath.join(posixpath.dirname(name), m.linkname)
-            resolved = _inside(posixpath.normpath(target)) if not m.linkname.startswith("/") else None
-            if resolved not in files:
+            if _inside(posixpath.normpath(target)) not in files:  # (an absolute one is None)
                 kind = "a symbolic link" if m.issym() else "a hard link"
                 raise _refusal(source, m.name, f"is {kind} to {m.linkname!r}, not to a file stored "
                                                "before it in the archive")

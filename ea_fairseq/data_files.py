@@ -10,7 +10,9 @@ directory (``code``, ``bpecodes``, ``sentencepiece.bpe.model``, ``merges.txt``, 
 or a command line names: a link to ``/dev/zero`` grows memory until the process dies, and a
 FIFO makes the first ``open()`` wait forever.
 
-:func:`check_file` is the one check of such a file (links followed): a regular file, and at
+:func:`check_file` is the one check of such a file (:func:`ea_fairseq.safety.confined.inside`):
+a regular file inside the directory it is named in, links followed (a link out is refused before
+fairseq prints the file it leads to), whatever language codes fairseq put in its name, and at
 most a bound for its kind (:data:`DICTIONARY_LIMIT`, :data:`BPE_LIMIT`). :func:`check` adds,
 for a binary split, a comparison of what the index declares with the sizes of the two files
 and then every item's place with the data file and its length (at most :data:`ITEM_LIMIT`
@@ -28,9 +30,8 @@ by a function that calls fairseq's own on files that passed (:data:`split_checks
   (``--dataset-impl``, a checkpoint) or inferred from an index, is one whose files are checked
   here (:data:`CHECKED_FORMATS`): ``fasta`` indexes its file through a shell command that holds
   the file's path, ``huffman`` opens a vocabulary beside the index;
-- ``fairseq.data.data_utils.infer_language_pair``: a language pair fairseq infers from the file
-  names of a data or model directory is codes (:data:`LANGUAGE_CODE`; fairseq puts them in the
-  names of the files it opens);
+- ``fairseq.data.data_utils.infer_language_pair``: a data directory fairseq lists to infer the
+  language pair is there (else :class:`MissingDataFile`);
 - ``fairseq.data.Dictionary.add_from_file``: every dictionary loaded from a path, by any task's
   ``load_dictionary``, ``Dictionary.load`` or a subclass (the hub, every command-line tool);
 - ``fairseq.data.encoders.build_bpe``: every BPE the hub, ``fairseq-interactive`` and
@@ -45,13 +46,13 @@ before the data is prepared, another pair's ``--source-lang``) raises fairseq's
 import itertools
 import os
 import re
-import stat
 import struct
 from typing import Optional
 
 import numpy as np
 
 from .errors import OptionError
+from .safety import confined
 
 LEGACY_MAGIC = b"TNTIDX\x00\x00"  # fairseq's IndexedDataset (--dataset-impl lazy / cached)
 MMAP_MAGIC = b"MMIDIDX\x00\x00"  # fairseq's MMapIndexedDataset (--dataset-impl mmap, the default)
@@ -70,8 +71,8 @@ BINARY = "a damaged or crafted data file; rebuild the data directory with fairse
 CHECKED_FORMATS = ("raw", "lazy", "cached", "mmap")
 FORMATS = ("a dataset format whose files ea_fairseq checks (raw, lazy, cached, mmap: --dataset-impl mmap is "
            "what fairseq-preprocess writes); rebuild the data directory with fairseq-preprocess")
-# a language, wherever fairseq takes one to put in file names (dict.{lang}.txt, {split}.{src}-{tgt}.{lang})
-LANGUAGE_CODE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+# (for checkpoint_safety.fields' import until it drops it: a language is what fairseq accepts)
+LANGUAGE_CODE = re.compile(r"[^/\\\x00]{1,64}")
 ITEM_LIMIT = 2 ** 24  # tokens in one item (a sentence), which fairseq reads whole, as int64s: a data
 # file with holes (sparse) holds a declared item of any size in no space
 DICTIONARY_LIMIT = 256 * 2 ** 20  # fairseq-preprocess writes a few MB for 100k types
@@ -109,7 +110,7 @@ def _languages_there(directory: str) -> str:
         names = sorted(os.listdir(directory))
     except OSError:
         return ""
-    langs = [n[5:-4] for n in names if n.startswith("dict.") and n.endswith(".txt") and LANGUAGE_CODE.fullmatch(n[5:-4])]
+    langs = [_shown(n[5:-4]) for n in names if n.startswith("dict.") and n.endswith(".txt")]
     return ", ".join(langs[:10]) + (", ..." if len(langs) > 10 else "")
 
 
@@ -117,14 +118,23 @@ def _error(path: str, what: str, remedy: str = BINARY) -> DataFileError:
     return DataFileError(f"{path}: {what}: {remedy}")
 
 
+def _named_in(path: str) -> str:
+    """The directory fairseq named ``path`` in (joined to a name built from codes): its
+    directory, or the part before a name that steps out of it (``DIR/x/../..``)."""
+    parts = path.split(os.sep)
+    for i in range(1, len(parts) - 1):
+        if parts[i] == ".." and parts[i - 1] not in ("", ".", ".."):
+            return os.sep.join(parts[:i - 1]) or (os.sep if path.startswith(os.sep) else ".")
+    return os.path.dirname(path) or "."
+
+
 def check_file(path: str, remedy: str = BINARY, limit: Optional[int] = None) -> int:
-    """The size of ``path``, a regular file (links followed: a link to /dev/zero is a device)
+    """The size of ``path``, a regular file inside the directory it is named in (links followed)
     of at most ``limit`` bytes; else :class:`DataFileError` naming it, ending with ``remedy``."""
-    info = os.stat(path)
-    if not stat.S_ISREG(info.st_mode):
-        kind = ("a FIFO" if stat.S_ISFIFO(info.st_mode) else "a device" if stat.S_ISCHR(info.st_mode)
-                or stat.S_ISBLK(info.st_mode) else "a directory" if stat.S_ISDIR(info.st_mode) else "not a file")
-        raise _error(path, f"is {kind}, not a regular file", remedy)
+    try:
+        info = os.stat(confined.inside(path, _named_in(path)))
+    except confined.ConfinedPathError as refusal:  # (its own remedy replaced by this kind's)
+        raise DataFileError(f"{str(refusal).rpartition(': ')[0]}: {remedy}") from None
     if limit is not None and info.st_size > limit:
         raise _error(path, f"{info.st_size:,} bytes, more than the {limit // 2 ** 20} MiB allowed", remedy)
     return info.st_size
@@ -264,18 +274,14 @@ def _bpe_files(cfg):
     return found
 
 
-def _checked_first(checked, result=None):
-    """What makes of a fairseq function one that runs ``checked(*args)`` first (and
-    ``result(*args, what it returned)`` after, where given), then fairseq's with the same
-    arguments (installed by :mod:`ea_fairseq.side_effects`)."""
+def _checked_first(checked):
+    """What makes of a fairseq function one that runs ``checked(*args)`` first, then fairseq's
+    with the same arguments (installed by :mod:`ea_fairseq.side_effects`)."""
 
     def replacement(original):
         def checked_call(*args, **kwargs):
             checked(*args, **kwargs)
-            value = original(*args, **kwargs)
-            if result is not None:
-                result(*args, value, **kwargs)
-            return value
+            return original(*args, **kwargs)
 
         return checked_call
 
@@ -293,14 +299,6 @@ def _check_format(path, impl, *args, **kwargs):
     huffman), is one of :data:`CHECKED_FORMATS`."""
     if impl not in CHECKED_FORMATS:
         raise _error(path, f"dataset format '{impl}'", FORMATS)
-
-
-def _check_languages(path, pair) -> None:
-    if any(lang is not None and not (isinstance(lang, str) and LANGUAGE_CODE.fullmatch(lang)) for lang in pair):
-        raise DataFileError(
-            f"{path}: a file name there gives the language pair {pair[0]!r}-{pair[1]!r}, which are not language "
-            "codes ([A-Za-z0-9_-]+; fairseq puts them in the names of the files it opens): remove or rename that "
-            "file, or give the languages (--source-lang/--target-lang; source_lang=/target_lang= in the hub)")
 
 
 def _check_dictionary(dictionary, f):
@@ -329,10 +327,10 @@ def _check_bpe(cfg, *args, **kwargs):
 
 #: fairseq's readers, each checking first what it is about to open (:mod:`ea_fairseq.side_effects`):
 #: every split (``data_utils.load_indexed_dataset``), every dataset format (``indexed_dataset.make_dataset``),
-#: every language pair inferred from file names (``data_utils.infer_language_pair``), every dictionary
+#: every data directory listed for its language pair (``data_utils.infer_language_pair``), every dictionary
 #: (``Dictionary.add_from_file``) and BPE file (``encoders.build_bpe``)
 split_checks = _checked_first(_check_splits)
 format_check = _checked_first(_check_format)
-language_check = _checked_first(_check_data_directory, _check_languages)
+directory_check = _checked_first(_check_data_directory)
 dictionary_check = _checked_first(_check_dictionary)
 bpe_check = _checked_first(_check_bpe)

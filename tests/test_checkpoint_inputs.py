@@ -30,8 +30,20 @@ def _secret_beside(directory):
     return "x/../../secret"
 
 
+@pytest.fixture
+def dictionaries_unguarded(monkeypatch):
+    """For a negative control: fairseq's own dictionary reader, without the data files' check
+    (which refuses a dictionary outside its directory whatever name reached it)."""
+    from fairseq.data import Dictionary
+
+    from ea_fairseq import side_effects
+
+    monkeypatch.setattr(Dictionary, "add_from_file",
+                        side_effects.original("fairseq.data.dictionary:Dictionary.add_from_file"))
+
+
 # -- languages and split names are put in file names ----------------------------------------
-def test_a_language_path_reads_a_file_without_the_guard(tmp_path, vanilla):  # noqa: F811
+def test_a_language_path_reads_a_file_without_the_guard(tmp_path, vanilla, dictionaries_unguarded):  # noqa: F811
     state = trusted_state(vanilla)
     state["cfg"]["task"].update(source_lang=_secret_beside(tmp_path / "model"), target_lang="tgt",
                                 data=str(tmp_path / "model"))
@@ -86,7 +98,7 @@ def test_other_task_families_are_refused_naming_the_switch(tmp_path, vanilla, ti
     assert f"cfg.task._name = '{task}'" in message and safety.TRUST_SWITCH in message
 
 
-def test_a_task_family_s_paths_are_opened_without_the_guard(tmp_path, vanilla):  # noqa: F811
+def test_a_task_family_s_paths_are_opened_without_the_guard(tmp_path, vanilla, dictionaries_unguarded):  # noqa: F811
     state = trusted_state(vanilla)
     state["cfg"]["task"] = dict(OTHER_TASKS["audio_finetuning"], _name="audio_finetuning",
                                 data=str(tmp_path / "model"))

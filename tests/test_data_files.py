@@ -69,7 +69,7 @@ def craft(prefix, attack):
     if attack == "dev-zero-data":
         os.unlink(bin_)
         os.symlink("/dev/zero", bin_)
-        return bin_, "is a device, not a regular file"
+        return bin_, "a link to /dev/zero, outside"
     if attack == "fifo-raw-text":
         os.mkfifo(str(prefix))  # a raw-text split (--dataset-impl raw) of that name, read whole
         return str(prefix), "is a FIFO, not a regular file"

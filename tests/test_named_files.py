@@ -20,7 +20,7 @@ from test_data_files import run_measured
 from trained_checkpoints import ENV, USER_DIR, family_checkpoints
 
 DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "drivers", "hub_named_files.py")
-FIFO, ZERO, HUGE = "a FIFO", "a device", "more than the 256 MiB allowed"
+FIFO, ZERO, HUGE = "a FIFO", "a link to /dev/zero, outside", "more than the 256 MiB allowed"
 
 
 def payload(path, kind):
@@ -108,7 +108,7 @@ def test_fairseq_generate_fails_fast_in_one_line(tmp_path, attack, tmp_path_fact
     if attack == "dictionary-fifo":
         named, shown = payload(data / "dict.src.txt", FIFO), "is a FIFO, not a regular file: a fairseq dictionary"
     else:
-        named, shown = payload(tmp_path / "code", ZERO), "is a device, not a regular file: a BPE file (--bpe-codes)"
+        named, shown = payload(tmp_path / "code", ZERO), f"{ZERO} {tmp_path}: a BPE file (--bpe-codes)"
         extra = ["--bpe", "subword_nmt", "--bpe-codes", named]
     code, lines, rss, seconds = run_measured(
         [cli("fairseq-generate"), data, "--user-dir", USER_DIR, "--path", checkpoint, "--gen-subset", "test",
