@@ -45,7 +45,6 @@ before the data is prepared, another pair's ``--source-lang``) raises fairseq's
 """
 import itertools
 import os
-import re
 import struct
 from typing import Optional
 
@@ -71,8 +70,6 @@ BINARY = "a damaged or crafted data file; rebuild the data directory with fairse
 CHECKED_FORMATS = ("raw", "lazy", "cached", "mmap")
 FORMATS = ("a dataset format whose files ea_fairseq checks (raw, lazy, cached, mmap: --dataset-impl mmap is "
            "what fairseq-preprocess writes); rebuild the data directory with fairseq-preprocess")
-# (for checkpoint_safety.fields' import until it drops it: a language is what fairseq accepts)
-LANGUAGE_CODE = re.compile(r"[^/\\\x00]{1,64}")
 ITEM_LIMIT = 2 ** 24  # tokens in one item (a sentence), which fairseq reads whole, as int64s: a data
 # file with holes (sparse) holds a declared item of any size in no space
 DICTIONARY_LIMIT = 256 * 2 ** 20  # fairseq-preprocess writes a few MB for 100k types

@@ -55,7 +55,7 @@ def test_a_language_path_reads_a_file_without_the_guard(tmp_path, vanilla, dicti
 
 @pytest.mark.parametrize("layout", ["dict", "legacy"])
 @pytest.mark.parametrize("field", ["source_lang", "target_lang"])
-def test_languages_are_codes_in_every_layout(tmp_path, vanilla, tiny_data_bin, layout, field):  # noqa: F811
+def test_a_language_that_leaves_the_directory_is_refused_where_it_is_opened_in_every_layout(tmp_path, vanilla, tiny_data_bin, layout, field):  # noqa: F811
     state = trusted_state(vanilla)
     hostile = _secret_beside(tmp_path / "model")
     if layout == "dict":
@@ -66,16 +66,9 @@ def test_languages_are_codes_in_every_layout(tmp_path, vanilla, tiny_data_bin, l
         setattr(args, field, hostile)
         state["args"], state["cfg"] = args, None
     saved(state, tmp_path / "model")
-    with pytest.raises(safety.UnsafeCheckpointError) as refusal:
+    with pytest.raises(Exception) as refusal:  # the file fairseq names from it is confined, not the name
         hub(tmp_path / "model", str(tmp_path / "model"))
-    assert f"{field} = 'x/../../secret': not a language code" in _one_line(refusal)
-
-
-@pytest.mark.parametrize("field,value", [("gen_subset", "../../x"), ("valid_subset", "valid,/etc/x")])
-def test_split_names_are_names(field, value):
-    state = {"cfg": {"model": argparse.Namespace(arch="transformer"), "dataset": {field: value}}}
-    with pytest.raises(safety.UnsafeCheckpointError, match=f"cfg.dataset.{field} = .*: not .*split name"):
-        safety.sanitize(state, "x.pt")
+    assert SECRET_LINE.split()[0] not in str(refusal.value)
 
 
 # -- task families ---------------------------------------------------------------------------

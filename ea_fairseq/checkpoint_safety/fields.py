@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from .literals import EVALUATED_FIELDS, _evaluated_value, _literal
 from .plain import _Refused
-from ..data_files import CHECKED_FORMATS, LANGUAGE_CODE
+from ..data_files import CHECKED_FORMATS
 from .reading import _shown
 
 
@@ -24,13 +24,6 @@ PATH_FIELDS = frozenset({
     "encoder_embed_path", "decoder_embed_path", "replace_unk", "lm_path", "bpe_codes", "bpe_merges",
     "bpe_vocab", "bpe_vocab_file", "sentencepiece_model", "sentencepiece_model_path", "gpt2_encoder_json",
     "gpt2_vocab_bpe", "quantization_config_path"})
-# values fairseq puts in file names: languages (dict.{lang}.txt) and the splits a task loads
-# ({split}.{src}-{tgt}.{lang}); every section, every layout
-NAME_FIELDS = {"source_lang": "a language code", "target_lang": "a language code",
-               "train_subset": "a split name", "valid_subset": "comma-separated split names",
-               "gen_subset": "a split name"}
-LANGUAGE_FIELDS = frozenset(k for k, v in NAME_FIELDS.items() if v == "a language code")
-_LANGUAGE = LANGUAGE_CODE  # (the same codes as a language inferred from a data directory's file names)
 LIMIT_POSITIONS = 1 << 16  # fairseq's max_source/target_positions
 # integers by which fairseq sizes what it allocates when it loads data or translates with a
 # checkpoint's configuration (the analysis tool and the hub set their task up from it): padding
@@ -45,7 +38,6 @@ LIMIT_INTEGER = (1 << 63) - 1
 # enumerations fairseq would act on beyond what the plugin checks: the dataset formats (fasta
 # indexes its file through a shell command holding the path; huffman opens a third file)
 CHOICES_CHECKED = {"dataset_impl": CHECKED_FORMATS}
-_NAMES = re.compile(r"[A-Za-z0-9_-]{1,64}(,[A-Za-z0-9_-]{1,64}){0,63}")
 # the task families whose configuration this plugin has checked (its recipes and hub use these);
 # another task's dataclass may name files and directories fairseq opens when it sets the task up
 VOUCHED_TASKS = frozenset({"translation", "translation_lines", "translation_progress"})
@@ -128,8 +120,6 @@ def typed(value: Any, tp: Any, name: str) -> Any:
     if tp is float and type(value) in (int, float) and math.isfinite(value):
         return float(value)
     if tp is str and type(value) is str:
-        if name in NAME_FIELDS and not (_NAMES if "," in NAME_FIELDS[name] else _LANGUAGE).fullmatch(value):
-            raise _Refused(f"not {NAME_FIELDS[name]} ([A-Za-z0-9_-]+); fairseq puts it in file names")
         return value
     raise _Refused(f"a {type(value).__name__} where fairseq declares {_type_name(tp)}")
 

@@ -16,8 +16,8 @@ reads in place of the flat fields, are read into the flat fields, so they are bo
 Load-time effects are not taken from a checkpoint: the ``generation`` section is fairseq's
 defaults (the caller's overrides apply on top; the values dropped are logged in one line), and
 the fields naming files fairseq would open while loading (:data:`PATH_FIELDS`) take their
-defaults (None), logged; languages, which fairseq puts in file names, are codes
-(:data:`LANGUAGE_FIELDS`).
+defaults (None), logged. Languages and split names, which fairseq puts in file names, are taken
+as fairseq takes them: the file it then opens is confined to its directory (:mod:`ea_fairseq.data_files`).
 """
 import argparse
 import dataclasses
