@@ -241,3 +241,19 @@ def test_a_transformer_of_the_papers_size_builds_within_the_budget_of_its_weight
     budget.weights_read("tiny", {"w": torch.zeros(16, 16)})  # the same configuration with far fewer weights
     with pytest.raises(budget.BudgetError, match="would create more than"), torch.device("meta"):
         models.build_model(copy.deepcopy(args), task, from_checkpoint=True)
+
+
+def test_the_budget_adds_no_warning_to_what_it_counts():
+    """Moving parameters under the budget (build_on_meta's ``model.to("meta")``, where a module made
+    them on the CPU: LSRA's convolutions) reads each one's ``.grad``; the budget's meta copy of a
+    parameter is detached, so that read does not make torch warn about a non-leaf tensor."""
+    import warnings
+
+    from ea_fairseq.safety.budget import Budget
+
+    layer = torch.nn.Linear(2, 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Budget(1 << 20, 1 << 10, "x"):
+            layer.to("meta")
+    assert [str(w.message) for w in caught] == [] and layer.weight.is_meta
