@@ -9,9 +9,11 @@ device (no memory) what the same files make plain fairseq build."""
 import copy
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -97,21 +99,33 @@ def test_plain_fairseq_refuses_them_under_torchs_weights_only_default(decoded, f
 
 
 # -- 2 and 3. what a checkpoint or its directory makes fairseq build ----------------------------------
-def measured(data_bin, checkpoint):
-    """fairseq-generate with the plugin under /usr/bin/time: (status, output, seconds, peak RSS bytes)."""
-    if not os.path.exists("/usr/bin/time"):
-        pytest.skip("no /usr/bin/time to measure the peak memory of a process")
+def at_most_3_gib():
+    """The child's address space, 3 GiB (fairseq-generate with a tiny model needs under 1): should the
+    guard let an attack through, the allocation fails at once instead of filling the machine."""
+    resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+
+
+def measured(data_bin, checkpoint, limit_s=300):
+    """fairseq-generate with the plugin: (exit status, output, seconds, the process's peak RSS in
+    bytes, as ``wait4`` reports it when the process is reaped)."""
     argv = [cli("fairseq-generate"), str(data_bin), "--user-dir", USER_DIR, "--path", str(checkpoint),
             "--beam", "2", "--max-len-b", "5", "--gen-subset", "test", "--required-batch-size-multiple", "1",
             "--cpu", "--num-workers", "0"]
-    rss = os.path.join(os.path.dirname(str(checkpoint)), "peak_rss_kib")
     start = time.perf_counter()
-    proc = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", rss, *argv], capture_output=True, text=True,
-                          env=ENV, timeout=300, stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=ENV, preexec_fn=at_most_3_gib)
+    timer = threading.Timer(limit_s, proc.kill)
+    timer.start()
+    try:
+        with proc.stdout:
+            out = proc.stdout.read().decode(errors="replace")
+        _, status, usage = os.wait4(proc.pid, 0)
+    finally:
+        timer.cancel()
+    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
     seconds = time.perf_counter() - start
-    with open(rss) as f:
-        peak = int(f.read().split()[-1]) * 1024
-    return proc.returncode, proc.stdout + proc.stderr, seconds, peak
+    peak = usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)  # bytes on macOS, KiB on Linux
+    return proc.returncode, out, seconds, peak
 
 
 def assert_refused_by_the_budget(status, out, seconds, peak):
@@ -144,50 +158,52 @@ def on_paper(model_cfg, data_bin):
     return {name: t.numel() * t.element_size() for name, t in tensors.items()}
 
 
-#: a sinusoidal table has max_positions (at most 65536, the plugin's bound on the field) rows of the
-#: embedding's width: 2**15 wide, each table is 65538 x 32768 floats, 8.6 GB; the checkpoint, 170 kB
-WIDE = 1 << 15
-
-
-def test_a_table_the_checkpoint_does_not_store_is_refused_before_it_is_allocated(foreign, tiny_data_bin, tmp_path):
-    state = state_of(foreign["transformer"])
-    model = state["cfg"]["model"]
-    model.max_source_positions = model.max_target_positions = 1 << 16
-    for field in ("encoder_embed_dim", "decoder_embed_dim", "decoder_input_dim", "decoder_output_dim"):
-        setattr(model, field, WIDE)
-    torch.save(state, tmp_path / "wide.pt")
-    assert os.path.getsize(tmp_path / "wide.pt") < 300_000
-    # control: the position tables alone that these values make fairseq build
-    sizes = on_paper(model, tiny_data_bin)
-    tables = {name: size for name, size in sizes.items() if "embed_positions" in name}
-    assert len(tables) == 2 and min(tables.values()) > 4 * GB, tables
-    assert_refused_by_the_budget(*measured(tiny_data_bin, tmp_path / "wide.pt"))
-
-
-#: a checkpoint whose configuration describes its weights exactly: no layers, embeddings 8192 wide
-#: (3 x 104 x 8192 weights, 10 MB); its dictionaries then decide what fairseq builds: 50,000
-#: symbols make the two embeddings and the output projection 3 x 50,000 x 8192 floats, 4.9 GB
-EMBEDDINGS, SYMBOLS = 1 << 13, 50_000
-
-
-def embeddings_only(checkpoint, path):
+def embeddings_only(checkpoint, path, width, positions):
+    """The trained transformer's checkpoint made into one whose configuration describes its weights
+    exactly: no layers, embeddings (and the output projection) ``width`` wide, zeros, and
+    ``positions`` for both position limits; the configuration's model section is returned."""
     state = state_of(checkpoint)
     model = state["cfg"]["model"]
     model.encoder_layers = model.decoder_layers = 0
-    model.max_source_positions = model.max_target_positions = 64
+    model.max_source_positions = model.max_target_positions = positions
     for field in ("encoder_embed_dim", "decoder_embed_dim", "decoder_input_dim", "decoder_output_dim"):
-        setattr(model, field, EMBEDDINGS)
-    state["model"] = {name: torch.zeros(value.shape[0], EMBEDDINGS) if value.dim() == 2 else value
+        setattr(model, field, width)
+    state["model"] = {name: torch.zeros(value.shape[0], width) if value.dim() == 2 else value
                       for name, value in state["model"].items() if ".layers." not in name}
     state["last_optimizer_state"] = None
     torch.save(state, path)
     return model
 
 
+#: a sinusoidal table (which no checkpoint stores) has max_positions + 2 rows (at most 65536 + 2: the
+#: plugin's bound on the field) of the embedding's width: 2**14 wide, each table is 65538 x 16384
+#: floats, 4.3 GB; the weights, three embeddings of 104 x 16384, 20 MB. (A configuration whose width
+#: differs from its weights' is refused by the comparison with the weights as well; these agree, so
+#: the budget alone stands between the table and the allocation.)
+TABLE_WIDTH = 1 << 14
+
+
+def test_a_table_the_checkpoint_does_not_store_is_refused_before_it_is_allocated(foreign, tiny_data_bin, tmp_path):
+    model = embeddings_only(foreign["transformer"], tmp_path / "wide.pt", TABLE_WIDTH, 1 << 16)
+    assert os.path.getsize(tmp_path / "wide.pt") < 25 * 10 ** 6
+    # control: the position tables alone that these values make plain fairseq build
+    sizes = on_paper(model, tiny_data_bin)
+    tables = {name: size for name, size in sizes.items() if "embed_positions" in name}
+    assert len(tables) == 2 and min(tables.values()) > 4 * GB, tables
+    assert sum(size for name, size in sizes.items() if name not in tables) < 25 * 10 ** 6  # all the rest
+    assert_refused_by_the_budget(*measured(tiny_data_bin, tmp_path / "wide.pt"))
+
+
+#: the same construction, 8192 wide, 64 positions (10 MB of weights): its dictionaries then decide
+#: what fairseq builds: 50,000 symbols make the two embeddings and the output projection
+#: 3 x 50,000 x 8192 floats, 4.9 GB
+EMBEDDINGS, SYMBOLS = 1 << 13, 50_000
+
+
 def test_the_directorys_dictionaries_are_refused_before_they_size_the_model(foreign, tiny_data_bin, tmp_path):
     from fairseq import checkpoint_utils
 
-    model = embeddings_only(foreign["transformer"], tmp_path / "c.pt")
+    model = embeddings_only(foreign["transformer"], tmp_path / "c.pt", EMBEDDINGS, 64)
     large = tmp_path / "large"
     shutil.copytree(tiny_data_bin, large)
     for side in ("src", "tgt"):
@@ -236,7 +252,8 @@ def test_a_transformer_of_the_papers_size_builds_within_the_budget_of_its_weight
     with torch.device("meta"):
         model = models.build_model(copy.deepcopy(args), task, from_checkpoint=True)
     assert model.encoder.embed_tokens.weight.shape == (32768, 512)
-    assert sum(p.numel() for p in model.parameters()) == sum(weights[name].numel() for name, _ in model.named_parameters())
+    assert sum(p.numel() for p in model.parameters()) == sum(weights[name].numel()
+                                                             for name, _ in model.named_parameters())
 
     budget.weights_read("tiny", {"w": torch.zeros(16, 16)})  # the same configuration with far fewer weights
     with pytest.raises(budget.BudgetError, match="would create more than"), torch.device("meta"):
