@@ -70,7 +70,9 @@ class Budget(TorchFunctionMode):
         if func in _TO_HOST and isinstance(args[0], torch.Tensor) and args[0].is_meta:
             return args[0]  # a build on meta that initialises on the host (BART's normal_ draws on the CPU)
         try:
-            on_meta = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs))
+            # detached: a meta copy of a parameter is otherwise a non-leaf tensor, whose ``.grad``
+            # (read by ``Module.to`` for every parameter it moves) makes torch warn
+            on_meta = tree_map(lambda t: t.detach().to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs))
             with torch.device("meta"):
                 out = func(*on_meta[0], **on_meta[1])
             given = _storages(on_meta)
