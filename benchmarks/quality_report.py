@@ -183,7 +183,8 @@ def compare_cli(results: str, systems: List[str], runs) -> dict:
     rel = os.path.relpath(os.path.join(results, "runs"), REPO)
     specs = [f"{s}={rel}/{s}" for s in systems
              if any(r["status"] == "finished" for r in runs.get(s, {}).values())]
-    argv = ["ea-fairseq-compare", "--agreement", *specs, "--metric", *METRICS]
+    argv = ["ea-fairseq-compare", "--agreement", "--results-dir", os.path.relpath(results, REPO), *specs,
+            "--metric", *METRICS]
     if len(specs) < 2:
         return {"command": " ".join(argv), "output": "(fewer than two systems with a finished run)"}
     done = subprocess.run([venv_bin(argv[0]), *argv[1:]], cwd=REPO, capture_output=True, text=True)
@@ -202,15 +203,16 @@ def _stamp_option(record: dict, option: str) -> Optional[str]:
     return m.group(1) if m else None
 
 
-def comparisons(finished: Dict[str, Dict[int, dict]], order: List[str], base_name: str) -> Dict[str, Dict[str, dict]]:
+def comparisons(finished: Dict[str, Dict[int, dict]], order: List[str], base_name: str,
+                results: str) -> Dict[str, Dict[str, dict]]:
     """ea-fairseq-compare's seed-level inference per metric, over the systems with a finished
-    run, the baseline first: {metric: {system: result}}."""
+    run, the baseline first: {metric: {system: result}}; the runs' files read inside ``results``."""
     from ea_fairseq_cli import compare_systems as cs
 
     names = [base_name] + [s for s in order if s != base_name and finished.get(s)]
     if not finished.get(base_name) or len(names) < 2:
         return {m: {} for m in METRICS}
-    runs = {s: [cs.Run(_scores_json(r)) for _, r in sorted(finished[s].items())] for s in names}
+    runs = {s: [cs.Run(_scores_json(r), results) for _, r in sorted(finished[s].items())] for s in names}
     out = {}
     for m in METRICS:
         stats = {s: [cs.sentence_statistics(m, r, False) for r in rs] for s, rs in runs.items()}
@@ -280,7 +282,7 @@ def build(results: str) -> dict:
            "provenance": provenance([(f"{s} seed {k}", r) for s in order for k, r in sorted(runs.get(s, {}).items())] +
                                     [(candidate_name(s, lr, chose[s][lr]), r)
                                      for s in order for lr, r in candidates.get(s, {}).items()])}
-    compared = comparisons(finished, order, base_name)
+    compared = comparisons(finished, order, base_name, results)
     for m in METRICS:
         sig = next((v[m]["signature"] for s in order for v in scores[s].values() if m in v), None)
         out["signatures"][m] = sig or (copy["metrics"][m]["signature"] if copy else None)

@@ -154,11 +154,12 @@ class Run:
     """One evaluated run: its scores.json, the texts each sacreBLEU metric scored, and the
     segment-score files beside it."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, root: Optional[str] = None):
         self.path = path
-        with open_inside(path, None, "r", limit=LIMIT_SCORES, encoding="utf-8") as f:
-            self.report = json.load(f)
         self.dir = os.path.dirname(path)
+        self.root = root if root is not None else self.dir  # what the files it names may resolve inside
+        with open_inside(path, self.root, "r", limit=LIMIT_SCORES, encoding="utf-8") as f:
+            self.report = json.load(f)
         self.prefix = path[:-len(".scores.json")] if path.endswith(".scores.json") else os.path.splitext(path)[0]
         self.segment_files = {m.group("name"): f for f in glob.glob(glob.escape(self.prefix) + ".seg.*")
                               if (m := SEGMENTS.match(f))}
@@ -177,8 +178,8 @@ class Run:
         if not all(isinstance(entry.get(side), str) for side in ("hyp", "ref")):
             raise SystemExit(f"ea-fairseq-compare: {self.path}: the '{metric}' files are not file names: "
                              "score the run again with examples/translation/evaluate.sh")
-        return (_lines(os.path.join(self.dir, entry["hyp"]), self.dir),
-                _lines(os.path.join(self.dir, entry["ref"]), self.dir))
+        return (_lines(os.path.join(self.dir, entry["hyp"]), self.root),
+                _lines(os.path.join(self.dir, entry["ref"]), self.root))
 
     def segments(self, metric: str) -> np.ndarray:
         path = self.segment_files.get(metric)
@@ -186,7 +187,7 @@ class Run:
             raise SystemExit(f"ea-fairseq-compare: no segment scores {self.prefix}.seg.{metric} "
                              "(one score per line per translated sentence)")
         values = []
-        for i, line in enumerate(_lines(path, self.dir), 1):
+        for i, line in enumerate(_lines(path, self.root), 1):
             try:
                 values.append(float(line))
             except ValueError:
@@ -300,6 +301,10 @@ def _main(argv=None) -> int:
     p.add_argument("-s", "--source-lang")
     p.add_argument("-t", "--target-lang")
     p.add_argument("--subset", default="test")
+    p.add_argument("--results-dir", metavar="DIR",
+                   help="the results folder the runs belong to: a scores.json and the files it names may "
+                        "be links anywhere inside it (the quality benchmark's runs share one copy of the "
+                        "references); by default each stays inside its own eval directory")
     args = p.parse_args(argv)
     logging.basicConfig(format="%(levelname)s | %(name)s | %(message)s", level=logging.WARNING)
     if args.bootstrap < 1 or args.trials < 1:
@@ -314,7 +319,7 @@ def _main(argv=None) -> int:
             name, path = os.path.basename(os.path.normpath(spec)), spec
         if name in systems:
             raise SystemExit(f"ea-fairseq-compare: two systems named {name}: name them NAME=DIR")
-        systems[name] = [Run(f) for f in find_runs(path, pattern)]
+        systems[name] = [Run(f, args.results_dir) for f in find_runs(path, pattern)]
 
     runs = [run for rs in systems.values() for run in rs]
     first = runs[0]

@@ -72,6 +72,22 @@ def test_compare_follows_a_link_that_stays_inside(tmp_path, capsys):
     assert "| sys " in capsys.readouterr().out
 
 
+def test_compare_follows_links_inside_the_results_dir_it_is_given(tmp_path, capsys):
+    """The quality benchmark's layout: each run's references a link to one shared copy in the
+    results folder, outside the run's eval directory: read within ``--results-dir``, refused
+    without it (the file it leads to is outside the eval directory the scores name it in)."""
+    scores = _runs(tmp_path)
+    shared = tmp_path / "refs" / "test.de-en.ref.tok"
+    shared.parent.mkdir()
+    os.replace(scores.parent / "test.de-en.ref.tok", shared)
+    os.symlink(os.path.relpath(shared, scores.parent), scores.parent / "test.de-en.ref.tok")
+    argv = [str(tmp_path / "base"), str(tmp_path / "sys"), "--metric", "tok", "--bootstrap", "10", "--trials", "10"]
+    with pytest.raises(SystemExit, match="outside"):
+        compare.main(argv)
+    assert compare.main([*argv, "--results-dir", str(tmp_path)]) == 0
+    assert "| sys " in capsys.readouterr().out
+
+
 def test_compare_refuses_a_scores_json_that_is_a_link_outside(tmp_path):
     scores = _runs(tmp_path)
     moved = tmp_path / "elsewhere.json"
