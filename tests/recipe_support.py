@@ -171,6 +171,7 @@ def walk_through_tree(root: Path) -> None:
         if f.name != "bible-es-en":
             (recipes / f.name).symlink_to(f)
     (root / "ea_fairseq").symlink_to(REPO / "ea_fairseq")
+    (root / "scripts").symlink_to(REPO / "scripts")  # (the recipes write through scripts/safe_write.py)
     (recipes / "bible-es-en").mkdir()
     for split, n in WALK_SIZES.items():
         for lang in ("es", "en"):
