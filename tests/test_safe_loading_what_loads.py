@@ -55,32 +55,15 @@ def test_other_families_are_generated_from_their_own_options(arch, layout):
             safety.sanitize(state, "x.pt")
 
 
-def test_other_tasks_load_with_the_trust_switch_and_a_warning(tmp_path, checkpoints, monkeypatch, caplog):
+def test_other_tasks_load_as_their_dataclasses_declare_them(tmp_path, checkpoints):
+    """By use: a task fairseq declares with a dataclass is generated from it (no list of tasks,
+    no switch); one registered without a dataclass has no schema, and is refused in one line."""
     state = torch.load(checkpoints["vanilla"], weights_only=False)
-    state["cfg"]["task"]["_name"] = "language_modeling"
-    torch.save(state, tmp_path / "c.pt")
-    path = tmp_path / "c.pt"
-    with pytest.raises(safety.UnsafeCheckpointError, match=f"set {safety.TRUST_SWITCH}=1"):
-        checkpoint_utils.load_checkpoint_to_cpu(str(path))
-    monkeypatch.setenv(safety.TRUST_SWITCH, "1")
-    with caplog.at_level("WARNING", logger="ea_fairseq"):
-        state = checkpoint_utils.load_checkpoint_to_cpu(str(path))
-    assert state["cfg"].task._name == "language_modeling"
-    assert any(f"{safety.TRUST_SWITCH}=1: loading" in r.getMessage() for r in caplog.records)
-    for attack in ("pickled-callable", "stride-0-tensor"):  # what the switch leaves on
-        path = crafted(checkpoints["vanilla"], tmp_path / "c.pt", attack, tmp_path / "pwned")
-        with pytest.raises(safety.UnsafeCheckpointError, match=re.escape(ATTACKS[attack][1])):
-            checkpoint_utils.load_checkpoint_to_cpu(str(path))
-
-
-@pytest.mark.parametrize("value", ["0", "false", "no", "off", "False", "true", "yes", " 1"])
-def test_only_the_documented_value_switches_the_checks_off(tmp_path, checkpoints, monkeypatch, value):
-    marker = tmp_path / "pwned"
-    path = crafted(checkpoints["vanilla"], tmp_path / "c.pt", "code-in-evaluated-field", marker)
-    monkeypatch.setenv(safety.TRUST_SWITCH, value)
-    with pytest.raises(safety.UnsafeCheckpointError, match="adaptive_softmax_cutoff"):
-        checkpoint_utils.load_checkpoint_to_cpu(str(path))
-    assert not marker.exists()
+    state["cfg"]["task"]["_name"] = "language_modeling"  # (its model is a translation model: no build)
+    assert safety.sanitize(state, "c.pt", build_check=False)["cfg"]["task"]["_name"] == "language_modeling"
+    state["cfg"]["task"]["_name"] = "multilingual_translation"
+    with pytest.raises(safety.UnsafeCheckpointError, match="without a configuration dataclass"):
+        safety.sanitize(state, "c.pt", build_check=False)
 
 
 def test_compressed_records_are_refused(tmp_path, checkpoints):

@@ -1,40 +1,35 @@
-"""Load fairseq checkpoints without letting them run code, read files or hang.
+"""Principle 1, no code: fairseq checkpoints load without letting them run code.
 
 A checkpoint is input. It is read once and handed to fairseq only after the configuration
-fairseq receives has been generated here from it:
+fairseq receives has been generated here from it (docs/safety.md):
 
 1. **Reading** (:mod:`.reading`): torch's weights-only unpickler, never switched off; the
    classes of a fairseq configuration, and numpy's names for arrays and scalars of
    booleans and numbers (fairseq's ``--eval-bleu`` counts) resolving to checked functions
    (:mod:`.numpy_values`: made from a type code and the bytes stored, nothing else),
-   allow-listed only while a checkpoint is read; no
-   omegaconf value resolved while the file is unpickled; compressed records refused; a file
-   that is empty, truncated or not a torch checkpoint reported as such
-   (:class:`CorruptCheckpointError`), not as a refusal.
+   allow-listed only while a checkpoint is read; no omegaconf value resolved while the file is
+   unpickled; compressed records refused; the file read inside its own directory
+   (:mod:`ea_fairseq.safety.confined`); a file that is empty, truncated or not a torch
+   checkpoint reported as such (:class:`CorruptCheckpointError`), not as a refusal.
 2. **Plain data** (:mod:`.plain`): the configuration rebuilt from ``None``, booleans, numbers,
    strings and lists, dicts and Namespaces of them, walked once with depth and size bounded;
    no string holding ``${``; every tensor within its storage; outside the configuration,
    numpy values only arrays and scalars of booleans and numbers, counted by their elements.
-3. **Families** (:mod:`.bounds`): the model must be an architecture of this plugin or of
-   fairseq's ``TransformerModel``; any other family is refused, unless
-   ``EA_FAIRSEQ_TRUST_CHECKPOINTS=1`` (:data:`TRUST_SWITCH`, logged).
-4. **A generated configuration** (:mod:`.schema`, :mod:`.model`): every section built field by
-   field from fairseq's dataclasses and the model's option table, each value converted to the
-   field's declared type, unknown fields dropped, the legacy ``args`` layout converted into the
-   same form (fairseq never converts it itself); evaluated fields (:data:`EVALUATED_FIELDS`)
-   written here as ``repr()`` of a checked literal (:mod:`.literals`); the result checked as
-   fairseq receives it (``OmegaConf.create``): no interpolation anywhere.
-5. **Load-time effects**: the checkpoint's ``generation`` section is not applied (fairseq's
-   defaults plus the caller's options; what was dropped is logged), paths fairseq would open
-   while loading (:data:`PATH_FIELDS`) are not honoured (logged), and the model may not be
-   larger than its weights for any field fairseq reads (nested sections, aliases,
-   ``*_layers_to_keep``; :func:`~.bounds.check_model_sizes`).
-6. **The weights and the training state** (:mod:`.consistency`), where the caller builds the
-   model: the configured model, built on ``meta``, must take the weights; the meters and update
-   count ``--restore-file`` reads back must be fairseq's; the optimizer state, which generation
-   never reads, is only bounded, in whatever layout fairseq's trainer wrote it (``--fp16``'s flat
-   master tensor, Adafactor's factored moments, ...): fairseq's optimizer matches it with the
-   parameters when training resumes.
+3. **A generated configuration** (:mod:`.schema`, :mod:`.model`): every section built field by
+   field from fairseq's dataclasses and the model's own option table (any family: a
+   transformer's fields typed by ``TransformerConfig``, another's by its options and its
+   architecture's defaults), each value converted to the field's declared type, unknown fields
+   dropped, the legacy ``args`` layout converted into the same form (fairseq never converts it
+   itself); evaluated fields (:data:`EVALUATED_FIELDS`) written here as ``repr()`` of a checked
+   literal (:mod:`.literals`); the result checked as fairseq receives it (``OmegaConf.create``):
+   no interpolation anywhere.
+4. **Neutralised where they act** (principle 5): the checkpoint's ``generation`` section is not
+   applied, paths fairseq would open while loading (:data:`PATH_FIELDS`, and a task's fields
+   naming files elsewhere) are not honoured (logged).
+5. **The weights and the training state** (:mod:`.consistency`), where the caller builds the
+   model: the configured model, built on ``meta`` under the budget of its weights
+   (:mod:`ea_fairseq.safety.budget`), must take them; the meters ``--restore-file`` reads back
+   (which fairseq calls by name) must be fairseq's, and the counts it reads numbers.
 
 :func:`~.hook.checkpoint_loader` (installed when the plugin is loaded:
 :mod:`ea_fairseq.side_effects`) puts this in front of
@@ -43,11 +38,11 @@ tools, ``--restore-file``/``--finetune-from-model`` and the hub read a checkpoin
 :func:`load_checkpoint` does the same for the plugin's own tools.
 """
 from .fields import LIMIT_POSITIONS
-from .hook import load_checkpoint, nonfinite_weights, sanitize, trusted
+from .hook import load_checkpoint, nonfinite_weights, sanitize
 from .literals import EVALUATED_FIELDS, UNUSED_FIELDS, Form
 from .plain import (LIMIT_AMPLIFICATION, LIMIT_CHARS, LIMIT_CONFIG_NODES, LIMIT_DEPTH, LIMIT_ITEMS,
                     LIMIT_STATE_NODES)
-from .reading import (TRUST_SWITCH, CheckpointError, CorruptCheckpointError, UnsafeCheckpointError,
+from .reading import (CheckpointError, CorruptCheckpointError, UnsafeCheckpointError,
                       checkpoint_globals, checkpoint_globals_allowed, fairseq_checkpoint_globals,
                       numpy_checkpoint_globals, read_checkpoint)
 from .model import architecture
@@ -56,7 +51,7 @@ from .schema import PATH_FIELDS, Generator
 __all__ = [
     "CheckpointError", "CorruptCheckpointError", "architecture", "EVALUATED_FIELDS", "Form", "Generator", "LIMIT_AMPLIFICATION",
     "LIMIT_CHARS", "LIMIT_CONFIG_NODES", "LIMIT_DEPTH", "LIMIT_ITEMS", "LIMIT_POSITIONS", "LIMIT_STATE_NODES",
-    "PATH_FIELDS", "TRUST_SWITCH", "UNUSED_FIELDS", "UnsafeCheckpointError",
+    "PATH_FIELDS", "UNUSED_FIELDS", "UnsafeCheckpointError",
     "checkpoint_globals", "checkpoint_globals_allowed", "fairseq_checkpoint_globals", "load_checkpoint",
-    "nonfinite_weights", "numpy_checkpoint_globals", "read_checkpoint", "sanitize", "trusted",
+    "nonfinite_weights", "numpy_checkpoint_globals", "read_checkpoint", "sanitize",
 ]

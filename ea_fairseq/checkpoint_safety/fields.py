@@ -38,9 +38,6 @@ LIMIT_INTEGER = (1 << 63) - 1
 # enumerations fairseq would act on beyond what the plugin checks: the dataset formats (fasta
 # indexes its file through a shell command holding the path; huffman opens a third file)
 CHOICES_CHECKED = {"dataset_impl": CHECKED_FORMATS}
-# the task families whose configuration this plugin has checked (its recipes and hub use these);
-# another task's dataclass may name files and directories fairseq opens when it sets the task up
-VOUCHED_TASKS = frozenset({"translation", "translation_lines", "translation_progress"})
 REGISTRY_SECTIONS = ("task", "criterion", "optimizer", "lr_scheduler", "scoring", "bpe", "tokenizer")
 _INTEGER, _NUMBER = re.compile(r"[-+]?\d{1,19}"), re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d{1,3})?")
 

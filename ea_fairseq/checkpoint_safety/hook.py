@@ -13,15 +13,10 @@ from ..safety.budget import weights_read
 from .consistency import check_model_matches, check_training_state, check_upgradable
 from .fields import shown_key, shown_text
 from .plain import LIMIT_AMPLIFICATION, _Walk
-from .reading import TRUST_SWITCH, CheckpointError, UnsafeCheckpointError, _shown, read_checkpoint
+from .reading import CheckpointError, UnsafeCheckpointError, _shown, read_checkpoint
 from .schema import Generator
 
 logger = logging.getLogger(__name__)
-
-
-def trusted() -> bool:
-    """Whether the user switched the configuration checks off (:data:`TRUST_SWITCH`)."""
-    return os.environ.get(TRUST_SWITCH, "") == "1"  # only the documented value: "false" is not "1"
 
 
 def sanitize(state: Dict[str, Any], source: str, *, build_check: bool = True) -> Dict[str, Any]:
@@ -44,11 +39,6 @@ def sanitize(state: Dict[str, Any], source: str, *, build_check: bool = True) ->
         raise UnsafeCheckpointError(
             f"{source}: refused: its tensors declare {walk.tensor_bytes} bytes over {stored} bytes of "
             "stored data (many views of the same storage). Nothing in the checkpoint was run.")
-    if trusted():
-        logger.warning("%s=1: loading %s with its configuration unchecked; a checkpoint's "
-                       "configuration can run code, load only checkpoints you trust this way",
-                       TRUST_SWITCH, source)
-        return out
     for root in config_roots:
         out[root] = walk.plain(state[root], root)[0]
     if not config_roots:

@@ -78,12 +78,17 @@ def _option_type(action: argparse.Action) -> Any:
     return List[kind] if many else kind
 
 
+@functools.lru_cache(maxsize=None)
 def _declared_types(model_class) -> Dict[str, Any]:
-    """``TransformerConfig``'s types for a transformer (the plugin's models among them); none for
-    another family, whose fields of the same names may differ (fconv's ``encoder_layers`` is text)."""
-    from fairseq.models.transformer import TransformerModelBase
+    """``TransformerConfig``'s types for a model that takes the transformer's options (the
+    plugin's models, fairseq's multilingual transformer, ...); none for another family, whose
+    fields of the same names may differ (fconv's ``encoder_layers`` is text)."""
+    from fairseq.models.transformer import TransformerModel
 
-    return _transformer_types() if isinstance(model_class, type) and issubclass(model_class, TransformerModelBase) else {}
+    from ..models.hydra_config import option_actions
+
+    takes = isinstance(model_class, type) and set(option_actions(TransformerModel)) <= set(option_actions(model_class))
+    return _transformer_types() if takes else {}
 
 
 @functools.lru_cache(maxsize=None)

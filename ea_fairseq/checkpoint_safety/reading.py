@@ -15,7 +15,8 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
-TRUST_SWITCH = "EA_FAIRSEQ_TRUST_CHECKPOINTS"
+from ..safety.confined import ConfinedPathError, inside
+
 
 
 class CheckpointError(RuntimeError):
@@ -196,6 +197,11 @@ def read_checkpoint(path: str, source: Optional[str] = None) -> Dict[str, Any]:
         kind = "a FIFO" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode) else \
             "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a file"
         raise _corrupt(source, f"not a regular file ({kind}); a checkpoint is a file torch.save wrote")
+    if stat.S_ISREG(mode):  # read inside its own directory (a model dir, a save dir someone sent)
+        try:
+            path = inside(path)
+        except ConfinedPathError as err:
+            raise UnsafeCheckpointError(f"{source}: refused: {err}. Nothing in the checkpoint was run.") from None
     size = os.path.getsize(path)
     if size == 0:
         raise _corrupt(source, "the file is empty (0 bytes; a run that stopped while saving leaves one)")
@@ -207,8 +213,8 @@ def read_checkpoint(path: str, source: Optional[str] = None) -> Dict[str, Any]:
         raise _corrupt(source, "a zip archive that does not begin with a record (torch reads only the archives "
                                "torch.save writes)")
     elif not head.startswith(b"\x80"):  # torch's legacy format is a pickle (protocol 2)
-        raise _corrupt(source, f"not a torch checkpoint (torch reads a zip archive where the file begins with one, "
-                               f"a pickle otherwise; it begins with {head!r})")
+        raise _corrupt(source, "not a torch checkpoint (torch reads a zip archive where the file begins with one, "
+                               "a pickle otherwise; it begins with neither)")
     with checkpoint_globals_allowed(), _no_interpolation_resolved() as resolved:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
