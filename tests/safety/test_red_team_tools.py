@@ -1,0 +1,83 @@
+"""What a red team found the recipes and tools still read or wrote through a link out of a
+received directory (principle 2, :mod:`ea_fairseq.safety.confined`; principle 4,
+:mod:`ea_fairseq.safety.writers`), and a dump the plugin wrote that ``plot maps`` refused
+(principle 3, :mod:`ea_fairseq.analysis.maps`). Each attack goes through the entry point a
+user runs; each control shows what is still accepted."""
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import recipe_fixtures as fx
+from ea_fairseq.analysis.maps import META_KEY
+from ea_fairseq_cli import bleu
+from ea_fairseq_cli import compare_systems as compare
+from recipe_support import RECIPES, REPO, env, run as recipe_run  # noqa: F401  (fixture)
+
+BIN = Path(sys.executable).parent
+SECRET = "SECRET=an outside file: not the run's to read\n"
+REFS = ["a b c d", "e f g h", "i j k l"]
+HYPS = ["a b c x", "e f g h", "i j x l"]
+
+
+# -- train.sh copies the data's subword model into SAVE_DIR ----------------------------------------
+def _train_sh(env, tmp_path, code_target):
+    """train.sh (fairseq-train itself: ``true``) on a data dir whose ``code`` is a link to
+    ``code_target``; (the process, SAVE_DIR)."""
+    data = tmp_path / "own"
+    data.mkdir()
+    for name in ("train.xx-yy.xx.idx", "train.xx-yy.yy.idx", "dict.xx.txt", "dict.yy.txt"):
+        (data / name).write_text("a 1\n")
+    os.symlink(code_target, data / "code")
+    save = tmp_path / "save"
+    train = dict(env, DATA=str(data), SAVE_DIR=str(save), CPU="1", FAIRSEQ_TRAIN="true")
+    return recipe_run(["bash", RECIPES / "train.sh", "pa_lite", "own"], train, tmp_path, check=False), save
+
+
+@pytest.mark.parametrize("outside", ["file", "proc"])
+def test_train_sh_copies_no_file_from_outside_the_data_dir_into_save_dir(env, tmp_path, outside):
+    secret = tmp_path / "secret.txt"
+    secret.write_text(SECRET)
+    target = secret if outside == "file" else Path("/proc/self/environ")
+    proc, save = _train_sh(env, tmp_path, target)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("safe_write.py: error: ") and "outside" in last and "Traceback" not in proc.stderr, last
+    assert not os.path.lexists(save / "code")
+    assert not any(name.endswith(".tmp") for name in os.listdir(save))
+
+
+def test_train_sh_copies_a_subword_model_linked_inside_the_data_dir(env, tmp_path):
+    """The control: a link that stays in DATA is the data's own file, copied."""
+    (tmp_path / "code.real").write_text("a@@ b\n")
+    proc, save = _train_sh(env, tmp_path, "../code.real")  # a link out of DATA ...
+    assert proc.returncode == 1
+    os.remove(tmp_path / "own" / "code")
+    os.replace(tmp_path / "code.real", tmp_path / "own" / "code.real")
+    os.symlink("code.real", tmp_path / "own" / "code")  # ... and one inside it
+    recipe_run(["bash", RECIPES / "train.sh", "pa_lite", "own"],
+               dict(env, DATA=str(tmp_path / "own"), SAVE_DIR=str(save), CPU="1", FAIRSEQ_TRAIN="true"), tmp_path)
+    assert (save / "code").read_text() == "a@@ b\n" and not (save / "code").is_symlink()
+
+
+def test_safe_write_from_refuses_a_link_out_of_its_directory_and_a_device(tmp_path):
+    (tmp_path / "secret.txt").write_text(SECRET)
+    (tmp_path / "data").mkdir()
+    os.symlink(tmp_path / "secret.txt", tmp_path / "data" / "code")
+    os.symlink("/dev/zero", tmp_path / "data" / "zero")
+    for name in ("code", "zero"):
+        proc = subprocess.run([sys.executable, REPO / "scripts" / "safe_write.py", "--from", tmp_path / "data" / name,
+                               tmp_path / "out"], capture_output=True, text=True, timeout=60)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 1 and len(lines) == 1 and ("outside" in lines[0] or "device" in lines[0]), lines
+        assert not os.path.lexists(tmp_path / "out")
+    # the control: cp SRC FILE of the data's own file
+    (tmp_path / "data" / "own").write_text("mine\n")
+    subprocess.run([sys.executable, REPO / "scripts" / "safe_write.py", "--from", tmp_path / "data" / "own",
+                    tmp_path / "out"], check=True, timeout=60)
+    assert (tmp_path / "out").read_text() == "mine\n"
