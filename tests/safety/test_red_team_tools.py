@@ -81,3 +81,61 @@ def test_safe_write_from_refuses_a_link_out_of_its_directory_and_a_device(tmp_pa
     subprocess.run([sys.executable, REPO / "scripts" / "safe_write.py", "--from", tmp_path / "data" / "own",
                     tmp_path / "out"], check=True, timeout=60)
     assert (tmp_path / "out").read_text() == "mine\n"
+
+
+# -- evaluate.sh writes through a planted eval directory link --------------------------------------
+def _received_run(tmp_path):
+    run = tmp_path / "received"
+    run.mkdir()
+    for name in ("checkpoint1.pt", "checkpoint2.pt"):
+        (run / name).write_bytes(b"")  # never read: the refusal comes first
+    (tmp_path / "elsewhere").mkdir()
+    return run
+
+
+def _evaluate(env, run, data, tmp_path, *extra):
+    return recipe_run(["bash", RECIPES / "evaluate.sh", run, data, "iwslt", "--cpu", "--num-avg", "2", *extra],
+                      env, cwd=tmp_path, check=False)
+
+
+def test_evaluate_sh_writes_nothing_through_an_eval_directory_link(env, tiny_data_bin, tmp_path):
+    run = _received_run(tmp_path)
+    os.symlink(tmp_path / "elsewhere", run / "eval")
+    proc = _evaluate(env, run, tiny_data_bin, tmp_path)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert lines[0].startswith("evaluate.sh: error: ") and "outside the run" in lines[0], lines[0]
+    assert os.listdir(tmp_path / "elsewhere") == []
+
+
+def test_evaluate_sh_writes_nothing_through_a_seed_directory_link(env, tiny_data_bin, tmp_path):
+    run = tmp_path / "received"
+    run.mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "checkpoint1.pt").write_bytes(b"")
+    os.symlink(tmp_path / "elsewhere", run / "seed1")
+    proc = _evaluate(env, run, tiny_data_bin, tmp_path)
+    assert proc.returncode == 1 and "outside the run" in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
+    assert os.listdir(tmp_path / "elsewhere") == ["checkpoint1.pt"]
+
+
+def test_evaluate_sh_writes_into_an_out_dir_its_caller_names(env, tiny_data_bin, tmp_path):
+    """The control: --out-dir outside the run is the caller's, and an eval/ linked inside the
+    run stays in it: both pass the check (and fail later, on the empty checkpoints)."""
+    run = _received_run(tmp_path)
+    proc = _evaluate(env, run, tiny_data_bin, tmp_path, "--out-dir", tmp_path / "elsewhere")
+    assert "outside the run" not in proc.stderr and proc.returncode != 0
+    (run / "evals").mkdir()
+    os.symlink("evals", run / "eval")
+    proc = _evaluate(env, run, tiny_data_bin, tmp_path)
+    assert "outside the run" not in proc.stderr and proc.returncode != 0
+
+
+def test_safe_write_within_refuses_a_directory_that_resolves_outside(tmp_path):
+    run = _received_run(tmp_path)
+    os.symlink(tmp_path / "elsewhere", run / "eval")
+    cmd = [sys.executable, REPO / "scripts" / "safe_write.py", "--within", run]
+    proc = subprocess.run([*cmd, run / "eval" / "x.txt"], input="x", capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "outside" in proc.stderr and os.listdir(tmp_path / "elsewhere") == []
+    subprocess.run([*cmd, run / "x.txt"], input="x", check=True, text=True, timeout=60)
+    assert (run / "x.txt").read_text() == "x"
