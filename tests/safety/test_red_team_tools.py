@@ -139,3 +139,45 @@ def test_safe_write_within_refuses_a_directory_that_resolves_outside(tmp_path):
     assert proc.returncode == 1 and "outside" in proc.stderr and os.listdir(tmp_path / "elsewhere") == []
     subprocess.run([*cmd, run / "x.txt"], input="x", check=True, text=True, timeout=60)
     assert (run / "x.txt").read_text() == "x"
+
+
+# -- ea-fairseq-compare reads through a directory link out of the system ---------------------------
+def _compare(*systems, check_refused=True):
+    proc = subprocess.run([str(BIN / "ea-fairseq-compare"), *map(str, systems), "--metric", "tok",
+                           "--bootstrap", "10", "--trials", "10"], capture_output=True, text=True, timeout=120)
+    if check_refused:
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode != 0 and proc.stdout.count("|") == 0, proc.stdout
+        assert len(lines) == 1 and "outside" in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+    return proc
+
+
+def test_compare_refuses_an_eval_directory_linked_out_of_the_system(tmp_path):
+    fx.write_scored_run(tmp_path / "base", REFS, HYPS)
+    fx.write_scored_run(tmp_path / "outside", REFS, HYPS)
+    (tmp_path / "sys").mkdir()
+    os.symlink(tmp_path / "outside" / "eval", tmp_path / "sys" / "eval")
+    _compare(tmp_path / "base", tmp_path / "sys")
+
+
+def test_compare_refuses_a_seed_directory_linked_out_of_the_system(tmp_path):
+    fx.write_scored_run(tmp_path / "base", REFS, HYPS)
+    fx.write_scored_run(tmp_path / "sys" / "seed2", REFS, HYPS)
+    fx.write_scored_run(tmp_path / "outside", REFS, HYPS)
+    os.symlink(tmp_path / "outside", tmp_path / "sys" / "seed1")
+    _compare(tmp_path / "base", tmp_path / "sys")
+
+
+def test_compare_reads_a_system_named_through_a_link_and_links_inside_it(tmp_path):
+    """The controls: the directory the user names may itself be a link (theirs), and an eval
+    directory linked within the system, or a scores.json named directly, is read."""
+    fx.write_scored_run(tmp_path / "base", REFS, HYPS)
+    fx.write_scored_run(tmp_path / "real", REFS, HYPS)
+    os.symlink(tmp_path / "real", tmp_path / "sys")
+    assert _compare(tmp_path / "base", tmp_path / "sys", check_refused=False).returncode == 0
+    os.replace(tmp_path / "real" / "eval", tmp_path / "real" / "evals")
+    os.symlink("evals", tmp_path / "real" / "eval")
+    proc = _compare(tmp_path / "base", tmp_path / "sys", check_refused=False)
+    assert proc.returncode == 0 and "| sys " in proc.stdout, proc.stderr
+    scores = tmp_path / "real" / "evals" / "test.de-en.scores.json"
+    assert _compare(tmp_path / "base", f"sys={scores}", check_refused=False).returncode == 0
