@@ -181,3 +181,41 @@ def test_compare_reads_a_system_named_through_a_link_and_links_inside_it(tmp_pat
     assert proc.returncode == 0 and "| sys " in proc.stdout, proc.stderr
     scores = tmp_path / "real" / "evals" / "test.de-en.scores.json"
     assert _compare(tmp_path / "base", f"sys={scores}", check_refused=False).returncode == 0
+
+
+# -- plot maps refuses a dump the plugin itself wrote ----------------------------------------------
+def _zero_dump(path: Path, shape) -> None:
+    meta = {"format": "ea_fairseq.analysis dump v1", "sentences": [
+        {"id": 0, "source": ["a"] * shape[3], "target": ["b"] * shape[2], "decoder_input": ["b"] * shape[2],
+         "maps": {"encoder.self": ["weights"]}}]}
+    np.savez_compressed(path, **{META_KEY: np.array(json.dumps(meta)), "0/encoder.self/weights":
+                                 np.zeros(shape, np.float32)})
+
+
+def test_plot_maps_draws_a_dump_of_underflowed_zeros(tmp_path):
+    """An HC-SA dump: 6 layers x 8 heads of one 1000-token sentence, its maps zeros (underflowed),
+    which deflate compresses about a thousandfold: drawn, not refused as a zip bomb."""
+    from ea_fairseq.analysis import maps
+
+    _zero_dump(tmp_path / "d.npz", (6, 8, 1000, 1000))
+    with zipfile.ZipFile(tmp_path / "d.npz") as z:
+        info = z.getinfo("0/encoder.self/weights.npy")
+        assert info.file_size > max(maps.LIMIT_PLAIN, 500 * info.compress_size)  # what 64:1 refused
+    assert maps.AttentionDump(str(tmp_path / "d.npz")).get(0, "encoder.self").shape == (6, 8, 1000, 1000)
+    proc = subprocess.run([str(BIN / "ea-fairseq-analysis"), "plot", "maps", str(tmp_path / "d.npz"),
+                           "--out-dir", str(tmp_path / "fig"), "--layers", "1", "--heads", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and os.listdir(tmp_path / "fig"), proc.stderr[-2000:]
+
+
+def test_dump_reader_refuses_more_inflated_maps_in_all_than_its_budget(tmp_path, monkeypatch):
+    """Each member within its caps, together over what one command reads."""
+    from ea_fairseq.analysis import maps
+
+    _zero_dump(tmp_path / "d.npz", (1, 1, 2048, 2048))  # 16 MiB
+    monkeypatch.setattr(maps, "LIMIT_INFLATED", 40 << 20)
+    dump = maps.AttentionDump(str(tmp_path / "d.npz"))
+    dump.get(0, "encoder.self")
+    dump.get(0, "encoder.self")
+    with pytest.raises(maps.DumpError, match="--sentence"):
+        dump.get(0, "encoder.self")
