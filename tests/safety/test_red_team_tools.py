@@ -219,3 +219,30 @@ def test_dump_reader_refuses_more_inflated_maps_in_all_than_its_budget(tmp_path,
     dump.get(0, "encoder.self")
     with pytest.raises(maps.DumpError, match="--sentence"):
         dump.get(0, "encoder.self")
+
+
+# -- ea-fairseq-bleu reads --raw-ref / --raw-src through a link out of the data dir -----------------
+@pytest.mark.parametrize("option", ["--raw-ref", "--raw-src"])
+def test_bleu_refuses_raw_texts_linked_out_of_their_directory(tmp_path, option, capsys):
+    (tmp_path / "secret.txt").write_text("\n".join(REFS) + "\n")
+    data, ev = tmp_path / "data", tmp_path / "eval"
+    data.mkdir()
+    ev.mkdir()
+    (data / "test.raw.de-en.en").write_text("\n".join(REFS) + "\n")
+    (data / "test.raw.de-en.de").write_text("x\n" * 3)
+    linked = data / ("test.raw.de-en.en" if option == "--raw-ref" else "test.raw.de-en.de")
+    gen = ev / "gen.txt"
+    gen.write_text("".join(f"S-{i}\tx\nT-{i}\t{r}\nH-{i}\t-0.1\t{h}\nD-{i}\t-0.1\t{h}\n"
+                           for i, (r, h) in enumerate(zip(REFS, HYPS))))
+    argv = [str(gen), "--mode", "wmt", "--target-lang", "en", "--source-lang", "de", "--out-prefix",
+            str(ev / "test.de-en"), "--raw-ref", str(data / "test.raw.de-en.en"),
+            "--raw-src", str(data / "test.raw.de-en.de")]
+    assert bleu.main(argv) == 0  # the control: the data's own files
+    capsys.readouterr()
+    os.replace(linked, tmp_path / "moved")
+    os.symlink(tmp_path / "secret.txt", linked)
+    os.remove(ev / "test.de-en.scores.json")
+    with pytest.raises(SystemExit) as refused:
+        bleu.main(argv)
+    assert "outside" in str(refused.value) and str(refused.value).startswith("ea-fairseq-bleu: error: ")
+    assert "\n" not in str(refused.value) and not (ev / "test.de-en.scores.json").exists()
