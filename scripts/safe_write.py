@@ -18,7 +18,7 @@ elsewhere): a directory's outputs stay in it.
 """
 import argparse
 import errno
-import importlib.util
+import importlib
 import os
 import shutil
 import stat

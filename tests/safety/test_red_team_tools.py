@@ -16,7 +16,6 @@ import pytest
 import recipe_fixtures as fx
 from ea_fairseq.analysis.maps import META_KEY
 from ea_fairseq_cli import bleu
-from ea_fairseq_cli import compare_systems as compare
 from recipe_support import RECIPES, REPO, env, run as recipe_run  # noqa: F401  (fixture)
 
 BIN = Path(sys.executable).parent
