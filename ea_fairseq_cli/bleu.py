@@ -59,8 +59,8 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from ._safety import replaced
-from .inputs import need_file, need_output_folder
+from ._safety import ConfinedPathError, inside, open_inside, replaced
+from .inputs import need_file, need_output_folder, refusal
 
 _COMPOUND = re.compile(r"(\S)-(\S)")
 _FAIRSEQ_BLEU = re.compile(r"^Generate .*?: (BLEU4? = .*)$")
@@ -278,6 +278,23 @@ def check_inputs(args) -> None:
     need_file(program, args.expect_idx, "--expect-idx the binarized split's index (DATA/test.SRC-TGT.SRC.idx)")
     need_file(program, args.raw_src, "--raw-src the untokenized sources, one per line")
     need_output_folder(program, "--out-prefix", args.out_prefix)
+    for path in (args.raw_ref, args.raw_src):  # files of a data directory: read only from inside it
+        if path is not None:
+            try:
+                inside(path, os.path.dirname(path) or ".")
+            except ConfinedPathError as err:
+                raise refusal(program, str(err)) from None
+
+
+def read_raw(path: str) -> Optional[List[str]]:
+    """The lines of ``--raw-ref``/``--raw-src``, a file in a received data directory: read only
+    from inside its own directory (a link out of it refused in one line: None)."""
+    try:
+        with open_inside(path, os.path.dirname(path) or ".", "r", encoding="utf-8") as f:
+            return [line.rstrip("\n") for line in f]
+    except ConfinedPathError as err:
+        print(f"ea-fairseq-bleu: error: {err}", file=sys.stderr)
+        return None
 
 
 def main(argv=None) -> int:
@@ -331,8 +348,9 @@ def main(argv=None) -> int:
         if not args.raw_ref or not args.target_lang:
             print("ea-fairseq-bleu: --mode wmt* needs --raw-ref and --target-lang for sacreBLEU", file=sys.stderr)
             return 1
-        with open(args.raw_ref, encoding="utf-8") as f:
-            raw = [r.rstrip("\n") for r in f]
+        raw = read_raw(args.raw_ref)
+        if raw is None:
+            return 1
         expected = len(raw) if expected is None else expected
         if ids[-1] >= len(raw) or len(raw) != expected or (len(ids) != len(raw) and not args.allow_missing):
             print(f"ea-fairseq-bleu: {len(ids)} hypotheses (ids up to {ids[-1]}) but {args.raw_ref} has "
@@ -388,8 +406,9 @@ def main(argv=None) -> int:
     if not args.comet_model:  # not asked for: no COMET line (--help says how)
         return 0
     if args.raw_src:
-        with open(args.raw_src, encoding="utf-8") as f:
-            raw_src = [line.rstrip("\n") for line in f]
+        raw_src = read_raw(args.raw_src)
+        if raw_src is None:
+            return 1
         sources = [raw_src[i] if i < len(raw_src) else "" for i in ids]
     else:
         sources = detokenize([gen["S"].get(i, "") for i in ids], args.source_lang or "en")

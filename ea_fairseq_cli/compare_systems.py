@@ -304,7 +304,8 @@ def _main(argv=None) -> int:
     p.add_argument("--results-dir", metavar="DIR",
                    help="the results folder the runs belong to: a scores.json and the files it names may "
                         "be links anywhere inside it (the quality benchmark's runs share one copy of the "
-                        "references); by default each stays inside its own eval directory")
+                        "references); by default each stays inside the system's DIR (a scores.json "
+                        "named: its folder)")
     args = p.parse_args(argv)
     logging.basicConfig(format="%(levelname)s | %(name)s | %(message)s", level=logging.WARNING)
     if args.bootstrap < 1 or args.trials < 1:
@@ -319,7 +320,11 @@ def _main(argv=None) -> int:
             name, path = os.path.basename(os.path.normpath(spec)), spec
         if name in systems:
             raise SystemExit(f"ea-fairseq-compare: two systems named {name}: name them NAME=DIR")
-        systems[name] = [Run(f, args.results_dir) for f in find_runs(path, pattern)]
+        # the files of a system resolve inside the directory named for it (a seed or eval
+        # directory linked out of it refused), or inside --results-dir where given
+        root = args.results_dir if args.results_dir is not None else (
+            os.path.dirname(path) or "." if path.endswith(".json") else path)
+        systems[name] = [Run(f, root) for f in find_runs(path, pattern)]
 
     runs = [run for rs in systems.values() for run in rs]
     first = runs[0]

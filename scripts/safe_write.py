@@ -6,28 +6,35 @@ examples/translation/common.sh):
 
     cmd | python scripts/safe_write.py FILE             # for  cmd > FILE
     cmd | python scripts/safe_write.py --append FILE    # for  cmd >> FILE
+    python scripts/safe_write.py --from SRC FILE        # for  cp SRC FILE  (SRC a received file)
+    python scripts/safe_write.py --within DIR FILE      # FILE's directory resolves inside DIR
 
 ``--append`` starts the new file with FILE's content: FILE is then absent or a regular file; a
-link or anything else is refused in one line (exit 1), FILE left as it is.
+link or anything else is refused in one line (exit 1), FILE left as it is. ``--from SRC`` copies
+SRC instead of standard input, SRC read as every received file is (``ea_fairseq.safety.confined``):
+a regular file inside its own directory, a link out of it refused. ``--within DIR`` refuses a
+FILE whose directory, links followed, is not inside DIR (a received run's ``eval`` linked
+elsewhere): a directory's outputs stay in it.
 """
 import argparse
 import errno
-import importlib.util
+import importlib
 import os
 import shutil
 import stat
 import sys
 
 
-def writers():
-    """ea_fairseq/safety/writers.py itself (standard library only): importing the package
-    ``ea_fairseq`` would load fairseq and torch."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ea_fairseq", "safety",
-                        "writers.py")
-    spec = importlib.util.spec_from_file_location("ea_fairseq_safety_writers", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def safety():
+    """The plugin's read and write primitives (``ea_fairseq_cli._safety``: ea_fairseq/safety's
+    modules, standard library only), from this repository: importing the package ``ea_fairseq``
+    would load fairseq and torch."""
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    return importlib.import_module("ea_fairseq_cli._safety")
 
 
 def append_from(path, out) -> None:
@@ -45,16 +52,42 @@ def append_from(path, out) -> None:
         shutil.copyfileobj(old, out)
 
 
+def read_from(path: str, safe):
+    """``path`` opened as a received file: a regular file inside its own directory."""
+    try:
+        return safe.open_inside(path, os.path.dirname(path) or ".")
+    except OSError as err:
+        raise safe.ConfinedPathError(f"{path}: {err.strerror or err}") from None
+
+
+def within(path: str, directory: str, error: type) -> None:
+    """Refuse ``path`` unless its directory, links followed, is inside ``directory``'s."""
+    top, real = os.path.realpath(directory), os.path.realpath(os.path.dirname(path) or ".")
+    if os.path.commonpath([top, real]) != top:
+        raise error(f"{os.path.dirname(path) or '.'}: a link to {real}, outside {top}: a run's outputs are "
+                    "written only inside it; remove the link (or give the output directory itself)")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("file")
     parser.add_argument("--append", action="store_true", help="after FILE's content (a regular file)")
+    parser.add_argument("--from", dest="source", metavar="SRC",
+                        help="copy SRC, a regular file inside its own directory, instead of standard input")
+    parser.add_argument("--within", metavar="DIR", help="refuse unless FILE's directory resolves inside DIR")
     args = parser.parse_args(argv)
+    safe = safety()
     try:
-        with writers().replaced(args.file) as out:
+        if args.within is not None:
+            within(args.file, args.within, safe.ConfinedPathError)
+        source = sys.stdin.buffer if args.source is None else read_from(args.source, safe)
+        with source, safe.replaced(args.file) as out:
             if args.append:
                 append_from(args.file, out)
-            shutil.copyfileobj(sys.stdin.buffer, out)
+            shutil.copyfileobj(source, out)
+    except safe.ConfinedPathError as err:
+        print(f"safe_write.py: error: {err}", file=sys.stderr)
+        return 1
     except OSError as err:
         print(f"safe_write.py: error: {args.file}: {err.strerror or err}", file=sys.stderr)
         return 1

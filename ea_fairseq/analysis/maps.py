@@ -385,8 +385,11 @@ _KIND = re.compile(r"[A-Za-z0-9_]{1,64}(\.layer[0-9]{1,4})?")  # a mechanism's m
 LIMIT_SENTENCE_ID = 1 << 31
 LIMIT_MAP_ELEMENTS = 1 << 28  # one stored map (layers x heads x queries x keys), 1 GiB of float32
 LIMIT_META_BYTES = 1 << 28  # the dump's metadata (its tokens)
-LIMIT_EXPANSION = 64  # bytes a member inflates to per compressed byte, above LIMIT_PLAIN (real maps: 1-3)
+# deflate inflates at most about 1032 bytes per compressed byte: a member declaring more is a
+# crafted zip, not deflate (a dump's own maps reach ~640: an HC-SA map of underflowed zeros)
+LIMIT_EXPANSION = 1100  # bytes a member inflates to per compressed byte, above LIMIT_PLAIN
 LIMIT_PLAIN = 1 << 24  # bytes a member may inflate to whatever its compressed size
+LIMIT_INFLATED = 1 << 30  # bytes the members one dump reader inflates take in all: the real budget
 
 
 def _checked_meta(meta, path: str) -> dict:
@@ -426,6 +429,7 @@ class AttentionDump:
 
     def __init__(self, path: str):
         self.path = path
+        self._inflated = 0  # bytes of the members read so far (LIMIT_INFLATED)
         self._npz = np.load(open_inside(path), allow_pickle=False)
         self._disjoint()
         try:
@@ -455,8 +459,9 @@ class AttentionDump:
 
     def _stored_size(self, key: str, limit: int) -> None:
         """Refuse member ``key`` unless it inflates to at most :data:`LIMIT_EXPANSION` bytes a
-        compressed byte (above :data:`LIMIT_PLAIN`) and ``limit`` bytes, from the zip's sizes,
-        before anything is inflated; and unless the array its header declares is what the
+        compressed byte (above :data:`LIMIT_PLAIN`) and ``limit`` bytes, and the members read
+        so far with it to at most :data:`LIMIT_INFLATED`, from the zip's sizes, before anything
+        is inflated; and unless the array its header declares is what the
         member holds: numpy allocates the declared array before it reads."""
         zf, name = getattr(self._npz, "zip", None), key + ".npy"
         if zf is None or name not in zf.namelist():
@@ -464,7 +469,13 @@ class AttentionDump:
         info = zf.getinfo(name)
         if info.file_size > max(LIMIT_PLAIN, LIMIT_EXPANSION * info.compress_size) or info.file_size > limit + 4096:
             self._refuse(f"{key} inflates from {info.compress_size:,} compressed bytes to {info.file_size:,}, over "
-                         f"the {LIMIT_EXPANSION} a compressed byte (or the {limit:,} bytes) a dump's maps take")
+                         f"the {LIMIT_EXPANSION} a compressed byte deflate reaches (or the {limit:,} bytes a "
+                         "dump's maps take)")
+        if self._inflated + info.file_size > LIMIT_INFLATED:
+            raise DumpError(f"{self.path}: {key} would bring the maps read to {self._inflated + info.file_size:,} "
+                            f"bytes, over the {LIMIT_INFLATED:,} one command reads from a dump; pick some with "
+                            "--sentence, --attention or --kind")
+        self._inflated += info.file_size
         with zf.open(name) as f:
             version = np.lib.format.read_magic(f)
             read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0

@@ -32,9 +32,18 @@ PYTHON="${PYTHON:-python3}"
 # Names taken from file names or arguments are checked with it before any use; none is ever
 # pasted into a sed/awk program or eval.
 ea_is_name() { [[ "$1" =~ ^[A-Za-z0-9_-]+$ ]]; }
-# ea_write [--append] FILE: standard input to FILE (for > FILE, >> FILE) through a new file
-# renamed onto it (scripts/safe_write.py): a link planted under FILE's name is never written through.
+# ea_write [--append] [--from SRC] [--within DIR] FILE: standard input (or SRC, a regular file
+# inside its own directory) to FILE (for > FILE, >> FILE, cp SRC FILE) through a new file renamed
+# onto it (scripts/safe_write.py): a link planted under FILE's name is never written through;
+# --within: refused unless FILE's directory resolves inside DIR.
 ea_write() { "$PYTHON" "$EA_REPO/scripts/safe_write.py" "$@"; }
+# ea_real DIR: DIR's real path (links followed); ea_inside DIR TOP: DIR resolves inside TOP
+ea_real() { (cd -P -- "$1" 2>/dev/null && pwd) || printf '%s' "$1"; }
+ea_inside() {
+  local dir top
+  dir=$(ea_real "$1") top=$(ea_real "$2")
+  [ "$top" = / ] || [ "$dir" = "$top" ] || [[ "$dir" == "$top"/* ]]
+}
 # ea_shown VALUE: VALUE quoted for a one-line message (newlines and control characters
 # escaped, as bash's printf %q writes them).
 ea_shown() { printf '%q' "$1"; }

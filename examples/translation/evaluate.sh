@@ -114,6 +114,8 @@ if ! ls "$ckpt_dir"/checkpoint*.pt >/dev/null 2>&1 && ls -d "$ckpt_dir"/seed*/ >
     || die "$ckpt_dir holds one run per seed: --checkpoint and --out-dir apply to one run"
   mapfile -t seed_dirs < <(for d in "$ckpt_dir"/seed*/; do echo "${d%/}"; done | sort -V)
   for d in "${seed_dirs[@]}"; do
+    ea_inside "$d" "$ckpt_dir" \
+      || die "$(ea_shown "$d") resolves to $(ea_shown "$(ea_real "$d")"), outside the run $(ea_shown "$(ea_real "$ckpt_dir")"): refused, nothing written"
     echo "[evaluate] $d" >&2
     bash "$0" "$d" "$data" "$mode" ${all_args[@]+"${all_args[@]}"} || die "scoring $d failed"
   done
@@ -128,8 +130,13 @@ if [ -z "$src" ] || [ -z "$tgt" ]; then
   ea_direction "$data" "$subset" "-s SRC -t TGT"
   src="$ea_src" tgt="$ea_tgt"
 fi
+# a received run's outputs stay in it: its eval/ (a link planted there included) must resolve
+# inside the run; an --out-dir the caller names is theirs
+within="${out_dir:-$ckpt_dir}"
 out_dir="${out_dir:-$ckpt_dir/eval}"
 mkdir -p "$out_dir"
+ea_inside "$out_dir" "$within" \
+  || die "$(ea_shown "$out_dir") resolves to $(ea_shown "$(ea_real "$out_dir")"), outside the run $(ea_shown "$(ea_real "$within")"): refused, nothing written; remove the link or give --out-dir DIR"
 
 if [ -n "$best" ]; then checkpoint="$ckpt_dir/checkpoint_best.pt"; fi
 if [ -n "$checkpoint" ]; then
@@ -221,8 +228,8 @@ PYTHONUNBUFFERED=1 "$FAIRSEQ_GENERATE" "$data" --user-dir "$user_dir" --path "$m
     --required-batch-size-multiple 1 ${skip[@]+"${skip[@]}"} \
     ${cpu[@]+"${cpu[@]}"} ${extra[@]+"${extra[@]}"} > "$gen_out" 2> "$gen_err" || generated=$?
 kill "$progress_pid" 2>/dev/null || true
-ea_write "$gen" < "$gen_out"
-ea_write "$gen_log" < "$gen_err"
+ea_write --within "$within" "$gen" < "$gen_out"
+ea_write --within "$within" "$gen_log" < "$gen_err"
 if [ "$generated" != 0 ]; then
   limits=$(sed -n 's/.*since max_positions=(\([0-9]*\), \([0-9]*\)).*/\1 \2/p' "$gen_log" | tail -1)
   if [ -n "$limits" ]; then
@@ -272,7 +279,7 @@ status=0
   echo "data: $data ($subset, $src->$tgt), beam $beam, lenpen $lenpen"
   "$scorer" -m ea_fairseq_cli.bleu "$gen" "${score_opts[@]}" || status=$?
 } > "$own/scores.txt"
-ea_write "$scores" < "$own/scores.txt"
+ea_write --within "$within" "$scores" < "$own/scores.txt"
 cat "$scores"
 # ea-fairseq-bleu exits 3 when BLEU and chrF are scored but COMET could not run (it said why)
 if [ "$status" = 3 ]; then

@@ -573,7 +573,8 @@ $(diff <(grep -v '^#' "$record") <(echo "$settings") | grep '^[<>]' | sed 's/^</
     printf '%q ' "${cmd[@]}"; echo
   } | ea_write --append "$SAVE_DIR/train.command"
   for f in code sentencepiece.bpe.model; do  # the data's subword model, where fairseq's hub looks
-    if [ -f "$DATA/$f" ]; then ea_write "$SAVE_DIR/$f" < "$DATA/$f"; fi
+    # read as a received file (--from): a link out of DATA is refused, never copied into SAVE_DIR
+    if [ -f "$DATA/$f" ]; then ea_write --from "$DATA/$f" "$SAVE_DIR/$f"; fi
   done
   # fairseq's --log-file appends to SAVE_DIR/train.log, through a link too: a regular file there first
   ea_write --append "$SAVE_DIR/train.log" < /dev/null
