@@ -26,6 +26,21 @@ class OptionError(ValueError):
     """An option value or combination the plugin refuses; its message says what to do."""
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint that does not load; nothing in it was run."""
+
+    one_line = True  # its message says it all: the command-line tools print it as one line
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint refused for safety: it holds something other than plain data of the
+    expected form, or asks fairseq to build far more than its weights."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A file that is empty, truncated, damaged or not a torch checkpoint at all."""
+
+
 def note_position_limit(note: str) -> None:
     """Record that a model built in this process refuses longer inputs (``note`` says why
     and what to do), for fairseq's over-long-input error."""

@@ -15,23 +15,8 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
+from ..errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError  # noqa: F401  (re-exported)
 from ..safety.confined import ConfinedPathError, inside
-
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that does not load; nothing in it was run."""
-
-    one_line = True  # its message says it all: the command-line tools print it as one line
-
-
-class UnsafeCheckpointError(CheckpointError):
-    """A checkpoint refused for safety: it holds something other than plain data of the
-    expected form, or a model family whose loading this plugin has not checked."""
-
-
-class CorruptCheckpointError(CheckpointError):
-    """A file that is empty, truncated, damaged or not a torch checkpoint at all."""
 
 
 def fairseq_checkpoint_globals() -> List[Any]:

@@ -24,7 +24,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..checkpoint_safety.reading import UnsafeCheckpointError
+from ..errors import UnsafeCheckpointError
 
 #: elements a build may create per element of the weights (a model built in float32 from fp16
 #: weights, the temporaries of its initialisation), plus :data:`SLACK` for what no weight
