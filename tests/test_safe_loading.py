@@ -126,11 +126,10 @@ def test_warm_start_refuses(tmp_path, checkpoints, capsys):
     ("encoder_xformers_att_config", "{'a': 1}", "do not use xFormers attention"),
     ("left_pad_source", "__debug__", "the text '__debug__' where fairseq declares bool"),
     ("encoder_layers", "'\\x24{common.user_dir}'", "where fairseq declares int"),
-    ("source_lang", "../../../tmp/fifo", "not a language code"),
 ])
 def test_errors_say_what_is_wrong(field, value, why):
     """Each value is refused in the section where fairseq reads it."""
-    section = {"adam_betas": "optimizer", "left_pad_source": "task", "source_lang": "task"}.get(field, "model")
+    section = {"adam_betas": "optimizer", "left_pad_source": "task"}.get(field, "model")
     named = {"model": {"arch": "transformer"}, "optimizer": {"_name": "adam"}, "task": {"_name": "translation"}}
     state = {"cfg": {section: dict(named[section], **{field: value})}}
     state["cfg"]["model"] = argparse.Namespace(**state["cfg"].get("model", named["model"]))
