@@ -54,11 +54,11 @@ class SideEffect:
 
 SIDE_EFFECTS: Tuple[SideEffect, ...] = (
     SideEffect("fairseq.checkpoint_utils:load_checkpoint_to_cpu",
-               "ea_fairseq.checkpoint_safety.hook:checkpoint_loader",
+               "ea_fairseq.safety.no_code.hook:checkpoint_loader",
                "every checkpoint fairseq's tools, trainer and hub load is read weights-only and sanitized "
                "before fairseq converts or evaluates any of it", EVERY_PROCESS),
     SideEffect("fairseq.checkpoint_utils:torch",
-               "ea_fairseq.checkpoint_safety.hook:torch_for_checkpoint_utils",
+               "ea_fairseq.safety.no_code.hook:torch_for_checkpoint_utils",
                "inside that loader, in its thread, fairseq's torch.load returns the sanitized state instead "
                "of unpickling the file again; torch itself everywhere else", EVERY_PROCESS),
     SideEffect("fairseq.models:build_model", "ea_fairseq.safety.budget:build_model",
@@ -71,19 +71,19 @@ SIDE_EFFECTS: Tuple[SideEffect, ...] = (
                "ea_fairseq.safety.writers:checkpoint_directory_probe",
                "fairseq-train's check that the save dir is writable creates a new file instead of truncating "
                "what SAVE_DIR/dummy links to", EVERY_PROCESS),
-    SideEffect("fairseq.file_utils:load_archive_file", "ea_fairseq.archives:archive_loader",
+    SideEffect("fairseq.file_utils:load_archive_file", "ea_fairseq.safety.archives:archive_loader",
                "the hub extracts a model or data archive only into a fresh folder, its members checked",
                EVERY_PROCESS),
-    SideEffect("fairseq.data.data_utils:load_indexed_dataset", "ea_fairseq.data_files:split_checks",
+    SideEffect("fairseq.data.data_utils:load_indexed_dataset", "ea_fairseq.safety.data_files:split_checks",
                "every binary split is checked against its index before fairseq opens it", EVERY_PROCESS),
-    SideEffect("fairseq.data.indexed_dataset:make_dataset", "ea_fairseq.data_files:format_check",
+    SideEffect("fairseq.data.indexed_dataset:make_dataset", "ea_fairseq.safety.data_files:format_check",
                "only the dataset formats whose files are checked are read", EVERY_PROCESS),
-    SideEffect("fairseq.data.data_utils:infer_language_pair", "ea_fairseq.data_files:directory_check",
+    SideEffect("fairseq.data.data_utils:infer_language_pair", "ea_fairseq.safety.data_files:directory_check",
                "a data directory fairseq lists for its language pair that is not there is named as such",
                EVERY_PROCESS),
-    SideEffect("fairseq.data.dictionary:Dictionary.add_from_file", "ea_fairseq.data_files:dictionary_check",
+    SideEffect("fairseq.data.dictionary:Dictionary.add_from_file", "ea_fairseq.safety.data_files:dictionary_check",
                "a dictionary file is a regular file of bounded size before fairseq reads it", EVERY_PROCESS),
-    SideEffect("fairseq.data.encoders:build_bpe", "ea_fairseq.data_files:bpe_check",
+    SideEffect("fairseq.data.encoders:build_bpe", "ea_fairseq.safety.data_files:bpe_check",
                "the BPE's files are regular files of bounded size before fairseq's BPE reads them",
                EVERY_PROCESS),
     SideEffect("fairseq.models:ARCH_MODEL_REGISTRY[fairseq.models.transformer:TransformerModel]",
@@ -101,11 +101,11 @@ SIDE_EFFECTS: Tuple[SideEffect, ...] = (
                "fairseq's import sets the root logger to DEBUG and logs a tensorboardX hint: put back, not shown",
                WHILE_FAIRSEQ_IS_IMPORTED, how="call"),
     SideEffect("torch's weights-only allow-list (torch.serialization.add_safe_globals)",
-               "ea_fairseq.checkpoint_safety.reading:checkpoint_globals_allowed",
+               "ea_fairseq.safety.no_code.reading:checkpoint_globals_allowed",
                "a checkpoint's configuration classes and numpy's names for numbers unpickle; the plugin's "
                "additions come off when the last reading thread is done", WHILE_A_CHECKPOINT_IS_READ, how="call"),
     SideEffect("omegaconf.base:Container._maybe_resolve_interpolation",
-               "ea_fairseq.checkpoint_safety.reading:resolution_gate",
+               "ea_fairseq.safety.no_code.reading:resolution_gate",
                "no omegaconf interpolation (environment variables, string chains) resolves inside torch.load "
                "in a thread that unpickles a checkpoint; other threads resolve as omegaconf does",
                WHILE_A_CHECKPOINT_IS_READ),

@@ -70,7 +70,7 @@ def _threads(args) -> None:
 # -- dump -----------------------------------------------------------------------------------
 def cmd_dump(args) -> int:
     from ea_fairseq.analysis.maps import dump
-    from ea_fairseq.checkpoint_safety import architecture
+    from ea_fairseq.safety.no_code import architecture
 
     _threads(args)
     model, task, cfg = _load(args.checkpoint, args)
@@ -380,7 +380,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         from ea_fairseq import load_plugin  # (JSON and log files in, PNG out: no fairseq, no torch)
 
         load_plugin()
-        from ea_fairseq.checkpoint_safety import CheckpointError
+        from ea_fairseq.safety.no_code import CheckpointError
 
         refused += (CheckpointError,)
     try:

@@ -15,7 +15,7 @@ values) must be identical in every input. The result keeps the rest of the first
 state (its ``cfg``/``args``, ...); with the last-N options the first input is the newest
 checkpoint. ``fairseq-generate --path`` loads the output like any checkpoint.
 
-Inputs are read as fairseq reads them with the plugin (``ea_fairseq.checkpoint_safety``):
+Inputs are read as fairseq reads them with the plugin (``ea_fairseq.safety.no_code``):
 weights-only, the configuration rebuilt as plain data, the model family vouched for, every
 tensor within its storage. They must hold one model trained on the same data
 (:mod:`ea_fairseq.tools.average_inputs`: architecture, every model option, task, data
@@ -70,7 +70,7 @@ def last_checkpoints(directory: str, n: int, by_update: bool,
 
 
 def _weights(path: str) -> Dict[str, Any]:
-    from ea_fairseq.checkpoint_safety import load_checkpoint, nonfinite_weights  # weights-only, sanitized
+    from ea_fairseq.safety.no_code import load_checkpoint, nonfinite_weights  # weights-only, sanitized
 
     # averaging builds no model: the averaged checkpoint meets the model check where fairseq loads it
     state = load_checkpoint(path, build_check=False)
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
     load_plugin()
     import torch
 
-    from ea_fairseq.checkpoint_safety import CheckpointError
+    from ea_fairseq.safety.no_code import CheckpointError
     from ea_fairseq.safety import writers
     from ea_fairseq.tools.average_inputs import InputMismatch, check_dictionaries
 

@@ -55,7 +55,7 @@ def _flag(name: str) -> str:
 def _model_args(state: dict, path: str) -> argparse.Namespace:
     from fairseq.models import ARCH_MODEL_REGISTRY
 
-    from ea_fairseq.checkpoint_safety import architecture
+    from ea_fairseq.safety.no_code import architecture
 
     cfg = state.get("cfg")
     args = cfg.get("model") if isinstance(cfg, dict) else state.get("args")
@@ -167,7 +167,7 @@ def warm_start(vanilla_path: str, arch: str, options: Sequence[str] = (), seed: 
     import torch
     from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY
 
-    from ea_fairseq.checkpoint_safety import CheckpointError, load_checkpoint, nonfinite_weights
+    from ea_fairseq.safety.no_code import CheckpointError, load_checkpoint, nonfinite_weights
 
     try:
         vanilla = load_checkpoint(vanilla_path)

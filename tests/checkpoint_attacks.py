@@ -11,7 +11,7 @@ import torch
 from fairseq import checkpoint_utils
 from omegaconf import OmegaConf
 
-from ea_fairseq import checkpoint_safety as safety
+from ea_fairseq.safety import no_code as safety
 from trained_checkpoints import family_checkpoints
 
 

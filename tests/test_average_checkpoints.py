@@ -40,7 +40,7 @@ def average(*argv):
 
 
 def load(path):
-    from ea_fairseq.checkpoint_safety import load_checkpoint
+    from ea_fairseq.safety.no_code import load_checkpoint
 
     return load_checkpoint(str(path), build_check=False)  # toy weights: no model to build
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import build_model, parse, random_batch
-from ea_fairseq.checkpoint_safety import load_checkpoint
+from ea_fairseq.safety.no_code import load_checkpoint
 
 
 def test_beam_reorder_reaches_modules_swapped_in_between_decoding_runs(dictionary):

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from conftest import REPO, cli
-from ea_fairseq.data_files import MissingDataFile
+from ea_fairseq.safety.data_files import MissingDataFile
 
 TRAIN = ["--user-dir", "ea_fairseq", "--arch", "transformer", "--optimizer", "adam", "--lr", "0.001",
          "--max-tokens", "300", "--cpu", "--no-save"]

@@ -60,9 +60,9 @@ def test_import_loads_the_same_plugin_whatever_sys_argv_says():
     states = {name: json.loads(_result(proc)) for name, proc in procs.items()}
     first = states["python -c"]
     assert "ea_transformer_lite" in first["archs"] and "translation_lines" in first["tasks"]
-    assert first["checkpoints checked by"] == "ea_fairseq.checkpoint_safety.hook"
-    assert first["data files checked by"] == ["ea_fairseq.data_files"] * 3
-    assert first["archives extracted by"] == "ea_fairseq.archives"
+    assert first["checkpoints checked by"] == "ea_fairseq.safety.no_code.hook"
+    assert first["data files checked by"] == ["ea_fairseq.safety.data_files"] * 3
+    assert first["archives extracted by"] == "ea_fairseq.safety.archives"
     assert first["excepthook"] == "python's"  # a plain import leaves it alone
     for name, state in states.items():
         assert state == first, name

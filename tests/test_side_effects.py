@@ -162,4 +162,4 @@ def test_the_plugin_loaded_by_user_dir_under_another_name_is_loaded_once(tmp_pat
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "my_plugin")], capture_output=True, text=True,
                           cwd=str(tmp_path), timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split() == ["['my_plugin']", "my_plugin.checkpoint_safety.hook", "my_plugin.models.baseline"]
+    assert proc.stdout.split() == ["['my_plugin']", "my_plugin.safety.no_code.hook", "my_plugin.models.baseline"]

@@ -32,8 +32,8 @@ from fairseq.models.transformer import TransformerModel
 from fairseq.optim import OPTIMIZER_REGISTRY
 from fairseq_cli import generate, interactive, train
 
-from ea_fairseq.checkpoint_safety import CheckpointError
-from ea_fairseq.checkpoint_safety.consistency import LIMIT_OPTIMIZER_FACTOR, LIMIT_OPTIMIZER_SLACK
+from ea_fairseq.safety.no_code import CheckpointError
+from ea_fairseq.safety.no_code.consistency import LIMIT_OPTIMIZER_FACTOR, LIMIT_OPTIMIZER_SLACK
 from ea_fairseq_cli import analysis, average_checkpoints, warm_start
 
 from conftest import cli

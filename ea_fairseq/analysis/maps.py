@@ -53,7 +53,7 @@ def load_model(path: str, data: Optional[str] = None, overrides: Optional[dict] 
 
     Uses ``checkpoint_utils.load_model_ensemble_and_task`` after ``import ea_fairseq``,
     whose loader reads it weights-only and refuses a configuration fairseq would evaluate
-    unless it is literal (``ea_fairseq.checkpoint_safety``). ``data``: the directory holding
+    unless it is literal (``ea_fairseq.safety.no_code``). ``data``: the directory holding
     the dictionaries (and splits); by default the checkpoint's own directory, as fairseq's hub
     does. The data directory a checkpoint records is a path from the file: never opened.
     """

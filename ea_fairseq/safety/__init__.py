@@ -6,7 +6,7 @@ code, read or write a file outside its own directory, or make the process alloca
 beyond what the model it declares needs; and nothing fairseq writes or reads is refused
 (docs/safety.md). One place a principle:
 
-1. no code -- :mod:`ea_fairseq.checkpoint_safety`: weights-only unpickling, the configuration
+1. no code -- :mod:`ea_fairseq.safety.no_code`: weights-only unpickling, the configuration
    fairseq receives generated from its schema, evaluated fields read as literals, no
    interpolation.
 2. :mod:`.confined` -- confine every open: a path read from a received directory, or named

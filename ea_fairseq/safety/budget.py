@@ -14,7 +14,7 @@ Where: every model fairseq builds from a checkpoint (``fairseq.models.build_mode
 ``from_checkpoint``: the command-line tools, the hub, ``ea-fairseq-analysis``), with the task's
 real dictionaries, against the weights of the checkpoint this thread read last
 (:func:`weights_read`); and the meta build that compares a checkpoint's configuration with its
-weights when it is read (:mod:`ea_fairseq.checkpoint_safety.consistency`).
+weights when it is read (:mod:`ea_fairseq.safety.no_code.consistency`).
 """
 import functools
 import threading

@@ -44,7 +44,7 @@ def model_options(state: Mapping, path: str) -> Optional[Dict[str, Any]]:
     checkpoint holds no model configuration."""
     from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY
 
-    from ..checkpoint_safety import architecture
+    from ..safety.no_code import architecture
     from ..models import attention_variants as variants
     from ..models.ea_transformer import EATransformerModel
     from ..models.hydra_config import namespace_from_config, option_actions

@@ -71,7 +71,7 @@ def mistyped(cfg):
     """``section.field`` of every received value whose type is not fairseq's declared one."""
     from omegaconf import DictConfig
 
-    from ea_fairseq.checkpoint_safety import EVALUATED_FIELDS
+    from ea_fairseq.safety.no_code import EVALUATED_FIELDS
 
     wrong = []
     for name in cfg:
@@ -107,7 +107,7 @@ def main(data, user_dir, *paths):
     utils.import_user_module(argparse.Namespace(user_dir=user_dir))
     from fairseq.models.transformer import TransformerModel
 
-    from ea_fairseq.checkpoint_safety import CheckpointError
+    from ea_fairseq.safety.no_code import CheckpointError
 
     for path in paths:
         result = {"path": path, "outcome": "loaded", "message": "", "mistyped": []}

@@ -21,7 +21,7 @@ import time
 def load(user_dir, case):
     from fairseq.models.transformer import TransformerModel
 
-    from ea_fairseq.data_files import DataFileError
+    from ea_fairseq.safety.data_files import DataFileError
 
     extra = {"bpe": case["bpe"]} if case.get("bpe") else {}
     start = time.perf_counter()

@@ -11,7 +11,7 @@ import torch
 from fairseq import checkpoint_utils
 from fairseq.models.transformer import TransformerModel
 
-from ea_fairseq.checkpoint_safety import CheckpointError
+from ea_fairseq.safety.no_code import CheckpointError
 from test_confined_reads import built  # noqa: F401  (fixture: a model directory, the fixtures' dictionaries)
 from trained_checkpoints import USER_DIR
 

@@ -15,7 +15,7 @@ from fairseq.data import Dictionary
 
 from conftest import REPO, cli, write_synthetic_corpus
 from ea_fairseq import side_effects
-from ea_fairseq.data_files import DataFileError
+from ea_fairseq.safety.data_files import DataFileError
 from trained_checkpoints import USER_DIR, run, train_command
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "checkpoints")
@@ -183,7 +183,7 @@ def test_an_archive_member_linked_out_of_its_folder_is_refused_by_the_hub(tmp_pa
 
     from fairseq.models.transformer import TransformerModel
 
-    from ea_fairseq.archives import ArchiveError
+    from ea_fairseq.safety.archives import ArchiveError
     from test_archives import archive
 
     (tmp_path / "tmp").mkdir()

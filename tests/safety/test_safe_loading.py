@@ -18,7 +18,7 @@ from fairseq.models.transformer import TransformerModel
 
 from checkpoint_attacks import ATTACKS, checkpoints, crafted, trusted_state, unguarded_load  # noqa: F401  (fixture)
 from conftest import cli
-from ea_fairseq import checkpoint_safety as safety
+from ea_fairseq.safety import no_code as safety
 from ea_fairseq_cli import average_checkpoints as avg
 from trained_checkpoints import USER_DIR, run, train_command
 
@@ -144,7 +144,7 @@ def test_evaluated_fields_are_handed_over_as_typed_values_or_text_written_from_t
     checkpoint's string."""
     # the vanilla weights have no adaptive softmax, which the model check refuses
     # (test_checkpoint_inputs); here only the handed-over values are looked at
-    from ea_fairseq.checkpoint_safety import hook
+    from ea_fairseq.safety.no_code import hook
     monkeypatch.setattr(hook, "check_model_matches", lambda cfg, weights, source: None)
     state = trusted_state(checkpoints["vanilla"])
     state["cfg"]["model"].adaptive_softmax_cutoff = " [10] + [5 * 4]"

@@ -23,8 +23,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import REPO
-from ea_fairseq import checkpoint_safety as safety
-from ea_fairseq.data_files import CHECKED_FORMATS, DataFileError
+from ea_fairseq.safety import no_code as safety
+from ea_fairseq.safety.data_files import CHECKED_FORMATS, DataFileError
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "checkpoints")
 USER_DIR = os.path.join(REPO, "ea_fairseq")
@@ -353,7 +353,7 @@ def test_integers_are_bounded_in_the_analysis_tool(model_dir, section, field, va
        section=st.sampled_from(["task", "dataset", "common", "optimization"]),
        value=st.integers(min_value=-(2 ** 80), max_value=2 ** 80))
 def test_every_integer_arrives_within_its_bounds_or_is_refused(field, section, value):
-    from ea_fairseq.checkpoint_safety.fields import INTEGER_BOUNDS, LIMIT_INTEGER
+    from ea_fairseq.safety.no_code.fields import INTEGER_BOUNDS, LIMIT_INTEGER
 
     state = trusted_state()
     state["cfg"][section][field] = value
@@ -380,7 +380,7 @@ def sparse_split(prefix, tokens: int):
 def test_an_item_in_a_hole_is_read_whole_without_the_guard(tmp_path):
     """Negative control: a data file of no stored bytes gives fairseq an item it reads whole
     (2**24 + 8 tokens: 128 MiB as int64; the index could declare 2**31)."""
-    from ea_fairseq.data_files import ITEM_LIMIT
+    from ea_fairseq.safety.data_files import ITEM_LIMIT
 
     prefix = str(tmp_path / "test.src-tgt.src")
     sparse_split(prefix, ITEM_LIMIT + 8)
@@ -390,7 +390,7 @@ def test_an_item_in_a_hole_is_read_whole_without_the_guard(tmp_path):
 
 @pytest.mark.parametrize("items", [1, 64], ids=["one-long-item", "many-items"])
 def test_a_data_file_with_holes_is_refused_by_the_analysis_tool(model_dir, items):
-    from ea_fairseq.data_files import ITEM_LIMIT
+    from ea_fairseq.safety.data_files import ITEM_LIMIT
 
     prefix = model_dir / "test.src-tgt.src"
     if items == 1:  # one item longer than a sentence may be

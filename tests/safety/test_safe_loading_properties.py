@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from checkpoint_attacks import checkpoints, trusted_state  # noqa: F401  (fixture)
-from ea_fairseq import checkpoint_safety as safety
+from ea_fairseq.safety import no_code as safety
 
 
 # -- property: whatever the configuration holds, loading refuses it or yields plain data ----

@@ -8,7 +8,7 @@ fairseq's ``TransformerConfig.from_namespace`` also reads nested ``encoder``/``d
 ``quant_noise`` sections (where no flat field is given, with the dataclass defaults for the
 rest) and un-prefixed aliases (``layers`` for both ``encoder_layers`` and ``decoder_layers``):
 they are read here into the flat fields, as fairseq would read them, and then checked and
-bounded like them (:func:`~ea_fairseq.checkpoint_safety.bounds.check_model_sizes`).
+bounded like them (:func:`~ea_fairseq.safety.no_code.bounds.check_model_sizes`).
 ``*_layers_to_keep`` stays the comma-separated string the legacy model splits.
 
 The architecture is the one fairseq's ``build_model`` builds: ``_name``, else ``arch``
@@ -85,7 +85,7 @@ def _declared_types(model_class) -> Dict[str, Any]:
     fields of the same names may differ (fconv's ``encoder_layers`` is text)."""
     from fairseq.models.transformer import TransformerModel
 
-    from ..models.hydra_config import option_actions
+    from ...models.hydra_config import option_actions
 
     takes = isinstance(model_class, type) and set(option_actions(TransformerModel)) <= set(option_actions(model_class))
     return _transformer_types() if takes else {}
@@ -94,7 +94,7 @@ def _declared_types(model_class) -> Dict[str, Any]:
 @functools.lru_cache(maxsize=None)
 def option_table(model_class) -> Dict[str, Any]:
     """``{field: declared type}`` of the options of ``model_class``."""
-    from ..models.hydra_config import option_actions
+    from ...models.hydra_config import option_actions
 
     transformer = _declared_types(model_class)
     return {dest: transformer.get(dest) or _option_type(action)

@@ -28,7 +28,7 @@ from typing import Any, Dict, Iterator, Mapping, Tuple
 import numpy as np
 import torch
 
-from ..safety.budget import Budget, BudgetError
+from ..budget import Budget, BudgetError
 from .reading import UnsafeCheckpointError, _shown
 
 LIMIT_UPDATES = 10 ** 12  # far beyond any training run; fairseq schedules learning rates from it
@@ -60,7 +60,7 @@ def meta_model(cfg: Dict[str, Any], weights: Mapping):
     from fairseq.tasks import TASK_REGISTRY
     from omegaconf import OmegaConf
 
-    from ..models.building import build_on_meta
+    from ...models.building import build_on_meta
 
     received = OmegaConf.create(cfg, flags={"allow_objects": True})  # as fairseq's loader receives it
     task = received.get("task")

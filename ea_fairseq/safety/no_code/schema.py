@@ -17,7 +17,7 @@ Load-time effects are not taken from a checkpoint: the ``generation`` section is
 defaults (the caller's overrides apply on top; the values dropped are logged in one line), and
 the fields naming files fairseq would open while loading (:data:`PATH_FIELDS`) take their
 defaults (None), logged. Languages and split names, which fairseq puts in file names, are taken
-as fairseq takes them: the file it then opens is confined to its directory (:mod:`ea_fairseq.data_files`).
+as fairseq takes them: the file it then opens is confined to its directory (:mod:`ea_fairseq.safety.data_files`).
 """
 import argparse
 import dataclasses

@@ -1,6 +1,6 @@
 """The fields a checkpoint's configuration may hold and the conversion of a value to its
 field's declared type (:func:`typed`), read from fairseq's dataclasses: what
-:mod:`~ea_fairseq.checkpoint_safety.schema` and :mod:`~ea_fairseq.checkpoint_safety.model`
+:mod:`~ea_fairseq.safety.no_code.schema` and :mod:`~ea_fairseq.safety.no_code.model`
 generate every section from."""
 import argparse
 import copy

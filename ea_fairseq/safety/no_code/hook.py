@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Mapping
 
 import torch
 
-from ..safety.budget import weights_read
+from ..budget import weights_read
 from .consistency import check_model_matches, check_training_state, check_upgradable
 from .fields import shown_key, shown_text
 from .plain import LIMIT_AMPLIFICATION, _Walk

@@ -17,9 +17,9 @@ from fairseq import checkpoint_utils
 from omegaconf import OmegaConf
 from omegaconf.base import Container
 
-from ea_fairseq.checkpoint_safety import checkpoint_globals_allowed, hook, load_checkpoint, reading
+from ea_fairseq.safety.no_code import checkpoint_globals_allowed, hook, load_checkpoint, reading
 
-FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "checkpoints")
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "checkpoints")
 
 ROUNDS = 25  # free-running; the rounds that force both loads into fairseq's function together: 10
 

@@ -15,8 +15,8 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
-from ..errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError  # noqa: F401  (re-exported)
-from ..safety.confined import ConfinedPathError, inside
+from ...errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError  # noqa: F401  (re-exported)
+from ..confined import ConfinedPathError, inside
 
 
 def fairseq_checkpoint_globals() -> List[Any]:
@@ -140,13 +140,13 @@ def resolution_gate(original):
 
 
 def _gate_resolution():
-    from .. import side_effects
+    from ... import side_effects
 
     return side_effects.replace(GATED)
 
 
 def _ungate_resolution(original) -> None:
-    from .. import side_effects
+    from ... import side_effects
 
     side_effects.restore(GATED, original)
 

@@ -11,7 +11,7 @@ import torch
 from fairseq import options
 from fairseq.models.transformer import TransformerModel
 
-from ea_fairseq.checkpoint_safety import CheckpointError
+from ea_fairseq.safety.no_code import CheckpointError
 from ea_fairseq_cli import warm_start
 from test_trainer_checkpoints import fairseq_train, train_argv
 from trained_checkpoints import USER_DIR

@@ -50,8 +50,8 @@ from typing import Optional
 
 import numpy as np
 
-from .errors import OptionError
-from .safety import confined
+from ..errors import OptionError
+from . import confined
 
 LEGACY_MAGIC = b"TNTIDX\x00\x00"  # fairseq's IndexedDataset (--dataset-impl lazy / cached)
 MMAP_MAGIC = b"MMIDIDX\x00\x00"  # fairseq's MMapIndexedDataset (--dataset-impl mmap, the default)

@@ -8,7 +8,7 @@ from fairseq import checkpoint_utils
 
 from checkpoint_attacks import checkpoints, payload, trusted_state  # noqa: F401  (fixture)
 from conftest import cli
-from ea_fairseq import checkpoint_safety as safety
+from ea_fairseq.safety import no_code as safety
 from ea_fairseq_cli import average_checkpoints as avg
 from trained_checkpoints import USER_DIR, run
 
