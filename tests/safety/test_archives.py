@@ -20,7 +20,8 @@ from fairseq.models.transformer import TransformerModel
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from ea_fairseq import archives, side_effects
+from ea_fairseq import side_effects
+from ea_fairseq.safety import archives
 from trained_checkpoints import ENV, USER_DIR, family_checkpoints
 
 
