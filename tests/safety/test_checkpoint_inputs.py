@@ -80,12 +80,19 @@ OTHER_TASKS = {
 }
 
 
+@pytest.mark.parametrize("layout", ["dict", "legacy"])
 @pytest.mark.parametrize("task", sorted(OTHER_TASKS))
-def test_other_task_families_load_with_their_paths_not_honoured(tmp_path, vanilla, task):  # noqa: F811
+def test_other_task_families_load_with_their_paths_not_honoured(tmp_path, vanilla, task, layout):  # noqa: F811
     """By use, not by a list of tasks: a task's section is generated from its dataclass, and a
-    field naming a file elsewhere (which the task would open when it is set up) takes its default."""
+    field naming a file elsewhere (which the task would open when it is set up) takes its default,
+    in the legacy ``args`` layout too."""
     state = trusted_state(vanilla)
-    state["cfg"]["task"] = dict(OTHER_TASKS[task], _name=task, data=str(tmp_path))
+    if layout == "dict":
+        state["cfg"]["task"] = dict(OTHER_TASKS[task], _name=task, data=str(tmp_path))
+    else:
+        state["args"] = argparse.Namespace(**{**vars(state["cfg"]["model"]), **OTHER_TASKS[task], "task": task,
+                                              "data": str(tmp_path)})
+        state["cfg"] = None
     generated = safety.sanitize(state, "c.pt", build_check=False)["cfg"]["task"]  # (a translation model)
     assert generated["_name"] == task and generated["data"] == str(tmp_path)
     for key, value in OTHER_TASKS[task].items():

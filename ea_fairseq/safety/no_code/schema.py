@@ -55,8 +55,12 @@ class Generator:
             f"{self.source}: refused: {path} = {_shown(value)}: {why}. {rule}. Nothing in "
             "the checkpoint was run; if you wrote this checkpoint yourself, correct that field.")
 
-    def section(self, dataclass_type, given: Optional[Dict[str, Any]], path: str, name=None) -> Dict[str, Any]:
-        """The section of ``dataclass_type`` from the fields ``given`` (None: its defaults)."""
+    def section(self, dataclass_type, given: Optional[Dict[str, Any]], path: str, name=None,
+                task: bool = False) -> Dict[str, Any]:
+        """The section of ``dataclass_type`` from the fields ``given`` (None: its defaults);
+        ``task``: a task's, whose fields naming a file elsewhere, which the task opens when it is
+        set up from the checkpoint (``lang_dict``, ``labels``), keep their defaults (``data``:
+        what every tool that sets the task up gives)."""
         types = declared(dataclass_type)
         out = defaults(dataclass_type)
         out["_name"] = name
@@ -70,18 +74,18 @@ class Generator:
                     self.paths.append(f"{path}.{key}={_shown(value)}")
                 continue
             tp, _ = _unwrap_optional(types[key])
+            default = out[key]
             try:
                 if dataclasses.is_dataclass(tp):
-                    out[key] = self.section(tp, _fields(value), f"{path}.{key}")
+                    out[key] = self.section(tp, _fields(value), f"{path}.{key}", task=task)
                     out[key].pop("_name", None)
                 else:
                     out[key] = typed(value, types[key], key)
             except _Refused as why:
                 raise self.refuse(f"{path}.{key}", value, why) from None
-            if path.endswith("task") and key != "data" and _names_a_path(out[key]) and out[key] != value_default(
-                    dataclass_type, key):  # a file a task opens when it is set up from the checkpoint
+            if task and key != "data" and _names_a_path(out[key]) and out[key] != default:
                 self.paths.append(f"{path}.{key}={_shown(value)}")
-                out[key] = value_default(dataclass_type, key)
+                out[key] = default
         return out
 
     def registry_section(self, kind: str, given: Any, legacy: Optional[argparse.Namespace]):
@@ -102,7 +106,8 @@ class Generator:
         if type(name) is not str or name not in dataclasses_:
             self.dropped.append(f"cfg.{kind} ({_shown(name)}: no configuration dataclass registered)")
             return None
-        return self.section(dataclasses_[name], fields, "args" if legacy is not None else f"cfg.{kind}", name=name)
+        return self.section(dataclasses_[name], fields, "args" if legacy is not None else f"cfg.{kind}", name=name,
+                            task=kind == "task")
 
     def generate(self, cfg: Optional[Dict[str, Any]], args: Optional[argparse.Namespace]) -> Dict[str, Any]:
         """The configuration (a dict of sections) fairseq receives; ``args``: the legacy layout,
@@ -176,10 +181,6 @@ def _names_a_path(value: Any) -> bool:
     """Whether a task's string value names a file or directory elsewhere (absolute, or through a
     separator): fairseq's tasks open such fields (``lang_dict``, ``labels``, ...) when set up."""
     return type(value) is str and (os.path.isabs(value) or os.sep in value or ".." in value)
-
-
-def value_default(dataclass_type, key: str) -> Any:
-    return defaults(dataclass_type).get(key)
 
 
 def _complete_namespace(model: argparse.Namespace, out: Dict[str, Any], given: Dict[str, Any]) -> None:
