@@ -3,7 +3,6 @@ in front of ``fairseq.checkpoint_utils.load_checkpoint_to_cpu`` (:func:`checkpoi
 installed by :mod:`ea_fairseq.side_effects`)."""
 import argparse
 import logging
-import os
 import threading
 from typing import Any, Dict, List, Mapping
 
@@ -21,8 +20,8 @@ logger = logging.getLogger(__name__)
 
 def sanitize(state: Dict[str, Any], source: str, *, build_check: bool = True) -> Dict[str, Any]:
     """``state`` with the configuration fairseq receives generated from the checkpoint's
-    (:class:`~.schema.Generator`; ``args`` None, ``cfg`` a dict of typed sections), the
-    model's sizes bounded by its weights, the rest bounded; or :class:`CheckpointError`.
+    (:class:`~.schema.Generator`; ``args`` None, ``cfg`` a dict of typed sections), the rest of
+    the state bounded; or :class:`CheckpointError`.
     ``build_check``: also build the configured model on ``meta`` and require it to take the
     weights and training state (:mod:`.consistency`), for a caller that builds the model or
     resumes training from it; a tool that only reads the weights (averaging) leaves it to the

@@ -1,14 +1,14 @@
 """The model section fairseq receives, generated from the model's option table.
 
-The plugin's models and fairseq's ``TransformerModel`` are configured by argparse options
-(``add_args``) and the fields their architecture functions fill in; those, typed by fairseq's
-``TransformerConfig`` where it declares the field and by the option itself otherwise (a flag
-is a bool, ``choices`` an enum, ``nargs`` a list), are the fields the section may hold.
+A model is configured by argparse options (``add_args``) and the fields its architecture
+function fills in; those, typed by fairseq's ``TransformerConfig`` for a model that takes the
+transformer's options, and otherwise by the option itself (a flag is a bool, ``choices`` an
+enum, ``nargs`` a list) or the architecture's default, are the fields the section may hold.
 fairseq's ``TransformerConfig.from_namespace`` also reads nested ``encoder``/``decoder``/
 ``quant_noise`` sections (where no flat field is given, with the dataclass defaults for the
 rest) and un-prefixed aliases (``layers`` for both ``encoder_layers`` and ``decoder_layers``):
-they are read here into the flat fields, as fairseq would read them, and then checked and
-bounded like them (:func:`~ea_fairseq.safety.no_code.bounds.check_model_sizes`).
+they are read here into the flat fields, as fairseq would read them, and then checked like them
+(what they make fairseq build is bounded by :mod:`ea_fairseq.safety.budget`).
 ``*_layers_to_keep`` stays the comma-separated string the legacy model splits.
 
 The architecture is the one fairseq's ``build_model`` builds: ``_name``, else ``arch``
@@ -41,7 +41,7 @@ def _transformer_types() -> Dict[str, Any]:
                 types[f"{field.name}_{sub.name}"] = sub.type
         elif not field.name.startswith("_"):
             types[field.name] = field.type
-    for side in ("encoder", "decoder"):  # the legacy model splits a string "0,2" (bounds.py checks both forms)
+    for side in ("encoder", "decoder"):  # the legacy model splits a string "0,2"
         types[f"{side}_layers_to_keep"] = Optional[typing.Union[str, List[int]]]
     return types
 
