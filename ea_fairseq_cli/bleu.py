@@ -286,15 +286,15 @@ def check_inputs(args) -> None:
                 raise refusal(program, str(err)) from None
 
 
-def read_raw(path: str) -> Optional[List[str]]:
+def read_raw(path: str) -> List[str]:
     """The lines of ``--raw-ref``/``--raw-src``, a file in a received data directory: read only
-    from inside its own directory (a link out of it refused in one line: None)."""
+    from inside its own directory (a link out of it, swapped in since :func:`check_inputs`,
+    refused in one line)."""
     try:
         with open_inside(path, os.path.dirname(path) or ".", "r", encoding="utf-8") as f:
             return [line.rstrip("\n") for line in f]
     except ConfinedPathError as err:
-        print(f"ea-fairseq-bleu: error: {err}", file=sys.stderr)
-        return None
+        raise refusal("ea-fairseq-bleu", str(err)) from None
 
 
 def main(argv=None) -> int:
@@ -349,8 +349,6 @@ def main(argv=None) -> int:
             print("ea-fairseq-bleu: --mode wmt* needs --raw-ref and --target-lang for sacreBLEU", file=sys.stderr)
             return 1
         raw = read_raw(args.raw_ref)
-        if raw is None:
-            return 1
         expected = len(raw) if expected is None else expected
         if ids[-1] >= len(raw) or len(raw) != expected or (len(ids) != len(raw) and not args.allow_missing):
             print(f"ea-fairseq-bleu: {len(ids)} hypotheses (ids up to {ids[-1]}) but {args.raw_ref} has "
@@ -407,8 +405,6 @@ def main(argv=None) -> int:
         return 0
     if args.raw_src:
         raw_src = read_raw(args.raw_src)
-        if raw_src is None:
-            return 1
         sources = [raw_src[i] if i < len(raw_src) else "" for i in ids]
     else:
         sources = detokenize([gen["S"].get(i, "") for i in ids], args.source_lang or "en")
