@@ -27,10 +27,14 @@ Each row names
 A replaced value keeps the original as ``__wrapped__`` and names its row in
 ``ea_fairseq_replaces`` (:func:`original` returns it); installing twice changes nothing.
 """
+import atexit
 import contextlib
 import importlib
 import logging
+import queue
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -97,6 +101,10 @@ SIDE_EFFECTS: Tuple[SideEffect, ...] = (
     SideEffect("warnings filters and the 'hydra' logger's level", "ea_fairseq.known_warnings:install",
                "the warnings fairseq's stack prints on every run that say nothing about it are not shown",
                SERVED_COMMAND_LINES, how="call"),
+    SideEffect("fairseq's batch-prefetch threads (fairseq.data.iterators:BackgroundConsumer) at exit",
+               "ea_fairseq.side_effects:prefetching_finished_at_exit",
+               "a command line that stops mid-epoch (--max-update) exits with its status instead of aborting "
+               "when Python finalizes while the prefetch thread is inside torch", SERVED_COMMAND_LINES, how="call"),
     SideEffect("the root logger's level and logging.disable", "ea_fairseq.side_effects:fairseq_imported_quietly",
                "fairseq's import sets the root logger to DEBUG and logs a tensorboardX hint: put back, not shown",
                WHILE_FAIRSEQ_IS_IMPORTED, how="call"),
@@ -218,3 +226,37 @@ def fairseq_imported_quietly() -> Iterator[None]:
         if first:
             logging.disable(disabled)
             root.setLevel(level)
+
+
+PREFETCH_WAIT_S = 30.0  # the most the exit waits for fairseq's prefetch threads, in all
+
+
+def prefetching_finished_at_exit() -> None:
+    """At exit, let fairseq's prefetch threads finish the batch they are making and stop.
+
+    ``BufferedIterator`` (``--data-buffer-size``, 10 by default) fills its queue from a daemon
+    thread. When a run stops mid-epoch, Python finalizes while that thread may be inside a torch
+    call; CPython (before 3.14) ends such a thread with ``pthread_exit`` where it next takes the
+    GIL, which unwinds through a ``noexcept`` C++ frame: ``terminate called without an active
+    exception``, status 134, after the run has finished and saved. This registers (once) an
+    ``atexit`` function, which runs before daemon threads are ended: it tells each live consumer
+    to stop after its current item (its ``_max_len``), empties its queue so that it can put it,
+    and joins it, :data:`PREFETCH_WAIT_S` at most."""
+    atexit.unregister(_finish_prefetching)
+    atexit.register(_finish_prefetching)
+
+
+def _finish_prefetching() -> None:
+    iterators = sys.modules.get("fairseq.data.iterators")
+    if iterators is None:
+        return
+    deadline = time.monotonic() + PREFETCH_WAIT_S
+    for thread in threading.enumerate():
+        if not isinstance(thread, iterators.BackgroundConsumer):
+            continue
+        thread._max_len = 0
+        while thread.is_alive() and time.monotonic() < deadline:
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    thread._queue.get_nowait()
+            thread.join(0.01)
