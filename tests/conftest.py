@@ -5,6 +5,7 @@ import sys
 import pytest
 import torch
 
+from ea_fairseq import side_effects
 from ea_fairseq.models import building
 from ea_fairseq.models.building import parse_options as parse  # noqa: F401  (tests' shorthand)
 
@@ -21,6 +22,9 @@ TEST_VOCAB = 44  # the tests' small vocabulary: 40 words and fairseq's 4 special
 THREADS = max(1, min(2, os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 torch.set_num_threads(THREADS)
 os.environ["OMP_NUM_THREADS"] = str(THREADS)
+# tests that run fairseq-train's main in their own process stop it mid-epoch, as the plugin's
+# command lines do: its prefetch thread is stopped at exit instead of aborting the worker
+side_effects.prefetching_finished_at_exit()
 
 
 def device_under_test() -> torch.device:

@@ -7,7 +7,7 @@ import os
 
 import torch
 from fairseq import checkpoint_utils
-from fairseq_cli import train
+from fairseq_cli.train import cli_main  # as the console script does: the plugin serves this command line
 
 _save = checkpoint_utils.save_checkpoint
 
@@ -22,4 +22,4 @@ def save_and_dump(cfg, trainer, epoch_itr, val_loss):
 checkpoint_utils.save_checkpoint = save_and_dump
 
 if __name__ == "__main__":
-    train.cli_main()
+    cli_main()

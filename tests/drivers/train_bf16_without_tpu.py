@@ -9,7 +9,7 @@ FP16Optimizer keeps float32 master weights (without loss scaling, as for bfloat1
 import sys
 
 from fairseq import options
-from fairseq_cli import train
+from fairseq_cli.train import cli_main  # as the console script does: the plugin serves this command line
 
 _parse_args_and_arch = options.parse_args_and_arch
 
@@ -25,4 +25,4 @@ def parse_args_and_arch(*args, **kwargs):
 options.parse_args_and_arch = parse_args_and_arch
 
 if __name__ == "__main__":
-    train.cli_main()
+    cli_main()
