@@ -95,6 +95,12 @@ SIDE_EFFECTS: Tuple[SideEffect, ...] = (
                "fairseq's transformer archs take --drop-attention and --no-{encoder,decoder}-positional-"
                "embeddings (DropAttention's and RAN Table 2's settings); without them the model built is "
                "fairseq's TransformerModel itself", EVERY_PROCESS, how="registry items"),
+    SideEffect("fairseq_cli.train:main", "ea_fairseq.safety.writers:command_outputs_not_linked",
+               "fairseq-train's --log-file, which it appends to, is a file of its own, never written through a "
+               "link planted under that name", SERVED_COMMAND_LINES),
+    SideEffect("fairseq_cli.generate:main", "ea_fairseq.safety.writers:command_outputs_not_linked",
+               "fairseq-generate's --results-path output is a file of its own, never written through a link "
+               "planted under that name", SERVED_COMMAND_LINES),
     SideEffect("sys:excepthook", "ea_fairseq.errors:chained_excepthook",
                "the plugin's option errors and checkpoint refusals print as one line, as argparse's do",
                SERVED_COMMAND_LINES),

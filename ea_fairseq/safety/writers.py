@@ -5,11 +5,12 @@ output's name is replaced, never written through.
 :func:`replaced` is the one writer; fairseq's checkpoint saver and the plugin's tools write
 through it, and the recipes' shell redirections through ``scripts/safe_write.py``.
 """
+import argparse
 import contextlib
 import os
 import shutil
 import tempfile
-from typing import IO, Iterator
+from typing import IO, Iterator, List
 
 
 def _umask() -> int:
@@ -94,3 +95,33 @@ def checkpoint_directory_probe(verify_checkpoint_directory):
         os.unlink(probe)
 
     return verify
+
+
+def _command_outputs(cfg) -> List[str]:
+    """The files fairseq's command line opens for writing by the name its configuration gives:
+    ``--log-file`` (fairseq-train appends to it) and ``--results-path``'s
+    ``generate-SUBSET.txt`` (fairseq-generate truncates it)."""
+    def field(section: str, name: str):
+        return getattr(cfg if isinstance(cfg, argparse.Namespace) else getattr(cfg, section, None), name, None)
+
+    outputs = [field("common", "log_file")]
+    results = field("common_eval", "results_path")
+    if results is not None:
+        outputs.append(os.path.join(results, f"generate-{field('dataset', 'gen_subset')}.txt"))
+    return [path for path in outputs if path]
+
+
+def command_outputs_not_linked(main):
+    """fairseq-train's and fairseq-generate's ``main`` (rows of
+    :data:`ea_fairseq.side_effects.SIDE_EFFECTS`): before fairseq opens an output the
+    configuration names (:func:`_command_outputs`) with the builtin ``open`` or a
+    ``logging.FileHandler``, a link planted under its name is replaced by a new empty file, so
+    fairseq writes or appends to a file of its own; a regular file is left as it is."""
+
+    def run(cfg, *args, **kwargs):
+        for path in _command_outputs(cfg):
+            if os.path.islink(path):
+                write_bytes(path, b"")
+        return main(cfg, *args, **kwargs)
+
+    return run

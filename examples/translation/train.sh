@@ -576,8 +576,6 @@ $(diff <(grep -v '^#' "$record") <(echo "$settings") | grep '^[<>]' | sed 's/^</
     # read as a received file (--from): a link out of DATA is refused, never copied into SAVE_DIR
     if [ -f "$DATA/$f" ]; then ea_write --from "$DATA/$f" "$SAVE_DIR/$f"; fi
   done
-  # fairseq's --log-file appends to SAVE_DIR/train.log, through a link too: a regular file there first
-  ea_write --append "$SAVE_DIR/train.log" < /dev/null
 fi
 # fairseq-train's stdout through train_output (line by line: PYTHONUNBUFFERED), its stderr
 # without the known warnings of its stack (ea_quiet) through train_errors; its exit status kept

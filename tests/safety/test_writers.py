@@ -13,6 +13,7 @@ from fairseq_cli import train
 
 from ea_fairseq import side_effects
 
+from conftest import cli
 from recipe_support import RECIPES, env, run as recipe_run  # noqa: F401  (fixture)
 from trained_checkpoints import USER_DIR
 
@@ -87,6 +88,35 @@ def test_negative_control_fairseqs_own_saver_writes_through_the_links(tiny_data_
     assert overwritten(tmp_path / "outside", WRITTEN) == list(WRITTEN)
 
 
+@pytest.mark.parametrize("plugin", [True, False])
+def test_fairseq_commands_write_their_named_outputs_through_no_link(tiny_data_bin, resumable, tmp_path, plugin):
+    """fairseq-train's ``--log-file`` (appended to) and fairseq-generate's ``--results-path``
+    output (truncated), through their console scripts, links planted under both names; the
+    negative control (``plugin=False``: plain fairseq, its checkpoint read by pickle) writes
+    through them."""
+    received = tmp_path / "received"
+    received.mkdir()
+    (received / "checkpoint_last.pt").write_bytes(resumable)
+    names = ("train.log", "generate-test.txt")
+    plant(received, names, tmp_path / "outside")
+    user_dir = ["--user-dir", USER_DIR] if plugin else []
+    environ = dict(os.environ, TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="0" if plugin else "1")
+    common = ["--cpu", "--num-workers", "0", "--no-progress-bar", *user_dir]
+    subprocess.run([cli("fairseq-train"), tiny_data_bin, *TINY, "--optimizer", "adam", "--lr", "1e-3",
+                    "--max-tokens", "200", "--max-update", "2", "--disable-validation", "--save-dir", received,
+                    "--no-save", "--log-file", received / names[0], *common,
+                    "--data-buffer-size", "0"],  # plain fairseq's prefetch thread may abort its exit
+                   env=environ, check=True, capture_output=True)
+    subprocess.run([cli("fairseq-generate"), tiny_data_bin, "--path", received / "checkpoint_last.pt", "--beam", "2",
+                    "--max-len-b", "4", "--results-path", received, "--required-batch-size-multiple", "1", *common],
+                   env=environ, check=True, capture_output=True)
+    assert overwritten(tmp_path / "outside", names) == ([] if plugin else list(names))
+    if plugin:
+        assert not any((received / name).is_symlink() for name in names)
+        assert "done training" in (received / names[0]).read_text()
+        assert (received / names[1]).read_text().count("\nH-") == 24
+
+
 @pytest.mark.parametrize("async_write", [False, True])
 def test_fairseqs_checkpoint_save_and_copy_replace_links(tmp_path, async_write):
     """``torch_persistent_save`` (its asynchronous mode too: on a local path the plugin writes
@@ -124,8 +154,8 @@ def test_evaluate_sh_writes_its_outputs_through_no_link(env, resumable, tiny_dat
 
 
 def test_train_sh_writes_its_records_through_no_link(env, tmp_path):
-    """train.sh's train.settings, its train.command and fairseq's train.log (appended to) and the
-    data's subword model, in a received SAVE_DIR (fairseq-train itself: ``true`` here)."""
+    """train.sh's train.settings and train.command and the data's subword model, in a received
+    SAVE_DIR (fairseq-train itself: ``true`` here; its train.log is fairseq-train's, above)."""
     data = tmp_path / "own"
     data.mkdir()
     for name in ("train.xx-yy.xx.idx", "train.xx-yy.yy.idx", "dict.xx.txt", "dict.yy.txt", "code"):
@@ -137,18 +167,16 @@ def test_train_sh_writes_its_records_through_no_link(env, tmp_path):
     train = dict(env, DATA=str(data), SAVE_DIR=str(save), CPU="1", FAIRSEQ_TRAIN="true")
     recipe_run(["bash", RECIPES / "train.sh", "pa_lite", "own"], train, tmp_path)
     assert overwritten(tmp_path / "outside", ("train.settings", "code")) == []
-    assert not any((save / name).is_symlink() for name in ("train.settings", "code", "train.command", "train.log"))
+    assert not any((save / name).is_symlink() for name in ("train.settings", "code", "train.command"))
     assert (save / "code").read_text() == "a 1\n"
     assert "--arch pa_transformer_lite" in (save / "train.settings").read_text()
     command = (save / "train.command").read_text()
     assert command.startswith("# an earlier run\n# ") and command.count("--log-file") == 1  # appended
-    for name in ("train.command", "train.log"):  # a link where train.sh or fairseq appends: refused
-        os.replace(save / name, tmp_path / name)
-        plant(save, (name,), tmp_path / "outside")
-        proc = recipe_run(["bash", RECIPES / "train.sh", "pa_lite", "own"], train, tmp_path, check=False)
-        assert proc.returncode == 1 and overwritten(tmp_path / "outside", (name,)) == []
-        assert proc.stderr.strip().endswith(f"safe_write.py: error: {save}/{name}: a link: not appended to")
-        os.replace(tmp_path / name, save / name)
+    os.replace(save / "train.command", tmp_path / "train.command")  # a link where train.sh appends: refused
+    plant(save, ("train.command",), tmp_path / "outside")
+    proc = recipe_run(["bash", RECIPES / "train.sh", "pa_lite", "own"], train, tmp_path, check=False)
+    assert proc.returncode == 1 and overwritten(tmp_path / "outside", ("train.command",)) == []
+    assert proc.stderr.strip().endswith(f"safe_write.py: error: {save}/train.command: a link: not appended to")
 
 
 def test_negative_control_a_plain_redirection_writes_through_the_links(tmp_path):
