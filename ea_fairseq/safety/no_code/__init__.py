@@ -39,7 +39,7 @@ tools, ``--restore-file``/``--finetune-from-model`` and the hub read a checkpoin
 """
 from .fields import LIMIT_POSITIONS
 from .hook import load_checkpoint, nonfinite_weights, sanitize
-from .literals import EVALUATED_FIELDS, UNUSED_FIELDS, Form
+from .literals import EVALUATED_FIELDS, Form
 from .plain import (LIMIT_AMPLIFICATION, LIMIT_CHARS, LIMIT_CONFIG_NODES, LIMIT_DEPTH, LIMIT_ITEMS,
                     LIMIT_STATE_NODES)
 from .reading import (CheckpointError, CorruptCheckpointError, UnsafeCheckpointError,
@@ -51,7 +51,7 @@ from .schema import PATH_FIELDS, Generator
 __all__ = [
     "CheckpointError", "CorruptCheckpointError", "architecture", "EVALUATED_FIELDS", "Form", "Generator", "LIMIT_AMPLIFICATION",
     "LIMIT_CHARS", "LIMIT_CONFIG_NODES", "LIMIT_DEPTH", "LIMIT_ITEMS", "LIMIT_POSITIONS", "LIMIT_STATE_NODES",
-    "PATH_FIELDS", "UNUSED_FIELDS", "UnsafeCheckpointError",
+    "PATH_FIELDS", "UnsafeCheckpointError",
     "checkpoint_globals", "checkpoint_globals_allowed", "fairseq_checkpoint_globals", "load_checkpoint",
     "nonfinite_weights", "numpy_checkpoint_globals", "read_checkpoint", "sanitize",
 ]

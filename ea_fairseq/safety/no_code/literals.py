@@ -182,14 +182,7 @@ def _evaluated_value(name: str, value: Any) -> Any:
     if "${" in text:
         raise _Refused("once its escapes are read it holds '${', an omegaconf interpolation that would be "
                        "resolved (and could close a quote) before fairseq evaluates the text")
-    if name in UNUSED_FIELDS:
-        raise _Refused(UNUSED_FIELDS[name])
     return text if type(value) is str else value
-
-
-# evaluated fields no architecture of this plugin (nor fairseq's transformer as vouched) uses
-UNUSED_FIELDS = {name: "the architectures this plugin loads do not use xFormers attention"
-                 for name in ("xformers_att_config", "encoder_xformers_att_config", "decoder_xformers_att_config")}
 
 
 def _rewrite_evaluated(node, path: str, source: str) -> None:

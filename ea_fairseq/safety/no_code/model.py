@@ -21,7 +21,7 @@ import functools
 import typing
 from typing import Any, Dict, List, Mapping, Optional
 
-from .literals import EVALUATED_FIELDS, UNUSED_FIELDS
+from .literals import EVALUATED_FIELDS
 from .plain import _Refused
 from .fields import PATH_FIELDS, _fields, defaults, shown_key, typed
 from .reading import UnsafeCheckpointError, _shown
@@ -178,8 +178,6 @@ def model_section(gen, given: Any, path: str, legacy: bool):
         if key not in table:
             if not legacy and type(given) is dict:
                 gen.dropped.append(here)
-            if key in UNUSED_FIELDS and value is not None:
-                raise gen.refuse(here, value, UNUSED_FIELDS[key])
             continue
         if key in PATH_FIELDS:
             if value is not None:
