@@ -28,6 +28,7 @@ import sys
 from types import SimpleNamespace
 from typing import Dict, List, NamedTuple, Optional, Sequence
 
+from . import add_version_option
 from .inputs import need_file, need_output_folder
 
 # torch, fairseq and the plugin are imported where they are used: ``--help`` answers without them
@@ -268,6 +269,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--output", required=True, metavar="FILE", help="checkpoint to write")
     parser.add_argument("--seed", type=int, default=1,
                         help="seed for the new parameters (fairseq-train's --seed; default 1)")
+    add_version_option(parser, "ea-fairseq-warm-start")
     args, model_options = parser.parse_known_args(argv)
     need_file("warm_start", args.vanilla, "the checkpoint of a vanilla fairseq transformer "
                                          "(e.g. SAVE_DIR/checkpoint_best.pt)")
