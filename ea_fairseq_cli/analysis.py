@@ -6,6 +6,7 @@ import os
 import sys
 from typing import List, Optional
 
+from . import add_version_option
 from ._safety import replaced, write_text
 from .inputs import need_file, need_files, need_folder
 
@@ -258,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Attention analysis for ea_fairseq models: maps, layer-wise metrics, plots, "
                     "params/FLOPs.",
     )
+    add_version_option(parser, "ea-fairseq-analysis")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("dump", help="dump every layer's and head's attention maps to .npz")

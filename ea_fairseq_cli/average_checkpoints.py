@@ -32,6 +32,7 @@ import re
 import sys
 from typing import Any, Dict, List, Optional
 
+from . import add_version_option
 from .inputs import need_output_folder
 
 
@@ -157,6 +158,7 @@ def main(argv=None) -> int:
     parser.add_argument("--data-dirs", nargs="+", metavar="DIR",
                         help="each input's data directory, in the inputs' order: their dict.*.txt "
                              "must be equal; then the data directories the inputs record may differ")
+    add_version_option(parser, "ea-fairseq-average-checkpoints")
     args = parser.parse_args(argv)
     need_output_folder("average_checkpoints", "--output", args.output)  # before minutes of averaging
     from ea_fairseq import load_plugin  # fairseq and torch, after the arguments (a fast --help)

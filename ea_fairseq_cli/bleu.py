@@ -59,6 +59,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from . import add_version_option
 from ._safety import ConfinedPathError, inside, open_inside, replaced
 from .inputs import need_file, need_output_folder, refusal
 
@@ -320,6 +321,7 @@ def main(argv=None) -> int:
     p.add_argument("--source-lang", help="language of the sources (detokenizer rules for COMET's sources)")
     p.add_argument("--comet-batch-size", type=int, default=16)
     p.add_argument("--comet-gpus", type=int, help="GPUs for COMET (default: 1 if CUDA is available, else 0)")
+    add_version_option(p, "ea-fairseq-bleu")
     args = p.parse_args(argv)
     check_inputs(args)
 

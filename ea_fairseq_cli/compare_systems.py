@@ -66,6 +66,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from . import add_version_option
 from . import bleu as bleu_script
 from . import significance as sig
 from ._safety import ConfinedPathError, open_inside
@@ -306,6 +307,7 @@ def _main(argv=None) -> int:
                         "be links anywhere inside it (the quality benchmark's runs share one copy of the "
                         "references); by default each stays inside the system's DIR (a scores.json "
                         "named: its folder)")
+    add_version_option(p, "ea-fairseq-compare")
     args = p.parse_args(argv)
     logging.basicConfig(format="%(levelname)s | %(name)s | %(message)s", level=logging.WARNING)
     if args.bootstrap < 1 or args.trials < 1:

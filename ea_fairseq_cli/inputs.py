@@ -50,3 +50,15 @@ def need_output_folder(program: str, option: str, path: Optional[str]) -> None:
     problem = "is not a folder" if os.path.exists(folder) else "does not exist"
     raise refusal(program, f"{option} {path}: the folder {folder} {problem}; create it "
                            f"(mkdir -p {shlex.quote(folder)}) or give a path in an existing folder")
+
+
+def need_creatable_output_folder(program: str, option: str, path: Optional[str]) -> None:
+    """The folder an output named by ``option`` goes to exists or can be made: the nearest of
+    its folders that exists is a folder (the tool makes the others, ``mkdir -p``, when it writes)."""
+    if path is None:
+        return
+    existing = os.path.dirname(os.path.abspath(path))
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise refusal(program, f"{option} {path}: {existing} is not a folder; give a path in a folder")

@@ -28,6 +28,8 @@ import os
 import sys
 from typing import List, Optional, Sequence
 
+from . import add_version_option
+
 PROG = "ea-fairseq-options"
 
 
@@ -103,6 +105,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     parser.add_argument("--all", action="store_true",
                         help="print the whole fairseq-train help, with the options of the arch and "
                              "of the --task, --criterion, ... given")
+    add_version_option(parser, PROG)
     args, train_options = parser.parse_known_args(argv)
     if args.arch and args.arch_option and args.arch != args.arch_option:
         raise _error(f"two architectures, {args.arch!r} and --arch {args.arch_option!r}: give one")

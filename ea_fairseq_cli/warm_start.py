@@ -1,6 +1,6 @@
 """Start any architecture of the plugin from a trained vanilla fairseq transformer.
 
-  python -m ea_fairseq_cli.warm_start VANILLA.pt --arch ea_transformer_lite --output ea_init.pt \\
+  ea-fairseq-warm-start VANILLA.pt --arch ea_transformer_lite --output ea_init.pt \\
       [--seed 1] [options of the new arch, e.g. --ea-alpha 0.5]
   fairseq-train DATA --user-dir ea_fairseq --arch ea_transformer_lite <the vanilla run's
       model options> --finetune-from-model ea_init.pt ...      (or --restore-file ea_init.pt)
@@ -14,7 +14,8 @@ not use (RAN replaces the self-attention's query and key projections). Different
 dimensions are refused. With the mechanism switched off (e.g. ``--ea-alpha 0 --ea-beta 0``)
 the new model computes exactly what the vanilla one does.
 
-The output is a fairseq checkpoint with no optimizer state, at update 0: fine-tune it with
+The output is a fairseq checkpoint with no optimizer state, at update 0, written once the new
+model is built (its folder made, parents included, if missing): fine-tune it with
 ``--finetune-from-model`` or ``--restore-file`` (the command printed at the end repeats the
 model options fairseq-train needs to rebuild the same model), or translate with it directly.
 """
@@ -28,7 +29,8 @@ import sys
 from types import SimpleNamespace
 from typing import Dict, List, NamedTuple, Optional, Sequence
 
-from .inputs import need_file, need_output_folder
+from . import add_version_option
+from .inputs import need_creatable_output_folder, need_file
 
 # torch, fairseq and the plugin are imported where they are used: ``--help`` answers without them
 
@@ -261,17 +263,18 @@ def format_report(report: Dict[str, List[str]], vanilla_path: str, arch: str) ->
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m ea_fairseq_cli.warm_start", description=__doc__,
+        prog="ea-fairseq-warm-start", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("vanilla", help="checkpoint of a vanilla fairseq transformer")
     parser.add_argument("--arch", required=True, help="architecture of the plugin to start")
     parser.add_argument("--output", required=True, metavar="FILE", help="checkpoint to write")
     parser.add_argument("--seed", type=int, default=1,
                         help="seed for the new parameters (fairseq-train's --seed; default 1)")
+    add_version_option(parser, "ea-fairseq-warm-start")
     args, model_options = parser.parse_known_args(argv)
     need_file("warm_start", args.vanilla, "the checkpoint of a vanilla fairseq transformer "
                                          "(e.g. SAVE_DIR/checkpoint_best.pt)")
-    need_output_folder("warm_start", "--output", args.output)
+    need_creatable_output_folder("warm_start", "--output", args.output)  # made once there is a model to write
     from ea_fairseq import load_plugin  # fairseq and torch, after the arguments (a fast --help)
 
     load_plugin()  # registers the architectures
@@ -286,6 +289,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 1
     command = shell_command(command[:-1] + [args.output])
     try:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)  # parents included
         with writers.replaced(args.output) as f:  # a new file renamed onto OUTPUT, never through a link
             torch.save(state, f)
     except OSError as err:

@@ -72,10 +72,9 @@ MISTAKES = {  # tool and mistake: the command line, the one line it prints
         [*WARM_START, "vanilla.pt", "--arch", "ea_transformer_lite", "--output", "ea.pt"],
         "warm_start: error: vanilla.pt: no such file; give the checkpoint of a vanilla fairseq transformer "
         "(e.g. SAVE_DIR/checkpoint_best.pt)"),
-    "warm start --output in a missing folder": (
-        [*WARM_START, "gen.out", "--arch", "ea_transformer_lite", "--output", "ws/ea.pt"],
-        "warm_start: error: --output ws/ea.pt: the folder {cwd}/ws does not exist; create it "
-        "(mkdir -p {cwd}/ws) or give a path in an existing folder"),
+    "warm start --output under a file": (  # (a missing folder is made: test_warm_start_command.py)
+        [*WARM_START, "gen.out", "--arch", "ea_transformer_lite", "--output", "gen.out/ws/ea.pt"],
+        "warm_start: error: --output gen.out/ws/ea.pt: {cwd}/gen.out is not a folder; give a path in a folder"),
 }
 
 

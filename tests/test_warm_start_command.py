@@ -1,6 +1,7 @@
-"""``python -m ea_fairseq_cli.warm_start``: the fine-tuning command it prints reads back, in a
-shell, as the very words it stands for (hostile file names included), its output never goes
-through a planted link, and ``--help`` answers without importing torch or fairseq."""
+"""``ea-fairseq-warm-start`` (``python -m ea_fairseq_cli.warm_start``): the fine-tuning
+command it prints reads back, in a shell, as the very words it stands for (hostile file names
+included), its output never goes through a planted link, a missing output folder is made, and
+``--help`` answers without importing torch or fairseq."""
 import os
 import shlex
 import subprocess
@@ -61,3 +62,17 @@ def test_help_does_not_import_torch(module):
     assert not {"torch", "fairseq", "numpy"} & names
     _, names = imported("-c", "import ea_fairseq")  # negative control: the package loads fairseq
     assert {"torch", "fairseq"} <= names
+
+
+def test_a_missing_output_folder_is_made_once_there_is_a_model_to_write(tmp_path, capsys):
+    """``--output`` in folders that do not exist yet: they are made, parents included, when the
+    checkpoint is written; a warm start refused before that leaves no folder behind."""
+    from ea_fairseq_cli.warm_start import main
+
+    vanilla = os.path.join(REPO, "tests", "fixtures", "checkpoints", "vanilla", "checkpoint.pt")
+    refused = tmp_path / "refused" / "ea.pt"
+    assert main([vanilla, "--arch", "ea_transformer_lite", "--encoder-layers", "3", "--output", str(refused)]) == 1
+    assert "the dimensions differ" in capsys.readouterr().err and os.listdir(tmp_path) == []
+    out = tmp_path / "runs" / "ea_warm" / "init.pt"
+    assert main([vanilla, "--arch", "ea_transformer_lite", "--output", str(out)]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out and out.stat().st_size > 0
