@@ -90,7 +90,7 @@ source "$repo/examples/translation/common.sh"  # ea_is_name, ea_quiet: shared wi
 prefix() { local line; while IFS= read -r line; do printf '[%s] %s\n' "$1" "$line"; done; }
 read -r -a arch_list <<< "$archs"
 for arch in ${arch_list[@]+"${arch_list[@]}"}; do  # names, checked before any use
-  ea_is_name "$arch" || die "DEMO_ARCHS holds $(ea_shown "$arch"), not an architecture name ([A-Za-z0-9_-]+)"
+  ea_is_name "$arch" || die "DEMO_ARCHS holds $(ea_shown "$arch"), not an architecture name ([A-Za-z0-9_@-]+)"
 done
 for v in DEMO_UPDATES DEMO_MAX_TOKENS DEMO_WARMUP DEMO_SEED DEMO_BPE_MERGES DEMO_AVG DEMO_SAVE_EVERY \
          DEMO_PATIENCE DEMO_VALIDATE_EVERY DEMO_PARALLEL DEMO_THREADS DEMO_PLOT_SENTENCE; do

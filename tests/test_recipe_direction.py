@@ -27,6 +27,9 @@ def test_one_direction_is_read_from_the_index_files(tmp_path):
     assert (done.returncode, done.stdout) == (0, "de|en")
     done = direction(tmp_path, "valid")
     assert (done.returncode, done.stdout) == (0, "xx|yy")
+    # a language fairseq-preprocess takes with a locale modifier
+    done = direction(files(tmp_path, "test.sr@latin-en.sr@latin.idx"), "test")
+    assert (done.returncode, done.stdout) == (0, "sr@latin|en")
 
 
 @pytest.mark.parametrize("names, message", [

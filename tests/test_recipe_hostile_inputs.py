@@ -51,7 +51,7 @@ def test_hostile_names_are_refused_in_one_line_not_run(env, tmp_path):
         proc = run(cmd, dict(env, FAIRSEQ_GENERATE=str(stub), **extra), tmp_path, check=False)
         lines_ = proc.stderr.splitlines()
         assert proc.returncode == 1 and len(lines_) == 1, (cmd, proc.stderr)
-        assert "error" in lines_[0].lower() and "[A-Za-z0-9_-]+" in lines_[0], lines_
+        assert "error" in lines_[0].lower() and "[A-Za-z0-9_@-]+" in lines_[0], lines_
         assert "\\$\\{IFS\\}" in lines_[0]  # the name shown quoted, as one line
         assert not marker.exists(), cmd
     assert not (tmp_path / "demo").exists()

@@ -28,10 +28,11 @@ set -euo pipefail
 EA_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 PYTHON="${PYTHON:-python3}"
 
-# ea_is_name VALUE: VALUE is a plain name ([A-Za-z0-9_-]+: a language, a split, an arch).
+# ea_is_name VALUE: VALUE is a plain name ([A-Za-z0-9_@-]+: a language such as sr@latin, a
+# split, an arch).
 # Names taken from file names or arguments are checked with it before any use; none is ever
 # pasted into a sed/awk program or eval.
-ea_is_name() { [[ "$1" =~ ^[A-Za-z0-9_-]+$ ]]; }
+ea_is_name() { [[ "$1" =~ ^[A-Za-z0-9_@-]+$ ]]; }
 # ea_write [--append] [--from SRC] [--within DIR] FILE: standard input (or SRC, a regular file
 # inside its own directory) to FILE (for > FILE, >> FILE, cp SRC FILE) through a new file renamed
 # onto it (scripts/safe_write.py): a link planted under FILE's name is never written through;
@@ -59,7 +60,7 @@ ea_direction() {
     [[ "$name" =~ ^([^.]*)-([^.]*)\.([^.]*)\.idx$ ]] && [ "${BASH_REMATCH[1]}" = "${BASH_REMATCH[3]}" ] || continue
     found=("${BASH_REMATCH[1]}" "${BASH_REMATCH[2]}")  # (ea_is_name resets BASH_REMATCH)
     for l in "${found[@]}"; do
-      ea_is_name "$l" || die "$data: the file name $(ea_shown "${f##*/}") gives the language $(ea_shown "$l"), not a language code ([A-Za-z0-9_-]+): refused; rename the files or give $how"
+      ea_is_name "$l" || die "$data: the file name $(ea_shown "${f##*/}") gives the language $(ea_shown "$l"), not a language code ([A-Za-z0-9_@-]+): refused; rename the files or give $how"
     done
     pairs+=("${found[*]}")
   done

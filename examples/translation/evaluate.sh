@@ -95,9 +95,9 @@ done
 case "$avg_by" in epoch|update) ;; *) die "--avg-by must be epoch or update" ;; esac
 [[ "$num_avg" =~ ^[1-9][0-9]*$ ]] || die "--num-avg (NUM_AVG) takes a number of checkpoints, not $(ea_shown "$num_avg")"
 [ -z "$upper" ] || [[ "$upper" =~ ^[0-9]+$ ]] || die "--checkpoint-upper-bound takes an epoch or update number, not $(ea_shown "$upper")"
-ea_is_name "$subset" || die "--subset takes a split name ([A-Za-z0-9_-]+), not $(ea_shown "$subset")"
+ea_is_name "$subset" || die "--subset takes a split name ([A-Za-z0-9_@-]+), not $(ea_shown "$subset")"
 for l in "$src" "$tgt"; do
-  [ -z "$l" ] || ea_is_name "$l" || die "-s/-t take a language code ([A-Za-z0-9_-]+), not $(ea_shown "$l")"
+  [ -z "$l" ] || ea_is_name "$l" || die "-s/-t take a language code ([A-Za-z0-9_@-]+), not $(ea_shown "$l")"
 done
 [ -d "$ckpt_dir" ] || die "checkpoint directory $ckpt_dir not found (train.sh's SAVE_DIR, e.g. checkpoints/ea_lite.iwslt14_de_en)"
 [ -d "$data" ] || die "data-bin directory $data not found"

@@ -29,7 +29,7 @@ fi
 src="$1"; tgt="$2"; text="$3"; shift 3
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 for l in "$src" "$tgt"; do
-  ea_is_name "$l" || { echo "prepare-own.sh: error: SRC and TGT take a language code ([A-Za-z0-9_-]+), not $(ea_shown "$l")" >&2; exit 1; }
+  ea_is_name "$l" || { echo "prepare-own.sh: error: SRC and TGT take a language code ([A-Za-z0-9_@-]+), not $(ea_shown "$l")" >&2; exit 1; }
 done
 BPE_TOKENS="${BPE_TOKENS:-10000}"
 ea_parse_args "own.$src-$tgt" "$@"

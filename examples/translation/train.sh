@@ -149,7 +149,7 @@ case "$pair" in
       src="$ea_src" tgt="$ea_tgt"
     fi
     for l in "$src" "$tgt"; do
-      ea_is_name "$l" || die "SRC and TGT take a language code ([A-Za-z0-9_-]+), not $(ea_shown "$l")"
+      ea_is_name "$l" || die "SRC and TGT take a language code ([A-Za-z0-9_@-]+), not $(ea_shown "$l")"
     done
     data_dir=""; size=own; mode=wmt ;;
   *) die "unknown PAIR '$pair' (see --help)" ;;
