@@ -146,7 +146,7 @@ def _read_metrics(paths: List[str]) -> dict:
 def _plot_dump(args, plots, written: List[str]) -> None:
     """``plot maps``/``plot kinds``: each figure of the dump, named by :func:`plots.figure_path`;
     at most :data:`plots.LIMIT_FIGURES` of them."""
-    from ea_fairseq.analysis.maps import AttentionDump, DumpError
+    from ea_fairseq.analysis.dumps import AttentionDump, DumpError
 
     dump = AttentionDump(args.dump)
     sids = args.sentence if args.sentence else sorted(dump.sentences)
@@ -179,7 +179,7 @@ def cmd_plot(args) -> int:
 
     written = []
     if args.what in ("maps", "kinds"):
-        from ea_fairseq.analysis.maps import DumpError
+        from ea_fairseq.analysis.dumps import DumpError
 
         try:
             _plot_dump(args, plots, written)

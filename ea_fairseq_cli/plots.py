@@ -23,7 +23,7 @@ import matplotlib.ticker  # noqa: E402
 import numpy as np  # noqa: E402
 
 if TYPE_CHECKING:
-    from ea_fairseq.analysis.maps import AttentionDump
+    from ea_fairseq.analysis.dumps import AttentionDump
 
 from . import ATTENTIONS  # noqa: E402
 
@@ -88,7 +88,7 @@ def check_panels(dump, rows: int, cols: int, what: str, options: str) -> None:
     """Refuse a figure of more than :data:`LIMIT_PANELS` panels (the dump's declaration is not
     a budget): one line naming the options that pick a subset."""
     if rows * cols > LIMIT_PANELS:
-        from ea_fairseq.analysis.maps import DumpError
+        from ea_fairseq.analysis.dumps import DumpError
 
         raise DumpError(f"{getattr(dump, 'path', 'the dump')}: {what}: {rows} x {cols} = {rows * cols:,} panels, "
                         f"more than the {LIMIT_PANELS} one figure holds; pick some with {options}")

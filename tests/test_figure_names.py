@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ea_fairseq.analysis.maps import META_KEY
+from ea_fairseq.analysis.dumps import META_KEY
 from ea_fairseq_cli import analysis as analysis_cli
 from ea_fairseq_cli import plots
 

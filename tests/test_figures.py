@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ea_fairseq_cli import plots
-from ea_fairseq.analysis.maps import META_KEY
+from ea_fairseq.analysis.dumps import META_KEY
 
 BIN = Path(sys.executable).parent
 DPI = 110  # plots._save
@@ -63,7 +63,7 @@ def test_figure_labels_tokens_readably_with_titles(tmp_path, monkeypatch, tokens
     figures = []
     monkeypatch.setattr(plots, "_save", lambda fig, out: figures.append(fig) or out)
     write_dump(tmp_path / "maps.npz", tokens, tokens + 3)
-    from ea_fairseq.analysis.maps import AttentionDump
+    from ea_fairseq.analysis.dumps import AttentionDump
 
     dump = AttentionDump(str(tmp_path / "maps.npz"))
     plots.plot_maps(dump, 0, "decoder.cross")
@@ -98,7 +98,7 @@ def test_figure_labels_tokens_readably_with_titles(tmp_path, monkeypatch, tokens
 def test_short_sentence_is_not_cropped_and_window_start_moves_the_crop(tmp_path, monkeypatch):
     figures = []
     monkeypatch.setattr(plots, "_save", lambda fig, out: figures.append(fig) or out)
-    from ea_fairseq.analysis.maps import AttentionDump
+    from ea_fairseq.analysis.dumps import AttentionDump
 
     write_dump(tmp_path / "short.npz", 7, 5, layers=2, heads=2)
     plots.plot_maps(AttentionDump(str(tmp_path / "short.npz")), 0, "decoder.cross")
@@ -118,7 +118,7 @@ def test_kinds_convolution_column_gets_a_scale_per_layer(tmp_path, monkeypatch):
     layers blank; each layer gets its own scale (and colour bar). The weights keep one."""
     figures = []
     monkeypatch.setattr(plots, "_save", lambda fig, out: figures.append(fig) or out)
-    from ea_fairseq.analysis.maps import AttentionDump
+    from ea_fairseq.analysis.dumps import AttentionDump
 
     write_dump(tmp_path / "maps.npz", 12, 10)
     dump = AttentionDump(str(tmp_path / "maps.npz"))

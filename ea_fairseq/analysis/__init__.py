@@ -2,7 +2,7 @@
 
 ``ea-fairseq-analysis {dump,metrics,plot,flops} --help`` (or ``python -m ea_fairseq_cli.analysis``);
 see docs/analysis.md. The Python API lives in the submodules: :mod:`.maps` (capture and dump
-attention maps), :mod:`.metrics` (entropy, JS divergence, Div, Disagreement) and :mod:`.flops`
+attention maps), :mod:`.dumps` (read a dump), :mod:`.metrics` (entropy, JS divergence, Div, Disagreement) and :mod:`.flops`
 (analytic params/FLOPs counts); the plots (matplotlib, headless) in :mod:`ea_fairseq_cli.plots`.
 """
 

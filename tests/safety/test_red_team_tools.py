@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import recipe_fixtures as fx
-from ea_fairseq.analysis.maps import META_KEY
+from ea_fairseq.analysis.dumps import META_KEY
 from ea_fairseq_cli import bleu
 from recipe_support import RECIPES, REPO, env, run as recipe_run  # noqa: F401  (fixture)
 
@@ -194,13 +194,13 @@ def _zero_dump(path: Path, shape) -> None:
 def test_plot_maps_draws_a_dump_of_underflowed_zeros(tmp_path):
     """An HC-SA dump: 6 layers x 8 heads of one 1000-token sentence, its maps zeros (underflowed),
     which deflate compresses about a thousandfold: drawn, not refused as a zip bomb."""
-    from ea_fairseq.analysis import maps
+    from ea_fairseq.analysis import dumps
 
     _zero_dump(tmp_path / "d.npz", (6, 8, 1000, 1000))
     with zipfile.ZipFile(tmp_path / "d.npz") as z:
         info = z.getinfo("0/encoder.self/weights.npy")
-        assert info.file_size > max(maps.LIMIT_PLAIN, 500 * info.compress_size)  # what 64:1 refused
-    assert maps.AttentionDump(str(tmp_path / "d.npz")).get(0, "encoder.self").shape == (6, 8, 1000, 1000)
+        assert info.file_size > max(dumps.LIMIT_PLAIN, 500 * info.compress_size)  # what 64:1 refused
+    assert dumps.AttentionDump(str(tmp_path / "d.npz")).get(0, "encoder.self").shape == (6, 8, 1000, 1000)
     proc = subprocess.run([str(BIN / "ea-fairseq-analysis"), "plot", "maps", str(tmp_path / "d.npz"),
                            "--out-dir", str(tmp_path / "fig"), "--layers", "1", "--heads", "1"],
                           capture_output=True, text=True, timeout=300)
@@ -209,14 +209,14 @@ def test_plot_maps_draws_a_dump_of_underflowed_zeros(tmp_path):
 
 def test_dump_reader_refuses_more_inflated_maps_in_all_than_its_budget(tmp_path, monkeypatch):
     """Each member within its caps, together over what one command reads."""
-    from ea_fairseq.analysis import maps
+    from ea_fairseq.analysis import dumps
 
     _zero_dump(tmp_path / "d.npz", (1, 1, 2048, 2048))  # 16 MiB
-    monkeypatch.setattr(maps, "LIMIT_INFLATED", 40 << 20)
-    dump = maps.AttentionDump(str(tmp_path / "d.npz"))
+    monkeypatch.setattr(dumps, "LIMIT_INFLATED", 40 << 20)
+    dump = dumps.AttentionDump(str(tmp_path / "d.npz"))
     dump.get(0, "encoder.self")
     dump.get(0, "encoder.self")
-    with pytest.raises(maps.DumpError, match="--sentence"):
+    with pytest.raises(dumps.DumpError, match="--sentence"):
         dump.get(0, "encoder.self")
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import recipe_fixtures as fx
-from ea_fairseq.analysis.maps import META_KEY
+from ea_fairseq.analysis.dumps import META_KEY
 from ea_fairseq_cli import analysis as analysis_cli
 from ea_fairseq_cli import compare_systems as compare
 from ea_fairseq_cli import curves
@@ -143,7 +143,7 @@ def test_dump_member_that_expands_beyond_its_compressed_size_is_refused_before_i
     about 1032 bytes a compressed byte) ever inflates, a crafted zip. Refused from the zip's
     sizes, before numpy allocates or inflates it (the control: np.load of the same file inflates
     all of it). The same map deflated by np.savez_compressed is read: test_red_team_tools."""
-    from ea_fairseq.analysis import maps
+    from ea_fairseq.analysis import dumps
 
     _dump(tmp_path / "d.npz", (1, 1, 4096, 4096))
     with zipfile.ZipFile(tmp_path / "d.npz") as z:
@@ -154,14 +154,14 @@ def test_dump_member_that_expands_beyond_its_compressed_size_is_refused_before_i
     size = os.path.getsize(tmp_path / "d.npz")
     with zipfile.ZipFile(tmp_path / "d.npz") as z:
         info = z.getinfo("0/decoder.cross/weights.npy")
-        assert info.file_size > 2 * maps.LIMIT_EXPANSION * info.compress_size
+        assert info.file_size > 2 * dumps.LIMIT_EXPANSION * info.compress_size
     with np.load(tmp_path / "d.npz") as npz:
         assert npz["0/decoder.cross/weights"].nbytes == 64 << 20 and size < 20_000
-    read, real = [], maps.np.lib.format.read_array
-    monkeypatch.setattr(maps.np.lib.format, "read_array",
+    read, real = [], dumps.np.lib.format.read_array
+    monkeypatch.setattr(dumps.np.lib.format, "read_array",
                         lambda f, *a, **k: real(f, *a, **k) if META_KEY in f.name else read.append(f.name))
-    dump = maps.AttentionDump(str(tmp_path / "d.npz"))
-    with pytest.raises(maps.DumpError, match="compressed byte deflate reaches"):
+    dump = dumps.AttentionDump(str(tmp_path / "d.npz"))
+    with pytest.raises(dumps.DumpError, match="compressed byte deflate reaches"):
         dump.get(0, "decoder.cross", "weights")
     assert read == []
     proc = _plot(tmp_path / "d.npz", tmp_path / "fig")
@@ -170,7 +170,7 @@ def test_dump_member_that_expands_beyond_its_compressed_size_is_refused_before_i
 
 def test_dump_whose_members_share_their_compressed_bytes_is_refused(tmp_path):
     """Two zip entries pointing at the same compressed data (an overlapping zip bomb)."""
-    from ea_fairseq.analysis import maps
+    from ea_fairseq.analysis import dumps
 
     _dump(tmp_path / "d.npz", (1, 1, 2, 2))
     with zipfile.ZipFile(tmp_path / "d.npz") as z:
@@ -190,8 +190,8 @@ def test_dump_whose_members_share_their_compressed_bytes_is_refused(tmp_path):
     end[12:16] = len(new_cd).to_bytes(4, "little")
     (tmp_path / "d.npz").write_bytes(bytes(blob[:cd]) + bytes(new_cd) + bytes(end))
     assert members
-    with pytest.raises(maps.DumpError, match="overlap|share"):
-        maps.AttentionDump(str(tmp_path / "d.npz"))
+    with pytest.raises(dumps.DumpError, match="overlap|share"):
+        dumps.AttentionDump(str(tmp_path / "d.npz"))
 
 
 # -- 3. a train.log line that makes the curves parser backtrack --------------------------------------
