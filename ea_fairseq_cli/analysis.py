@@ -175,7 +175,7 @@ def _plot_dump(args, plots, written: List[str]) -> None:
 
 
 def cmd_plot(args) -> int:
-    from . import plots
+    from . import metric_plots, plots
 
     written = []
     if args.what in ("maps", "kinds"):
@@ -186,7 +186,7 @@ def cmd_plot(args) -> int:
         except DumpError as err:  # a file that is not such a dump: one line, nothing more written
             raise SystemExit(f"ea-fairseq-analysis plot {args.what}: error: {err}") from None
     elif args.what == "entropy":
-        written.append(plots.plot_entropy(_read_metrics(args.metrics), args.out, args.metric))
+        written.append(metric_plots.plot_entropy(_read_metrics(args.metrics), args.out, args.metric))
     elif args.what == "curves":
         from .curves import has_curves, parse_log
 
@@ -202,12 +202,12 @@ def cmd_plot(args) -> int:
                                  "(a fairseq-train log, --log-format json or simple; train.sh writes "
                                  "SAVE_DIR/train.log)")
             runs[name] = records
-        written.append(plots.plot_curves(runs, args.out))
+        written.append(metric_plots.plot_curves(runs, args.out))
     elif args.what == "js":
         results = _read_metrics(args.metrics)
         if args.attention:
             results = {m: {a: r for a, r in per.items() if a in args.attention} for m, per in results.items()}
-        written.append(plots.plot_js(results, args.out))
+        written.append(metric_plots.plot_js(results, args.out))
     if not written:
         raise SystemExit("nothing to plot (check --attention / --kind)")
     for w in written:

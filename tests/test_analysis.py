@@ -207,7 +207,7 @@ def assert_png(path):
 
 
 def test_plots_entropy_and_js_are_png(tmp_path):
-    from ea_fairseq_cli import plots
+    from ea_fairseq_cli import metric_plots
 
     def fake(entropy):
         n = len(entropy)
@@ -216,15 +216,15 @@ def test_plots_entropy_and_js_are_png(tmp_path):
 
     results = {"a": {"encoder.self": fake([1.0, 1.2, 0.9]), "decoder.cross": fake([2.0, 1.5, 1.0])},
                "b": {"encoder.self": fake([1.1, 1.0, 0.8])}}
-    assert_png(plots.plot_entropy(results, str(tmp_path / "e.png")))
-    assert_png(plots.plot_js(results, str(tmp_path / "js.png")))
+    assert_png(metric_plots.plot_entropy(results, str(tmp_path / "e.png")))
+    assert_png(metric_plots.plot_js(results, str(tmp_path / "js.png")))
 
 
 def test_plot_colour_scales_fit_the_data(tmp_path, monkeypatch):
     """Weights on a scale from 0 to the largest weight shown (square root: a near-uniform
     head is a mid tone, not dark); the kinds figure's colour bars are readable; the entropy
     axis shows plain values (no offset such as "+2")."""
-    from ea_fairseq_cli import plots
+    from ea_fairseq_cli import metric_plots, plots
 
     figures = []
     monkeypatch.setattr(plots, "_save", lambda fig, out: figures.append(fig) or out)
@@ -268,7 +268,7 @@ def test_plot_colour_scales_fit_the_data(tmp_path, monkeypatch):
         assert len([t for t in bar.get_xticklabels() if t.get_text()]) >= 3
     metrics = {"layers": 3, "entropy": [2.00001, 2.00002, 2.00004], "div": [0.1] * 3,
                "disagreement": [0.5] * 3, "js": [[0.0] * 3] * 3, "js_mode": "mean"}
-    plots.plot_entropy({"a": {"encoder.self": metrics}}, str(tmp_path / "e.png"))
+    metric_plots.plot_entropy({"a": {"encoder.self": metrics}}, str(tmp_path / "e.png"))
     entropy = figures[-1]
     entropy.canvas.draw()
     assert entropy.axes[0].yaxis.get_major_formatter().get_offset() == ""
