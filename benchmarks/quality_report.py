@@ -7,7 +7,8 @@ Scores are those ea-fairseq-bleu wrote (each run's ``eval/test.es-en.scores.json
 comparisons to the baseline are ea-fairseq-compare's seed-level inference
 (``ea_fairseq_cli.compare_systems.compare``: Δ of the means over seeds, its 95% CI by a
 hierarchical bootstrap over seeds and test sentences and by Welch's t, Welch's p with Holm's
-correction over the systems, the sign agreement of the pairs of runs, and Kocmi et al.'s
+correction over every reported test (each system in sacreBLEU and chrF: one family), the
+permutation test over the seeds, the sign agreement of the pairs of runs, and Kocmi et al.'s
 human-agreement range implied by the CIs), whose own output is appended verbatim.
 """
 import glob
@@ -216,14 +217,15 @@ def comparisons(finished: Dict[str, Dict[int, dict]], order: List[str], base_nam
     out = {}
     for m in METRICS:
         stats = {s: [cs.sentence_statistics(m, r, False) for r in rs] for s, rs in runs.items()}
-        result = cs.compare(stats, cs.scorer(m, runs[base_name][0].sentences, False), BOOTSTRAP, TRIALS, SEED)
+        out[m] = cs.compare(stats, cs.scorer(m, runs[base_name][0].sentences, False), BOOTSTRAP, TRIALS, SEED)
+    cs.holm_over_metrics(out)  # one family: every system in every metric
+    for m, result in out.items():
         agreed, _ = cs.agreement_of(m, [r for rs in runs.values() for r in rs])
         for s in names[1:]:
             e = result[s]
             e["agreement_thresholds"] = list(cs.AGREEMENT[agreed]) if agreed else None
-            e["agreement"] = (cs.sig.agreement_range(e["agreement_ci"], cs.AGREEMENT[agreed], s, base_name)
-                              if agreed else None)
-        out[m] = result
+            e["agreement"] = (cs.sig.agreement_range(e["agreement_ci"], cs.AGREEMENT[agreed], s, base_name,
+                                                     e["p_holm"]) if agreed else None)
     return out
 
 
@@ -319,6 +321,7 @@ def build(results: str) -> dict:
             if s != base_name and e:
                 metric.update(delta=e["delta"], ci=list(e["ci"]), welch_ci=list(e["welch"]["ci"]) if e["welch"] else None,
                               p=e["p"], test=e["test"], p_holm=e["p_holm"], sign=list(e["sign"]),
+                              permutation=e["permutation"],
                               agreement_ci=list(e["agreement_ci"]), agreement=e["agreement"],
                               agreement_thresholds=e["agreement_thresholds"])
             entry["metrics"][m] = metric
@@ -416,21 +419,23 @@ def metric_table(out: dict, m: str, seeds: List[int]) -> List[str]:
               if e["metrics"][m].get("agreement_thresholds")}
     kocmi = "Kocmi" + (": 55% / 70% at {} / {}".format(*fitted.pop()) if len(fitted) == 1 else "")
     head = ["system", "seeds", f"per seed ({' / '.join(map(str, seeds))})", "mean ± std", f"Δ to {base}",
-            "95% CI, bootstrap", "95% CI, Welch", "p (test)", "p, Holm", "sign", f"human agreement implied by the CIs ({kocmi})"]
+            "95% CI, bootstrap", "95% CI, Welch", "p (test)", "p, Holm", "permutation p (smallest)", "sign",
+            f"human agreement implied by the CIs ({kocmi})"]
     rows = []
     if out["copy_source"]:
-        rows.append(["copy the source", "–", "–", _f(out["copy_source"]["metrics"][m]["score"])] + [""] * 7)
+        rows.append(["copy the source", "–", "–", _f(out["copy_source"]["metrics"][m]["score"])] + [""] * 8)
     for s, e in out["systems"].items():
         x = e["metrics"][m]
         per = " / ".join(_f(e["runs"][str(k)]["scores"].get(m)) if str(k) in e["runs"] and e["runs"][str(k)]["scores"]
                          else "failed" if str(k) in e["runs"] else "missing" if k in e["seeds_planned"] else "–"
                          for k in seeds)
         if s == base or "delta" not in x:
-            rows.append([s, _seeds(e), per, _spread(x), "–" if s == base else ""] + [""] * 6)
+            rows.append([s, _seeds(e), per, _spread(x), "–" if s == base else ""] + [""] * 7)
             continue
         rows.append([s, _seeds(e), per, _spread(x), _f(x["delta"], signed=True), _ci(x["ci"]), _ci(x["welch_ci"]),
-                     f"{_p(x['p'])} ({x['test'] or 'none'})", _p(x["p_holm"]), "{}/{}".format(*x["sign"]),
-                     x["agreement"] or "–"])
+                     f"{_p(x['p'])} ({x['test'] or 'none'})", _p(x["p_holm"]),
+                     f"{_p(x['permutation']['p'])} ({_p(x['permutation']['p_min'])})" if x.get("permutation") else "–",
+                     "{}/{}".format(*x["sign"]), x["agreement"] or "–"])
     return _table(rows, head)
 
 
@@ -539,7 +544,8 @@ def provenance_lines(out: dict) -> List[str]:
     return lines
 
 
-def markdown(out: dict, compare: dict) -> str:
+def markdown(out: dict, compare: dict, plan: Optional[str] = None) -> str:
+    """quality.md; ``plan``: the analysis plan (the results' ``plan.md``), printed as written."""
     seeds = sorted({k for e in out["systems"].values() for k in e["seeds_planned"] + list(map(int, e["runs"]))})
     missing = [f"{s} seed {k}" + (" (its learning-rate runs are under Runs)" if k == 1 and e["lr_candidates"] else "")
                for s, e in out["systems"].items() for k in e["seeds_missing"]]
@@ -557,6 +563,7 @@ def markdown(out: dict, compare: dict) -> str:
              f"Runs finished: {done} of {total}" + (f", besides {not_chosen} other learning-rate run(s) (listed "
                                                     "under Runs)" if not_chosen else "") + "." +
              (f" **Missing** (not run yet): {', '.join(missing)}." if missing else ""),
+             *(["", "## Plan, stated before its runs", "", plan.strip()] if plan else []),
              "", "## Systems", ""] + settings_table(out) + ["", "## Learning rate", ""] + lr_lines(out) + \
         ["", "## Provenance", ""] + [f"* {x}" for x in provenance_lines(out)] + \
         ["", "## Scores and differences to the baseline", "",
@@ -564,12 +571,14 @@ def markdown(out: dict, compare: dict) -> str:
          f"({t['bootstrap']} resamples, seed {t['seed']}) of the test sentences and, per system, its seeds; with "
          "3 to 5 seeds it underestimates their spread. *95% CI, Welch* and *p*: Welch's t over the seeds' scores "
          "(it leaves out the test set's sampling noise, which every run shares); with one run each, a two-sided "
-         f"approximate randomisation test ({t['trials']} trials). *p, Holm*: Holm's correction over the systems "
-         "compared; the CIs are per comparison, not corrected for the systems compared (where they exclude zero "
-         "and *p, Holm* is 0.05 or more, the difference does not hold at 0.05 across the systems). *sign*: of the "
+         f"approximate randomisation test ({t['trials']} trials). *p, Holm*: Holm's correction over every test "
+         "reported here, each system in sacreBLEU and in chrF, one family; the CIs are per comparison, not "
+         "corrected (where they exclude zero and *p, Holm* is 0.05 or more, the difference does not hold at 0.05 "
+         "across the tests). *permutation*: the exact permutation test of Δ over the seeds' scores, and the "
+         "smallest p its counts allow (3 seeds against 3: 0.1; 5 against 5: 0.0079). *sign*: of the "
          "pairs (baseline run, system run), how many differ in Δ's direction. *human agreement*: the range of "
          "Kocmi et al.'s (2024) pairwise accuracy with humans that the differences in both (uncorrected) CIs reach, "
-         "naming a system only when they exclude zero; those thresholds were calibrated on differences between "
+         "naming a system only when they exclude zero and *p, Holm* is below 0.05; those thresholds were calibrated on differences between "
          "WMT systems, and these are small models far from convergence: a rough guide.", ""]
     for m in METRICS:
         lines += [f"### {LABEL[m]} after {updates(out)} updates", "", f"sacreBLEU signature: `{out['signatures'][m]}`", ""]
@@ -630,7 +639,7 @@ def readme_block(out: dict) -> str:
         rows.append([s, _seeds(e), _spread(b), _spread(e["metrics"]["chrf"]), delta, e["params"] or "–",
                      _minutes(e["cpu_s_mean"])])
     head = ["system", "seeds", "sacreBLEU, mean ± std", "chrF, mean ± std",
-            f"Δ sacreBLEU to {base} [95% CI, Welch, per comparison] (p, Holm over the systems)", "parameters",
+            f"Δ sacreBLEU to {base} [95% CI, Welch, per comparison] (p, Holm over every test reported)", "parameters",
             "CPU per run"]
     where = "; ".join(sorted({f"{m['cpu']} ({m['cores']} cores), torch {m['torch']}" for m in out["machines"]}))
     commits = list(out["provenance"]["commits"])
@@ -671,8 +680,10 @@ def report(results: str, readme: Optional[str] = None) -> List[str]:
     out["ea_fairseq_compare"] = compare
     stem = report_stem(results)
     write_json(stem + ".json", out)
+    plan_path = os.path.join(results, "plan.md")
+    plan = open(plan_path, encoding="utf-8").read() if os.path.isfile(plan_path) else None
     with open(stem + ".md", "w", encoding="utf-8") as f:
-        f.write(markdown(out, compare))
+        f.write(markdown(out, compare, plan))
     written = [stem + ".json", stem + ".md"]
     if readme:
         update_readme(readme, readme_block(out))

@@ -16,6 +16,11 @@ runs (ddof 1), and for each system against the baseline:
   its runs (with replacement): the spread between seeds and the test set's sampling noise in
   one interval. With one run per system it is the paired bootstrap CI of the test sentences;
 * Welch's t over the per-run scores (two or more runs per system): its 95% CI and two-sided p;
+* the exact two-sided permutation test of Δ over the runs' scores (every assignment of the
+  scores to the two systems; sampled beyond 200,000), with the smallest p its counts can give:
+  3 runs against 3 cannot go below 0.1, 5 against 5 below 0.0079. Where one system has a single
+  run and the other several, it is the test (Welch's needs two each), and a line under the
+  table says that the single run's seed spread is unknown;
 * for two single runs, no seed-level test exists: p is a two-sided approximate randomisation
   test centred on zero (``--trials``, default 10,000: each sentence's pair of outputs swapped
   with probability 1/2; p = (c + 1) / (trials + 1), c counting trials at least as extreme as
@@ -23,7 +28,8 @@ runs (ddof 1), and for each system against the baseline:
   counts only trials above |Δ|, and its ``--paired-bs`` compares |Δ*| - mean |Δ*| with |Δ|, a
   statistic not centred on zero: both give smaller p, 1/(samples + 1) for equal scores;
   ea_fairseq_cli.significance);
-* p after Holm's correction over the systems compared to the baseline;
+* p after Holm's correction over every test the command reports: each system against the
+  baseline in each metric, BLEU and chrF together;
 * the sign agreement: of the pairs (baseline run, system run), how many differ in Δ's direction.
 
 Metrics (``--metric``, default: all of them):
@@ -43,8 +49,8 @@ bootstrap's resampling of them underestimates their spread, and Welch's t ignore
 set's sampling noise): Kocmi et al., 2024, "Navigating the Metrics Maze:
 Reconciling Score Magnitudes and Accuracies", ACL (Table 1; the MT-Thresholds tool): deltas of
 55% and 70% accuracy BLEU 0.52 / 1.39, chrF 0.33 / 1.00, COMET-22 0.10 / 0.35 (on COMET's
-0-100 scale). The system humans would prefer is named only when the CIs exclude zero, and it is
-the one with the higher score. The thresholds were calibrated on differences between WMT
+0-100 scale). The system humans would prefer is named only when the CIs exclude zero and the
+Holm-adjusted p is below 0.05, and it is the one with the higher score. The thresholds were calibrated on differences between WMT
 systems; for other systems (small models, few updates, another domain) they are a rough guide,
 which a line under the table says. They were fitted on sacreBLEU's BLEU and chrF with its
 default settings on detokenized text and on COMET-22 (``Unbabel/wmt22-comet-da``), so they are
@@ -230,9 +236,11 @@ def sentence_statistics(metric: str, run: Run, segment: bool) -> np.ndarray:
 def compare(stats: Dict[str, List[np.ndarray]], score_of: sig.Scorer, bootstrap: int, trials: int,
             seed: Optional[int], level: float = 0.95) -> Dict[str, dict]:
     """Per system (the first is the baseline): its runs' scores, mean and std; for the others
-    Δ, the hierarchical bootstrap CI, Welch's t (two or more runs each), the p of the test the
-    pair allows (Welch, or approximate randomisation for one run against one run), Holm's
-    adjusted p over the systems, and the sign agreement of the pairs of runs."""
+    Δ, the hierarchical bootstrap CI, Welch's t (two or more runs each), the permutation test
+    over the runs (two runs or more in all), the p of the test the pair allows (Welch; the
+    permutation test where one side has a single run; approximate randomisation for one run
+    against one run) and the sign agreement of the pairs of runs. Holm's adjustment is over
+    every test reported: :func:`holm_over_metrics`."""
     names = list(stats)
     boot = sig.hierarchical_bootstrap([stats[n] for n in names], score_of, bootstrap, seed, level)
     out: Dict[str, dict] = {}
@@ -244,21 +252,30 @@ def compare(stats: Dict[str, List[np.ndarray]], score_of: sig.Scorer, bootstrap:
         if i:
             entry.update(delta=float(scores.mean() - base.mean()), ci=boot["ci"](i, 0), welch=None, p=None,
                          test=None, sign=sig.sign_agreement(base, scores))
+            entry["permutation"] = sig.permutation_test(base, scores, seed) if len(scores) + len(base) > 2 else None
             if len(scores) > 1 and len(base) > 1:
                 entry["welch"] = sig.welch(base, scores, level)
                 entry["p"], entry["test"] = entry["welch"]["p"], "Welch"
             elif len(scores) == 1 and len(base) == 1:
                 entry["p"] = sig.randomisation_test(stats[names[0]][0], stats[n][0], score_of, trials, seed)
                 entry["test"] = "AR"
+            else:  # one run against several: the seed spread of one side unknown
+                entry["p"], entry["test"] = entry["permutation"]["p"], "permutation"
             # the human-agreement range: every difference either CI holds (a bootstrap of few seeds
             # underestimates their spread, Welch's t ignores the test set's sampling noise)
             w = entry["welch"]["ci"] if entry["welch"] else entry["ci"]
             entry["agreement_ci"] = (min(entry["ci"][0], w[0]), max(entry["ci"][1], w[1]))
         out[n] = entry
-    others = names[1:]
-    for n, adjusted in zip(others, sig.holm([out[n]["p"] for n in others])):
-        out[n]["p_holm"] = adjusted
     return out
+
+
+def holm_over_metrics(results: Dict[str, Dict[str, dict]]) -> int:
+    """Holm's adjusted p (``p_holm``) of every test in ``results`` ({metric: compare()'s
+    result}): one family, every system in every metric; the number of tests in it."""
+    entries = [e for result in results.values() for e in result.values() if "p" in e]
+    for e, adjusted in zip(entries, sig.holm([e["p"] for e in entries])):
+        e["p_holm"] = adjusted
+    return sum(e["p"] is not None for e in entries)
 
 
 def _p(x: Optional[float]) -> str:
@@ -348,30 +365,40 @@ def _main(argv=None) -> int:
         if run.report["mode"] != first.report["mode"] and sacre:
             raise SystemExit(f"ea-fairseq-compare: {run.path} was scored in mode {run.report['mode']}, "
                              f"{first.path} in {first.report['mode']}: not comparable")
-        if ref_metric and hashlib.sha256("\n".join(run.texts(ref_metric)[1]).encode()).hexdigest() != refs_hash:
-            raise SystemExit(f"ea-fairseq-compare: {run.path} was scored on other references "
-                             f"(or other sentences) than {first.path}: not comparable")
         if run.sentences != first.sentences:
             raise SystemExit(f"ea-fairseq-compare: {run.path} translated {run.sentences} sentences, "
                              f"{first.path} {first.sentences}: not comparable")
+        if ref_metric and hashlib.sha256("\n".join(run.texts(ref_metric)[1]).encode()).hexdigest() != refs_hash:
+            raise SystemExit(f"ea-fairseq-compare: {run.path} was scored on other references "
+                             f"(or other sentences) than {first.path}: not comparable")
 
     names = list(systems)
     report = first.report
-    coverage = (f"{report['translated']} of {report['sentences']} sentences"
-                if report["translated"] != report["sentences"] else f"{report['translated']} sentences")
-    print(f"{args.subset} set, {coverage}; baseline: {names[0]}")
-    if len(names) > 1:
-        print(f"Δ: difference of the mean scores; 95% CI: hierarchical bootstrap over the runs and the test "
-              f"sentences ({args.bootstrap} resamples, seed {args.seed}) and Welch's t over the runs; p: Welch's t "
-              f"(two or more runs each) or a two-sided approximate randomisation test ({args.trials} trials; one "
-              f"run each); Holm: over the {len(names) - 1} system(s) compared; sign: pairs of runs differing "
-              "in Δ's direction. With few runs the bootstrap's resampling of them underestimates their spread: "
-              "read it with Welch's CI")
+    results = {}
     for metric in sacre + segment:
         is_segment = metric not in sacre
         print(f"ea-fairseq-compare: {metric} ...", file=sys.stderr, flush=True)
         stats = {n: [sentence_statistics(metric, r, is_segment) for r in rs] for n, rs in systems.items()}
-        result = compare(stats, scorer(metric, first.sentences, is_segment), args.bootstrap, args.trials, args.seed)
+        results[metric] = compare(stats, scorer(metric, first.sentences, is_segment), args.bootstrap, args.trials,
+                                  args.seed)
+    family = holm_over_metrics(results)
+    coverage = (f"{report['translated']} of {report['sentences']} sentences"
+                if report["translated"] != report["sentences"] else f"{report['translated']} sentences")
+    print(f"{args.subset} set, {coverage}; baseline: {names[0]}")
+    if first.sentences < 2:
+        print(f"warning: the test set has {first.sentences} sentence: the bootstrap has no sentences to resample "
+              "and every difference rests on it alone")
+    if len(names) > 1:
+        print(f"Δ: difference of the mean scores; 95% CI: hierarchical bootstrap over the runs and the test "
+              f"sentences ({args.bootstrap} resamples, seed {args.seed}) and Welch's t over the runs; p: Welch's t "
+              f"(two or more runs each), a permutation test over the runs (one run against several) or a "
+              f"two-sided approximate randomisation test ({args.trials} trials; one run each); Holm: over the "
+              f"{family} test{'s' if family != 1 else ''} reported (every system in every metric); permutation: "
+              "the exact permutation test over the runs, and the smallest p it can give; sign: pairs of runs "
+              "differing in Δ's direction. With few runs the bootstrap's resampling of them underestimates their "
+              "spread: read it with Welch's CI")
+    for metric, result in results.items():
+        is_segment = metric not in sacre
         if is_segment:
             title = f"{metric}: mean of the segment scores in {first.prefix}.seg.{metric} (and each run's)"
         else:
@@ -383,15 +410,15 @@ def _main(argv=None) -> int:
         small = is_segment and all(abs(x) <= 1.5 for e in result.values() for x in e["scores"])  # COMET: 0-1
         digits = 4 if small else 2
         head = ["system", "runs", f"{metric} of each run", "mean ± std", "Δ mean", "95% CI, bootstrap",
-                "95% CI, Welch", "p", "test", "p, Holm", "sign"]
+                "95% CI, Welch", "p", "test", "p, Holm", "sign", "p, permutation (smallest)"]
         if thresholds:
             scale = ""
             if is_segment and small:
                 thresholds, scale = (thresholds[0] / 100, thresholds[1] / 100), ", scores on a 0-1 scale"
             head.append(f"human agreement implied by the CIs (55% / 70% at {agreed} "
-                        f"{thresholds[0]:.4g} / {thresholds[1]:.4g}{scale})")
+                        f"{thresholds[0]:.4g} / {thresholds[1]:.4g}{scale}; a preferred system at Holm p < 0.05)")
         rng = lambda ci: f"[{ci[0]:+.{digits}f}, {ci[1]:+.{digits}f}]"  # noqa: E731
-        rows = []
+        rows, single = [], []
         for n in names:
             e = result[n]
             spread = f"{e['mean']:.{digits}f}" + ("" if e["std"] is None else f" ± {e['std']:.{digits}f}")
@@ -399,14 +426,22 @@ def _main(argv=None) -> int:
             if n == names[0]:
                 row += ["–"] * (len(head) - 4)
             else:
+                perm = e["permutation"]
                 row += [f"{e['delta']:+.{digits}f}", rng(e["ci"]), rng(e["welch"]["ci"]) if e["welch"] else "–",
-                        _p(e["p"]), e["test"] or "–", _p(e["p_holm"]), "{}/{}".format(*e["sign"])]
+                        _p(e["p"]), e["test"] or "–", _p(e["p_holm"]), "{}/{}".format(*e["sign"]),
+                        f"{_p(perm['p'])} ({_p(perm['p_min'])})" if perm else "–"]
                 if thresholds:
-                    row.append(sig.agreement_range(e["agreement_ci"], thresholds, n, names[0]))
+                    row.append(sig.agreement_range(e["agreement_ci"], thresholds, n, names[0], e["p_holm"]))
+                if e["test"] == "permutation":
+                    single.append(names[0] if len(result[names[0]]["scores"]) == 1 else n)
             rows.append(row)
         print()
         print(title)
         print("\n".join(_table(rows, head)))
+        for n in dict.fromkeys(single):
+            print(f"(warning: {n} has one run: its seed spread is unknown, so the bootstrap CI resamples the other "
+                  "side's runs only and Welch's t cannot be computed; the permutation test cannot go below its "
+                  "smallest p. Train more seeds of it)")
         if why_not:
             print(f"(no human-agreement thresholds: {why_not})")
     if args.agreement:

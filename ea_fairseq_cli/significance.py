@@ -17,7 +17,10 @@ elsewhere) and ``score_of`` turns their column sums into the corpus score.
   one. (sacreBLEU's ``--paired-ar`` counts only those above it, which gives p = 1/(trials+1)
   to two outputs of equal score; its ``--paired-bs`` compares |Δ*| - mean |Δ*| to |Δ|, a
   statistic not centred on zero that gives smaller p than the centred test.)
-* ``holm``: Holm's step-down adjustment over the systems compared to one baseline.
+* ``permutation_test``: the two-sided permutation test of the difference of the mean
+  per-seed scores: every assignment of the runs' scores to the two systems (exact up to
+  :data:`EXACT_LIMIT` assignments, sampled beyond), with the smallest p the counts allow.
+* ``holm``: Holm's step-down adjustment over a family of tests.
 * ``sign_agreement``: of the pairs (baseline run, system run), how many differ in the
   direction of Δ.
 * ``agreement_range``: Kocmi et al. (2024)'s pairwise accuracy bands for every difference
@@ -26,6 +29,7 @@ elsewhere) and ``score_of`` turns their column sums into the corpus score.
 The t distribution is computed here (regularised incomplete beta function, Lentz's continued
 fraction as in Numerical Recipes §6.4), so the tool needs numpy only.
 """
+import itertools
 import math
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -119,6 +123,41 @@ def welch(base: Sequence[float], system: Sequence[float], level: float = 0.95) -
     return {"delta": delta, "t": t, "df": df, "p": t_sf2(t, df), "ci": (delta - half, delta + half)}
 
 
+#: assignments a permutation test enumerates; beyond it, it draws this many at random
+EXACT_LIMIT = 200_000
+
+
+def permutation_test(base: Sequence[float], system: Sequence[float], seed: Optional[int] = None) -> dict:
+    """Two-sided permutation test of mean(system) - mean(base) over the runs' scores: of the
+    C(n, k) ways to call k of the n pooled scores the system's, the share whose |Δ| is at
+    least the observed |Δ| (to a relative 1e-9) is p. ``exact``: every assignment counted
+    (at most :data:`EXACT_LIMIT`), else that many drawn from ``default_rng(seed)``, p then
+    (c + 1) / (draws + 1). ``p_min``: the smallest p these counts can give (the share of
+    assignments as extreme as the most extreme one), which no difference goes below."""
+    a, b = np.asarray(base, dtype=np.float64), np.asarray(system, dtype=np.float64)
+    pooled, k = np.concatenate([a, b]), len(b)
+    n = len(pooled)
+    observed = abs(b.mean() - a.mean())
+    total = math.comb(n, k)
+    exact = total <= EXACT_LIMIT
+    if exact:
+        picks = np.zeros((total, n), dtype=bool)
+        for row, chosen in enumerate(itertools.combinations(range(n), k)):
+            picks[row, list(chosen)] = True
+    else:
+        rng = np.random.default_rng(seed)
+        picks = np.argsort(rng.random((EXACT_LIMIT, n)), axis=1) < k
+    sums = picks @ pooled
+    deltas = np.abs(sums / k - (pooled.sum() - sums) / (n - k))
+    tolerance = 1e-9 * max(observed, 1e-300)
+    count = int(np.sum(deltas >= observed - tolerance))
+    extreme = int(np.sum(deltas >= deltas.max() - 1e-9 * max(deltas.max(), 1e-300)))
+    draws = len(deltas)
+    if exact:
+        return {"p": count / total, "p_min": extreme / total, "assignments": total, "exact": True}
+    return {"p": (count + 1) / (draws + 1), "p_min": 1 / (draws + 1), "assignments": total, "exact": False}
+
+
 def holm(pvalues: Sequence[Optional[float]]) -> List[Optional[float]]:
     """Holm's (1979) step-down adjusted p-values of a family of tests (None: no test, left
     out of the family; nan counts as 1)."""
@@ -207,16 +246,22 @@ SPANS = {(0, 0): "below 55%", (1, 1): "55% to 70%", (2, 2): "70% or more", (0, 1
 UPPER = ("below 55%", "up to 70%", "up to 70% or more")
 
 
-def agreement_range(ci: Tuple[float, float], thresholds: Tuple[float, float], system: str, baseline: str) -> str:
+def agreement_range(ci: Tuple[float, float], thresholds: Tuple[float, float], system: str, baseline: str,
+                    p_holm: Optional[float] = 0.0, alpha: float = 0.05) -> str:
     """Kocmi et al.'s pairwise-accuracy bands that the differences in ``ci`` (system minus
     baseline, higher-better metric) fall in, and the system humans would prefer: named only
-    when the CI excludes zero, and then the one whose score is higher; a CI that includes zero
-    reaches, on each side, the band of its end on that side."""
+    when the CI excludes zero and the difference's Holm-adjusted p is below ``alpha``, and then
+    the one whose score is higher; a CI that includes zero reaches, on each side, the band of
+    its end on that side."""
     lo, hi = ci
     if lo > 0 or hi < 0:
         near, far = sorted((abs(lo), abs(hi)))
+        span = SPANS[_band(near, thresholds), _band(far, thresholds)]
+        if p_holm is None or math.isnan(p_holm) or p_holm >= alpha:
+            shown = "no test" if p_holm is None else f"Holm p {p_holm:.4f}"
+            return f"{span} if the difference holds; no preferred system ({shown}, not below {alpha:g})"
         better = system if lo > 0 else baseline
-        return f"{SPANS[_band(near, thresholds), _band(far, thresholds)]}: humans would prefer {better}"
+        return f"{span}: humans would prefer {better}"
     for_system, for_baseline = UPPER[_band(hi, thresholds)], UPPER[_band(-lo, thresholds)]
     reach = (f"{for_system} for either" if for_system == for_baseline
              else f"{for_system} for {system}, {for_baseline} for {baseline}")

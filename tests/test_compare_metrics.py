@@ -85,10 +85,13 @@ def test_one_run_each_randomisation_test_and_bootstrap_ci(tmp_path, capsys):
     capsys.readouterr()
     assert compare.main([str(tmp_path / "base"), str(tmp_path / "sys"), "--trials", "1000", "--bootstrap", "300",
                          "--seed", "5"]) == 0
-    tables = _tables(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    tables = _tables(out)
     assert list(tables) == ["tok", "chrf", "chrf++"]
+    assert "Holm: over the 3 tests reported" in out  # one system, three metrics: one family
     report = json.load(open(tmp_path / "sys" / "eval" / "test.de-en.scores.json"))
     base_report = json.load(open(tmp_path / "base" / "eval" / "test.de-en.scores.json"))
+    ps = {}
     for name in tables:
         score_of = compare.scorer(name, len(refs), False)
         a, b = _stats(name, base, refs), _stats(name, system, refs)
@@ -97,10 +100,12 @@ def test_one_run_each_randomisation_test_and_bootstrap_ci(tmp_path, capsys):
         assert row[4] == f"{report['metrics'][name]['score'] - base_report['metrics'][name]['score']:+.2f}", name
         ci = compare.sig.hierarchical_bootstrap([[a], [b]], score_of, 300, 5)["ci"](1, 0)
         assert row[5] == f"[{ci[0]:+.2f}, {ci[1]:+.2f}]" and ci[0] < float(row[4]) < ci[1], name
-        assert row[6] == "–" and row[8] == "AR" and row[10] in ("1/1", "0/1"), name
-        p = compare.sig.randomisation_test(a, b, score_of, 1000, 5)
-        assert row[7] == f"{p:.4f}" == row[9], name  # (one system: Holm changes nothing)
+        assert row[6] == "–" and row[8] == "AR" and row[10] in ("1/1", "0/1") and row[11] == "–", name
+        ps[name] = compare.sig.randomisation_test(a, b, score_of, 1000, 5)
+        assert row[7] == f"{ps[name]:.4f}", name
         assert f"sacreBLEU signature: {report['metrics'][name]['signature']}" in tables[name]["title"], name
+    for name, adjusted in zip(ps, compare.sig.holm(list(ps.values()))):
+        assert tables[name]["sys"][9] == f"{adjusted:.4f}", name
 
 
 def test_seeds_welch_holm_and_sign(tmp_path, capsys):
@@ -235,18 +240,19 @@ def test_agreement_only_for_the_variants_the_thresholds_were_fitted_on(tmp_path,
     out = capsys.readouterr().out
     tables = _tables(out)
     assert list(tables) == ["tok", "sacrebleu", "chrf", "chrf++", "comet"]
-    assert tables["sacrebleu"]["head"][-1].endswith("(55% / 70% at BLEU 0.52 / 1.39)")
+    assert tables["sacrebleu"]["head"][-1].endswith("(55% / 70% at BLEU 0.52 / 1.39; a preferred system at Holm p < 0.05)")
     delta = float(tables["sacrebleu"]["worse"][4])
     hi = float(tables["sacrebleu"]["worse"][5].strip("[]").split(",")[1])
     assert delta < hi < -1.39  # worse is worse: humans would prefer the baseline, not "worse"
     assert tables["sacrebleu"]["worse"][-1] == "70% or more: humans would prefer base"
-    assert tables["chrf"]["head"][-1].endswith("(55% / 70% at chrF 0.33 / 1)")
+    assert tables["chrf"]["head"][-1].endswith("(55% / 70% at chrF 0.33 / 1; a preferred system at Holm p < 0.05)")
     assert tables["chrf"]["worse"][-1] == "70% or more: humans would prefer base"
     # COMET-22 on its 0-1 scale: the 0-100 thresholds divided by 100; -0.0025 is 55% to 70%
-    assert tables["comet"]["head"][-1].endswith("(55% / 70% at COMET-22 0.001 / 0.0035, scores on a 0-1 scale)")
+    assert tables["comet"]["head"][-1].endswith(
+        "(55% / 70% at COMET-22 0.001 / 0.0035, scores on a 0-1 scale; a preferred system at Holm p < 0.05)")
     assert tables["comet"]["worse"][4] == "-0.0025" and tables["comet"]["worse"][-1] == "55% to 70%: humans would prefer base"
     for name in ("tok", "chrf++"):
-        assert len(tables[name]["head"]) == 11, name  # no column
+        assert len(tables[name]["head"]) == 12, name  # no column
     assert "(no human-agreement thresholds: tokenized BLEU;" in out
     assert "Kocmi et al. (2024) give no thresholds for it" in out
     # the other direction: the system is better, the label names it
@@ -266,12 +272,12 @@ def test_agreement_only_for_the_variants_the_thresholds_were_fitted_on(tmp_path,
     assert compare.main([str(tmp_path / "b2"), str(tmp_path / "s2"), "--agreement", "--metric", "comet",
                          "--bootstrap", "50", "--trials", "100"]) == 0
     out = capsys.readouterr().out
-    assert len(_tables(out)["comet"]["head"]) == 11
+    assert len(_tables(out)["comet"]["head"]) == 12
     assert "(no human-agreement thresholds: the COMET model (Unbabel/wmt20-comet-da) is not Unbabel/wmt22-comet-da" in out
     assert compare.main([str(tmp_path / "i1"), str(tmp_path / "i2"), "--agreement", "--metric", "chrf",
                          "--bootstrap", "50", "--trials", "100"]) == 0
     out = capsys.readouterr().out
-    assert len(_tables(out)["chrf"]["head"]) == 11 and "chrF on tokenized text (--mode iwslt)" in out
+    assert len(_tables(out)["chrf"]["head"]) == 12 and "chrF on tokenized text (--mode iwslt)" in out
 
 
 def test_agreement_names_the_system_with_the_higher_score(tmp_path, capsys):
@@ -333,3 +339,36 @@ def test_comet_scores_through_unbabel_comet_api(tmp_path, capsys, monkeypatch):
     assert capsys.readouterr().out.splitlines()[-1].startswith(
         f"COMET: not scored: COMET model {tmp_path / 'missing.ckpt'} is not a checkpoint file")
 
+
+
+def test_one_run_against_several_is_tested_by_permutation_and_said_so(tmp_path, capsys):
+    """One baseline run against three of a system: no Welch; the exact permutation test over the
+    four runs is the test (its smallest p 1/4: the baseline run is one of four that could be
+    the odd one out), and a line says the single run's seed spread is unknown."""
+    refs = _corpus(60)
+    fx.write_scored_run(tmp_path / "base" / "seed1", refs, _noisy(refs, 0.3, 1))
+    for k in range(3):
+        fx.write_scored_run(tmp_path / "ea" / f"seed{k + 1}", refs, _noisy(refs, 0.1 + 0.01 * k, 10 + k))
+    capsys.readouterr()
+    assert compare.main([str(tmp_path / "base"), str(tmp_path / "ea"), "--metric", "tok", "--bootstrap", "50"]) == 0
+    out = capsys.readouterr().out
+    row = _tables(out)["tok"]["ea"]
+    scores = [float(x) for x in row[2].split()]
+    assert row[6] == "–" and row[8] == "permutation" and row[11] == "0.2500 (0.2500)"
+    assert row[7] == "0.2500" and len(scores) == 3
+    assert "(warning: base has one run: its seed spread is unknown" in out
+    assert "Holm: over the 1 test reported" in out
+
+
+def test_a_one_sentence_test_set_is_warned_of_and_counts_are_named(tmp_path, capsys):
+    refs = _corpus(1)
+    fx.write_scored_run(tmp_path / "a", refs, _noisy(refs, 0.2, 1))
+    fx.write_scored_run(tmp_path / "b", refs, _noisy(refs, 0.3, 2))
+    capsys.readouterr()
+    assert compare.main([str(tmp_path / "a"), str(tmp_path / "b"), "--metric", "tok", "--bootstrap", "20",
+                         "--trials", "20"]) == 0
+    assert "warning: the test set has 1 sentence" in capsys.readouterr().out
+    more = _corpus(3)
+    fx.write_scored_run(tmp_path / "c", more, _noisy(more, 0.2, 1))
+    with pytest.raises(SystemExit, match=r"translated 3 sentences, .* 1: not comparable"):
+        compare.main([str(tmp_path / "a"), str(tmp_path / "c"), "--metric", "tok"])

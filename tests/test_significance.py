@@ -180,3 +180,42 @@ def test_agreement_range_names_the_better_system_only_when_the_ci_excludes_zero(
     assert sig.agreement_range((-3.87, 0.2), chrf, "pa", "base").endswith(
         "(below 55% for pa, up to 70% or more for base)")
     assert sig.agreement_range((-1.5, 1.2), chrf, "pa", "base").endswith("(up to 70% or more for either)")
+
+
+def test_permutation_test_against_its_enumeration_written_out():
+    """3 runs against 3: the 20 ways to call three of the six scores the system's, each |Δ|
+    written out; p the share at least as extreme as the observed assignment."""
+    base, system = [20.0, 21.0, 23.0], [22.0, 24.0, 25.0]
+    pooled = base + system
+    deltas = []
+    for i in range(6):
+        for j in range(i + 1, 6):
+            for k in range(j + 1, 6):
+                chosen = [pooled[i], pooled[j], pooled[k]]
+                rest = [x for n, x in enumerate(pooled) if n not in (i, j, k)]
+                deltas.append(abs(sum(chosen) / 3 - sum(rest) / 3))
+    observed = abs(sum(system) / 3 - sum(base) / 3)  # 2.333
+    out = sig.permutation_test(base, system)
+    assert out["exact"] and out["assignments"] == len(deltas) == 20
+    assert out["p"] == pytest.approx(sum(d >= observed - 1e-12 for d in deltas) / 20) == pytest.approx(4 / 20)
+    assert out["p_min"] == pytest.approx(2 / 20)  # no 3-against-3 difference goes below 0.1
+    # the smallest p for the counts of the quality benchmark's plans, and one run against five
+    assert sig.permutation_test([1, 2, 3, 4, 5], [6, 7, 8, 9, 10])["p"] == pytest.approx(2 / 252)
+    ten = sig.permutation_test(list(range(10)), list(range(10, 20)))
+    assert ten["exact"] and ten["p"] == ten["p_min"] == pytest.approx(2 / 184756)
+    assert sig.permutation_test([1.0], [2, 3, 4, 5, 6])["p"] == pytest.approx(2 / 6)
+    assert sig.permutation_test([1, 2, 3], [1, 2, 3])["p"] == 1.0  # no difference: every assignment as extreme
+
+
+def test_permutation_test_samples_beyond_its_limit_reproducibly():
+    base, system = list(np.linspace(0, 1, 12)), list(np.linspace(0.5, 1.5, 12))  # C(24, 12) = 2,704,156
+    one, two = sig.permutation_test(base, system, seed=3), sig.permutation_test(base, system, seed=3)
+    assert not one["exact"] and one == two and one["p_min"] == 1 / (sig.EXACT_LIMIT + 1) <= one["p"] < 0.05
+
+
+def test_agreement_names_a_preferred_system_only_below_the_holm_threshold():
+    chrf = (0.33, 1.00)
+    assert sig.agreement_range((0.5, 4.0), chrf, "ea", "base", 0.0499) == "55% or more: humans would prefer ea"
+    for p in (0.0502, None, float("nan")):
+        text = sig.agreement_range((0.5, 4.0), chrf, "ea", "base", p)
+        assert text.startswith("55% or more if the difference holds; no preferred system (") and "prefer ea" not in text
