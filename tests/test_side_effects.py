@@ -61,7 +61,8 @@ import fairseq  # noqa: E402,F401  (what fairseq's own import changes is fairseq
 for name, module in list(sys.modules.items()):
     if name.split(".")[0] in WATCHED[:-1] or name in ("torch", "torch.serialization", "sys", "os", "logging",
                                                        "warnings"):
-        recorded[name] = attributes(module)
+        if getattr(module, "__name__", name) == name:  # (not an alias: fairseq.distributed_utils is
+            recorded[name] = attributes(module)         # fairseq.distributed.utils, recorded as such)
 sys.meta_path.insert(0, Recorder())  # the modules imported from here on, as each finishes importing
 environ, filters, root = dict(os.environ), list(warnings.filters), logging.getLogger().level
 
