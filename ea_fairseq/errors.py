@@ -11,14 +11,19 @@ process still exits with status 1), and so a checkpoint the plugin refuses or fi
 (an exception class with ``one_line = True``). Every other exception goes to the previous hook
 unchanged, except fairseq's refusal of an over-long input when a model built in this
 process limits positions itself (:func:`note_position_limit`): that one gets a note saying
-which option sets the limit and how to go on.
+which option sets the limit and how to go on. In the same processes an ``--arch`` fairseq's
+parser does not know is one line naming the closest one (:func:`parser_error`,
+:func:`did_you_mean`).
 """
+import ast
+import difflib
 import os
 import re
 import sys
-from typing import Dict
+from typing import Dict, Iterable
 
 _SIZE_ERROR = re.compile(r"Size of sample #\d+ is invalid")
+_ARCH_CHOICE = re.compile(r"argument --arch/-a: invalid choice: (?P<arch>.+?) \(choose from ")
 _position_limits: Dict[str, None] = {}  # notes, in the order the models were built
 
 
@@ -45,6 +50,12 @@ def note_position_limit(note: str) -> None:
     """Record that a model built in this process refuses longer inputs (``note`` says why
     and what to do), for fairseq's over-long-input error."""
     _position_limits[note] = None
+
+
+def did_you_mean(word: str, names: Iterable[str]) -> str:
+    """`` (did you mean NAME?)`` with the name of ``names`` closest to ``word``, or nothing."""
+    close = difflib.get_close_matches(word, list(names), n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def excepthook(kind, value, tb, previous=None) -> None:
@@ -81,3 +92,27 @@ def chained_excepthook(previous):
         excepthook(kind, value, tb, previous=previous)
 
     return hook
+
+
+def parser_error(error):
+    """``argparse.ArgumentParser.error`` (a row of :data:`ea_fairseq.side_effects.SIDE_EFFECTS`,
+    in the same processes as :func:`chained_excepthook`): an ``--arch`` fairseq's parser does
+    not know (its ``choices`` are ``ARCH_MODEL_REGISTRY``) is one line naming the closest
+    arch, exit status 2 as argparse's, where argparse prints the usage and every arch's
+    name; every other message is ``error``'s."""
+
+    def one_line(self, message):
+        match = _ARCH_CHOICE.match(message)
+        if match is None:
+            return error(self, message)
+        from fairseq.models import ARCH_MODEL_REGISTRY
+
+        try:
+            arch = str(ast.literal_eval(match["arch"]))  # (argparse writes its repr)
+        except (ValueError, SyntaxError):
+            arch = match["arch"]
+        self.exit(2, f"{self.prog}: error: argument --arch/-a: invalid choice: {match['arch']}"
+                     f"{did_you_mean(arch, ARCH_MODEL_REGISTRY)}; `ea-fairseq-options` lists the plugin's "
+                     "architectures\n")
+
+    return one_line
