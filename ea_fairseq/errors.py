@@ -8,17 +8,27 @@ built, deep inside fairseq. Those checks raise :class:`OptionError`, and in a pr
 runs one of those tools or one of the plugin's own (:func:`serving_command_line`),
 the ``sys.excepthook`` :func:`chained_excepthook` makes prints an uncaught one as a single line, as argparse would (the
 process still exits with status 1), and so a checkpoint the plugin refuses or finds damaged
-(an exception class with ``one_line = True``). Every other exception goes to the previous hook
-unchanged, except fairseq's refusal of an over-long input when a model built in this
-process limits positions itself (:func:`note_position_limit`): that one gets a note saying
-which option sets the limit and how to go on.
+(an exception class with ``one_line = True``). Two errors of fairseq itself, recognised by type
+and message, are one line too, saying what there is instead: a checkpoint file that is not there
+(``--path``: the checkpoints nearest it in its folder) and a split the data directory lacks
+(``--gen-subset``: the splits it has, :func:`did_you_mean`). Every other exception goes to the
+previous hook unchanged, except fairseq's refusal of an over-long input when a model built in
+this process limits positions itself (:func:`note_position_limit`): that one gets a note saying
+which option sets the limit and how to go on. In the same processes an ``--arch`` fairseq's
+parser does not know is one line naming the closest one (:func:`parser_error`).
 """
+import ast
+import difflib
 import os
 import re
 import sys
-from typing import Dict
+from typing import Dict, Iterable, Optional
 
 _SIZE_ERROR = re.compile(r"Size of sample #\d+ is invalid")
+_MISSING_CHECKPOINT = re.compile(r"Model file not found: (?P<path>.+)")  # checkpoint_utils, IOError
+_MISSING_SPLIT = re.compile(r"Dataset not found: (?P<split>[^\s()]+) \((?P<data>.+)\)")  # the tasks
+_ARCH_CHOICE = re.compile(r"argument --arch/-a: invalid choice: (?P<arch>.+?) \(choose from ")
+CHECKPOINT = "give a checkpoint fairseq-train wrote (e.g. SAVE_DIR/checkpoint_best.pt)"
 _position_limits: Dict[str, None] = {}  # notes, in the order the models were built
 
 
@@ -47,10 +57,69 @@ def note_position_limit(note: str) -> None:
     _position_limits[note] = None
 
 
+def did_you_mean(word: str, names: Iterable[str]) -> str:
+    """`` (did you mean NAME?)`` with the name of ``names`` closest to ``word``, or nothing."""
+    close = difflib.get_close_matches(word, list(names), n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def _given(value: str) -> str:
+    """``value`` as this process's command line gave it: ``--option value`` where an option's
+    value is it or lists it (``--path a.pt:b.pt``, ``--valid-subset valid,test``)."""
+    argv = sys.argv[1:]
+    for i, arg in enumerate(argv):
+        option, equals, given = arg.partition("=")
+        if not option.startswith("--"):
+            continue
+        if not equals:
+            if i + 1 == len(argv):
+                continue
+            given = argv[i + 1]
+        if value == given or value in given.split(os.pathsep) or value in given.split(","):
+            return f"{option} {value}"
+    return value
+
+
+def _missing_checkpoint(path: str) -> str:
+    folder = os.path.dirname(path) or "."
+    missing = f"{_given(path)}: no such file"
+    if not os.path.isdir(folder):
+        return f"{missing} (no folder {folder}); {CHECKPOINT}"
+    names = [n for n in os.listdir(folder) if n.startswith("checkpoint") and n.endswith(".pt")]
+    if not names:
+        return f"{missing}, nor any checkpoint*.pt in {folder}; {CHECKPOINT}"
+    nearest = difflib.get_close_matches(os.path.basename(path), names, n=3, cutoff=0)
+    more = f" (and {len(names) - len(nearest)} more)" if len(names) > len(nearest) else ""
+    return f"{missing}; {folder} has {', '.join(nearest)}{more}"
+
+
+def _missing_split(split: str, data: str) -> Optional[str]:
+    folder = data if os.path.isdir(data) else os.path.dirname(data)  # (a directory, or DATA/SPLIT)
+    try:
+        splits = sorted({n.split(".")[0] for n in os.listdir(folder) if n.endswith(".idx")})
+    except OSError:
+        return None
+    if not splits or split in splits:  # (no binarized split; the split for other languages): fairseq's
+        return None
+    return f"{_given(split)}: no such split in {folder}{did_you_mean(split, splits)}; it has {', '.join(splits)}"
+
+
+def _one_line(value) -> Optional[str]:
+    """The line that says all of a known fairseq error, or None."""
+    if not isinstance(value, OSError):
+        return None
+    match = _MISSING_CHECKPOINT.fullmatch(str(value))
+    if match:
+        return _missing_checkpoint(match["path"])
+    match = _MISSING_SPLIT.fullmatch(str(value))
+    return _missing_split(match["split"], match["data"]) if match else None
+
+
 def excepthook(kind, value, tb, previous=None) -> None:
     previous = previous or sys.__excepthook__
-    if isinstance(value, OptionError) or getattr(kind, "one_line", False):  # (checkpoint refusals too)
-        print(f"{os.path.basename(sys.argv[0]) or 'python'}: error: {value}", file=sys.stderr)
+    line = str(value) if isinstance(value, OptionError) or getattr(kind, "one_line", False) else _one_line(value)
+    if line is not None:  # (checkpoint refusals too)
+        print(f"{os.path.basename(sys.argv[0]) or 'python'}: error: {line}", file=sys.stderr)
         return
     if _position_limits and _SIZE_ERROR.search(str(value)) and hasattr(value, "add_note"):
         for note in _position_limits:
@@ -81,3 +150,27 @@ def chained_excepthook(previous):
         excepthook(kind, value, tb, previous=previous)
 
     return hook
+
+
+def parser_error(error):
+    """``argparse.ArgumentParser.error`` (a row of :data:`ea_fairseq.side_effects.SIDE_EFFECTS`,
+    in the same processes as :func:`chained_excepthook`): an ``--arch`` fairseq's parser does
+    not know (its ``choices`` are ``ARCH_MODEL_REGISTRY``) is one line naming the closest
+    arch, exit status 2 as argparse's, where argparse prints the usage and every arch's
+    name; every other message is ``error``'s."""
+
+    def one_line(self, message):
+        match = _ARCH_CHOICE.match(message)
+        if match is None:
+            return error(self, message)
+        from fairseq.models import ARCH_MODEL_REGISTRY
+
+        try:
+            arch = str(ast.literal_eval(match["arch"]))  # (argparse writes its repr)
+        except (ValueError, SyntaxError):
+            arch = match["arch"]
+        self.exit(2, f"{self.prog}: error: argument --arch/-a: invalid choice: {match['arch']}"
+                     f"{did_you_mean(arch, ARCH_MODEL_REGISTRY)}; `ea-fairseq-options` lists the plugin's "
+                     "architectures\n")
+
+    return one_line

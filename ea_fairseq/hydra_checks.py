@@ -15,9 +15,12 @@ before any directory exists (hydra's ``on_run_start``), it
 * builds the model fairseq would build from ``cfg.model`` on the ``meta`` device, with the
   plugin's own code, so that an option of the model's arch it refuses
   (:class:`~ea_fairseq.errors.OptionError`) stops the run;
-* refuses fp16/bf16/amp where torch sees no CUDA GPU (or ``common.cpu=true``), and a
-  ``distributed_world_size`` above the GPUs visible when fairseq would start the processes
-  itself (not under torchrun or Slurm), naming the overrides that run the config here.
+* refuses what the machine cannot run (:mod:`ea_fairseq.device_checks`, as fairseq-train's
+  command line does): fp16 or bf16 where torch sees no CUDA GPU (or ``common.cpu=true``; amp,
+  ``memory_efficient_fp16`` and ``fp16_no_flatten_grads`` train on a CPU), ``common.tpu=true``
+  without torch_xla, and a ``distributed_world_size`` above the GPUs visible when fairseq
+  would start the processes itself (not under torchrun or Slurm), naming the overrides that
+  run the config here.
 
 A refusal is one line, ``fairseq-hydra-train: error: ...``, and exit status 1. When the job
 itself fails (``on_job_end``), the run directory is removed if this run created it and it
@@ -32,14 +35,13 @@ import difflib
 import os
 import shutil
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from .device_checks import HYDRA, refusal
 from .errors import OptionError
-
-PRECISION_FLAGS = ("fp16", "memory_efficient_fp16", "bf16", "memory_efficient_bf16", "amp")
 
 
 def refuse(message: str) -> None:
@@ -140,50 +142,13 @@ def check_model(cfg: DictConfig) -> None:
         return
 
 
-def _single_node_spawn(dist) -> bool:
-    """Whether fairseq would start the processes itself on this machine (its
-    ``_infer_single_node_init``), which asserts the world size against the GPUs here."""
-    if dist.get("distributed_init_method") is not None or dist.get("pipeline_model_parallel"):
-        return False
-    if all(key in os.environ for key in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")):
-        return False  # torchrun / torch.distributed.launch
-    slurm = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
-    return not (dist.get("distributed_port", -1) > 0 and slurm)
-
-
 def check_devices(cfg: DictConfig) -> None:
-    """Precision and process count against the devices torch sees here, in one line naming
+    """Precision and process count against the devices torch sees here
+    (:func:`ea_fairseq.device_checks.refusal`, fairseq-train's check too), in one line naming
     the overrides that run the config on this machine."""
-    import torch
-
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    common, dist = cfg.common, cfg.distributed_training
-    asks: List[str] = []
-    fixes: List[str] = []
-    flags = [flag for flag in PRECISION_FLAGS if common.get(flag)]
-    if flags and (gpus == 0 or common.get("cpu")):
-        asks += [f"common.{flag}=true" for flag in flags]
-        fixes += [f"common.{flag}=false" for flag in flags]
-    world = dist.get("distributed_world_size", 1) or 1
-    note = ""
-    if world > max(gpus, 1) and _single_node_spawn(dist):
-        asks.append(f"distributed_training.distributed_world_size={world}")
-        fixed = max(gpus, 1)
-        fixes.append(f"distributed_training.distributed_world_size={fixed}")
-        update_freq = list(cfg.optimization.get("update_freq") or [1])
-        if len(update_freq) == 1 and (world * update_freq[0]) % fixed == 0:
-            keep = world * update_freq[0] // fixed
-            note = f" (optimization.update_freq=[{keep}] keeps the config's batch)"
-    if not asks:
-        return
-    need = f"{world} CUDA GPUs" if world > max(gpus, 1) else "a CUDA GPU"
-    if common.get("cpu"):
-        where = "common.cpu=true trains on the CPU"
-    else:
-        where = (f"torch sees {gpus} here (torch {torch.__version__}, built for CUDA: "
-                 f"{torch.version.cuda or 'none'})")
-    refuse(f"{' and '.join(asks)} need{'s' if len(asks) == 1 else ''} {need}, and {where}: "
-           f"run with {' '.join(fixes)}{note}, or on {need}")
+    message = refusal(cfg, HYDRA)
+    if message:
+        refuse(message)
 
 
 def _only_hydra_files(directory: str) -> bool:

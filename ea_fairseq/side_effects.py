@@ -104,6 +104,13 @@ SIDE_EFFECTS: Tuple[SideEffect, ...] = (
     SideEffect("sys:excepthook", "ea_fairseq.errors:chained_excepthook",
                "the plugin's option errors and checkpoint refusals print as one line, as argparse's do",
                SERVED_COMMAND_LINES),
+    SideEffect("fairseq.distributed.utils:call_main", "ea_fairseq.device_checks:checked_call_main",
+               "a run the machine cannot run (fairseq-train --fp16 without a CUDA GPU, --bf16 without torch_xla, "
+               "a world size above its GPUs) is one line before fairseq writes its save dir or starts processes",
+               SERVED_COMMAND_LINES),
+    SideEffect("argparse:ArgumentParser.error", "ea_fairseq.errors:parser_error",
+               "an --arch fairseq's parser does not know is one line naming the closest one, not the usage and "
+               "every arch's name", SERVED_COMMAND_LINES),
     SideEffect("warnings filters and the 'hydra' logger's level", "ea_fairseq.known_warnings:install",
                "the warnings fairseq's stack prints on every run that say nothing about it are not shown",
                SERVED_COMMAND_LINES, how="call"),

@@ -69,6 +69,16 @@ def _threads(args) -> None:
 
 
 # -- dump -----------------------------------------------------------------------------------
+def _check_ids(ids: Optional[List[int]], count: int, source: str) -> None:
+    """``--ids`` within the ``count`` sentences of ``source``, before anything is written."""
+    outside = [i for i in ids or () if not 0 <= i < count]
+    if outside:
+        from ._safety import OptionError
+
+        held = f"has {count} sentences, ids 0..{count - 1}" if count else "has no sentences"
+        raise OptionError(f"--ids {' '.join(map(str, outside))}: {source} {held}")
+
+
 def cmd_dump(args) -> int:
     from ea_fairseq.analysis.maps import dump
     from ea_fairseq.safety.no_code import architecture
@@ -76,6 +86,7 @@ def cmd_dump(args) -> int:
     _threads(args)
     model, task, cfg = _load(args.checkpoint, args)
     dataset, source = _dataset(task, args, "test")
+    _check_ids(args.ids, len(dataset), f"--input {source}" if args.input else f"the split {source}")
     ids = args.ids if args.ids else list(range(min(len(dataset), 5)))
     meta = dump(model, task, dataset, ids, args.out, hypothesis=args.hypothesis, beam=args.beam,
                 max_len=(args.max_len_a, args.max_len_b),

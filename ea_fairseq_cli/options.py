@@ -120,10 +120,10 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         print(_architectures())
         return 0
     if args.arch not in ARCH_MODEL_REGISTRY:
-        close = difflib.get_close_matches(args.arch, list(ARCH_MODEL_REGISTRY), n=1)
-        hint = f" (did you mean {close[0]}?)" if close else ""
-        raise _error(f"{args.arch!r} is not an architecture{hint}; ea-fairseq-options with no "
-                     "argument lists the plugin's")
+        from ea_fairseq.errors import did_you_mean
+
+        raise _error(f"{args.arch!r} is not an architecture{did_you_mean(args.arch, ARCH_MODEL_REGISTRY)}; "
+                     "ea-fairseq-options with no argument lists the plugin's")
     train_parser = options.get_training_parser()
     train_parser.prog = "fairseq-train"
 

@@ -1,5 +1,6 @@
 """What loading the plugin changes outside the plugin is the table of ``ea_fairseq.side_effects``
-and nothing else: a process records every fairseq, omegaconf, hydra and torch module (its
+and nothing else: a process records every fairseq, omegaconf, hydra and torch module, and the
+standard library's that the table names (its
 attributes, its classes' attributes, its registries' items) as it finishes importing, then
 the plugin is loaded and every replaced value is listed. The list must be the table's rows
 for that process, each the plugin's replacement holding fairseq's original; the negative
@@ -60,8 +61,9 @@ import fairseq  # noqa: E402,F401  (what fairseq's own import changes is fairseq
 
 for name, module in list(sys.modules.items()):
     if name.split(".")[0] in WATCHED[:-1] or name in ("torch", "torch.serialization", "sys", "os", "logging",
-                                                       "warnings"):
-        recorded[name] = attributes(module)
+                                                       "warnings", "argparse"):
+        if getattr(module, "__name__", name) == name:  # (not an alias: fairseq.distributed_utils is
+            recorded[name] = attributes(module)         # fairseq.distributed.utils, recorded as such)
 sys.meta_path.insert(0, Recorder())  # the modules imported from here on, as each finishes importing
 environ, filters, root = dict(os.environ), list(warnings.filters), logging.getLogger().level
 
