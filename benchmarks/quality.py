@@ -22,8 +22,11 @@ Steps, per family (``SYSTEMS``):
    (then chrF, then the lower rate) is the family's, and its run is the family's seed 1
    (``lr_selection/SYSTEM/lrX/``, ``lr_selection/SYSTEM/choice.json``; ``runs/SYSTEM/seed1``
    links to it). The test set plays no part in the choice.
-2. the other seeds at that rate: 5 seeds for transformer_lite and ea_transformer_lite, 3 for
-   the others (``--seeds`` gives every family the same list).
+2. the other seeds at that rate: 10 seeds for transformer_lite and ea_transformer_lite, 3 for
+   the other families (``--seeds`` gives every family the same list). A system that takes a
+   family's rate (the compute-matched baseline, EA's ablations, RAN without its attention
+   dropout: ``SYSTEMS``, as ``quality/plan.md`` states them before their runs) trains every seed
+   at it; the new seeds of the primary pair keep every checkpoint (``KEEP_CHECKPOINTS``).
 
 Every family trains with the same ``--dropout`` (0.0); a mechanism that defines a dropout of its
 own keeps it, and the report says which (``SYSTEMS``).
@@ -70,20 +73,32 @@ import quality_report  # noqa: E402
 from quality_report import venv_bin  # noqa: E402
 
 BASELINE = "transformer_lite"
-#: name -> (arch, extra fairseq-train options, seeds); the first is the baseline. The dropout a
-#: mechanism defines itself: quality_report.OWN_DROPOUT
+#: name -> (arch, extra fairseq-train options, seeds, the family whose learning rate it takes, or
+#: None: its own, chosen on the validation set); the first is the baseline. The dropout a
+#: mechanism defines itself: quality_report.OWN_DROPOUT. Seeds and the systems after the first
+#: eight: the plan stated before their runs (quality/plan.md)
 SYSTEMS = {
-    "transformer_lite": ("transformer_lite", "", 5),
-    "ea_transformer_lite": ("ea_transformer_lite", "", 5),
-    "pa_transformer_lite": ("pa_transformer_lite", "", 3),
-    "ran_d_lite": ("ran_d_lite", "", 3),
-    "ran_all_lite": ("ran_all_lite", "", 3),
-    "realformer_lite": ("realformer_lite", "", 3),
-    "resformer_lite": ("resformer_lite", "", 3),
+    "transformer_lite": ("transformer_lite", "", 10, None),
+    "ea_transformer_lite": ("ea_transformer_lite", "", 10, None),
+    "pa_transformer_lite": ("pa_transformer_lite", "", 3, None),
+    "ran_d_lite": ("ran_d_lite", "", 3, None),
+    "ran_all_lite": ("ran_all_lite", "", 3, None),
+    "realformer_lite": ("realformer_lite", "", 3, None),
+    "resformer_lite": ("resformer_lite", "", 3, None),
     # DropAttention(e) with the paper's MT setting (README: p 0.2, window 2)
     "transformer_lite_dropattention_e": ("transformer_lite", "--drop-attention element --drop-attention-p 0.2 "
-                                                             "--drop-attention-window 2", 3),
+                                                             "--drop-attention-window 2", 3, None),
+    # the baseline given EA-Lite's CPU time per run (1.16 x: 1200 -> 1400 updates, the same schedule)
+    "transformer_lite_1400_updates": ("transformer_lite", "--max-update 1400", 5, "transformer_lite"),
+    # EA's two parts apart: the residual convolution alone (alpha 0), the alpha skip alone (beta 0)
+    "ea_transformer_lite_alpha0": ("ea_transformer_lite", "--ea-alpha 0", 5, "ea_transformer_lite"),
+    "ea_transformer_lite_beta0": ("ea_transformer_lite", "--ea-beta 0", 5, "ea_transformer_lite"),
+    # RAN without the attention dropout its architectures set, as every other family trains
+    "ran_d_lite_attention_dropout0": ("ran_d_lite", "--attention-dropout 0.0", 3, "ran_d_lite"),
+    "ran_all_lite_attention_dropout0": ("ran_all_lite", "--attention-dropout 0.0", 3, "ran_all_lite"),
 }
+#: system -> its first seed whose every checkpoint is kept (in --work-dir), for learning curves
+KEEP_CHECKPOINTS = {"transformer_lite": 6, "ea_transformer_lite": 6}
 LRS = (0.001, 0.002)
 SRC, TGT = "es", "en"
 BUDGET_ENV = {"updates": "DEMO_UPDATES", "max_tokens": "DEMO_MAX_TOKENS", "bpe_merges": "DEMO_BPE_MERGES",
@@ -172,6 +187,18 @@ class Runner:
     def seeds(self, system: str):
         return list(self.args.seeds) if self.args.seeds else list(range(1, SYSTEMS[system][2] + 1))
 
+    def lr_of(self, system: str) -> Optional[float]:
+        """The rate ``system`` trains at: its own choice, or that of the family it takes it from
+        (None while that choice is not made)."""
+        family = SYSTEMS[system][3]
+        if family is None:
+            return self.choose_lr(system)
+        path = os.path.join(self.results, "lr_selection", family, "choice.json")
+        if not os.path.exists(path):
+            return None
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)["lr"]
+
     # ------------------------------------------------------------------ data, configuration
     def check_config(self):
         budget = {k: getattr(self.args, k) for k in BUDGET_ENV}
@@ -188,9 +215,9 @@ class Runner:
             planned = config["planned"] + [p for p in planned if p not in config["planned"]]
         os.makedirs(self.results, exist_ok=True)
         config = {"budget": budget, "planned": planned, "baseline": BASELINE,
-                  "systems": {s: {"arch": a, "train_args": x, "seeds": n,
+                  "systems": {s: {"arch": a, "train_args": x, "seeds": n, "lr_of": lr_of,
                                   "own_dropout": quality_report.OWN_DROPOUT.get(s, "")}
-                              for s, (a, x, n) in SYSTEMS.items()}}
+                              for s, (a, x, n, lr_of) in SYSTEMS.items()}}
         quality_report.write_json(path, config)
 
     def prepare_data(self):
@@ -227,7 +254,9 @@ class Runner:
     def run_one(self, system: str, seed: int, lr: float, final: str, validate: bool = False) -> None:
         """Train, translate and score one run into ``final`` (staged beside it, moved there
         once scored); ``validate``: also translate and score the validation set."""
-        arch, train_args, _ = SYSTEMS[system]
+        arch, train_args, _, _ = SYSTEMS[system]
+        if seed >= KEEP_CHECKPOINTS.get(system, 1 << 30):
+            train_args = f"{train_args} --keep-interval-updates -1".strip()  # every checkpoint kept
         name = f"{system} seed {seed} lr {lr:g}"
         work = os.path.join(self.work, os.path.relpath(final, self.results))
         stage = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.partial")
@@ -475,7 +504,7 @@ def cmd_run(args):
         return True
 
     # 1. the learning rate of each family, on the validation set (seed 1)
-    candidates = [(s, lr) for s in args.systems for lr in args.lrs
+    candidates = [(s, lr) for s in args.systems if SYSTEMS[s][3] is None for lr in args.lrs
                   if pending(runner.candidate_dir(s, lr), f"{s} seed 1 lr {lr:g}")]
     print(f"[quality] learning rates: {len(candidates)} run(s) to do, {args.parallel} at a time with "
           f"{args.threads} thread(s) each; work files in {runner.work}", file=sys.stderr, flush=True)
@@ -483,10 +512,11 @@ def cmd_run(args):
         for future in [pool.submit(runner.run_one, s, 1, lr, runner.candidate_dir(s, lr), True)
                        for s, lr in candidates]:
             future.result()
-    chosen = {s: runner.choose_lr(s) for s in args.systems}
-    # 2. the other seeds at the chosen rate
+    chosen = {s: runner.lr_of(s) for s in args.systems}
+    # 2. the other seeds at the chosen rate (every seed of a system taking its family's rate)
     todo = [(s, k) for s in args.systems for k in runner.seeds(s)
-            if k != 1 and chosen[s] is not None and pending(runner.run_dir(s, k), f"{s} seed {k}")]
+            if (k != 1 or SYSTEMS[s][3] is not None) and chosen[s] is not None
+            and pending(runner.run_dir(s, k), f"{s} seed {k}")]
     print(f"[quality] {len(todo)} run(s) to do at the chosen rates "
           f"({', '.join(f'{s} {lr:g}' for s, lr in chosen.items() if lr is not None) or 'none chosen'})",
           file=sys.stderr, flush=True)
@@ -513,7 +543,7 @@ def main(argv=None) -> int:
     r.add_argument("--systems", nargs="+", default=list(SYSTEMS), metavar="SYSTEM",
                    help=f"[all: {' '.join(SYSTEMS)}]")
     r.add_argument("--seeds", nargs="+", type=int,
-                   help="the seeds of every system [5 for transformer_lite and ea_transformer_lite, 3 for the others]")
+                   help="the seeds of every system [SYSTEMS: 10 for transformer_lite and ea_transformer_lite]")
     r.add_argument("--lrs", nargs="+", type=float, default=list(LRS),
                    help="learning rates tried per family on the validation set, seed 1 [0.001 0.002]")
     r.add_argument("--probe-batch", type=int, default=20,

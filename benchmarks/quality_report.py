@@ -298,7 +298,7 @@ def build(results: str) -> dict:
         cpu = [r["cpu_s"] for r in done if r.get("cpu_s") is not None]
         entry = {"arch": system["arch"], "train_args": system["train_args"],
                  "own_dropout": system.get("own_dropout", OWN_DROPOUT.get(s, "")), "lr": lrs, "dropout": dropouts,
-                 "lr_selection": choices.get(s),
+                 "lr_selection": choices.get(s), "lr_of": system.get("lr_of"),
                  "params": next((t["params"] for t in trainings if t.get("params")), None),
                  "cpu_s_mean": statistics.fmean(cpu) if cpu else None,
                  "seeds_planned": sorted(planned.get(s, [])), "seeds_finished": sorted(finished[s]),
@@ -487,8 +487,8 @@ def settings_table(out: dict) -> List[str]:
     for s, e in out["systems"].items():
         lr = " / ".join(e["lr"]) or "–"
         sel = e["lr_selection"]
-        how = ("chosen on the validation set" if sel else "not chosen yet" if e["lr_candidates"] or not e["lr"]
-               else "the demo's, not selected")
+        how = ("chosen on the validation set" if sel else f"{e['lr_of']}'s" if e.get("lr_of")
+               else "not chosen yet" if e["lr_candidates"] or not e["lr"] else "the demo's, not selected")
         drop = " / ".join(e["dropout"]) or "–"
         own = e["own_dropout"] or "–"
         rows.append([s, e["arch"] + (f" `{e['train_args']}`" if e["train_args"] else ""), f"{lr} ({how})", drop, own,

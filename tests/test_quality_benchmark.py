@@ -592,3 +592,29 @@ def test_the_training_loss_is_read_from_one_kind_of_log_line(tmp_path):
     log.write_text(f"{head}train | epoch 001 | loss 13.1 | nll_loss 13 | ppl 9000 | num_updates 2 | lr 1e-7\n")
     t = quality_report.training_summary(str(log))
     assert t["loss_curve"] == [[2, 13.1]] and (t["updates"], t["last_loss_update"]) == (2, 2)
+
+
+def test_systems_of_the_plan_take_their_familys_rate_and_the_primary_pair_keeps_its_checkpoints(tmp_path):
+    """The compute-matched baseline, EA's ablations and RAN without its attention dropout train
+    at the rate their family chose on the validation set (none of their own is selected); the
+    primary pair's new seeds keep every checkpoint for the learning curves."""
+    import argparse
+
+    q = benchmarks_module("quality")
+    res = tmp_path / "res"
+    runner = q.Runner(argparse.Namespace(results_dir=str(res), work_dir=str(tmp_path / "work"), seeds=None,
+                                         update_readme=False, readme=str(tmp_path / "README.md")))
+    assert runner.lr_of("ea_transformer_lite_alpha0") is None  # EA's rate not chosen yet: not run
+    (res / "lr_selection" / "ea_transformer_lite").mkdir(parents=True)
+    (res / "lr_selection" / "ea_transformer_lite" / "choice.json").write_text('{"lr": 0.002}')
+    for system in ("ea_transformer_lite_alpha0", "ea_transformer_lite_beta0"):
+        assert runner.lr_of(system) == 0.002
+    taking = {s: family for s, (_, _, _, family) in q.SYSTEMS.items() if family}
+    assert taking == {"transformer_lite_1400_updates": "transformer_lite",
+                      "ea_transformer_lite_alpha0": "ea_transformer_lite",
+                      "ea_transformer_lite_beta0": "ea_transformer_lite",
+                      "ran_d_lite_attention_dropout0": "ran_d_lite",
+                      "ran_all_lite_attention_dropout0": "ran_all_lite"}
+    assert all(q.SYSTEMS[f][3] is None for f in taking.values())  # families choose their own
+    assert [runner.seeds(s)[-1] for s in ("transformer_lite", "ea_transformer_lite")] == [10, 10]
+    assert q.KEEP_CHECKPOINTS == {"transformer_lite": 6, "ea_transformer_lite": 6}
