@@ -1,4 +1,5 @@
-"""No import cycle in ``ea_fairseq/``: an AST walk over the package's sources.
+"""No import cycle among the project's packages (``ea_fairseq``, ``ea_fairseq_cli``, ``ea_ops``):
+an AST walk over their sources, as one graph (a circle through two packages is a circle too).
 
 Edges follow Python's import semantics: ``import a.b.c`` or ``from a.b import c`` runs
 ``a.b``'s ``__init__`` and then ``a.b.c`` (a submodule named in ``from ... import``), so the
@@ -15,7 +16,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Dict, List, Set, Tuple
 
-PACKAGE_DIR = Path(__file__).resolve().parent.parent / "ea_fairseq"
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE_DIRS = [REPO / name for name in ("ea_fairseq", "ea_fairseq_cli", "ea_ops")]
 
 Edges = Dict[str, Dict[str, Tuple[str, int]]]  # importer -> imported -> (file, line)
 
@@ -99,9 +101,11 @@ class ImportCollector(ast.NodeVisitor):
     visit_ImportFrom = visit_Import
 
 
-def import_graph(root: Path) -> Tuple[Edges, Edges]:
-    """``(module-level edges, function-level edges)`` among the modules under ``root``."""
-    modules = modules_of(root)
+def import_graph(roots: List[Path]) -> Tuple[Edges, Edges]:
+    """``(module-level edges, function-level edges)`` among the modules under the packages
+    ``roots`` (folders of one parent)."""
+    modules = {name: path for root in roots for name, path in modules_of(root).items()}
+    root = roots[0]
     module_level: Edges = defaultdict(dict)
     function_level: Edges = defaultdict(dict)
     for name, path in modules.items():
@@ -186,14 +190,14 @@ def merged(*graphs: Edges) -> Edges:
 
 
 def test_no_cycle_among_module_level_imports():
-    module_level, _ = import_graph(PACKAGE_DIR)
+    module_level, _ = import_graph(PACKAGE_DIRS)
     assert sum(len(t) for t in module_level.values()) > 50  # the walk saw the package
     found = cycles(module_level)
     assert not found, "import cycles at module level: " + " | ".join(describe(c, module_level) for c in found)
 
 
 def test_no_cycle_even_through_imports_inside_functions():
-    module_level, function_level = import_graph(PACKAGE_DIR)
+    module_level, function_level = import_graph(PACKAGE_DIRS)
     assert function_level  # the walk sees imports inside functions (the package has some)
     edges = merged(module_level, function_level)
     found = cycles(edges)
@@ -214,8 +218,8 @@ def test_the_eq4_package_has_no_cycle_and_imports_nothing_of_fairseq():
     """``ea_ops`` (EA Eq. 4: the operation, its backends and its dispatcher): no import
     cycle, and no import of fairseq or of the plugin, at any level (test_dispatch.py
     imports it in a fresh process)."""
-    ops_dir = PACKAGE_DIR.parent / "ea_ops"
-    module_level, function_level = import_graph(ops_dir)
+    ops_dir = REPO / "ea_ops"
+    module_level, function_level = import_graph([ops_dir])
     edges = merged(module_level, function_level)
     assert "ea_ops.cpu" in edges["ea_ops.dispatch"]  # the walk saw the package
     assert not cycles(edges), [describe(c, edges) for c in cycles(edges)]
@@ -254,7 +258,7 @@ def test_the_walker_finds_a_cycle_hidden_by_a_bottom_import(tmp_path):
                          "    from .typed2 import T\n"),
         "pkg/typed2.py": "from . import typed\n",
     })
-    module_level, function_level = import_graph(root)
+    module_level, function_level = import_graph([root])
     found = cycles(module_level)
     assert len(found) == 1
     text = describe(found[0], module_level)
@@ -275,7 +279,7 @@ def test_relative_imports_resolve_like_python(tmp_path):
         "pkg/sub/__init__.py": "",
         "pkg/sub/leaf.py": "from .. import a\n",
     })
-    module_level, _ = import_graph(root)
+    module_level, _ = import_graph([root])
     assert set(module_level["pkg.a"]) == {"pkg.sub", "pkg.sub.leaf"}
     assert set(module_level["pkg.sub.leaf"]) == {"pkg.a"}  # its own packages are already running
     assert set(module_level["pkg"]) == {"pkg.a"}
