@@ -97,3 +97,25 @@ def test_lowered_max_positions_is_logged_once(checkpoints, caplog):
     with caplog.at_level("INFO", logger="ea_fairseq"):  # a RAN checkpoint holds the lowered value
         checkpoint_utils.load_model_ensemble_and_task([str(checkpoints["ran"])])
     assert not [r for r in caplog.records if "lowered" in r.getMessage()]
+
+
+def test_the_hub_names_the_subword_model_it_was_not_given(checkpoints, tiny_data_bin, tmp_path):
+    """``bpe="sentencepiece"`` for a run whose checkpoint directory holds no
+    sentencepiece.bpe.model (a plain fairseq-train run: train.sh copies it there): one line
+    naming the argument, instead of omegaconf's MissingMandatoryValue from inside fairseq; given
+    it, the model loads."""
+    from ea_fairseq.safety.data_files import DataFileError
+
+    path = next(iter(checkpoints.values()))
+    with pytest.raises(DataFileError, match=r"^the sentencepiece BPE needs its file: pass sentencepiece_model=PATH"):
+        TransformerModel.from_pretrained(str(path.parent), checkpoint_file=path.name, data_name_or_path=tiny_data_bin,
+                                         user_dir=USER_DIR, bpe="sentencepiece")
+    spm = pytest.importorskip("sentencepiece")
+    corpus = tmp_path / "text"
+    corpus.write_text("\n".join(SENTENCES * 20) + "\n")
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "sp"), vocab_size=17,
+                                   minloglevel=2)
+    hub = TransformerModel.from_pretrained(str(path.parent), checkpoint_file=path.name, data_name_or_path=tiny_data_bin,
+                                           user_dir=USER_DIR, bpe="sentencepiece",
+                                           sentencepiece_model=str(tmp_path / "sp.model"))
+    assert hub.bpe is not None

@@ -248,11 +248,13 @@ def check(prefix: str, impl: Optional[str] = None) -> bool:
 
 def _bpe_files(cfg):
     """(field, path) for each string field of the BPE ``cfg`` chooses whose value names an
-    existing file; ``cfg`` as ``encoders.build_bpe`` takes it (DictConfig, Namespace, name)."""
+    existing file; ``cfg`` as ``encoders.build_bpe`` takes it (DictConfig, Namespace, name).
+    A file the BPE needs and was not given (omegaconf's missing value) is named in one line."""
     import dataclasses
 
     from fairseq.registry import REGISTRIES
-    from omegaconf import DictConfig
+    from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import MissingMandatoryValue
 
     if cfg is None or isinstance(cfg, str):
         return []
@@ -263,7 +265,15 @@ def _bpe_files(cfg):
     found = []
     for field in dataclasses.fields(dataclass):
         try:
+            if isinstance(cfg, DictConfig) and OmegaConf.is_missing(cfg, field.name):
+                raise MissingMandatoryValue(field.name)
             value = cfg.get(field.name) if isinstance(cfg, DictConfig) else getattr(cfg, field.name, None)
+        except MissingMandatoryValue:
+            raise DataFileError(
+                f"the {choice} BPE needs its file: pass {field.name}=PATH in the hub (--{field.name.replace('_', '-')} "
+                "on the command line), e.g. the data directory's sentencepiece.bpe.model or code; fairseq's hub "
+                "finds it by itself only in the checkpoint's directory, where examples/translation/train.sh "
+                "copies it") from None
         except Exception:  # an unresolvable value: fairseq's own error when it builds the BPE
             continue
         if isinstance(value, str) and os.path.exists(value) and not os.path.isdir(value):
