@@ -55,7 +55,9 @@ class LineByLineTranslationTask(TranslationTask):
         keep = (lengths > 1).nonzero().squeeze(1)
 
         def kept(value):
-            return value.index_select(0, keep.to(value.device)) if torch.is_tensor(value) and len(value) == rows else value
+            if torch.is_tensor(value) and value.dim() > 0 and len(value) == rows:
+                return value.index_select(0, keep.to(value.device))
+            return value
 
         hypos = iter(super().inference_step(
             generator, models, {**sample, "net_input": {k: kept(v) for k, v in sample["net_input"].items()}},

@@ -35,9 +35,9 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 #: layer's activations in the backward pass and keeping them on the CPU meanwhile (memory),
 #: FSDP's wrapping threshold (how parameters are sharded), torch's LayerNorm instead of the
 #: fused one (``export``: the same parameters and math), and precision (fp16, bf16, amp and
-#: their memory-efficient forms: the weights are averaged in float64 whatever their dtype).
-#: fairseq keeps the precision flags in ``cfg.common``, which is not compared; they are named
-#: here for a model that declares them as its own options.
+#: their memory-efficient forms: fairseq saves the weights in float32 whatever the precision,
+#: ``utils.move_to_cpu``). fairseq keeps the precision flags in ``cfg.common``, which is not
+#: compared; they are named here for a model that declares them as its own options.
 NOT_THE_MODEL = frozenset({
     "checkpoint_activations", "offload_activations",  # memory
     "min_params_to_wrap",  # FSDP sharding
