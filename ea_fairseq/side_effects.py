@@ -118,6 +118,10 @@ SIDE_EFFECTS: Tuple[SideEffect, ...] = (
                "ea_fairseq.side_effects:prefetching_finished_at_exit",
                "a command line that stops mid-epoch (--max-update) exits with its status instead of aborting "
                "when Python finalizes while the prefetch thread is inside torch", SERVED_COMMAND_LINES, how="call"),
+    SideEffect("fairseq.checkpoint_utils:load_model_ensemble_and_task", "ea_fairseq.tasks.direction:direction_checked",
+               "a checkpoint decoded in another direction than its --source-lang/--target-lang (fairseq-generate "
+               "-s/-t the other way round on a joint dictionary) is one warning line; the loading is fairseq's",
+               SERVED_COMMAND_LINES),
     SideEffect("the root logger's level and logging.disable", "ea_fairseq.side_effects:fairseq_imported_quietly",
                "fairseq's import sets the root logger to DEBUG and logs a tensorboardX hint: put back, not shown",
                WHILE_FAIRSEQ_IS_IMPORTED, how="call"),

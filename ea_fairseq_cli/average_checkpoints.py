@@ -19,7 +19,8 @@ Inputs are read as fairseq reads them with the plugin (``ea_fairseq.safety.no_co
 weights-only, the configuration rebuilt as plain data, the model family vouched for, every
 tensor within its storage. They must hold one model trained on the same data
 (:mod:`ea_fairseq.tools.average_inputs`: architecture, every model option, task, data
-directory and languages; ``--data-dirs`` compares the dictionaries' checksums). An input
+directory and languages; ``--data-dirs`` compares the dictionaries' checksums); options of
+memory, speed and precision (``--checkpoint-activations``, ``--fp16``, ...) may differ. An input
 refused there, one of another model or data, one holding NaN or infinite weights, or an
 ``--output`` that is one of the inputs stops the run before anything is written. The output
 is written to a new temporary file in its directory and renamed (:mod:`ea_fairseq.safety.writers`):

@@ -9,9 +9,16 @@ reports each such line by its number in the session and translates the others; e
 else, including ``fairseq-generate`` on a binarized split (an error there unless
 ``--skip-invalid-size-inputs-valid-test``: a test set is not silently shortened), is
 fairseq's ``translation``.
+
+An empty input line (or one of spaces only) is passed through: its ``H-`` and ``D-`` lines
+are empty, with score 0, where fairseq's ``translation`` has the model translate the lone
+``</s>`` into words no input asked for. Its rows are left out of the batch the model
+decodes (the other lines' hypotheses are the same as without them), and the first empty
+line of a session is logged once.
 """
 import logging
 
+import torch
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
@@ -24,12 +31,41 @@ class LineByLineTranslationTask(TranslationTask):
         super().__init__(cfg, src_dict, tgt_dict)
         self.lines_read = 0  # interactive input lines seen in this session
         self._first_line = None  # session index of the lines being batched now
+        self._interactive = False  # fairseq-interactive's input: empty lines are passed through
+        self._empty_reported = False
 
     def get_interactive_tokens_and_lengths(self, lines, encode_fn):
         # only fairseq-interactive reads its input through here
         self._first_line = self.lines_read
         self.lines_read += len(lines)
-        return super().get_interactive_tokens_and_lengths(lines, encode_fn)
+        self._interactive = True
+        tokens, lengths = super().get_interactive_tokens_and_lengths(lines, encode_fn)
+        empty = next((i for i, n in enumerate(lengths) if n <= 1), None)  # </s> alone
+        if empty is not None and not self._empty_reported:
+            self._empty_reported = True
+            logger.info(f"input line {self._first_line + empty + 1}: empty, passed through as an empty "
+                        "translation (score 0), as is every empty line of this session")
+        return tokens, lengths
+
+    def inference_step(self, generator, models, sample, prefix_tokens=None, constraints=None):
+        lengths = sample["net_input"]["src_lengths"] if self._interactive else None
+        if lengths is None or bool((lengths > 1).all()):
+            return super().inference_step(generator, models, sample, prefix_tokens, constraints)
+        rows = len(lengths)
+        keep = (lengths > 1).nonzero().squeeze(1)
+
+        def kept(value):
+            if torch.is_tensor(value) and value.dim() > 0 and len(value) == rows:
+                return value.index_select(0, keep.to(value.device))
+            return value
+
+        hypos = iter(super().inference_step(
+            generator, models, {**sample, "net_input": {k: kept(v) for k, v in sample["net_input"].items()}},
+            kept(prefix_tokens), kept(constraints)) if len(keep) else ())
+        eos = torch.tensor([self.target_dictionary.eos()], device=lengths.device)
+        empty = {"tokens": eos, "score": torch.tensor(0.0), "attention": None,
+                 "alignment": torch.empty(0, 2, dtype=torch.long), "positional_scores": torch.zeros(1)}
+        return [next(hypos) if n > 1 else [dict(empty)] for n in lengths.tolist()]
 
     def build_dataset_for_inference(self, src_tokens, src_lengths, constraints=None):
         dataset = super().build_dataset_for_inference(src_tokens, src_lengths, constraints)

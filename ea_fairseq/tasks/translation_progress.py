@@ -12,11 +12,17 @@ is loaded, as the plugin's models do.
 Only the task's own hooks are used: :meth:`begin_valid_epoch` marks a validation, the
 validation iterator fairseq asks for gives the pass's subset and size (:meth:`get_batch_iterator`),
 and :meth:`valid_step` counts sentences after fairseq's own step; :meth:`begin_epoch` and
-:meth:`train_step` end the validation.
+:meth:`train_step` end the validation. The first line says how many of the subset's sentences
+are translated when fairseq leaves some out: those :meth:`filter_indices_by_size` skips as too
+long, and a last batch smaller than ``--required-batch-size-multiple`` (8 by default), which
+fairseq drops without a word: ``translating 37 of 40 sentences (3 dropped by
+--required-batch-size-multiple 8: use --required-batch-size-multiple 1)``.
 """
+import inspect
 import json
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -50,6 +56,30 @@ def progress_line(label: str, subset: str, done: int, total: Optional[int], elap
     return f"[{label}] '{subset}': {done}/{total} sentences{share}, {_seconds(elapsed)}{left}"
 
 
+def translating(total: Optional[int], size: int, batched: int, skipped: int, multiple: int, shards: int = 1) -> str:
+    """What a validation with BLEU translates: ``translating 56 of 60 sentences (4 dropped by
+    --required-batch-size-multiple 8: use --required-batch-size-multiple 1)``. ``total``: this
+    process's sentences (None: not known); ``size``: the subset's; ``batched``: those in the
+    batches of all processes; ``skipped``: those too long for the model, left out before
+    batching (--skip-invalid-size-inputs-valid-test); fairseq drops the rest, a last batch not
+    a multiple of ``multiple``."""
+    if total is None:
+        return "translating its sentences"
+    dropped = size - skipped - batched
+    why = []
+    if skipped > 0:
+        why.append(f"{skipped} longer than the model takes, skipped by --skip-invalid-size-inputs-valid-test")
+    if dropped > 0:
+        why.append(f"{dropped} dropped by --required-batch-size-multiple {multiple}: use "
+                   "--required-batch-size-multiple 1")
+    if shards > 1:
+        return f"translating {total} sentences (this process's share of {batched} of {size}{'; ' if why else ''}" \
+               f"{'; '.join(why)})"
+    if total == size:
+        return f"translating {total} sentences"
+    return f"translating {total} of {size} sentences ({'; '.join(why)})"
+
+
 class _Pass:
     """The validation pass of one subset: its size, the sentences done, its clock."""
 
@@ -59,12 +89,16 @@ class _Pass:
         self.start = self.last = time.monotonic()
 
 
+_BATCH_ITERATOR = inspect.signature(TranslationTask.get_batch_iterator)
+
+
 @register_task("translation_progress", dataclass=TranslationProgressConfig)
 class TranslationProgressTask(TranslationTask):
     def __init__(self, cfg, src_dict, tgt_dict):
         super().__init__(cfg, src_dict, tgt_dict)
         self._validating = False
         self._pass: Optional[_Pass] = None
+        self._kept = weakref.WeakKeyDictionary()  # dataset: its sentences left after the size filter
 
     def _label(self) -> str:
         return "valid BLEU" if self.cfg.eval_bleu else "valid"
@@ -81,6 +115,11 @@ class TranslationProgressTask(TranslationTask):
         self._validating, self._pass = False, None
         return super().train_step(*args, **kwargs)
 
+    def filter_indices_by_size(self, indices, dataset, max_positions=None, ignore_invalid_inputs=False):
+        indices = super().filter_indices_by_size(indices, dataset, max_positions, ignore_invalid_inputs)
+        self._kept[dataset] = len(indices)
+        return indices
+
     def get_batch_iterator(self, dataset, *args, **kwargs):
         iterator = super().get_batch_iterator(dataset, *args, **kwargs)
         subset = next((name for name, d in self.datasets.items() if d is dataset), None)
@@ -91,11 +130,15 @@ class TranslationProgressTask(TranslationTask):
             total = None if batches is None else sum(len(b) for b in batches[shard::shards])
             self._pass = _Pass(subset, total, shards)
             if self.cfg.eval_bleu:
+                given = _BATCH_ITERATOR.bind(self, dataset, *args, **kwargs)
+                given.apply_defaults()
+                size = len(dataset)
+                what = translating(total, size, sum(len(b) for b in batches or ()), size - self._kept.get(dataset, size),
+                                   given.arguments["required_batch_size_multiple"], shards)
                 beam = json.loads(self.cfg.eval_bleu_args or "{}").get("beam", 5)
                 every = ("after every batch" if self.cfg.valid_progress_seconds <= 0
                          else f"every {_seconds(self.cfg.valid_progress_seconds)}")
-                size = "its" if total is None else f"{total}"
-                logger.info(f"[{self._label()}] '{subset}': translating {size} sentences with beam {beam} "
+                logger.info(f"[{self._label()}] '{subset}': {what} with beam {beam} "
                             f"for BLEU; progress {every} (--valid-progress-seconds)")
         return iterator
 

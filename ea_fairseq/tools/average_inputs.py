@@ -10,7 +10,9 @@ same size. Their average is a model of neither and translates badly without a wo
   every option the architecture's model class defines (``add_args``: dimensions, layers,
   heads, activation, normalisation, dropout, the plugin's mechanisms, ...) and the arch
   itself must be equal (an attention on fairseq's module or on the plugin's path, ``vanilla``
-  or ``dot_product``, is one attention: the same parameters and math);
+  or ``dot_product``, is one attention: the same parameters and math), except the options of
+  :data:`NOT_THE_MODEL`, which say how the model was trained or run (memory, speed,
+  precision), not what its weights mean;
 * **the data**: a checkpoint records no checksum of its dictionaries, only its task, the
   data directory it was trained on and its languages (``cfg.task``); those must be equal, the
   directory compared as recorded and never opened. Inputs trained on data recorded under
@@ -28,6 +30,22 @@ import stat
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 
+#: Options that change how a model is trained or run, never what its weights mean, so
+#: checkpoints that differ only in them hold one model and are averaged: recomputing each
+#: layer's activations in the backward pass and keeping them on the CPU meanwhile (memory),
+#: FSDP's wrapping threshold (how parameters are sharded), torch's LayerNorm instead of the
+#: fused one (``export``: the same parameters and math), and precision (fp16, bf16, amp and
+#: their memory-efficient forms: fairseq saves the weights in float32 whatever the precision,
+#: ``utils.move_to_cpu``). fairseq keeps the precision flags in ``cfg.common``, which is not
+#: compared; they are named here for a model that declares them as its own options.
+NOT_THE_MODEL = frozenset({
+    "checkpoint_activations", "offload_activations",  # memory
+    "min_params_to_wrap",  # FSDP sharding
+    "export",  # LayerNorm's implementation
+    "fp16", "bf16", "amp", "memory_efficient_fp16", "memory_efficient_bf16",  # precision
+})
+
+
 class InputMismatch(ValueError):
     """Inputs that do not hold the same model or were trained on different data."""
 
@@ -40,8 +58,8 @@ def _section(state: Mapping, name: str):
 
 
 def model_options(state: Mapping, path: str) -> Optional[Dict[str, Any]]:
-    """The options that define the model in ``state``, with the arch's defaults; None if the
-    checkpoint holds no model configuration."""
+    """The options that define the model in ``state``, with the arch's defaults (not those of
+    :data:`NOT_THE_MODEL`); None if the checkpoint holds no model configuration."""
     from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY
 
     from ..safety.no_code import architecture
@@ -72,7 +90,7 @@ def model_options(state: Mapping, path: str) -> Optional[Dict[str, Any]]:
         variants.fill_defaults(args)  # what the plugin's build_model fills in
         for role in variants.ROLES:  # the same attention on fairseq's module or the plugin's path
             setattr(args, f"{role}_attention", variants.computed_attention(args, role))
-    fields = sorted(option_actions(model))
+    fields = sorted(set(option_actions(model)) - NOT_THE_MODEL)
     return {"arch": arch, **{name: getattr(args, name, None) for name in fields}}
 
 

@@ -40,7 +40,9 @@
 #   data's subword model (code or sentencepiece.bpe.model: fairseq's hub looks there). A
 #   directory whose checkpoints were trained with other settings is not resumed: train.sh
 #   stops and shows the difference; ALLOW_CHANGED_SETTINGS=1 resumes anyway. A larger
-#   MAX_EPOCH or MAX_UPDATE alone (the budget grows) resumes the run.
+#   MAX_EPOCH or MAX_UPDATE alone (the budget grows) resumes the run. Checkpoints of other
+#   settings (or of none recorded) without checkpoint_last.pt, which fairseq-train would
+#   train over from scratch, stop it too (ALLOW_CHANGED_SETTINGS=1: train anew over them).
 #
 # Every value below can be overridden with the environment variable in capitals, and any
 # fairseq-train option given after PAIR is passed through last (so it wins):
@@ -531,6 +533,14 @@ budget_grows() {
   (IFS=,; echo "${changes[*]}")
 }
 
+# settings_changes RECORDED NEW: the lines that differ, on one line ("was: A; B, now: C")
+settings_changes() {
+  local was now
+  was=$(diff <(echo "$1") <(echo "$2") | sed -n 's/^< //p' | paste -sd';' - | sed 's/;/; /g' || true)
+  now=$(diff <(echo "$1") <(echo "$2") | sed -n 's/^> //p' | paste -sd';' - | sed 's/;/; /g' || true)
+  echo "was: ${was:-nothing}, now: ${now:-nothing}"
+}
+
 # ---------------------------------------------------------------- run hygiene
 if [ "$rank" = 0 ]; then
   mkdir -p "$SAVE_DIR"
@@ -554,6 +564,23 @@ $(diff <(grep -v '^#' "$record") <(echo "$settings") | grep '^[<>]' | sed 's/^</
   Train into another directory (SAVE_DIR=...), or resume with these settings anyway:
   ALLOW_CHANGED_SETTINGS=1"
       echo "[train] ALLOW_CHANGED_SETTINGS=1: resuming $SAVE_DIR with changed settings" >&2
+      [ ! -f "$record" ] || mv "$record" "$record.before-$(date +%Y%m%d-%H%M%S)"
+    fi
+  elif earlier=$(cd "$SAVE_DIR" && ls -d checkpoint*.pt 2>/dev/null) && [ -n "$earlier" ]; then
+    # checkpoints but no checkpoint_last.pt: fairseq-train starts anew and overwrites them
+    # (checkpoint_best.pt, checkpointE.pt, ...), so another run's are not trained over silently
+    earlier=$(head -3 <<< "$earlier" | paste -sd, - | sed 's/,/, /g')$([ "$(wc -l <<< "$earlier")" -le 3 ] || echo ", ...")
+    if [ ! -f "$record" ]; then
+      problem="its checkpoints ($earlier) have no record of their settings ($record)"
+    elif [ "$(grep -v '^#' "$record")" != "$settings" ]; then
+      problem="its checkpoints ($earlier) were trained with other settings ($(settings_changes "$(grep -v '^#' "$record")" "$settings"))"
+    else
+      problem=""
+    fi
+    if [ -n "$problem" ]; then
+      is_on "${ALLOW_CHANGED_SETTINGS:-}" \
+        || die "not training in $SAVE_DIR: $problem, and with no checkpoint_last.pt to resume fairseq-train would start anew and overwrite them; train into another directory (SAVE_DIR=...), or over them: ALLOW_CHANGED_SETTINGS=1"
+      echo "[train] ALLOW_CHANGED_SETTINGS=1: training anew in $SAVE_DIR over checkpoints of other settings" >&2
       [ ! -f "$record" ] || mv "$record" "$record.before-$(date +%Y%m%d-%H%M%S)"
     fi
   fi
