@@ -18,16 +18,13 @@ runs (ddof 1), and for each system against the baseline:
 * Welch's t over the per-run scores (two or more runs per system): its 95% CI and two-sided p;
 * the exact two-sided permutation test of Δ over the runs' scores (every assignment of the
   scores to the two systems; sampled beyond 200,000), with the smallest p its counts can give:
-  3 runs against 3 cannot go below 0.1, 5 against 5 below 0.0079. Where one system has a single
-  run and the other several, it is the test (Welch's needs two each), and a line under the
-  table says that the single run's seed spread is unknown;
+  3 runs against 3 cannot go below 0.1, 5 against 5 below 0.0079. It is the test where one
+  system has a single run (a line under the table says its seed spread is unknown);
 * for two single runs, no seed-level test exists: p is a two-sided approximate randomisation
   test centred on zero (``--trials``, default 10,000: each sentence's pair of outputs swapped
   with probability 1/2; p = (c + 1) / (trials + 1), c counting trials at least as extreme as
-  the observed |Δ|, so two outputs of equal score get p = 1). (sacreBLEU's ``--paired-ar``
-  counts only trials above |Δ|, and its ``--paired-bs`` compares |Δ*| - mean |Δ*| with |Δ|, a
-  statistic not centred on zero: both give smaller p, 1/(samples + 1) for equal scores;
-  ea_fairseq_cli.significance);
+  the observed |Δ|, so two outputs of equal score get p = 1; sacreBLEU's paired tests give
+  smaller p: ea_fairseq_cli.significance);
 * p after Holm's correction over every test the command reports: each system against the
   baseline in each metric, BLEU and chrF together;
 * the sign agreement: of the pairs (baseline run, system run), how many differ in Δ's direction.
