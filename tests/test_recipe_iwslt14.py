@@ -118,7 +118,9 @@ def test_seeds_train_one_run_each_and_evaluate_to_one_table(iwslt, env, tmp_path
     assert table["two_epochs"][1] == "1" and table["one_epoch"][1] == "2"
     assert re.fullmatch(r"[+-][0-9.]+", table["one_epoch"][4])
     assert re.fullmatch(r"\[[+-][0-9.]+, [+-][0-9.]+\]", table["one_epoch"][5])  # the bootstrap CI
-    assert table["one_epoch"][7] == "–"  # one run against two: no seed-level test
+    # one run against two: no Welch; the permutation test over the three runs, its smallest p 1/3
+    assert table["one_epoch"][6] == "–" and table["one_epoch"][8] == "permutation"
+    assert float(table["one_epoch"][7]) >= 1 / 3 - 1e-4 and "two_epochs has one run: its seed spread is unknown" in out
 
 
 def test_ran_with_over_long_test_sentences(iwslt, env, tmp_path):

@@ -74,7 +74,9 @@ def test_significance_on_known_different_and_identical_systems(tmp_path, capsys,
     assert table["same"][4] == "+0.00" and table["same"][7:9] == ["1.0000", "AR"]  # identical: nothing to see
     assert float(table["worse"][4]) < -10 and float(table["worse"][7]) < 0.01  # clearly different
     assert table["seeds"][1] == "3" and len(table["seeds"][2].split()) == 3 and "±" in table["seeds"][3]
-    assert table["seeds"][7:9] == ["–", "–"]  # one run against three: no seed-level test, only the CI
+    # one run against three: no Welch; the permutation test over the four runs (its smallest p 1/4)
+    assert table["seeds"][6] == "–" and table["seeds"][8] == "permutation" and float(table["seeds"][7]) >= 0.25
+    assert "base has one run: its seed spread is unknown" in out
     assert "150 sentences" in out.splitlines()[0] and "tokenized BLEU" in out.splitlines()[3]
     assert set(compare_table(out, "chrf")) == set(compare_table(out, "chrf++")) == set(table)  # every metric
     # one run per system: approximate randomisation with sacreBLEU's draws (seed 12345, 10,000
