@@ -57,10 +57,10 @@ def note_position_limit(note: str) -> None:
     _position_limits[note] = None
 
 
-def did_you_mean(word: str, names: Iterable[str]) -> str:
-    """`` (did you mean NAME?)`` with the name of ``names`` closest to ``word``, or nothing."""
+def did_you_mean(word: str, names: Iterable[str], prefix: str = "") -> str:
+    """`` (did you mean PREFIXNAME?)`` with the name of ``names`` closest to ``word``, or nothing."""
     close = difflib.get_close_matches(word, list(names), n=1)
-    return f" (did you mean {close[0]}?)" if close else ""
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""
 
 
 def _given(value: str) -> str:

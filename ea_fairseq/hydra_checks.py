@@ -31,7 +31,6 @@ and hydra as they are.
 """
 import copy
 import dataclasses
-import difflib
 import os
 import shutil
 import sys
@@ -41,7 +40,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from .device_checks import HYDRA, refusal
-from .errors import OptionError
+from .errors import OptionError, did_you_mean
 
 
 def refuse(message: str) -> None:
@@ -100,8 +99,7 @@ def check_keys(config: DictConfig) -> None:
         if section in ("hydra", "model", "_name"):
             continue
         if section not in sections:
-            close = difflib.get_close_matches(str(section), sections, n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
+            hint = did_you_mean(str(section), sections)
             refuse(f"{section}: not a section of fairseq's configuration{hint}; the sections are "
                    f"{', '.join(sections)}")
         value = config[section]
@@ -111,8 +109,7 @@ def check_keys(config: DictConfig) -> None:
         for key in value:
             if key == "_name" or key in fields:
                 continue
-            close = difflib.get_close_matches(str(key), list(fields), n=1)
-            hint = f" (did you mean {section}.{close[0]}?)" if close else ""
+            hint = did_you_mean(str(key), fields, f"{section}.")
             chosen = f" {value.get('_name')}" if value.get("_name") else ""
             arch = OmegaConf.select(config, "model._name", default=None) or "ARCH"
             where = (f"`ea-fairseq-options {arch} --all --{section.replace('_', '-')}{chosen}`"

@@ -23,7 +23,6 @@ Under ``fairseq-hydra-train`` the same options are ``model.NAME`` keys, with ``_
   ea-fairseq-options transformer --all --criterion label_smoothed_cross_entropy | less
 """
 import argparse
-import difflib
 import os
 import sys
 from typing import List, Optional, Sequence
@@ -116,12 +115,12 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     from fairseq import options
     from fairseq.models import ARCH_MODEL_REGISTRY
 
+    from ea_fairseq.errors import did_you_mean
+
     if args.arch is None:
         print(_architectures())
         return 0
     if args.arch not in ARCH_MODEL_REGISTRY:
-        from ea_fairseq.errors import did_you_mean
-
         raise _error(f"{args.arch!r} is not an architecture{did_you_mean(args.arch, ARCH_MODEL_REGISTRY)}; "
                      "ea-fairseq-options with no argument lists the plugin's")
     train_parser = options.get_training_parser()
@@ -135,8 +134,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     parsed, unknown = options.parse_args_and_arch(train_parser, command, parse_known=True)
     if unknown:
         known = [o for action in train_parser._actions for o in action.option_strings]
-        close = difflib.get_close_matches(unknown[0].split("=")[0], known, n=1)
-        hint = f" (did you mean {close[0]}?)" if close else ""
+        hint = did_you_mean(unknown[0].split("=")[0], known)
         raise _error(f"not options of fairseq-train --arch {args.arch}: {' '.join(unknown)}{hint}")
     if args.all:
         print(train_parser.format_help())

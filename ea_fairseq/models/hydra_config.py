@@ -14,14 +14,13 @@ build with a message naming it (:class:`~ea_fairseq.errors.OptionError`, one lin
 ``fairseq-hydra-train``: :mod:`ea_fairseq.hydra_checks`).
 """
 import argparse
-import difflib
 from typing import Dict, Iterable, List
 
 from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY, MODEL_REGISTRY
 from fairseq.models.transformer import TransformerModel
 from omegaconf import OmegaConf, open_dict
 
-from ..errors import OptionError
+from ..errors import OptionError, did_you_mean
 
 
 # the registered name of the plugin's model, which defines every option of the plugin (the
@@ -78,8 +77,7 @@ def unknown_key_message(key: str, arch: str, known) -> str:
     if key in ("encoder", "decoder", "quant_noise"):
         return (f"model.{key}: fairseq's legacy transformer reads flat options ({key}_embed_dim, "
                 f"{key}_layers, ...), not a nested {key} section")
-    close = difflib.get_close_matches(key, sorted(known), n=1)
-    hint = f" (did you mean model.{close[0]}?)" if close else ""
+    hint = did_you_mean(key, known, "model.")
     message = (f"model.{key}: not an option of --arch {arch}{hint}; `ea-fairseq-options {arch}` "
                "lists them (option --a-b is key model.a_b)")
     plugin_model = MODEL_REGISTRY[PLUGIN_MODEL]
