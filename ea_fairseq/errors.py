@@ -11,11 +11,13 @@ process still exits with status 1), and so a checkpoint the plugin refuses or fi
 (an exception class with ``one_line = True``). Two errors of fairseq itself, recognised by type
 and message, are one line too, saying what there is instead: a checkpoint file that is not there
 (``--path``: the checkpoints nearest it in its folder) and a split the data directory lacks
-(``--gen-subset``: the splits it has, :func:`did_you_mean`). Every other exception goes to the
-previous hook unchanged, except fairseq's refusal of an over-long input when a model built in
-this process limits positions itself (:func:`note_position_limit`): that one gets a note saying
-which option sets the limit and how to go on. In the same processes an ``--arch`` fairseq's
-parser does not know is one line naming the closest one (:func:`parser_error`).
+(``--gen-subset``: the splits it has, :func:`did_you_mean`), a checkpoint trained with other
+dictionaries than the data directory's (torch's size mismatch of the embeddings alone), and an
+over-long input (with the option that sets the limit where a model built in this process limits
+positions itself, :func:`note_position_limit`, and in ``fairseq-interactive`` the task that goes
+on past such a line). Every other exception goes to the previous hook unchanged. In the same
+processes argparse's refusal of a command line is its error line alone, an ``--arch`` or an
+option the parser does not know naming the closest one (:func:`parser_error`).
 """
 import ast
 import difflib
@@ -28,6 +30,10 @@ _SIZE_ERROR = re.compile(r"Size of sample #\d+ is invalid")
 _MISSING_CHECKPOINT = re.compile(r"Model file not found: (?P<path>.+)")  # checkpoint_utils, IOError
 _MISSING_SPLIT = re.compile(r"Dataset not found: (?P<split>[^\s()]+) \((?P<data>.+)\)")  # the tasks
 _ARCH_CHOICE = re.compile(r"argument --arch/-a: invalid choice: (?P<arch>.+?) \(choose from ")
+_UNRECOGNIZED = "unrecognized arguments: "  # argparse's
+_EMBEDDINGS = re.compile(r"\tsize mismatch for (?P<name>(encoder|decoder)\.embed_tokens\.weight|decoder\.output_projection"
+                         r"\.weight): copying a param with shape torch\.Size\(\[(?P<saved>\d+), \d+\]\) from "
+                         r"checkpoint, the shape in current model is torch\.Size\(\[(?P<built>\d+), \d+\]\)\.")
 CHECKPOINT = "give a checkpoint fairseq-train wrote (e.g. SAVE_DIR/checkpoint_best.pt)"
 _position_limits: Dict[str, None] = {}  # notes, in the order the models were built
 
@@ -104,8 +110,37 @@ def _missing_split(split: str, data: str) -> Optional[str]:
     return f"{_given(split)}: no such split in {folder}{did_you_mean(split, splits)}; it has {', '.join(splits)}"
 
 
+def _other_dictionaries(message: str) -> Optional[str]:
+    """torch's refusal of a checkpoint whose embeddings alone differ from the model built from
+    the data directory's dictionaries."""
+    lines = message.split("\n")[1:]
+    mismatches = [_EMBEDDINGS.fullmatch(line) for line in lines]
+    if not lines or not all(mismatches):
+        return None
+    side = lambda m: "source" if m["name"].startswith("encoder") else "target"  # noqa: E731
+    sizes = {side(m): (m["saved"], m["built"]) for m in mismatches}
+    saved = ", ".join(f"{k} {v[0]}" for k, v in sizes.items())
+    built = ", ".join(f"{k} {v[1]}" for k, v in sizes.items())
+    return (f"the checkpoint was trained with other dictionaries (embedding rows: {saved}; the data directory's "
+            f"dict.*.txt make {built}): give the data directory it was trained on, or binarize with its "
+            "dictionaries (fairseq-preprocess --srcdict/--tgtdict)")
+
+
+def _too_long(message: str) -> str:
+    """fairseq's refusal of a sentence longer than the model's positions, with what this process
+    knows of the limit and, in fairseq-interactive, the task that goes on past such a line."""
+    notes = list(_position_limits)
+    if "interactive" in os.path.basename(sys.argv[0]):
+        notes.append("fairseq-interactive --task translation_lines reports such a line and translates the others")
+    return "; ".join([re.sub(r"np\.\w+\((\d+)\)", r"\1", message), *notes])  # (numpy 2's repr of a size)
+
+
 def _one_line(value) -> Optional[str]:
     """The line that says all of a known fairseq error, or None."""
+    if _SIZE_ERROR.match(str(value)):
+        return _too_long(str(value))
+    if isinstance(value, RuntimeError) and str(value).startswith("Error(s) in loading state_dict"):
+        return _other_dictionaries(str(value))
     if not isinstance(value, OSError):
         return None
     match = _MISSING_CHECKPOINT.fullmatch(str(value))
@@ -121,9 +156,6 @@ def excepthook(kind, value, tb, previous=None) -> None:
     if line is not None:  # (checkpoint refusals too)
         print(f"{os.path.basename(sys.argv[0]) or 'python'}: error: {line}", file=sys.stderr)
         return
-    if _position_limits and _SIZE_ERROR.search(str(value)) and hasattr(value, "add_note"):
-        for note in _position_limits:
-            value.add_note(note)
     previous(kind, value, tb)
 
 
@@ -154,23 +186,29 @@ def chained_excepthook(previous):
 
 def parser_error(error):
     """``argparse.ArgumentParser.error`` (a row of :data:`ea_fairseq.side_effects.SIDE_EFFECTS`,
-    in the same processes as :func:`chained_excepthook`): an ``--arch`` fairseq's parser does
-    not know (its ``choices`` are ``ARCH_MODEL_REGISTRY``) is one line naming the closest
-    arch, exit status 2 as argparse's, where argparse prints the usage and every arch's
-    name; every other message is ``error``'s."""
+    in the same processes as :func:`chained_excepthook`): every refusal of a command line is
+    argparse's error line alone, exit status 2 as argparse's, without the usage before it
+    (fairseq-train's is some 200 lines); an ``--arch`` fairseq's parser does not know (its
+    ``choices`` are ``ARCH_MODEL_REGISTRY``, every arch's name in the message) names the closest
+    arch instead of all of them, and an option no argument of the parser takes the closest
+    option it has."""
 
     def one_line(self, message):
         match = _ARCH_CHOICE.match(message)
-        if match is None:
-            return error(self, message)
-        from fairseq.models import ARCH_MODEL_REGISTRY
+        if match is not None:
+            from fairseq.models import ARCH_MODEL_REGISTRY
 
-        try:
-            arch = str(ast.literal_eval(match["arch"]))  # (argparse writes its repr)
-        except (ValueError, SyntaxError):
-            arch = match["arch"]
-        self.exit(2, f"{self.prog}: error: argument --arch/-a: invalid choice: {match['arch']}"
-                     f"{did_you_mean(arch, ARCH_MODEL_REGISTRY)}; `ea-fairseq-options` lists the plugin's "
-                     "architectures\n")
+            try:
+                arch = str(ast.literal_eval(match["arch"]))  # (argparse writes its repr)
+            except (ValueError, SyntaxError):
+                arch = match["arch"]
+            message = (f"argument --arch/-a: invalid choice: {match['arch']}{did_you_mean(arch, ARCH_MODEL_REGISTRY)}"
+                       "; `ea-fairseq-options` lists the plugin's architectures")
+        elif message.startswith(_UNRECOGNIZED):
+            options = [o for o in self._option_string_actions if o.startswith("--")]
+            meant = [did_you_mean(word.split("=")[0], options) for word in message[len(_UNRECOGNIZED):].split()
+                     if word.startswith("--")]
+            message += "".join(meant) or f"; `{self.prog} --help` lists the options"
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
     return one_line

@@ -109,8 +109,8 @@ SIDE_EFFECTS: Tuple[SideEffect, ...] = (
                "a world size above its GPUs) is one line before fairseq writes its save dir or starts processes",
                SERVED_COMMAND_LINES),
     SideEffect("argparse:ArgumentParser.error", "ea_fairseq.errors:parser_error",
-               "an --arch fairseq's parser does not know is one line naming the closest one, not the usage and "
-               "every arch's name", SERVED_COMMAND_LINES),
+               "a refused command line is argparse's error line without the usage; an --arch or an option the "
+               "parser does not know names the closest one, not every arch's name", SERVED_COMMAND_LINES),
     SideEffect("warnings filters and the 'hydra' logger's level", "ea_fairseq.known_warnings:install",
                "the warnings fairseq's stack prints on every run that say nothing about it are not shown",
                SERVED_COMMAND_LINES, how="call"),

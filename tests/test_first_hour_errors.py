@@ -27,15 +27,17 @@ TRAIN = ["fairseq-train", "data", "--user-dir", USER_DIR, "--arch", "transformer
 GENERATE = ["fairseq-generate", "data", "--user-dir", USER_DIR, "--cpu", "--beam", "1"]
 
 
-def run(argv, cwd):
+def run(argv, cwd, stdin=""):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([cli(argv[0]), *argv[1:]], capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
+    return subprocess.run([cli(argv[0]), *argv[1:]], capture_output=True, text=True, cwd=cwd, env=env, timeout=300,
+                          input=stdin)
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     """``data``: train, valid and test splits (5 sentences) binarized with the checkpoint
-    fixtures' dictionaries; ``checkpoint_best.pt`` and ``checkpoint_last.pt``: the EA fixture."""
+    fixtures' dictionaries; ``other``: the test split binarized with a larger joined dictionary;
+    ``checkpoint_best.pt`` and ``checkpoint_last.pt``: the EA fixture."""
     from fairseq import options
     from fairseq_cli import preprocess
 
@@ -49,9 +51,14 @@ def workdir(tmp_path_factory):
             "--srcdict", os.path.join(FIXTURES, "dict.src.txt"), "--tgtdict", os.path.join(FIXTURES, "dict.tgt.txt")]
     for split in ("train", "valid", "test"):
         args += [f"--{split}pref", str(d / split)]
+    (d / "more.src").write_text("".join(f"w{i} x{i}\n" for i in range(30)))
+    (d / "more.tgt").write_text("".join(f"v{i}\n" for i in range(30)))
+    other = ["--source-lang", "src", "--target-lang", "tgt", "--destdir", str(d / "other"), "--workers", "1",
+             "--joined-dictionary", "--trainpref", str(d / "more"), "--testpref", str(d / "test")]
     before = list(preprocess.logger.handlers)
     try:
-        preprocess.main(options.get_preprocessing_parser().parse_args(args))
+        for argv in (args, other):
+            preprocess.main(options.get_preprocessing_parser().parse_args(argv))
     finally:  # its DESTDIR/preprocess.log handler, closed
         for handler in list(preprocess.logger.handlers):
             if handler not in before:
@@ -62,7 +69,7 @@ def workdir(tmp_path_factory):
     return d
 
 
-MISTAKES = [  # the command line, its exit status, the one line it prints
+MISTAKES = [  # the command line, its exit status, the one line it prints (its standard input)
     pytest.param([*TRAIN, "--fp16"], 1,
                  f"fairseq-train: error: --fp16 needs a CUDA GPU, and {TORCH_SEEN}: run without --fp16, "
                  "or on a CUDA GPU",
@@ -83,6 +90,15 @@ MISTAKES = [  # the command line, its exit status, the one line it prints
     pytest.param([*TRAIN[:5], "ea_transformer_lit", *TRAIN[6:]], 2,
                  "fairseq-train: error: argument --arch/-a: invalid choice: 'ea_transformer_lit' (did you mean "
                  "ea_transformer_lite?); `ea-fairseq-options` lists the plugin's architectures", id="arch typo"),
+    pytest.param([*TRAIN, "--max-tokns", "500"], 2,
+                 "fairseq-train: error: unrecognized arguments: --max-tokns 500 (did you mean --max-tokens?)",
+                 id="option typo"),
+    pytest.param([*TRAIN[:5], "ea_transformer_lite", *TRAIN[6:], "--ea-alpah", "0.5"], 2,
+                 "fairseq-train: error: unrecognized arguments: --ea-alpah 0.5 (did you mean --ea-alpha?)",
+                 id="model option typo"),
+    pytest.param([*TRAIN, "--lr-shceduler"], 2,
+                 "fairseq-train: error: unrecognized arguments: --lr-shceduler (did you mean --lr-scheduler?)",
+                 id="option typo without a value"),
     pytest.param([*GENERATE, "--path", "checkpoint_bset.pt"], 1,
                  "fairseq-generate: error: --path checkpoint_bset.pt: no such file; . has checkpoint_best.pt, "
                  "checkpoint_last.pt", id="missing checkpoint"),
@@ -92,6 +108,17 @@ MISTAKES = [  # the command line, its exit status, the one line it prints
     pytest.param([*GENERATE, "--path", "checkpoint_best.pt", "--gen-subset", "tset"], 1,
                  "fairseq-generate: error: --gen-subset tset: no such split in data (did you mean test?); it has "
                  "test, train, valid", id="missing split"),
+    pytest.param(["fairseq-generate", "other", *GENERATE[2:], "--path", "checkpoint_best.pt"], 1,
+                 "fairseq-generate: error: the checkpoint was trained with other dictionaries (embedding rows: source "
+                 "24, target 24; the data directory's dict.*.txt make source 96, target 96): give the data directory "
+                 "it was trained on, or binarize with its dictionaries (fairseq-preprocess --srcdict/--tgtdict)",
+                 id="data with other dictionaries"),
+    pytest.param(["fairseq-interactive", *GENERATE[1:], "--path", "checkpoint_best.pt", "-s", "src", "-t", "tgt",
+                  "--buffer-size", "3", "--batch-size", "3",
+                  "s1 s2\n" + " ".join(["s3"] * 1100) + "\ns4\n"], 1,
+                 "fairseq-interactive: error: Size of sample #1 is invalid (=(1101, 0)) since max_positions=(1024, "
+                 "1024), skip this example with --skip-invalid-size-inputs-valid-test; fairseq-interactive --task "
+                 "translation_lines reports such a line and translates the others", id="over-long input line"),
     pytest.param(["ea-fairseq-analysis", "dump", "checkpoint_best.pt", "--data", "data", "--ids", "999",
                   "--out", "maps.npz"], 1,
                  "ea-fairseq-analysis dump: error: --ids 999: the split test has 5 sentences, ids 0..4",
@@ -102,7 +129,8 @@ MISTAKES = [  # the command line, its exit status, the one line it prints
 @pytest.mark.parametrize("argv, status, line", MISTAKES)
 def test_a_first_hour_mistake_is_one_line(argv, status, line, workdir):
     before = sorted(os.listdir(workdir)), sorted(os.listdir(workdir / "data"))
-    proc = run(argv, workdir)
+    argv, stdin = (argv[:-1], argv[-1]) if "\n" in argv[-1] else (argv, "")
+    proc = run(argv, workdir, stdin)
     assert proc.returncode == status, proc.stderr[-3000:]
     lines = proc.stderr.splitlines()
     assert lines and lines[-1] == line, proc.stderr[-3000:]

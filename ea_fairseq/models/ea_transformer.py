@@ -207,9 +207,8 @@ def lower_max_positions(args) -> None:
                             f"{side} sentences are filtered in training and refused in generation")
             setattr(args, name, min(given or limit, limit))
             note_position_limit(
-                f"The {variant} {role} of this model takes at most --{option.replace('_', '-')} {limit} tokens: "
-                "translate with --task translation_lines, which reports such a line and translates the "
-                f"others, or train with a larger --{option.replace('_', '-')}.")
+                f"the {variant} {role} of this model takes at most --{option.replace('_', '-')} {limit} tokens "
+                f"(a model trained with a larger --{option.replace('_', '-')} takes more)")
 
 
 def warn_about_ran_mixed_precision(args) -> None:

@@ -491,33 +491,6 @@ train_output() {
   done
 }
 
-# train_errors: fairseq-train's stderr (after ea_quiet) as the terminal shows it. argparse's
-# usage, some 200 lines of every option, is left out before the error line it precedes; an
-# option fairseq-train does not know gets ea-fairseq-options' answer (what it meant, if close).
-train_errors() {
-  local line words hint usage=()
-  while IFS= read -r line; do
-    if [ ${#usage[@]} -gt 0 ]; then
-      case "$line" in
-        " "*) usage+=("$line"); continue ;;
-        *": error: "*)
-          usage=(); printf '%s\n' "$line"
-          case "$line" in
-            *": error: unrecognized arguments: "*)
-              read -r -a words <<< "${line#*: error: unrecognized arguments: }"
-              hint=$("$PYTHON" -m ea_fairseq_cli.options "$arch" "${words[@]}" 2>&1 >/dev/null | tail -1 || true)
-              echo "[train] ${hint:+${hint#*: error: }; }ea-fairseq-options $arch lists the model options" ;;
-          esac
-          continue ;;
-        *) printf '%s\n' "${usage[@]}"; usage=() ;;
-      esac
-    fi
-    case "$line" in "usage: "*) usage=("$line"); continue ;; esac
-    printf '%s\n' "$line"
-  done
-  [ ${#usage[@]} -eq 0 ] || printf '%s\n' "${usage[@]}"
-}
-
 # budget_grows RECORDED NEW: the settings differ only in --max-epoch / --max-update, and
 # neither limit is lower than before (none: no limit); prints the change
 budget_grows() {
@@ -605,9 +578,9 @@ $(diff <(grep -v '^#' "$record") <(echo "$settings") | grep '^[<>]' | sed 's/^</
   done
 fi
 # fairseq-train's stdout through train_output (line by line: PYTHONUNBUFFERED), its stderr
-# without the known warnings of its stack (ea_quiet) through train_errors; its exit status kept
+# without the known warnings of its stack (ea_quiet); its exit status kept
 set +e
-{ { PYTHONUNBUFFERED=1 "${cmd[@]}" 2>&1 1>&3 3>&- | ea_quiet | train_errors >&2 3>&-; exit "${PIPESTATUS[0]}"; } 3>&1 \
+{ { PYTHONUNBUFFERED=1 "${cmd[@]}" 2>&1 1>&3 3>&- | ea_quiet >&2 3>&-; exit "${PIPESTATUS[0]}"; } 3>&1 \
     | train_output; status=${PIPESTATUS[0]}; }
 set -e
 [ "$status" -eq 0 ] || exit "$status"
