@@ -24,6 +24,7 @@ LOG_RECORD = re.compile(r"(DEBUG|INFO|WARNING):[\w.]+:")  # fairseq-generate log
 TRAIN = ["fairseq-train", "data", "--user-dir", USER_DIR, "--arch", "transformer_lite", "--encoder-layers", "1",
          "--decoder-layers", "1", "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "500", "--max-update", "1",
          "--save-dir", "ckpt", "--num-workers", "0", "--disable-validation"]
+CONFIGS = os.path.join(REPO, "examples", "translation", "config")
 GENERATE = ["fairseq-generate", "data", "--user-dir", USER_DIR, "--cpu", "--beam", "1"]
 
 
@@ -119,6 +120,11 @@ MISTAKES = [  # the command line, its exit status, the one line it prints (its s
                  "fairseq-interactive: error: Size of sample #1 is invalid (=(1101, 0)) since max_positions=(1024, "
                  "1024), skip this example with --skip-invalid-size-inputs-valid-test; fairseq-interactive --task "
                  "translation_lines reports such a line and translates the others", id="over-long input line"),
+    pytest.param(["ea-fairseq-hydra-train", "--config-dir", CONFIGS, "--config-name", "ea_transformer_lite_iwslt1",
+                  "task.data=data"], 2,
+                 f"ea-fairseq-hydra-train: error: --config-name ea_transformer_lite_iwslt1: no "
+                 f"ea_transformer_lite_iwslt1.yaml in {CONFIGS} (did you mean ea_transformer_lite_iwslt14?); hydra "
+                 "would run fairseq's defaults instead", id="hydra config typo"),
     pytest.param(["ea-fairseq-analysis", "dump", "checkpoint_best.pt", "--data", "data", "--ids", "999",
                   "--out", "maps.npz"], 1,
                  "ea-fairseq-analysis dump: error: --ids 999: the split test has 5 sentences, ids 0..4",
