@@ -3,7 +3,7 @@
 EA_NO_DOWNLOAD is set as well) and its binarized output is checked; WMT'14 En-Fr and WMT'17
 Lv-En are trained on for a few updates with fairseq-train (its entry point, in this process).
 IWSLT'14 (prepared, trained and evaluated) is in test_recipe_iwslt14.py, WMT'14 En-De in
-test_recipe_wmt14.py, the own-data walk-through in test_recipe_walk_through.py; what they share
+test_recipe_wmt14.py, README.md's quickstart in test_recipe_walk_through.py; what they share
 is in recipe_support.py.
 """
 import pytest
