@@ -84,7 +84,7 @@ def test_readme_hub_example_takes_raw_text(quickstart, env):  # noqa: F811
     """README.md's hub example, run as written on the quickstart's model (in a Python of its
     own, from the repository layout's root): raw Spanish in, detokenized English out, Spanish
     Moses rules on the way in, and the translations of the quickstart's fairseq-interactive."""
-    code = doc_block(REPO / "README.md", "### Translating from Python (fairseq's hub)", "python")
+    code = doc_block(REPO / "README.md", QUICKSTART, "python")
     out = run([sys.executable, "-c", code + HUB_CHECKS], env, cwd=quickstart["root"]).stdout.splitlines()
     translations, checks = ast.literal_eval(out[-2]), json.loads(out[-1].removeprefix("CHECKS "))
     assert len(translations) == 2 and all(isinstance(t, str) and t for t in translations)
