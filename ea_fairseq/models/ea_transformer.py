@@ -161,7 +161,9 @@ class EATransformerModel(TransformerModel):
 
 def check_options(args) -> None:
     """Refuse values and combinations the mechanisms cannot honour, before anything is built
-    (one-line errors on the command line: :mod:`ea_fairseq.errors`)."""
+    (one-line errors on the command line: :mod:`ea_fairseq.errors`): the one place the weights
+    of EA's and PA's Eq. 4 are held to [0, 1], whether they come from the command line, hydra
+    or a checkpoint (the modules take them as given)."""
     for name, low, high, closed in (("ea_alpha", 0, 1, True), ("ea_decoder_alpha", 0, 1, True),
                                     ("ea_beta", 0, 1, True), ("pa_alpha", 0, 1, True),
                                     ("drop_attention_p", 0, 1, False)):
@@ -169,6 +171,8 @@ def check_options(args) -> None:
         if value is not None and not (low <= value <= high if closed else low <= value < high):
             raise OptionError(f"--{name.replace('_', '-')} must lie in [{low}, {high}{']' if closed else ')'}, "
                               f"got {value}")
+    if (getattr(args, "pa_conv_layers", None) or 0) < 0:
+        raise OptionError(f"--pa-conv-layers must be at least 0, got {args.pa_conv_layers}")
     for role in variants.ROLES:  # argparse refuses them; these are a checkpoint's values
         option = POSITION_LIMITS.get(variants.variant_of(args, role))
         if option is not None and getattr(args, option) < 1:
@@ -249,79 +253,31 @@ def pa_transformer_lite(args):
     transformer_lite(args)
 
 
-def _ran_defaults(args, encoder: bool, decoder: bool, dims) -> None:
-    """RAN (RAN paper §3) in the encoder and/or the decoder; attention dropout 0.2 (§Settings)."""
-    variants.set_default(args, "encoder_attention", "ran" if encoder else "vanilla")
-    variants.set_default(args, "decoder_attention", "ran" if decoder else "vanilla")
-    variants.set_default(args, "attention_dropout", 0.2)
-    dims(args)
+#: archs whose self-attentions are a position-only variant, on Transformer-base dims and, with
+#: ``_lite``, on transformer_lite's: name -> (encoder, decoder) self-attention. RAN-E, -D, -ALL
+#: (RAN §3; attention dropout 0.2, §Settings); RAN Table 1's baselines HC-SA (You et al. 2020:
+#: Gaussians on i-1 / i+1 in the encoder, i-1 / i in the decoder, σ = 1) and Syn-R (Tay et al.
+#: 2020: Random Synthesizer) replace both self-attentions; encoder-decoder attention stays
+#: dot-product.
+POSITION_ARCHS = {
+    "ran_e": ("ran", "vanilla"), "ran_d": ("vanilla", "ran"), "ran_all": ("ran", "ran"),
+    "hcsa": ("hcsa", "hcsa"), "syn_r": ("synthesizer", "synthesizer"),
+}
 
 
-@register_model_architecture("ea_transformer", "ran_e")
-def ran_e(args):
-    """RAN-E: recurrent attention in the encoder, Transformer-base dims."""
-    _ran_defaults(args, encoder=True, decoder=False, dims=base_architecture)
+def _position_arch(name: str, encoder: str, decoder: str, dims) -> None:
+    def arch(args):
+        variants.set_default(args, "encoder_attention", encoder)
+        variants.set_default(args, "decoder_attention", decoder)
+        if "ran" in (encoder, decoder):
+            variants.set_default(args, "attention_dropout", 0.2)
+        dims(args)
+
+    arch.__name__ = arch.__qualname__ = name
+    arch.__doc__ = f"{encoder} encoder / {decoder} decoder self-attention on {dims.__name__} dims."
+    register_model_architecture("ea_transformer", name)(arch)
 
 
-@register_model_architecture("ea_transformer", "ran_d")
-def ran_d(args):
-    """RAN-D: recurrent attention in the decoder, Transformer-base dims."""
-    _ran_defaults(args, encoder=False, decoder=True, dims=base_architecture)
-
-
-@register_model_architecture("ea_transformer", "ran_all")
-def ran_all(args):
-    """RAN-ALL: recurrent attention in the encoder and decoder, Transformer-base dims."""
-    _ran_defaults(args, encoder=True, decoder=True, dims=base_architecture)
-
-
-@register_model_architecture("ea_transformer", "ran_e_lite")
-def ran_e_lite(args):
-    """RAN-E on transformer_lite dims."""
-    _ran_defaults(args, encoder=True, decoder=False, dims=transformer_lite)
-
-
-@register_model_architecture("ea_transformer", "ran_d_lite")
-def ran_d_lite(args):
-    """RAN-D on transformer_lite dims."""
-    _ran_defaults(args, encoder=False, decoder=True, dims=transformer_lite)
-
-
-@register_model_architecture("ea_transformer", "ran_all_lite")
-def ran_all_lite(args):
-    """RAN-ALL on transformer_lite dims."""
-    _ran_defaults(args, encoder=True, decoder=True, dims=transformer_lite)
-
-
-def _self_attention_defaults(args, variant: str, dims) -> None:
-    """``variant`` as the encoder's and the decoder's self-attention, as RAN's baselines
-    replace both (RAN §Settings); encoder-decoder attention stays dot-product."""
-    variants.set_default(args, "encoder_attention", variant)
-    variants.set_default(args, "decoder_attention", variant)
-    dims(args)
-
-
-@register_model_architecture("ea_transformer", "hcsa")
-def hcsa(args):
-    """HC-SA (RAN Table 1; You et al. 2020): hard-coded Gaussian self-attention, encoder heads
-    on i-1 / i+1, decoder heads on i-1 / i, σ = 1, Transformer-base dims."""
-    _self_attention_defaults(args, "hcsa", base_architecture)
-
-
-@register_model_architecture("ea_transformer", "syn_r")
-def syn_r(args):
-    """Syn-R (RAN Table 1; Tay et al. 2020): Random Synthesizer self-attention in the encoder
-    and decoder, Transformer-base dims."""
-    _self_attention_defaults(args, "synthesizer", base_architecture)
-
-
-@register_model_architecture("ea_transformer", "hcsa_lite")
-def hcsa_lite(args):
-    """HC-SA on transformer_lite dims."""
-    _self_attention_defaults(args, "hcsa", transformer_lite)
-
-
-@register_model_architecture("ea_transformer", "syn_r_lite")
-def syn_r_lite(args):
-    """Syn-R on transformer_lite dims."""
-    _self_attention_defaults(args, "synthesizer", transformer_lite)
+for _name, (_encoder, _decoder) in POSITION_ARCHS.items():
+    _position_arch(_name, _encoder, _decoder, base_architecture)
+    _position_arch(f"{_name}_lite", _encoder, _decoder, transformer_lite)

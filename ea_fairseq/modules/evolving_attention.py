@@ -32,9 +32,6 @@ class EvolvingAttention(LogitMapAttention):
         conv_layout: Optional[str],
         hand_on: bool,
     ) -> None:
-        for name, value in (("alpha", alpha), ("beta", beta)):
-            if not 0.0 <= value <= 1.0:
-                raise ValueError(f"EA's {name} must lie in [0, 1] (paper Eq. 4), got {value}")
         self.slot = slot
         self.alpha = float(alpha)
         self.beta = float(beta)

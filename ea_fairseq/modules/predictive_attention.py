@@ -30,10 +30,6 @@ class PredictiveAttention(LogitMapAttention):
     """Encoder self-attention whose logits are predicted from the previous block's (Eq. 4)."""
 
     def setup_mechanism(self, alpha: float, conv_layers: int, predict: bool) -> None:
-        if not 0.0 <= alpha <= 1.0:
-            raise ValueError(f"PA's alpha must lie in [0, 1] (PA paper Eq. 4), got {alpha}")
-        if conv_layers < 0:
-            raise ValueError(f"--pa-conv-layers must be >= 0, got {conv_layers}")
         self.alpha = float(alpha)
         # no prediction module in the first block (PA §3.3): no parameters there either
         self.predictor: Optional[nn.ModuleList] = (
