@@ -15,11 +15,9 @@ the same either way, and DropAttention acts in training only, so such a checkpoi
 loads into fairseq's ``TransformerModel`` without the plugin.
 """
 from fairseq.models.transformer import TransformerModel
-from omegaconf import OmegaConf
 
 from ..errors import OptionError
 from . import attention_variants as variants
-from . import hydra_config
 from .ea_transformer import EATransformerModel
 
 
@@ -34,12 +32,7 @@ class BaselineTransformerModel(EATransformerModel):
         variants.add_positional_embedding_args(parser)
 
     @classmethod
-    def build_model(cls, args, task):
-        if OmegaConf.is_config(args):  # fairseq-hydra-train, or a checkpoint it wrote
-            cfg, args = args, hydra_config.namespace_from_config(args, cls)
-            model = cls.build_model(args, task)
-            hydra_config.record_options(cfg, args, hydra_config.plugin_option_names(cls))
-            return model
+    def build_from_namespace(cls, args, task):
         one_sided = any(getattr(args, name, False) for name in variants.POSITIONAL_EMBEDDING_OPTIONS)
         if getattr(args, "drop_attention", None) in (None, "none"):
             stray = [f"--{name.replace('_', '-')}" for name in variants.DROP_ATTENTION_OPTIONS
@@ -49,7 +42,7 @@ class BaselineTransformerModel(EATransformerModel):
                                  "is off unless --drop-attention is column or element")
             if not one_sided:
                 return TransformerModel.build_model(args, task)
-        return super().build_model(args, task)
+        return super().build_from_namespace(args, task)
 
 
 def with_plugin_options(model_class):

@@ -142,6 +142,11 @@ class EATransformerModel(TransformerModel):
             model = cls.build_model(args, task)
             hydra_config.record_options(cfg, args, hydra_config.plugin_option_names(cls))
             return model
+        return cls.build_from_namespace(args, task)
+
+    @classmethod
+    def build_from_namespace(cls, args, task):
+        """``build_model`` for fairseq-train's namespace (a hydra config arrives here as one)."""
         variants.fill_defaults(args)
         check_options(args)
         lower_max_positions(args)
