@@ -13,7 +13,7 @@
 #
 # Stages: (1) the pinned environment (scripts/setup_env.sh, reused when up to date);
 # (2) data: decompress the shipped corpus, Moses-normalize and -tokenize as the recipes do
-# (examples/translation/nmt_text.py, the Perl scripts' port), learn and apply a
+# (examples/translation/nmt_text.py and nmt_moses.py, the Perl scripts' port), learn and apply a
 # joint BPE (subword-nmt), binarize (fairseq-preprocess --joined-dictionary); (3) train
 # both architectures for the same number of updates with the same seed and settings;
 # (4) average each run's last checkpoints; (5) translate the test set (beam 5) and score
@@ -158,7 +158,7 @@ cd "$work"
 done_with() { [ -f "$1/.done" ] && [ "$(cat "$1/.done")" = "$2" ]; }
 
 # ----------------------------------------------------------------------------- 2. data
-data_cfg="corpus=$(cat "$corpus"/*.xz | sha256sum | cut -c1-16) tokenizer=$(sha256sum < "$repo/examples/translation/nmt_text.py" | cut -c1-16) merges=$merges"
+data_cfg="corpus=$(cat "$corpus"/*.xz | sha256sum | cut -c1-16) tokenizer=$(cat "$repo"/examples/translation/nmt_{text,moses,corpus}.py | sha256sum | cut -c1-16) merges=$merges"
 if done_with data "$data_cfg"; then
   stage "2/7 data: reusing $work/data ($data_cfg)"
 else

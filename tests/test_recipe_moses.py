@@ -22,8 +22,8 @@ def _read_exact(path: Path):
         return f.read().split("\n")[:-1]
 
 
-def load_nmt_text():
-    spec = importlib.util.spec_from_file_location("ea_recipes_nmt_text", RECIPES / "nmt_text.py")
+def load_recipe_module(name="nmt_text"):
+    spec = importlib.util.spec_from_file_location(f"ea_recipes_{name}", RECIPES / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -37,8 +37,8 @@ def test_moses_steps_equal_the_perl_scripts(step, tmp_path):
     for expected in sorted(MOSES.glob(f"{step}.*")):
         lang = expected.suffix[1:]
         out = tmp_path / f"{step}.{lang}"
-        assert load_nmt_text().main(["text", "-l", lang, *MOSES_PIPELINES[step], "-o", str(out),
-                                     str(MOSES / f"input.{lang}")]) == 0
+        assert load_recipe_module().main(["text", "-l", lang, *MOSES_PIPELINES[step], "-o", str(out),
+                                          str(MOSES / f"input.{lang}")]) == 0
         inputs, want, got = _read_exact(MOSES / f"input.{lang}"), _read_exact(expected), _read_exact(out)
         assert len(want) == len(inputs)
         diffs = [(src, w, g) for src, w, g in zip(inputs, want, got, strict=True) if w != g]
@@ -52,8 +52,8 @@ def test_clean_equals_clean_corpus_n_perl(tmp_path):
     once from the Perl script): pipes removed, Unicode white space folded but not \\x1c,
     \\r inside a line, empty / too long / too short / over-ratio / 1001-character-word pairs
     dropped."""
-    assert load_nmt_text().main(["clean", "--ratio", "1.5", str(MOSES / "clean-input"), "de", "en",
-                                 str(tmp_path / "clean"), "1", "10"]) == 0
+    assert load_recipe_module().main(["clean", "--ratio", "1.5", str(MOSES / "clean-input"), "de", "en",
+                                      str(tmp_path / "clean"), "1", "10"]) == 0
     for lang in ("de", "en"):
         want, got = _read_exact(MOSES / f"clean.{lang}"), _read_exact(tmp_path / f"clean.{lang}")
         assert got == want
@@ -64,7 +64,7 @@ def test_moses_cases_sacremoses_gets_wrong():
     """The cases that made the recipes' data differ from the papers': Perl's normalizer maps
     ’ to a double quote and moves a sentence-final period out of a closing quote; its fi/sv
     rule keeps colons inside words; its last word's period is always split."""
-    m = load_nmt_text()
+    m = load_recipe_module("nmt_moses")
     assert m.PunctNormalizer("en").normalize("Rock ’n’ roll is ‘here’") == 'Rock "n" roll is \'here"'
     assert m.PunctNormalizer("de").normalize("Er sagte: „Wir kommen.“") == 'Er sagte: "Wir kommen".'
     fi = m.MosesTokenizer("fi", aggressive_dash=True)

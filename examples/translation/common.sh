@@ -2,7 +2,7 @@
 # and what every recipe (train.sh, evaluate.sh, scripts/demo.sh) shares: the check of names
 # taken from file names and arguments, and the filter of fairseq's known warnings.
 # Sourced, not run. The text work is done by examples/translation/nmt_text.py (the Moses Perl scripts,
-# ported to Python and tested against their outputs) and subword-nmt's Python modules;
+# ported to Python in nmt_moses.py and tested against their outputs) and subword-nmt's Python modules;
 # binarization by fairseq-preprocess.
 #
 # Options every prepare script accepts (each also as an environment variable):
