@@ -8,6 +8,7 @@ examples/translation/common.sh):
     cmd | python scripts/safe_write.py --append FILE    # for  cmd >> FILE
     python scripts/safe_write.py --from SRC FILE        # for  cp SRC FILE  (SRC a received file)
     python scripts/safe_write.py --within DIR FILE      # FILE's directory resolves inside DIR
+    python scripts/safe_write.py --within DIR --check D # D resolves inside DIR (nothing written)
 
 ``--append`` starts the new file with FILE's content: FILE is then absent or a regular file; a
 link or anything else is refused in one line (exit 1), FILE left as it is. ``--from SRC`` copies
@@ -60,12 +61,14 @@ def read_from(path: str, safe):
         raise safe.ConfinedPathError(f"{path}: {err.strerror or err}") from None
 
 
-def within(path: str, directory: str, error: type) -> None:
-    """Refuse ``path`` unless its directory, links followed, is inside ``directory``'s."""
-    top, real = os.path.realpath(directory), os.path.realpath(os.path.dirname(path) or ".")
-    if os.path.commonpath([top, real]) != top:
-        raise error(f"{os.path.dirname(path) or '.'}: a link to {real}, outside {top}: a run's outputs are "
-                    "written only inside it; remove the link (or give the output directory itself)")
+def outside(path: str, directory: str):
+    """Where ``path`` leads, links followed, when that is outside ``directory``'s real path
+    (one line); None when it is inside. The recipes' one test of "inside a run"."""
+    top, real = os.path.realpath(directory), os.path.realpath(path)
+    if os.path.commonpath([top, real]) == top:
+        return None
+    shown = lambda p: p if p.isprintable() else ascii(p)  # noqa: E731  (one line, whatever the name)
+    return f"{shown(path)} resolves to {shown(real)}, outside the run {shown(top)}"
 
 
 def main(argv=None) -> int:
@@ -75,11 +78,20 @@ def main(argv=None) -> int:
     parser.add_argument("--from", dest="source", metavar="SRC",
                         help="copy SRC, a regular file inside its own directory, instead of standard input")
     parser.add_argument("--within", metavar="DIR", help="refuse unless FILE's directory resolves inside DIR")
+    parser.add_argument("--check", action="store_true",
+                        help="with --within: write nothing; FILE (a directory) outside DIR is printed as where it "
+                             "leads, exit 1")
     args = parser.parse_args(argv)
+    if args.check:
+        where = outside(args.file, args.within or parser.error("--check takes --within DIR"))
+        print(where or "", end="\n" if where else "")
+        return 1 if where else 0
     safe = safety()
     try:
-        if args.within is not None:
-            within(args.file, args.within, safe.ConfinedPathError)
+        where = args.within and outside(os.path.dirname(args.file) or ".", args.within)
+        if where:
+            raise safe.ConfinedPathError(f"{where}: a run's outputs are written only inside it; remove the link "
+                                         "(or give the output directory itself)")
         source = sys.stdin.buffer if args.source is None else read_from(args.source, safe)
         with source, safe.replaced(args.file) as out:
             if args.append:

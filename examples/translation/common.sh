@@ -38,13 +38,9 @@ ea_is_name() { [[ "$1" =~ ^[A-Za-z0-9_@-]+$ ]]; }
 # onto it (scripts/safe_write.py): a link planted under FILE's name is never written through;
 # --within: refused unless FILE's directory resolves inside DIR.
 ea_write() { "$PYTHON" "$EA_REPO/scripts/safe_write.py" "$@"; }
-# ea_real DIR: DIR's real path (links followed); ea_inside DIR TOP: DIR resolves inside TOP
-ea_real() { (cd -P -- "$1" 2>/dev/null && pwd) || printf '%s' "$1"; }
-ea_inside() {
-  local dir top
-  dir=$(ea_real "$1") top=$(ea_real "$2")
-  [ "$top" = / ] || [ "$dir" = "$top" ] || [[ "$dir" == "$top"/* ]]
-}
+# ea_inside DIR TOP: DIR, links followed, resolves inside TOP (ea_write --within's test);
+# otherwise false, with where it leads on standard output, one line
+ea_inside() { "$PYTHON" "$EA_REPO/scripts/safe_write.py" --within "$2" --check "$1"; }
 # ea_shown VALUE: VALUE quoted for a one-line message (newlines and control characters
 # escaped, as bash's printf %q writes them).
 ea_shown() { printf '%q' "$1"; }

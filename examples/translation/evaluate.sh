@@ -114,8 +114,7 @@ if ! ls "$ckpt_dir"/checkpoint*.pt >/dev/null 2>&1 && ls -d "$ckpt_dir"/seed*/ >
     || die "$ckpt_dir holds one run per seed: --checkpoint and --out-dir apply to one run"
   mapfile -t seed_dirs < <(for d in "$ckpt_dir"/seed*/; do echo "${d%/}"; done | sort -V)
   for d in "${seed_dirs[@]}"; do
-    ea_inside "$d" "$ckpt_dir" \
-      || die "$(ea_shown "$d") resolves to $(ea_shown "$(ea_real "$d")"), outside the run $(ea_shown "$(ea_real "$ckpt_dir")"): refused, nothing written"
+    where=$(ea_inside "$d" "$ckpt_dir") || die "$where: refused, nothing written"
     echo "[evaluate] $d" >&2
     bash "$0" "$d" "$data" "$mode" ${all_args[@]+"${all_args[@]}"} || die "scoring $d failed"
   done
@@ -135,8 +134,8 @@ fi
 within="${out_dir:-$ckpt_dir}"
 out_dir="${out_dir:-$ckpt_dir/eval}"
 mkdir -p "$out_dir"
-ea_inside "$out_dir" "$within" \
-  || die "$(ea_shown "$out_dir") resolves to $(ea_shown "$(ea_real "$out_dir")"), outside the run $(ea_shown "$(ea_real "$within")"): refused, nothing written; remove the link or give --out-dir DIR"
+where=$(ea_inside "$out_dir" "$within") \
+  || die "$where: refused, nothing written; remove the link or give --out-dir DIR"
 
 if [ -n "$best" ]; then checkpoint="$ckpt_dir/checkpoint_best.pt"; fi
 if [ -n "$checkpoint" ]; then
