@@ -8,7 +8,8 @@ map that broadcasts, masks that are not bool refused; its purity; an EA-Lite mod
 on it as its full pass computes; its operation count per decoding step against the twin's;
 and its compilation for a GPU.
 
-As ``tests/test_triton_kernels.py`` (whose bounds it uses): on CUDA compiled, on a CPU run in
+As ``tests/test_triton_full_pass.py`` (whose bounds it uses; its compiler harness and launch
+counter: ``tests/test_triton_registers_and_launches.py``'s): on CUDA compiled, on a CPU run in
 Triton's interpreter (``bash scripts/test_triton.sh``), skipped elsewhere (the default suite).
 """
 import os
@@ -26,7 +27,8 @@ from ea_ops import EvolvingAttentionParams, accelerators, dispatch, evolving_att
 from ea_ops.contract import StepState  # noqa: E402
 from ea_ops.softmax import fully_masked_rows  # noqa: E402
 from ea_ops.triton import decoding_step, interpret_on_cpu  # noqa: E402
-from test_triton_kernels import DEVICE, KernelLaunches, bound, close, compiles_without_spills  # noqa: E402
+from test_triton_full_pass import DEVICE, bound, close  # noqa: E402
+from test_triton_registers_and_launches import KernelLaunches, compiles_without_spills  # noqa: E402
 
 SENTENCES, BEAMS, HEADS, K, HEAD_DIM = 2, 2, 3, 3, 4
 BSZ = SENTENCES * BEAMS
@@ -311,9 +313,9 @@ def test_an_ea_lite_decoding_step_launches_no_more_than_the_twins(monkeypatch):
     assert reference.count > twin.count, table
 
 
-# Compiled in a process of its own (see tests/test_triton_kernels.py): for sm_90, at EA-Base's
-# 8 heads, a 256-key row (self-attention, every input: fp16) and the widest row the
-# dispatcher gives it (cross-attention, a first step: float32 weights): no register spills.
+# Compiled in a process of its own (see tests/test_triton_registers_and_launches.py): for
+# sm_90, at EA-Base's 8 heads, a 256-key row (self-attention, every input: fp16) and the widest
+# row the dispatcher gives it (cross-attention, a first step: float32 weights): no register spills.
 COMPILE = textwrap.dedent("""
     from ea_ops.triton import MAX_ROW_ELEMENTS
     from ea_ops.triton import decoding_step as ea
