@@ -8,11 +8,12 @@ needs more than one seed per system: it is checked on a copy of those results ho
 each system, a second seed derived from its first (not trained: seed 1's stored translation
 with a few sentences replaced by their references, scored by ea-fairseq-bleu with the runner's
 arguments and stored in the runner's layout), reported by ``quality.py report``. Every number
-of both reports is recomputed with sacreBLEU and scipy from the stored hypotheses. The choice
-among several learning rates (each candidate a whole run of its own) is checked on stored
-candidates, without training them."""
+of both reports is recomputed with sacreBLEU and scipy from the stored hypotheses.
+
+Without training: the runner's refusals and its choice of learning rate are
+test_quality_runner.py's, the report of stored results that no runner trained here
+test_quality_report.py's."""
 import contextlib
-import importlib
 import json
 import lzma
 import os
@@ -20,15 +21,14 @@ import shlex
 import shutil
 import statistics
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import sacrebleu
 from sacrebleu.metrics import BLEU, CHRF
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "benchmarks" / "quality.py"
+from quality_support import REPO, benchmarks_module, quality
+
 SYSTEMS, SEEDS, LRS = ("transformer_lite", "realformer_lite"), (1,), ("0.002",)
 #: seed 2 of each system, derived from its seed 1: these test sentences' hypotheses replaced by their
 #: references (different counts: the systems and the seeds score differently in both metrics)
@@ -52,18 +52,6 @@ def tiny_corpus(out: Path) -> None:
         for lang, k in (("es", 0), ("en", 1)):
             with lzma.open(out / f"{split}.{lang}.xz", "wt", encoding="utf-8") as f:
                 f.writelines(p[k] + "\n" for p in pairs)
-
-
-def benchmarks_module(name: str):
-    """benchmarks/NAME.py, imported as quality.py imports its sibling (benchmarks/ on sys.path)."""
-    if str(REPO / "benchmarks") not in sys.path:
-        sys.path.insert(0, str(REPO / "benchmarks"))
-    return importlib.import_module(name)
-
-
-def quality(*args, check=True):
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], cwd=REPO, capture_output=True,
-                          text=True, check=check)
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +84,7 @@ def derive_seed(results: Path, system: str, sentences, work: Path) -> None:
     logs and probe, a fresh eval/, its references linked to refs/ by the runner's own code."""
     from ea_fairseq_cli import bleu
 
-    q = benchmarks_module("quality")
+    q = benchmarks_module("quality_runner")
 
     seed1 = (results / "runs" / system / "seed1").resolve()
     run = results / "runs" / system / "seed2"
@@ -223,6 +211,7 @@ def test_learning_rate_runs_not_chosen_are_reported_and_checked_like_the_tables(
     its chosen run scoring 0 on the test set) is no row of the score tables, but the report
     counts it in the provenance, lists it under the runs, and flags it as it flags a table
     run, with the path of its collapse probe's output; the chosen run is listed once."""
+    quality_results = benchmarks_module("quality_results")
     quality_report = benchmarks_module("quality_report")
 
     _, res, _, real = finished
@@ -238,7 +227,7 @@ def test_learning_rate_runs_not_chosen_are_reported_and_checked_like_the_tables(
         scores["metrics"][m]["score"] = 0.0
     (other / "eval" / "test.es-en.scores.json").write_text(json.dumps(scores))
 
-    out = quality_report.build(str(results))
+    out = quality_results.build(str(results))
     realformer = out["systems"]["realformer_lite"]
     assert list(realformer["lr_candidates"]) == ["0.001"]  # the chosen rate is seed 1, listed once
     assert realformer["lr_candidates"]["0.001"]["scores"] == {"sacrebleu": 0.0, "chrf": 0.0}
@@ -261,7 +250,7 @@ def test_learning_rate_runs_not_chosen_are_reported_and_checked_like_the_tables(
     # before the family's choice (its seed 1 not linked yet) every rate's run waits, none is "not chosen"
     (results / "lr_selection" / "realformer_lite" / "choice.json").unlink()
     (results / "runs" / "realformer_lite" / "seed1").unlink()
-    out = quality_report.build(str(results))
+    out = quality_results.build(str(results))
     assert list(out["systems"]["realformer_lite"]["lr_candidates"]) == ["0.001", f"{float(LRS[0]):g}"]
     waiting = [f for f in out["findings"] if f.startswith("realformer_lite seed 1 at lr 0.001 (learning-rate run, "
                                                           "its family's rate not chosen yet): ")]
@@ -388,233 +377,3 @@ def test_a_finished_run_is_kept_and_another_budget_refused(finished):
     assert other.returncode != 0
     assert other.stderr.strip().splitlines()[-1].startswith("quality.py: ")
     assert "another budget" in other.stderr and "Traceback" not in other.stderr
-
-
-def test_bad_arguments_get_one_line(tmp_path):
-    unknown = quality("run", "--systems", "transformer_lite", "bogus_lite", "--results-dir", tmp_path / "r",
-                      "--work-dir", tmp_path / "w", check=False)
-    assert unknown.returncode != 0 and "Traceback" not in unknown.stderr
-    (line,) = unknown.stderr.strip().splitlines()
-    assert line.startswith("quality.py: unknown system(s) bogus_lite; known: transformer_lite, ea_transformer_lite")
-    outside = quality("run", "--commit", "--results-dir", tmp_path / "r", "--work-dir", tmp_path / "w", check=False)
-    assert outside.returncode != 0 and "outside the repository" in outside.stderr.strip().splitlines()[-1]
-    demo = subprocess.run(["bash", str(REPO / "scripts" / "demo.sh")], cwd=tmp_path, capture_output=True, text=True,
-                          env={**os.environ, "DEMO_DIR": str(tmp_path / "d"), "DEMO_STOP_AFTER": "bogus"})
-    assert demo.returncode != 0
-    assert "DEMO_STOP_AFTER must be data or translation (got 'bogus')" in demo.stderr
-    assert not (tmp_path / "d").exists()  # refused before any stage
-
-
-def test_a_second_runner_on_the_same_work_dir_is_refused(tmp_path):
-    import fcntl
-
-    (tmp_path / "w").mkdir()
-    with open(tmp_path / "w" / "run.lock", "a+") as held:
-        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        held.write("4242")
-        held.flush()
-        second = quality("run", "--results-dir", tmp_path / "r", "--work-dir", tmp_path / "w", check=False)
-    assert second.returncode != 0 and "Traceback" not in second.stderr
-    (line,) = second.stderr.strip().splitlines()
-    assert line.startswith(f"quality.py: another quality.py run (pid 4242) is using {tmp_path / 'w'}")
-    assert not (tmp_path / "r").exists()  # refused before anything was written
-
-
-def test_a_dirty_tree_is_refused_unless_allowed(tmp_path, monkeypatch):
-    """The runner records the commit each run ran on: uncommitted changes outside the results
-    are refused (one line) unless --allow-dirty; git_state lists them, leaving out the results."""
-    q = benchmarks_module("quality")
-
-    repo = tmp_path / "repo"
-    (repo / "res").mkdir(parents=True)
-    git = lambda *a: subprocess.run(["git", *a], cwd=repo, capture_output=True, text=True, check=True)  # noqa: E731
-    git("init", "-q")
-    (repo / "code.py").write_text("x = 1\n")
-    git("add", "code.py")
-    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "c")
-    assert q.git_state(str(repo), [str(repo / "res")]) == {"commit": git("rev-parse", "HEAD").stdout.strip(),
-                                                           "dirty": []}
-    (repo / "code.py").write_text("x = 2\n")
-    (repo / "new.py").write_text("")
-    (repo / "res" / "run.json").write_text("{}")
-    assert sorted(q.git_state(str(repo), [str(repo / "res")])["dirty"]) == ["code.py", "new.py"]
-
-    monkeypatch.setattr(q, "git_state", lambda repo, exclude: {"commit": "abc", "dirty": ["ea_fairseq/x.py"]})
-    monkeypatch.setattr(q, "pip_freeze", lambda: "torch==0\n")
-    with pytest.raises(SystemExit, match=r"^quality.py: the working tree has uncommitted changes \(ea_fairseq/x.py\): "
-                                         r"commit them .* or give --allow-dirty"):
-        q.main(["run", "--results-dir", str(tmp_path / "r"), "--work-dir", str(tmp_path / "w")])
-    assert not (tmp_path / "r").exists()  # refused before anything was written
-    monkeypatch.setattr(q, "git_state", lambda repo, exclude: {"commit": None, "dirty": []})
-    with pytest.raises(SystemExit, match="is not a git checkout"):
-        q.main(["run", "--results-dir", str(tmp_path / "r"), "--work-dir", str(tmp_path / "w")])
-
-
-@pytest.mark.parametrize("scores, chosen", [
-    ({0.002: (3.0, 20.0), 0.001: (4.0, 10.0)}, 0.001),  # sacreBLEU decides
-    ({0.002: (4.0, 21.0), 0.001: (4.0, 20.0)}, 0.002),  # then chrF
-    ({0.002: (4.0, 20.0), 0.001: (4.0, 20.0)}, 0.001),  # then the lower rate
-])
-def test_the_learning_rate_is_the_best_validation_candidate(tmp_path, scores, chosen):
-    """choose_lr on stored candidate runs: validation sacreBLEU, then chrF, then the lower
-    rate; seed 1 becomes a link to the chosen run; no choice while a candidate is unfinished."""
-    q = benchmarks_module("quality")
-
-    runner = q.Runner.__new__(q.Runner)  # no git or pip records: nothing here trains
-    runner.results, runner.args = str(tmp_path), type("Args", (), {"lrs": sorted(scores)})()
-    for lr, (bleu, chrf) in scores.items():
-        run = Path(runner.candidate_dir("ea_transformer_lite", lr))
-        (run / "valid").mkdir(parents=True)
-        (run / "run.json").write_text(json.dumps({"status": "finished"}))
-        metrics = {"sacrebleu": {"score": bleu}, "chrf": {"score": chrf}, "chrf++": {"score": chrf}}
-        (run / "valid" / "valid.es-en.scores.json").write_text(json.dumps({"metrics": metrics}))
-    assert runner.choose_lr("ea_transformer_lite") == chosen
-    choice = json.loads((tmp_path / "lr_selection" / "ea_transformer_lite" / "choice.json").read_text())
-    assert choice["lr"] == chosen and choice["valid"][f"{chosen:g}"]["sacrebleu"] == scores[chosen][0]
-    assert Path(runner.run_dir("ea_transformer_lite", 1)).resolve() == Path(runner.candidate_dir(
-        "ea_transformer_lite", chosen)).resolve()
-    (Path(runner.candidate_dir("ea_transformer_lite", 0.002)) / "run.json").write_text(json.dumps({"status": "failed"}))
-    assert runner.choose_lr("ea_transformer_lite") is None
-
-
-def _stored_run(path: Path, system: str, lr, **extra) -> dict:
-    """A failed run's record as quality.py writes it (no scores to read), under ``path``."""
-    record = {"system": system, "seed": 1, "lr": lr, "status": "failed", "failure": "scripts/demo.sh exited 1",
-              "machine": {"cpu": "test"}, "commands": ["bash scripts/demo.sh"], "started": f"{system} {path.name}",
-              "git": {"commit": "0" * 40, "dirty": []}, **extra}
-    if record["lr"] is None:
-        del record["lr"]
-    path.mkdir(parents=True)
-    (path / "run.json").write_text(json.dumps(record))
-    return record
-
-
-def test_every_learning_rate_run_is_listed_once_under_what_its_family_chose(tmp_path):
-    """Results the runner's layout allows, or a copy of them holds: a seed 1 that is a copy of
-    its learning-rate run (the links dereferenced) is listed once, as seed 1; two runs at one rate
-    (``lr0.002``, ``lr0.0020``) and a run.json without ``lr`` (named by its directory) are each
-    listed; a family whose choice is written but not yet linked names its chosen run as chosen."""
-    quality_report = benchmarks_module("quality_report")
-
-    res = tmp_path / "res"
-    systems = {s: {"arch": s, "train_args": "", "seeds": 1, "own_dropout": ""} for s in ("a_lite", "b_lite", "c_lite")}
-    res.mkdir()
-    (res / "config.json").write_text(json.dumps({"budget": {"lrs": [0.001, 0.002]}, "baseline": "a_lite",
-                                                 "planned": [[s, 1] for s in systems], "systems": systems}))
-    lrs = res / "lr_selection"
-    chosen = _stored_run(lrs / "a_lite" / "lr0.001", "a_lite", 0.001)
-    shutil.copytree(lrs / "a_lite" / "lr0.001", res / "runs" / "a_lite" / "seed1")  # a dereferenced copy
-    _stored_run(lrs / "a_lite" / "lr0.002", "a_lite", None)
-    _stored_run(lrs / "a_lite" / "lr0.0020", "a_lite", "0.0020")
-    _stored_run(lrs / "b_lite" / "lr0.001", "b_lite", 0.001)
-    _stored_run(lrs / "b_lite" / "lr0.002", "b_lite", 0.002)
-    _stored_run(lrs / "c_lite" / "lr0.002", "c_lite", 0.002)  # failed: the family's choice waits for this rate
-    _stored_run(lrs / "gone_lite" / "lr0.001", "gone_lite", 0.001)  # a family config.json no longer lists
-    _stored_run(res / "runs" / "gone_lite" / "seed2", "gone_lite", 0.001, seed=2)
-    for s, lr in (("a_lite", 0.001), ("b_lite", 0.002)):
-        (lrs / s / "choice.json").write_text(json.dumps({"system": s, "lr": lr, "seed": 1, "rule": "best",
-                                                         "valid": {}}))
-
-    out = quality_report.build(str(res))
-    a, b = out["systems"]["a_lite"], out["systems"]["b_lite"]
-    assert list(a["runs"]) == ["1"] and a["runs"]["1"]["started"] == chosen["started"]
-    assert sorted(r["started"] for r in a["lr_candidates"].values()) == ["a_lite lr0.002", "a_lite lr0.0020"]
-    assert sorted(r["started"] for r in b["lr_candidates"].values()) == ["b_lite lr0.001", "b_lite lr0.002"]
-    assert out["provenance"]["runs"] == 6 and len(set(out["provenance"]["commits"]["0" * 40])) == 6
-    names = [n for n, _ in quality_report.named_runs(out)]
-    assert len(names) == len(set(names)) == 6
-    assert out["findings"][-1] == ("Stored runs of families that config.json does not list, left out of this "
-                                   "report: runs/gone_lite/seed2, lr_selection/gone_lite/lr0.001")
-    assert [n for n in names if n.startswith("c_lite")] == [
-        "c_lite seed 1 at lr 0.002 (learning-rate run, its family's rate not chosen yet)"]
-    assert [n for n in names if n.startswith("b_lite")] == [
-        "b_lite seed 1 at lr 0.001 (learning-rate run, not chosen)",
-        "b_lite seed 1 at lr 0.002 (learning-rate run, chosen, not linked as the family's seed 1 yet)"]
-    md = quality_report.markdown(out, {"command": "", "output": ""})
-    assert md.count("| a_lite | 1 (not chosen) | failed | ") == 2 and md.count("| a_lite | 1 | failed | ") == 1
-    assert md.count("| b_lite | 1 (not chosen) | failed | 0.001 |") == 1
-    assert md.count("| b_lite | 1 (chosen, not linked as the family's seed 1 yet) | failed | 0.002 |") == 1
-    assert "**Missing** (not run yet): b_lite seed 1 (its learning-rate runs are under Runs), c_lite seed 1 " \
-           "(its learning-rate runs are under Runs)." in md
-    assert "| c_lite | c_lite | – (not chosen yet) |" in md and "the demo's, not selected" not in md
-    assert "Not chosen yet: c_lite (its learning-rate runs are under Runs)." in md
-    # before any family's choice (the runner's report after each of the first runs)
-    shutil.rmtree(res / "runs")
-    for s in systems:
-        with contextlib.suppress(FileNotFoundError):
-            (lrs / s / "choice.json").unlink()
-    md = quality_report.markdown(quality_report.build(str(res)), {"command": "", "output": ""})
-    assert "No family's learning rate is chosen yet: `quality.py run` chooses each family's from 0.001 and 0.002 " \
-           "on the validation set (seed 1) once all its rates' runs have finished; those stored so far are " \
-           "listed under Runs." in md and "the demo's, not selected" not in md and "No learning-rate selection" not in md
-
-
-def test_a_finished_run_without_its_scores_gets_one_line(tmp_path):
-    """A run recorded as finished whose eval/ holds no scores.json (a table run or a learning-rate
-    run not chosen) stops the report with one line naming the run, not a traceback."""
-    quality_report = benchmarks_module("quality_report")
-
-    res = tmp_path / "res"
-    systems = {"a_lite": {"arch": "a_lite", "train_args": "", "seeds": 1, "own_dropout": ""}}
-    res.mkdir()
-    (res / "config.json").write_text(json.dumps({"budget": {}, "baseline": "a_lite", "planned": [["a_lite", 1]],
-                                                 "systems": systems}))
-    run = res / "lr_selection" / "a_lite" / "lr0.002"
-    _stored_run(run, "a_lite", 0.002, status="finished")
-    (run / "eval").mkdir()
-    with pytest.raises(SystemExit, match=r"^[^\n]*lr0\.002[^\n]* finished[^\n]*scores\.json[^\n]*$"):
-        quality_report.build(str(res))
-    (res / "runs" / "a_lite").mkdir(parents=True)
-    (res / "runs" / "a_lite" / "seed1").symlink_to(os.path.relpath(run, res / "runs" / "a_lite"))
-    with pytest.raises(SystemExit, match=r"^[^\n]*seed1[^\n]* finished[^\n]*scores\.json[^\n]*$"):
-        quality_report.build(str(res))
-
-
-def test_the_training_loss_is_read_from_one_kind_of_log_line(tmp_path):
-    """fairseq-train logs a train_inner line per log interval (the mean over that interval) and a
-    train line per epoch (the mean over the epoch, at the same update where an epoch ends with an
-    interval): the loss curve and the last loss are the train_inner lines', never an epoch's mean;
-    a log shorter than one interval has only epoch lines, and those are its curve."""
-    quality_report = benchmarks_module("quality_report")
-
-    head = "2026-11-27 04:48:15 | INFO | "
-    log = tmp_path / "train.log"
-    log.write_text("".join([
-        f"{head}fairseq_cli.train | num. shared model params: 3,482,496 (num. trained: 3,482,496)\n",
-        f"{head}train_inner | epoch 001:     25 / 40 loss=12.214, nll_loss=12.1, ppl=4000, num_updates=25, lr=1e-4\n",
-        f"{head}train | epoch 001 | loss 11.5 | nll_loss 11.3 | ppl 2900 | num_updates 40 | lr 1.6e-4\n",
-        f"{head}train_inner | epoch 002:     10 / 40 loss=8.978, nll_loss=8.3, ppl=320, num_updates=50, lr=2e-4\n",
-        f"{head}train | epoch 002 | loss 8.983 | nll_loss 8.349 | ppl 326.07 | num_updates 52 | lr 2.1e-4\n",
-        f"{head}valid | epoch 002 | valid on 'valid' subset | loss 7.5 | nll_loss 7.1 | num_updates 52\n"]))
-    t = quality_report.training_summary(str(log))
-    assert t["loss_curve"] == [[25, 12.214], [50, 8.978]] and t["last_loss"] == 8.978
-    assert (t["updates"], t["last_loss_update"], t["first_loss"], t["params"]) == (52, 50, 12.214, "3,482,496")
-    log.write_text(f"{head}train | epoch 001 | loss 13.1 | nll_loss 13 | ppl 9000 | num_updates 2 | lr 1e-7\n")
-    t = quality_report.training_summary(str(log))
-    assert t["loss_curve"] == [[2, 13.1]] and (t["updates"], t["last_loss_update"]) == (2, 2)
-
-
-def test_systems_of_the_plan_take_their_familys_rate_and_the_primary_pair_keeps_its_checkpoints(tmp_path):
-    """The compute-matched baseline, EA's ablations and RAN without its attention dropout train
-    at the rate their family chose on the validation set (none of their own is selected); the
-    primary pair's new seeds keep every checkpoint for the learning curves."""
-    import argparse
-
-    q = benchmarks_module("quality")
-    res = tmp_path / "res"
-    runner = q.Runner(argparse.Namespace(results_dir=str(res), work_dir=str(tmp_path / "work"), seeds=None,
-                                         update_readme=False, readme=str(tmp_path / "README.md")))
-    assert runner.lr_of("ea_transformer_lite_alpha0") is None  # EA's rate not chosen yet: not run
-    (res / "lr_selection" / "ea_transformer_lite").mkdir(parents=True)
-    (res / "lr_selection" / "ea_transformer_lite" / "choice.json").write_text('{"lr": 0.002}')
-    for system in ("ea_transformer_lite_alpha0", "ea_transformer_lite_beta0"):
-        assert runner.lr_of(system) == 0.002
-    taking = {s: family for s, (_, _, _, family) in q.SYSTEMS.items() if family}
-    assert taking == {"transformer_lite_1400_updates": "transformer_lite",
-                      "ea_transformer_lite_alpha0": "ea_transformer_lite",
-                      "ea_transformer_lite_beta0": "ea_transformer_lite",
-                      "ran_d_lite_attention_dropout0": "ran_d_lite",
-                      "ran_all_lite_attention_dropout0": "ran_all_lite"}
-    assert all(q.SYSTEMS[f][3] is None for f in taking.values())  # families choose their own
-    assert [runner.seeds(s)[-1] for s in ("transformer_lite", "ea_transformer_lite")] == [10, 10]
-    assert q.KEEP_CHECKPOINTS == {"transformer_lite": 6, "ea_transformer_lite": 6}
