@@ -29,6 +29,9 @@ test modules pick from :data:`FAMILIES` by these fields, never keep a list of th
   twin's weights (EA with α = β = 0, a one-layer RealFormer, ...), ``None`` where none does;
 * ``paper_archs``: the family's mechanism at the papers' other sizes (its parameter count is
   checked there too: :func:`added_parameters`);
+* ``parameters``: for the variant the line introduces, ``(variant, formula)``: the parameters
+  it adds to one role's ``layers`` attentions beyond fairseq's, written from its paper
+  (:func:`added_parameters` sums them over a model's roles);
 * ``fixture``: its checkpoint fixture's folder in ``tests/fixtures/checkpoints`` (the arch
   trained at make_fixtures.py's sizes and options; test_checkpoint_fixtures.py);
 * ``maps``: the maps the analysis tool records beside each attention's weights
@@ -44,7 +47,7 @@ test_families.py checks that nothing is left where it started.
 import fnmatch
 import functools
 from dataclasses import dataclass
-from typing import Dict, FrozenSet, Iterator, Optional, Tuple
+from typing import Callable, Dict, FrozenSet, Iterable, Iterator, Optional, Tuple
 
 import torch
 
@@ -72,6 +75,7 @@ class Family:
     maps: Optional[FrozenSet[str]] = None
     paper_archs: Tuple[str, ...] = ()
     fixture: str = ""
+    parameters: Tuple[Tuple[str, Callable], ...] = ()
 
     def args(self) -> Tuple[str, ...]:
         return (self.arch, *self.options)
@@ -132,34 +136,66 @@ def build_perturbed(name: str, *sizes: str, dictionary, seed: int = 3):
     return model, args
 
 
-def added_parameters(args) -> Optional[int]:
-    """The parameters a model built with ``args`` has beyond its fairseq twin, from the
-    papers' descriptions: per EA attention a k x k heads-to-heads convolution (H²k² + H); per
-    PA block after the first ``--pa-conv-layers`` 3x3 ones; per RAN stack A_1 (H·L²), the
-    transition W, b (L² + L) and its layer norm (2L), and per RAN, HC-SA or Syn-R layer no
-    query and key projections (-2(d² + d)); HC-SA's authors' projections without biases (-2d
-    for value and output); Syn-R's H x L x L logits per layer. RealFormer, ResFormer and
-    DropAttention add none. ``None`` with LSRA (its kernels per layer: test_conv_transformer.py)."""
+def _no_projections(args) -> int:
+    """A position-only attention has no query and key projections: -2(d² + d)."""
+    return -2 * (args.encoder_embed_dim ** 2 + args.encoder_embed_dim)
+
+
+def ea_parameters(args, role: str, layers: int) -> int:
+    """EA: per attention a k x k heads-to-heads convolution, H²k² + H (EA Table 5)."""
+    h = args.encoder_attention_heads
+    return 0 if getattr(args, f"ea_no_{role}_conv", False) else layers * (h * h * args.ea_kernel_size ** 2 + h)
+
+
+def pa_parameters(args, role: str, layers: int) -> int:
+    """PA: per block after the first, ``--pa-conv-layers`` 3 x 3 convolutions (PA §3.3)."""
+    h = args.encoder_attention_heads
+    return (layers - 1) * args.pa_conv_layers * (h * h * 9 + h)
+
+
+def ran_parameters(args, role: str, layers: int) -> int:
+    """RAN: per stack A_1 (H·L²), the transition W, b (L² + L) and its layer norm (2L); per
+    layer no query and key projections (RAN Eqs. 3-4)."""
+    L = args.ran_max_positions
+    return layers * _no_projections(args) + args.encoder_attention_heads * L * L + L * L + L + 2 * L
+
+
+def hcsa_parameters(args, role: str, layers: int) -> int:
+    """HC-SA: no query and key projections; the authors' value and output projections without
+    biases (-2d) unless ``--hcsa-normalize visible``."""
+    no_bias = 2 * args.encoder_embed_dim if args.hcsa_normalize == "none" else 0
+    return layers * (_no_projections(args) - no_bias)
+
+
+def synthesizer_parameters(args, role: str, layers: int) -> int:
+    """Syn-R: no query and key projections; H x L x L logits per layer (Tay et al.)."""
+    return layers * (_no_projections(args) + args.encoder_attention_heads * args.synthesizer_max_positions ** 2)
+
+
+def no_parameters(args, role: str, layers: int) -> int:
+    """A mechanism on fairseq's parameters alone (RealFormer's residual logits)."""
+    return 0
+
+
+def added_parameters(args, families: Optional[Iterable["Family"]] = None) -> Optional[int]:
+    """The parameters a model built with ``args`` has beyond its fairseq twin: per attention
+    role, the formula the family line that introduces its variant states (``parameters``),
+    from the papers' descriptions. fairseq's attention (``vanilla``, ``dot_product``) and
+    value residual learning add none; DropAttention adds none. ``None`` with LSRA (its kernels
+    per layer: test_conv_transformer.py)."""
     if getattr(args, "lsra_on", None):
         return None
-    d, h = args.encoder_embed_dim, args.encoder_attention_heads
+    formulas = {"vanilla": no_parameters, "dot_product": no_parameters}
+    for family in FAMILIES.values() if families is None else families:
+        formulas.update(family.parameters)
     layers = {"encoder": args.encoder_layers, "decoder": args.decoder_layers, "cross": args.decoder_layers}
-    kinds = {role: getattr(args, f"{role}_attention", "vanilla") for role in layers}  # (fairseq's: none)
-    no_projections = -2 * (d * d + d)
     added = 0
-    for role, kind in kinds.items():
-        n = layers[role]
-        if kind == "ea" and not getattr(args, f"ea_no_{role}_conv", False):
-            added += n * (h * h * args.ea_kernel_size ** 2 + h)
-        elif kind == "pa":
-            added += (n - 1) * args.pa_conv_layers * (h * h * 9 + h)
-        elif kind == "ran":
-            L = args.ran_max_positions
-            added += n * no_projections + h * L * L + L * L + L + 2 * L
-        elif kind == "hcsa":
-            added += n * (no_projections - (2 * d if args.hcsa_normalize == "none" else 0))
-        elif kind == "synthesizer":
-            added += n * (no_projections + h * args.synthesizer_max_positions ** 2)
+    for role, n in layers.items():
+        kind = getattr(args, f"{role}_attention", "vanilla")  # (fairseq's transformer: none)
+        if kind not in formulas:
+            raise KeyError(f"no family line states the parameters the {kind} attention adds: give the line that "
+                           "introduces it parameters=((VARIANT, formula(args, role, layers)),) in tests/families.py")
+        added += formulas[kind](args, role, n)
     return added
 
 
@@ -243,7 +279,8 @@ FAMILIES: Dict[str, Family] = {
     "vanilla": Family("transformer_lite", dtypes=FP32, maps=frozenset(), fixture="vanilla"),
     "ea-lite": Family("ea_transformer_lite", EA_ON, EVERY_ROLE, accelerator=True, cli=True, mechanism=MAP_CONV,
                       reduces=("--ea-alpha", "0", "--ea-beta", "0", "--ea-decoder-alpha", "0"),
-                      maps=frozenset({"dot_product", "convolution", "logits"}), fixture="ea"),
+                      maps=frozenset({"dot_product", "convolution", "logits"}), fixture="ea",
+                      parameters=(("ea", ea_parameters),)),
     # decoder alpha 0 (the papers' decoder): no layer reads A_logit, the fused step returns weights
     "ea-lite-paper-decoder": Family("ea_transformer_lite", EA_ON + ("--ea-decoder-alpha", "0"), EVERY_ROLE,
                                     accelerator=True, dtypes=FP32, anchor=False, variant_of="ea-lite",
@@ -255,12 +292,12 @@ FAMILIES: Dict[str, Family] = {
     "ea-base": Family("ea_transformer_base", EA_ON, EVERY_ROLE, accelerator=True, decoding=False,
                       variant_of="ea-lite", twin="transformer", mechanism=MAP_CONV),
     "pa-lite": Family("pa_transformer_lite", ("--pa-alpha", "0.5"), frozenset({"encoder"}), mechanism=PA_CNN,
-                      reduces=("--pa-alpha", "0"), maps=PA_MAPS, fixture="pa"),
+                      reduces=("--pa-alpha", "0"), maps=PA_MAPS, fixture="pa", parameters=(("pa", pa_parameters),)),
     "pa-lite-2-conv-layers": Family("pa_transformer_lite", ("--pa-alpha", "0.5", "--pa-conv-layers", "2"),
                                     frozenset({"encoder"}), dtypes=FP32, anchor=False, variant_of="pa-lite",
                                     mechanism=PA_CNN),
     "ran-e-lite": Family("ran_e_lite", RAN_ON, frozenset({"encoder"}), mechanism=RAN_MATRICES,
-                         paper_archs=("ran_e",), fixture="ran_e"),
+                         paper_archs=("ran_e",), fixture="ran_e", parameters=(("ran", ran_parameters),)),
     "ran-d-lite": Family("ran_d_lite", RAN_ON, frozenset({"decoder"}), mechanism=RAN_MATRICES,
                          paper_archs=("ran_d",), fixture="ran_d"),
     "ran-all-lite": Family("ran_all_lite", RAN_ON, BOTH, cli=True, mechanism=RAN_MATRICES,
@@ -269,14 +306,15 @@ FAMILIES: Dict[str, Family] = {
                                                             "--ea-beta", "0.5"), BOTH, accelerator=True,
                                     dtypes=FP32, anchor=False, mechanism=RAN_MATRICES + MAP_CONV),
     "hcsa-lite": Family("hcsa_lite", (), BOTH, mechanism=HCSA_OFFSETS, maps=frozenset({"gaussian"}),
-                        paper_archs=("hcsa",), fixture="hcsa"),
+                        paper_archs=("hcsa",), fixture="hcsa", parameters=(("hcsa", hcsa_parameters),)),
     "syn-r-lite": Family("syn_r_lite", SYN_ON, BOTH, mechanism=SYN_R, maps=frozenset({"synthesized"}),
-                         paper_archs=("syn_r",), fixture="syn_r"),
+                         paper_archs=("syn_r",), fixture="syn_r",
+                         parameters=(("synthesizer", synthesizer_parameters),)),
     # one layer: no previous scores; λ = (0, 1): V_n alone
     "realformer-lite": Family("realformer_lite", (), EVERY_ROLE,
                               reduces=("--encoder-layers", "1", "--decoder-layers", "1"),
                               maps=frozenset({"dot_product", "logits"}), paper_archs=("realformer_base",),
-                              fixture="realformer"),
+                              fixture="realformer", parameters=(("realformer", no_parameters),)),
     "resformer-lite": Family("resformer_lite", ("--value-residual-lambdas", "0.7", "0.6"), BOTH,
                              reduces=("--value-residual-lambdas", "0", "1"), maps=frozenset(),
                              paper_archs=("resformer_base",), fixture="resformer"),

@@ -14,7 +14,7 @@ from ea_fairseq.models import attention_variants
 from ea_fairseq.modules.attention_protocol import AttentionModule
 
 from conftest import REPO, build_model, random_batch
-from families import twin_model
+from families import FAMILIES, added_parameters, twin_model
 from test_decoding_properties import assert_incremental_equals_full
 
 DOC = os.path.join(REPO, "docs", "adding-a-variant.md")
@@ -60,7 +60,12 @@ def test_the_doc_names_three_places_and_its_blocks_are_them():
 
 def test_the_documented_variant_builds_in_every_role_and_decodes(talking_heads, dictionary):
     cls, family = talking_heads
-    model, _ = build_model(*family.args(), *SIZES, dictionary=dictionary)
+    model, args = build_model(*family.args(), *SIZES, dictionary=dictionary)
+    twin, _ = build_model(family.twin, *SIZES, dictionary=dictionary)
+    added = sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in twin.parameters())
+    assert added == added_parameters(args, [*FAMILIES.values(), family]) == 3 * 2 * 4 * 4  # its line's formula
+    with pytest.raises(KeyError, match="no family line states the parameters the talking_heads attention adds"):
+        added_parameters(args)  # (without its line)
     layers = list(model.encoder.layers) + list(model.decoder.layers)
     built = [m for m in model.modules() if isinstance(m, cls)]
     assert len(built) == len(model.encoder.layers) + 2 * len(model.decoder.layers)
