@@ -51,18 +51,6 @@ def build_model(arch: str, *extra: str, seed: int = 1, dictionary=None):
     return building.build_model(arch, *extra, seed=seed, dictionary=dictionary or make_dictionary())
 
 
-def randomize_convs(model, scale=0.5, seed=3):
-    """EA/PA map-convolution weights drawn large so that a leak through any tap is visible."""
-    from ea_fairseq.modules import AttentionMapConv
-
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, AttentionMapConv):
-                m.weight.copy_(torch.randn(m.weight.shape, generator=g) * scale)
-                m.bias.copy_(torch.randn(m.bias.shape, generator=g) * scale)
-
-
 def random_batch(dictionary, src_lengths, tgt_len, seed=0, left_pad=True, device="cpu"):
     """A left-padded source batch and right-aligned target prefixes, as fairseq builds them
     (drawn on the CPU, so every ``device`` gets the same tokens)."""

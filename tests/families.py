@@ -99,6 +99,10 @@ class Family:
                        f"{self.arch} {' '.join(self.options)} does not list: add its pattern and spread to "
                        "the family's `mechanism` in tests/families.py")
 
+    def perturbed(self, model, *sizes: str, seed: int = 3) -> None:
+        """:meth:`perturb` ``model``, built with ``sizes`` (fairseq's options only), from ``seed``."""
+        self.perturb(model, twin_model(self.twin, *sizes), torch.Generator().manual_seed(seed))
+
     def perturb(self, model, twin, generator: torch.Generator) -> None:
         """Move every mechanism parameter and buffer (floating: plus noise of its spread;
         integer, e.g. HC-SA's offsets: minus 1 to its spread) and every scalar setting not
@@ -132,7 +136,7 @@ def build_perturbed(name: str, *sizes: str, dictionary, seed: int = 3):
 
     family = FAMILIES[name]
     model, args = building.build_model(*family.args(), *sizes, seed=1, dictionary=dictionary)
-    family.perturb(model, twin_model(family.twin, *sizes), torch.Generator().manual_seed(seed))
+    family.perturbed(model, *sizes, seed=seed)
     return model, args
 
 

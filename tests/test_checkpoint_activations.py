@@ -10,7 +10,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import REPO, build_model, cli, cpu_autocast_supports, random_batch, randomize_convs
+from conftest import REPO, build_model, cli, cpu_autocast_supports, random_batch
 from ea_fairseq.models.stack import StackLayer
 from families import FAMILIES
 
@@ -49,7 +49,7 @@ def test_checkpointed_layers_give_the_same_loss_and_gradients(dictionary, family
     layers = [*model.encoder.layers, *model.decoder.layers]
     ours = all(isinstance(layer, StackLayer) for layer in layers)  # fairseq's own wraps its layers itself
     assert ours or all(hasattr(layer, "precheckpoint_forward") for layer in layers)
-    randomize_convs(model)
+    f.perturbed(model, *SMALL)
     model = model.double().train()
     if ours:
         assert all(layer.checkpoint and not layer.offload for layer in layers)
@@ -98,7 +98,7 @@ def test_offloaded_activations_give_the_same_gradients(dictionary):
     f = FAMILIES["ea-lite"]
     model, _ = build_model(f.arch, *f.options, *SMALL, "--offload-activations")
     assert all(layer.checkpoint and layer.offload for layer in [*model.encoder.layers, *model.decoder.layers])
-    randomize_convs(model)
+    f.perturbed(model, *SMALL)
     model = model.double().train()
     _, expected, _ = loss_and_grads(model, dictionary, False)
     _, got, _ = loss_and_grads(model, dictionary, True)
@@ -149,7 +149,7 @@ def test_a_layer_recomputed_under_the_forwards_autocast(dictionary, family, monk
         pytest.skip("CPU autocast does not run bfloat16 matmuls here")
     f = FAMILIES[family]
     model, _ = build_model(f.arch, *f.options, *SMALL, "--checkpoint-activations")
-    randomize_convs(model)
+    f.perturbed(model, *SMALL)
     model.train()
     expected = autocast_grads(model, dictionary, False)
 

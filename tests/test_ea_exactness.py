@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from fairseq.models.transformer import TransformerModel
 from fairseq.modules import MultiheadAttention
 
-from conftest import beam_reorder_gap, build_model, decoder_out, incremental_logprobs, random_batch, randomize_convs
+from conftest import beam_reorder_gap, build_model, decoder_out, incremental_logprobs, random_batch
 from ea_fairseq.models.stack import StackLayer
 from ea_fairseq.modules import AttentionMapConv, EvolvingAttention
 from ea_fairseq.modules.attention_maps import LogitMapAttention
@@ -18,12 +18,20 @@ from ea_ops.reference import evolving_attention_reference
 from ea_ops import dispatch
 from ea_ops.contract import EvolvingAttentionParams, StepState
 from ea_ops import accelerators
+from families import FAMILIES
 
 SMALL = ("--encoder-layers", "3", "--decoder-layers", "3", "--dropout", "0.0")
 ALL_OFF = ("--ea-alpha", "0", "--ea-beta", "0", "--ea-decoder-alpha", "0",
            "--ea-no-encoder-conv", "--ea-no-decoder-conv", "--ea-no-cross-conv")
 # EA everywhere, with weights large enough that every part visibly moves the output
 STRONG = ("--ea-alpha", "0.5", "--ea-beta", "0.5", "--ea-decoder-alpha", "0.3")
+
+
+def perturbed(model, family: str) -> None:
+    """``model`` (built with SMALL) moved off its initial values as its family's tests move it
+    (:meth:`families.Family.perturb`): the map convolutions large enough that a leak through
+    any tap shows."""
+    FAMILIES[family].perturbed(model, *SMALL)
 
 
 @pytest.fixture
@@ -114,7 +122,7 @@ def test_causality_check_catches_a_leaking_conv(dictionary, which):
     target row, and the causality check (test_decoding_properties.py) sees it."""
     off = "--ea-no-cross-conv" if which == "decoder" else "--ea-no-decoder-conv"
     model, _ = build_model("ea_transformer_lite", *SMALL, *STRONG, off)
-    randomize_convs(model)
+    perturbed(model, "ea-lite")
     for m in model.decoder.modules():
         if isinstance(m, AttentionMapConv):
             m.layout = "full"
@@ -133,7 +141,7 @@ def test_decoding_takes_the_accelerated_step_of_its_kind(dictionary, accelerated
     layer reads it): the step returns the attention weights, softmax included. Either way,
     across beam reorders, the full pass's values."""
     model, _ = build_model("ea_transformer_lite", *SMALL, *STRONG, "--ea-decoder-alpha", decoder_alpha)
-    randomize_convs(model)
+    perturbed(model, "ea-lite" if decoder_alpha != "0" else "ea-lite-paper-decoder")
     assert beam_reorder_gap(model, dictionary, [[1, 1, 3, 2], [1, 0, 2, 2]]) <= 1e-5
     if decoder_alpha == "0":
         assert set(accelerated_step) == {True}
@@ -214,7 +222,7 @@ def test_decoding_steps_equal_fairseqs_own_step_path(dictionary, beam_shared_key
     (made once per run) into the run's cache; with a hook on the projections each projection
     runs its own module (fairseq's numbers). Both decode alike, beam reorders included."""
     model, _ = build_model("ea_transformer_lite", *SMALL, *STRONG)
-    randomize_convs(model)
+    perturbed(model, "ea-lite")
     src, lengths, _ = random_batch(dictionary, [5, 9, 5, 9], 8)
     _, _, prev = random_batch(dictionary, [5, 9, 5, 9], 6, seed=7)
     order = torch.tensor([1, 0, 3, 2])

@@ -215,7 +215,8 @@ def test_an_ea_model_trains_through_the_kernels(monkeypatch):
     against the math path in the same dtype; plus a few float32 ulps where both are exact)."""
     import copy
 
-    from conftest import build_model, make_dictionary, random_batch, randomize_convs
+    from conftest import build_model, make_dictionary, random_batch
+    from families import FAMILIES
     from ea_ops import accelerators, dispatch
     from ea_ops.triton import interpret_on_cpu
 
@@ -223,7 +224,7 @@ def test_an_ea_model_trains_through_the_kernels(monkeypatch):
     model = build_model("ea_transformer_lite", "--ea-alpha", "0.5", "--ea-beta", "0.5", "--ea-decoder-alpha", "0.3",
                         "--encoder-layers", "2", "--decoder-layers", "2", "--dropout", "0",
                         "--attention-dropout", "0", dictionary=dictionary)[0]
-    randomize_convs(model)
+    FAMILIES["ea-lite"].perturbed(model, "--encoder-layers", "2", "--decoder-layers", "2")
     model.train()
     src, lengths, prev = random_batch(dictionary, [5, 3], 4, seed=1)
     chosen = []

@@ -231,13 +231,14 @@ def test_an_ea_model_decodes_step_by_step_as_its_full_pass_computes(monkeypatch)
     (plus a few float32 ulps where both are exact)."""
     import copy
 
-    from conftest import build_model, make_dictionary, random_batch, randomize_convs
+    from conftest import build_model, make_dictionary, random_batch
+    from families import FAMILIES
 
     dictionary = make_dictionary()
     model = build_model("ea_transformer_lite", "--ea-alpha", "0.5", "--ea-beta", "0.5", "--ea-decoder-alpha", "0.3",
                         "--encoder-layers", "2", "--decoder-layers", "2", "--dropout", "0",
                         "--attention-dropout", "0", dictionary=dictionary)[0]
-    randomize_convs(model)
+    FAMILIES["ea-lite"].perturbed(model, "--encoder-layers", "2", "--decoder-layers", "2")
     model.to(DEVICE).eval()
     double = copy.deepcopy(model).double()
     src, lengths, _ = random_batch(dictionary, [5, 3], 2, seed=1)
