@@ -155,12 +155,16 @@ class LogitMapAttention(AttentionMechanism, nn.Module):
             (q,) = self.projections(query, ("q_proj",))
             if self.beam_shared(key, bsz):
                 key = value = self.sentence_rows(key)
-            if key is value:
-                k, v = self.projections(key, ("k_proj", "v_proj"))
-            else:
-                (k,), (v,) = self.projections(key, ("k_proj",)), self.projections(value, ("v_proj",))
+            k, v = self.key_value(key, value)
         q = (q * self.scaling).transpose(0, 1)
         return self.dot_products(q, k.transpose(0, 1), bsz, tgt_len), v.transpose(0, 1)
+
+    def key_value(self, key: Tensor, value: Tensor):
+        """The key and value projections (S, B, C each): one joined matmul when ``key`` is
+        ``value`` (fairseq's encoder-decoder attention passes the encoder's output as both)."""
+        if key is value:
+            return tuple(self.projections(key, ("k_proj", "v_proj")))
+        return self.projections(key, ("k_proj",))[0], self.projections(value, ("v_proj",))[0]
 
     def dot_products(self, q: Tensor, k: Tensor, bsz: int, tgt_len: int) -> Tensor:
         """``q k^T`` as (B, H, T, S) for ``q`` (B * H, T, d) and ``k`` (B_kv * H, S, d);
@@ -198,10 +202,8 @@ class LogitMapAttention(AttentionMechanism, nn.Module):
             if cache.keys is None:
                 if self.beam_shared(key, bsz):
                     key = value = self.sentence_rows(key)
-                kv = self.projections(key, ("k_proj", "v_proj")) if key is value else (
-                    self.projections(key, ("k_proj",))[0], self.projections(value, ("v_proj",))[0])
                 # kept for the whole run and read at every step: contiguous, once
-                k, v = (x.transpose(0, 1).contiguous() for x in kv)
+                k, v = (x.transpose(0, 1).contiguous() for x in self.key_value(key, value))
                 kv_bsz = key.size(1)
                 cache.keys, cache.values = k.view(kv_bsz, heads, -1, head_dim), v.view(kv_bsz, heads, -1, head_dim)
                 cache.static, cache.beam_size = True, self.beam_size
@@ -210,9 +212,7 @@ class LogitMapAttention(AttentionMechanism, nn.Module):
             v = cache.values.view(kv_bsz * heads, -1, head_dim)
         else:
             if not own:
-                kv = (self.projections(key, ("k_proj", "v_proj")) if key is value else
-                      (self.projections(key, ("k_proj",))[0], self.projections(value, ("v_proj",))[0]))
-                k, v = (x.transpose(0, 1) for x in kv)
+                k, v = (x.transpose(0, 1) for x in self.key_value(key, value))
             k, v, key_padding_mask = cache.extend(k.view(bsz, heads, -1, head_dim), v.view(bsz, heads, -1, head_dim),
                                                   key_padding_mask)
             k, v = k.view(bsz * heads, -1, head_dim), v.view(bsz * heads, -1, head_dim)
