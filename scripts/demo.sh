@@ -11,23 +11,21 @@
 # The same machine and seed print the same table again; another CPU prints other digits
 # (README.md, "The two commands").
 #
-# Stages: (1) the pinned environment (scripts/setup_env.sh, reused when up to date);
-# (2) data: decompress the shipped corpus, Moses-normalize and -tokenize as the recipes do
+# Stages: (1) the pinned environment (scripts/setup_env.sh, reused when up to date); (2) data:
+# decompress the shipped corpus, Moses-normalize and -tokenize as the recipes do
 # (examples/translation/nmt_text.py and nmt_moses.py, the Perl scripts' port), learn and apply a
-# joint BPE (subword-nmt), binarize (fairseq-preprocess --joined-dictionary); (3) train
-# both architectures for the same number of updates with the same seed and settings;
-# (4) average each run's last checkpoints; (5) translate the test set (beam 5) and score
-# it: detokenized sacreBLEU and fairseq's tokenized BLEU, next to a copy-the-source
-# baseline; (6) plot every model's attention maps across layers for one test sentence
-# (ea-fairseq-analysis dump + plot: PNGs in DEMO_DIR/plots/ARCH/, for EA also its
-# dot-product / convolution / logit maps); (7) a summary table and a few sample translations.
+# joint BPE (subword-nmt), binarize (fairseq-preprocess --joined-dictionary); (3) train both
+# architectures with the same seed and settings; (4) average each run's last checkpoints;
+# (5) translate the test set (beam 5) and score it: detokenized sacreBLEU and fairseq's
+# tokenized BLEU, next to a copy-the-source baseline; (6) plot every model's attention maps
+# across layers for one test sentence (ea-fairseq-analysis: PNGs in DEMO_DIR/plots/ARCH/, for EA
+# also its dot-product / convolution / logit maps); (7) a summary table, sample translations.
 #
 # Device: CPU unless torch sees a CUDA GPU (DEMO_DEVICE=cpu|cuda forces one). On CPU the
-# budget is a fixed number of updates (about two epochs, what fits in 20 minutes: not a trained
-# model). On CUDA the models train in fp16 until the validation loss has not improved for
-# DEMO_PATIENCE validations (every DEMO_VALIDATE_EVERY updates; DEMO_UPDATES caps it), as
-# the papers' early stopping, and the last DEMO_AVG checkpoints are averaged; the output
-# says which budget ran and whether each model stopped early or hit the cap.
+# budget is a fixed number of updates (about two epochs: not a trained model). On CUDA the
+# models train in fp16 until the validation loss has not improved for DEMO_PATIENCE
+# validations (DEMO_UPDATES caps it), as the papers' early stopping; the output says which
+# budget ran and whether each model stopped early or hit the cap.
 #
 # Environment variables (defaults in brackets: CPU / CUDA):
 #   DEMO_DIR          work directory [runs/demo in the repository]
@@ -45,16 +43,14 @@
 #                     source and target tokens after BPE]
 #   DEMO_MAX_MINUTES  optional wall-clock cap per training (fairseq --stop-time-hours); a run
 #                     stopped by it has fewer updates (the table shows how many)
-#   DEMO_PARALLEL     models trained (and evaluated) at the same time [all of them / one
-#                     per GPU]
+#   DEMO_PARALLEL     models trained (and evaluated) at the same time [all / one per GPU]
 #   DEMO_THREADS      torch CPU threads per model [cores / DEMO_PARALLEL]
 #   DEMO_TRAIN_ARGS   extra fairseq-train options, e.g. "--drop-attention element" [none]
 #   DEMO_CORPUS       directory of the corpus' {train,valid,test}.{es,en}.xz
 #                     [examples/translation/bible-es-en]
 #   DEMO_STOP_AFTER   data: stop once the data is prepared; translation: once the test set
 #                     is translated (no attention maps, no report) [run every stage]
-#   DEMO_FRESH=1      redo every stage (by default finished stages of an identical
-#                     configuration in DEMO_DIR are reused)
+#   DEMO_FRESH=1      redo every stage [reuse the finished stages of the same configuration]
 #   EA_FAIRSEQ_VENV   the virtualenv scripts/setup_env.sh creates/uses [.venv in the repository]
 #   EA_FAIRSEQ_SHOW_WARNINGS=1  show the warnings of fairseq's stack (hydra deprecations,
 #                     torch FutureWarnings, ...) that the demo and the recipes filter out

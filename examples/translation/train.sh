@@ -92,6 +92,8 @@ usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' 
 die() { echo "train.sh: error: $*" >&2; exit 1; }
 is_on() { case "${1:-}" in ""|0|no|false) return 1 ;; *) return 0 ;; esac; }
 source "$here/common.sh"  # ea_is_name, ea_shown, ea_quiet, ea_direction, ea_write
+source "$here/paper-settings.sh"  # pair_data_set, family_settings: the papers' settings
+source "$here/run-records.sh"  # check_save_dir, write_run_records: SAVE_DIR's records
 
 if [ $# -lt 2 ]; then
   case "${1:-}" in -h|--help) usage; exit 0 ;; esac
@@ -132,103 +134,9 @@ if [ -n "${SEEDS:-}" ]; then
   exit 0
 fi
 
-# ---------------------------------------------------------------- data set of the pair
-case "$pair" in
-  iwslt14_de_en) data_dir=iwslt14.tokenized.de-en; src=de; tgt=en; size=iwslt; mode=iwslt ;;
-  wmt14_en_de)   data_dir=wmt14_en_de; src=en; tgt=de; size=wmt14; mode=wmt14-en-de ;;
-  wmt14_en_fr)   data_dir=wmt14_en_fr; src=en; tgt=fr; size=wmt14; mode=wmt ;;
-  wmt17_en_lv|wmt17_lv_en|wmt17_en_fi|wmt17_fi_en|wmt17_en_tr|wmt17_tr_en)
-    src="${pair:6:2}"; tgt="${pair:9:2}"
-    other="$src"; [ "$src" = en ] && other="$tgt"
-    data_dir="wmt17_en_$other"; size=wmt17; mode=wmt ;;
-  own)
-    [ -n "${DATA:-}" ] || die "PAIR own trains on the data set in DATA: DATA=data-bin/NAME bash $0 $family own
-  (examples/translation/prepare-own.sh makes one from your own parallel text)"
-    [ -d "$DATA" ] || die "DATA=$DATA is not a directory (prepare it with examples/translation/prepare-own.sh)"
-    src="${SRC:-}"; tgt="${TGT:-}"
-    if [ -z "$src" ] || [ -z "$tgt" ]; then
-      ea_direction "$DATA" train "SRC=.. TGT=.."
-      src="$ea_src" tgt="$ea_tgt"
-    fi
-    for l in "$src" "$tgt"; do
-      ea_is_name "$l" || die "SRC and TGT take a language code ([A-Za-z0-9_@-]+), not $(ea_shown "$l")"
-    done
-    data_dir=""; size=own; mode=wmt ;;
-  *) die "unknown PAIR '$pair' (see --help)" ;;
-esac
-
-# ---------------------------------------------------------------- family: arch + settings
-alpha=""; beta=""; pa_alpha=""; attn_dropout=0.0; patience=5; max_update=""; keep_updates=""
-drop_default=""
-eval_opts=()  # how the paper evaluates (examples/translation/evaluate.sh options)
-case "$family" in
-  transformer_lite) arch=transformer_lite; kind=ea_lite ;;
-  ea_lite)          arch=ea_transformer_lite; kind=ea_lite; alpha=0.1; beta=0.1 ;;
-  transformer_base) arch=transformer; kind=ea_base ;;
-  ea_base)          arch=ea_transformer_base; kind=ea_base; alpha=0.5; beta=0.1 ;;
-  transformer_lite_pa) arch=transformer_lite; kind=pa_lite ;;
-  pa_lite)          arch=pa_transformer_lite; kind=pa_lite; pa_alpha=0.1 ;;
-  conv_lite_pa)     arch=conv_transformer_lite; kind=pa_lite ;;
-  pa_conv_lite)     arch=pa_conv_transformer_lite; kind=pa_lite; pa_alpha=0.1 ;;
-  realformer_lite|resformer_lite) arch="$family"; kind=ea_lite ;;
-  realformer_base|resformer_base) arch="$family"; kind=ea_base ;;
-  transformer_ran)  arch=transformer; kind=ran ;;
-  ran_e|ran_d|ran_all) arch="$family"; kind=ran ;;
-  ran_e_lite|ran_d_lite|ran_all_lite) arch="$family"; kind=ran_lite ;;
-  hcsa|syn_r)       arch="$family"; kind=ran ;;
-  hcsa_lite|syn_r_lite) arch="$family"; kind=ran_lite ;;
-  transformer_dropattn) arch=transformer; kind=vaswani ;;
-  dropattn)         arch=transformer; kind=vaswani; drop_default=element ;;
-  *) die "unknown FAMILY '$family' (see --help)" ;;
-esac
-
-# EA Table 10 (also used for the Transformer baselines, and for RAN outside its WMT tasks)
-ea_table() {
-  case "$pair" in
-    iwslt14_de_en|own) lr=1e-3; dropout=0.2; paper_gpus=1; paper_accum=1 ;;
-    wmt14_en_de)   lr=1e-3; dropout=0.3; paper_gpus=8; paper_accum=16 ;;
-    wmt14_en_fr)   lr=1e-3; dropout=0.1; paper_gpus=8; paper_accum=16 ;;
-    *) if [ "$family" = transformer_base ] || [ "$family" = transformer_lite ]; then
-         die "the EA paper has no $pair setting; RAN's Transformer baseline on WMT'17 is FAMILY transformer_ran"
-       fi
-       [ -n "${LR:-}" ] && [ -n "${DROPOUT:-}" ] \
-         || die "no paper gives a $family setting for $pair: set LR, DROPOUT (and UPDATE_FREQ)"
-       lr="$LR"; dropout="$DROPOUT"; paper_gpus=1; paper_accum=1 ;;
-  esac
-}
-max_tokens=4096
-case "$kind" in
-  ea_lite|ea_base) ea_table ;;
-  pa_lite)
-    [ "$pair" = iwslt14_de_en ] || [ "$pair" = own ] \
-      || die "the PA paper trains translation on IWSLT'14 De-En only (PAIR own: your data, its settings)"
-    lr=5e-4; dropout=0.2; paper_gpus=1; paper_accum=1 ;;
-  ran|ran_lite)
-    [ "$family" != transformer_ran ] || [ "$size" != iwslt ] \
-      || die "the RAN paper has no IWSLT'14 setting; its Transformer baseline runs on WMT pairs"
-    case "$family" in ran_*) attn_dropout=0.2 ;; esac  # "As for RANs"; TransF, HC-SA, Syn-R: 0
-    if [ "$size" = iwslt ] || [ "$size" = own ]; then
-      ea_table  # RAN has no IWSLT setting: the EA table's values, RAN's attention dropout
-    else
-      if [ "$kind" = ran ]; then
-        lr=7e-4; dropout=0.1; paper_gpus=8; paper_accum=1
-        case "$pair" in wmt17_en_tr|wmt17_tr_en) paper_gpus=2 ;; esac
-        eval_opts=(--best --ran-wmt)
-      else
-        ea_table  # RAN-Lite: the Lite values of the EA table
-      fi
-      case "$pair" in wmt14_en_fr) attn_dropout=0.0 ;; esac  # "0.2 ... except on En-Fr"
-      if [ "$size" = wmt14 ]; then max_update=250000; else max_update=150000; fi
-      patience=-1  # RAN trains for a fixed number of steps and picks the best checkpoint
-      keep_updates=10
-    fi ;;
-  vaswani)
-    [ "$pair" = wmt14_en_de ] || [ "$pair" = own ] \
-      || die "the DropAttention paper trains translation on WMT En-De only (PAIR own: your data, its settings)"
-    [ "$pair" = own ] || data_dir=wmt14_en_de_bpe32k
-    lr=7e-4; dropout=0.1; paper_gpus=8; paper_accum=1; max_update=100000; patience=-1
-    keep_updates=10; eval_opts=(--num-avg 5 --avg-by update --beam 4 --lenpen 0.6) ;;
-esac
+# ---------------------------------------------------------------- the paper's settings
+pair_data_set    # data_dir, src, tgt, size, mode: the data set of the pair
+family_settings  # arch and the settings of its paper for the pair (lr, dropout, paper_gpus, ...)
 
 # ---------------------------------------------------------------- overrides
 DATA="${DATA:-data-bin/$data_dir}"
@@ -491,91 +399,11 @@ train_output() {
   done
 }
 
-# budget_grows RECORDED NEW: the settings differ only in --max-epoch / --max-update, and
-# neither limit is lower than before (none: no limit); prints the change
-budget_grows() {
-  local budget='^--(max-epoch|max-update) ' key old new changes=()
-  [ "$(grep -Ev "$budget" <<< "$1" || true)" = "$(grep -Ev "$budget" <<< "$2" || true)" ] || return 1
-  for key in max-epoch max-update; do
-    old=$(sed -n "s/^--$key //p" <<< "$1"); new=$(sed -n "s/^--$key //p" <<< "$2")
-    [ "$old" != "$new" ] || continue
-    if [ -z "$old" ] || { [ -n "$new" ] && [ "$new" -lt "$old" ]; }; then return 1; fi
-    changes+=("--$key ${old} -> ${new:-no limit}")
-  done
-  [ ${#changes[@]} -gt 0 ] || return 1
-  (IFS=,; echo "${changes[*]}")
-}
-
-# settings_changes RECORDED NEW: the lines that differ, on one line ("was: A; B, now: C")
-settings_changes() {
-  local was now
-  was=$(diff <(echo "$1") <(echo "$2") | sed -n 's/^< //p' | paste -sd';' - | sed 's/;/; /g' || true)
-  now=$(diff <(echo "$1") <(echo "$2") | sed -n 's/^> //p' | paste -sd';' - | sed 's/;/; /g' || true)
-  echo "was: ${was:-nothing}, now: ${now:-nothing}"
-}
-
 # ---------------------------------------------------------------- run hygiene
 if [ "$rank" = 0 ]; then
   mkdir -p "$SAVE_DIR"
-  record="$SAVE_DIR/train.settings"
-  if [ -f "$SAVE_DIR/checkpoint_last.pt" ]; then
-    if [ ! -f "$record" ]; then
-      problem="its checkpoints have no record of the settings they were trained with ($record)"
-    elif grown=$(budget_grows "$(grep -v '^#' "$record")" "$settings"); then
-      problem=""
-      echo "[train] resuming $SAVE_DIR/checkpoint_last.pt with a larger budget: $grown (other settings the same)" >&2
-    elif [ "$(grep -v '^#' "$record")" != "$settings" ]; then
-      problem="its checkpoints were trained with other settings:
-$(diff <(grep -v '^#' "$record") <(echo "$settings") | grep '^[<>]' | sed 's/^</  was:/; s/^>/  now:/' || true)"
-    else
-      problem=""
-      echo "[train] resuming $SAVE_DIR/checkpoint_last.pt (same settings)" >&2
-    fi
-    if [ -n "$problem" ]; then
-      is_on "${ALLOW_CHANGED_SETTINGS:-}" \
-        || die "not resuming $SAVE_DIR: $problem
-  Train into another directory (SAVE_DIR=...), or resume with these settings anyway:
-  ALLOW_CHANGED_SETTINGS=1"
-      echo "[train] ALLOW_CHANGED_SETTINGS=1: resuming $SAVE_DIR with changed settings" >&2
-      [ ! -f "$record" ] || mv "$record" "$record.before-$(date +%Y%m%d-%H%M%S)"
-    fi
-  elif earlier=$(cd "$SAVE_DIR" && ls -d checkpoint*.pt 2>/dev/null) && [ -n "$earlier" ]; then
-    # checkpoints but no checkpoint_last.pt: fairseq-train starts anew and overwrites them
-    # (checkpoint_best.pt, checkpointE.pt, ...), so another run's are not trained over silently
-    earlier=$(head -3 <<< "$earlier" | paste -sd, - | sed 's/,/, /g')$([ "$(wc -l <<< "$earlier")" -le 3 ] || echo ", ...")
-    if [ ! -f "$record" ]; then
-      problem="its checkpoints ($earlier) have no record of their settings ($record)"
-    elif [ "$(grep -v '^#' "$record")" != "$settings" ]; then
-      problem="its checkpoints ($earlier) were trained with other settings ($(settings_changes "$(grep -v '^#' "$record")" "$settings"))"
-    else
-      problem=""
-    fi
-    if [ -n "$problem" ]; then
-      is_on "${ALLOW_CHANGED_SETTINGS:-}" \
-        || die "not training in $SAVE_DIR: $problem, and with no checkpoint_last.pt to resume fairseq-train would start anew and overwrite them; train into another directory (SAVE_DIR=...), or over them: ALLOW_CHANGED_SETTINGS=1"
-      echo "[train] ALLOW_CHANGED_SETTINGS=1: training anew in $SAVE_DIR over checkpoints of other settings" >&2
-      [ ! -f "$record" ] || mv "$record" "$record.before-$(date +%Y%m%d-%H%M%S)"
-    fi
-  fi
-  # ea_write: never through a link planted under these names in a received SAVE_DIR
-  {
-    echo "# resolved settings of the run in this directory (train.sh compares them before resuming)"
-    echo "# evaluate with: $eval_hint"
-    echo "$settings"
-  } | ea_write "$record"
-  {
-    echo "# $(date '+%Y-%m-%d %H:%M:%S') on $(hostname): $devices_text, $precision"
-    printf 'cd %q && ' "$PWD"
-    if [ ${#caller_env[@]} -gt 0 ]; then printf '%q ' "${caller_env[@]}"; fi
-    printf 'bash %q %q %q' "$0" "$family" "$pair"
-    if [ ${#extra[@]} -gt 0 ]; then printf ' %q' "${extra[@]}"; fi
-    echo
-    printf '%q ' "${cmd[@]}"; echo
-  } | ea_write --append "$SAVE_DIR/train.command"
-  for f in code sentencepiece.bpe.model; do  # the data's subword model, where fairseq's hub looks
-    # read as a received file (--from): a link out of DATA is refused, never copied into SAVE_DIR
-    if [ -f "$DATA/$f" ]; then ea_write --from "$DATA/$f" "$SAVE_DIR/$f"; fi
-  done
+  check_save_dir "$SAVE_DIR/train.settings"  # resume or train over checkpoints only as recorded
+  write_run_records "$SAVE_DIR/train.settings"  # train.settings, train.command, subword model
 fi
 # fairseq-train's stdout through train_output (line by line: PYTHONUNBUFFERED), its stderr
 # without the known warnings of its stack (ea_quiet); its exit status kept
