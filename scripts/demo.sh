@@ -2,13 +2,13 @@
 # The README's demo: Transformer-Lite vs EA-Transformer-Lite on a small, real, offline
 # Spanish->English corpus (the Bible, examples/translation/bible-es-en), on CPU.
 #
-#   bash scripts/demo.sh                      # about 20 min on a 2-core CPU, creating the venv included
+#   bash scripts/demo.sh                      # about 20 min on an idle 2-core CPU, creating the venv included
 #   DEMO_UPDATES=300 bash scripts/demo.sh     # quicker (and weaker) run
 #
-# Reference run (2-core Intel Xeon VM, torch 2.13, the venv already created: 16 min 31 s):
-#   copy source 0.10, transformer_lite 11.93, ea_transformer_lite 13.36 detokenized sacreBLEU
-# after 1200 updates (~2 epochs, one seed): a check of the whole pipeline, not a benchmark.
-# The same machine and seed print the same table again; another CPU prints other digits
+# Reference runs, 2-core VMs, torch 2.13, detokenized sacreBLEU after 1200 updates (~2 epochs,
+# one seed): Intel Xeon copy 0.10, transformer_lite 11.93, ea_transformer_lite 13.36; AMD EPYC
+# 0.10, 10.85, 15.30. A check of the whole pipeline, not a benchmark: the same CPU prints the
+# same table again, another CPU other digits
 # (README.md, "The two commands").
 #
 # Stages: (1) the pinned environment (scripts/setup_env.sh, reused when up to date); (2) data:
