@@ -1,6 +1,6 @@
 """What the quality benchmark runs: the systems (the baseline first), each one's arch, extra
 fairseq-train options, seeds and the family whose learning rate it takes; the primary pair's
-seeds that keep every checkpoint; the learning rates tried; the languages; the demo's budget
+seeds that keep every checkpoint; the comparisons beside the baseline's; the learning rates tried; the languages; the demo's budget
 settings a results directory records; and the demo's translation options, here for the
 validation set.
 """
@@ -29,6 +29,12 @@ SYSTEMS = {
     "ran_d_lite_attention_dropout0": ("ran_d_lite", "--attention-dropout 0.0", 3, "ran_d_lite"),
     "ran_all_lite_attention_dropout0": ("ran_all_lite", "--attention-dropout 0.0", 3, "ran_all_lite"),
 }
+#: the comparisons beside each system's against the baseline, (system, against): EA-Lite against
+#: the compute-matched baseline and against each of its ablations, in the same Holm family
+#: (quality/plan.md); a results directory's config.json records them
+COMPARISONS = (("ea_transformer_lite", "transformer_lite_1400_updates"),
+               ("ea_transformer_lite", "ea_transformer_lite_alpha0"),
+               ("ea_transformer_lite", "ea_transformer_lite_beta0"))
 #: system -> its first seed whose every checkpoint is kept (in --work-dir), for learning curves
 KEEP_CHECKPOINTS = {"transformer_lite": 6, "ea_transformer_lite": 6}
 LRS = (0.001, 0.002)

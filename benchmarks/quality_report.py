@@ -63,6 +63,24 @@ def metric_table(out: dict, m: str, seeds: List[int]) -> List[str]:
     return _table(rows, head)
 
 
+def comparisons_table(out: dict) -> List[str]:
+    """The plan's comparisons beside the baseline's (quality.json's ``comparisons``), each metric."""
+    head = ["comparison", "metric", "Δ", "95% CI, bootstrap", "95% CI, Welch", "p (test)", "p, Holm",
+            "permutation p (smallest)", "sign", "human agreement implied by the CIs"]
+    rows = []
+    for name, c in out.get("comparisons", {}).items():
+        if c is None:
+            rows.append([name, "–", "not run yet (one side has no finished run)"] + [""] * 7)
+            continue
+        for m in METRICS:
+            x = c[m]
+            rows.append([name, LABEL[m], _f(x["delta"], signed=True), _ci(x["ci"]), _ci(x["welch_ci"]),
+                         f"{_p(x['p'])} ({x['test'] or 'none'})", _p(x["p_holm"]),
+                         f"{_p(x['permutation']['p'])} ({_p(x['permutation']['p_min'])})" if x.get("permutation")
+                         else "–", "{}/{}".format(*x["sign"]), x["agreement"] or "–"])
+    return _table(rows, head) if rows else []
+
+
 def _table(rows, head) -> List[str]:
     return ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"] + \
         ["| " + " | ".join(r) + " |" for r in rows]
@@ -207,6 +225,10 @@ def markdown(out: dict, compare: dict, plan: Optional[str] = None) -> str:
     for m in METRICS:
         lines += [f"### {LABEL[m]} after {updates(out)} updates", "", f"sacreBLEU signature: `{out['signatures'][m]}`", ""]
         lines += metric_table(out, m, seeds) + [""]
+    if out.get("comparisons"):
+        lines += ["### The plan's other comparisons", "",
+                  "Δ of the first system's mean to the second's, the same tests as above, in the same Holm family.",
+                  ""] + comparisons_table(out) + [""]
     lines += ["## Findings", ""]
     lines += [f"* {x}" for x in out["findings"]] or ["None: every finished run trained (finite, falling loss) "
                                                      "and scores above the copy-the-source baseline."]

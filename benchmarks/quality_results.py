@@ -21,12 +21,15 @@ import re
 import shlex
 import statistics
 import subprocess
+import sys
 from typing import Dict, List, Optional
 
 METRICS = ("sacrebleu", "chrf")
 LABEL = {"sacrebleu": "sacreBLEU", "chrf": "chrF"}
 BOOTSTRAP, TRIALS, SEED = 1000, 10000, 12345
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # quality_plan.py, however this is loaded
+from quality_plan import COMPARISONS  # noqa: E402
 RAN_DROPOUT = "attention dropout 0.2, which the RAN paper sets (§Settings) and its architectures keep"
 #: the dropout a family's mechanism defines itself, kept beside the --dropout every family gets
 OWN_DROPOUT = {"ran_d_lite": RAN_DROPOUT, "ran_all_lite": RAN_DROPOUT,
@@ -203,29 +206,43 @@ def _stamp_option(record: dict, option: str) -> Optional[str]:
     return m.group(1) if m else None
 
 
-def comparisons(finished: Dict[str, Dict[int, dict]], order: List[str], base_name: str,
-                results: str) -> Dict[str, Dict[str, dict]]:
+def comparisons(finished: Dict[str, Dict[int, dict]], order: List[str], base_name: str, results: str,
+                pairs=()) -> Dict[str, Dict[str, dict]]:
     """ea-fairseq-compare's seed-level inference per metric, over the systems with a finished
-    run, the baseline first: {metric: {system: result}}; the runs' files read inside ``results``."""
+    run, the baseline first, and for each ``(system, against)`` of ``pairs`` whose two systems
+    have finished runs, under the key ``"SYSTEM vs AGAINST"``: {metric: {name: result}}; Holm's
+    correction over all of them; the runs' files read inside ``results``."""
     from ea_fairseq_cli import compare_systems as cs
 
     names = [base_name] + [s for s in order if s != base_name and finished.get(s)]
     if not finished.get(base_name) or len(names) < 2:
         return {m: {} for m in METRICS}
     runs = {s: [cs.Run(_scores_json(r), results) for _, r in sorted(finished[s].items())] for s in names}
+    pairs = [(s, a) for s, a in pairs if s in runs and a in runs]
     out = {}
     for m in METRICS:
         stats = {s: [cs.sentence_statistics(m, r, False) for r in rs] for s, rs in runs.items()}
-        out[m] = cs.compare(stats, cs.scorer(m, runs[base_name][0].sentences, False), BOOTSTRAP, TRIALS, SEED)
-    cs.holm_over_metrics(out)  # one family: every system in every metric
+        score_of = cs.scorer(m, runs[base_name][0].sentences, False)
+        out[m] = cs.compare(stats, score_of, BOOTSTRAP, TRIALS, SEED)
+        for s, a in pairs:
+            out[m][f"{s} vs {a}"] = cs.compare({a: stats[a], s: stats[s]}, score_of, BOOTSTRAP, TRIALS, SEED)[s]
+    cs.holm_over_metrics(out)  # one family: every comparison in every metric
     for m, result in out.items():
         agreed, _ = cs.agreement_of(m, [r for rs in runs.values() for r in rs])
-        for s in names[1:]:
-            e = result[s]
+        for s, against, key in [(s, base_name, s) for s in names[1:]] + [(s, a, f"{s} vs {a}") for s, a in pairs]:
+            e = result[key]
             e["agreement_thresholds"] = list(cs.AGREEMENT[agreed]) if agreed else None
-            e["agreement"] = (cs.sig.agreement_range(e["agreement_ci"], cs.AGREEMENT[agreed], s, base_name,
+            e["agreement"] = (cs.sig.agreement_range(e["agreement_ci"], cs.AGREEMENT[agreed], s, against,
                                                      e["p_holm"]) if agreed else None)
     return out
+
+
+def _difference(e: dict) -> dict:
+    """A comparison's entry of quality.json: Δ, its CIs and tests."""
+    return dict(delta=e["delta"], ci=list(e["ci"]), welch_ci=list(e["welch"]["ci"]) if e["welch"] else None,
+                p=e["p"], test=e["test"], p_holm=e["p_holm"], sign=list(e["sign"]), permutation=e["permutation"],
+                agreement_ci=list(e["agreement_ci"]), agreement=e["agreement"],
+                agreement_thresholds=e["agreement_thresholds"])
 
 
 def provenance(named: List[tuple]) -> dict:
@@ -283,7 +300,10 @@ def build(results: str) -> dict:
            "provenance": provenance([(f"{s} seed {k}", r) for s in order for k, r in sorted(runs.get(s, {}).items())] +
                                     [(candidate_name(s, lr, chose[s][lr]), r)
                                      for s in order for lr, r in candidates.get(s, {}).items()])}
-    compared = comparisons(finished, order, base_name, results)
+    pairs = [tuple(c) for c in config.get("comparisons", COMPARISONS)]
+    compared = comparisons(finished, order, base_name, results, pairs)
+    out["comparisons"] = {f"{s} vs {a}": ({m: _difference(compared[m][f"{s} vs {a}"]) for m in METRICS}
+                                          if f"{s} vs {a}" in compared[METRICS[0]] else None) for s, a in pairs}
     for m in METRICS:
         sig = next((v[m]["signature"] for s in order for v in scores[s].values() if m in v), None)
         out["signatures"][m] = sig or (copy["metrics"][m]["signature"] if copy else None)
@@ -318,11 +338,7 @@ def build(results: str) -> dict:
             metric = {"scores": values, "mean": mean, "std": std}
             e = compared[m].get(s)
             if s != base_name and e:
-                metric.update(delta=e["delta"], ci=list(e["ci"]), welch_ci=list(e["welch"]["ci"]) if e["welch"] else None,
-                              p=e["p"], test=e["test"], p_holm=e["p_holm"], sign=list(e["sign"]),
-                              permutation=e["permutation"],
-                              agreement_ci=list(e["agreement_ci"]), agreement=e["agreement"],
-                              agreement_thresholds=e["agreement_thresholds"])
+                metric.update(_difference(e))
             entry["metrics"][m] = metric
         out["systems"][s] = entry
     out["findings"] = findings(out)

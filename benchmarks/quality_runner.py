@@ -22,7 +22,7 @@ SCRIPT = os.path.join(HERE, "quality.py")
 sys.path.insert(0, HERE)  # its sibling modules, however this file is loaded
 import quality_report  # noqa: E402
 import quality_results  # noqa: E402
-from quality_plan import BASELINE, BUDGET_ENV, GEN_ARGS, KEEP_CHECKPOINTS, SRC, SYSTEMS, TGT  # noqa: E402
+from quality_plan import BASELINE, BUDGET_ENV, COMPARISONS, GEN_ARGS, KEEP_CHECKPOINTS, SRC, SYSTEMS, TGT  # noqa: E402
 from quality_results import venv_bin  # noqa: E402
 
 
@@ -131,7 +131,7 @@ class Runner:
                     "give another --results-dir")
             planned = config["planned"] + [p for p in planned if p not in config["planned"]]
         os.makedirs(self.results, exist_ok=True)
-        config = {"budget": budget, "planned": planned, "baseline": BASELINE,
+        config = {"budget": budget, "planned": planned, "baseline": BASELINE, "comparisons": [list(c) for c in COMPARISONS],
                   "systems": {s: {"arch": a, "train_args": x, "seeds": n, "lr_of": lr_of,
                                   "own_dropout": quality_results.OWN_DROPOUT.get(s, "")}
                               for s, (a, x, n, lr_of) in SYSTEMS.items()}}

@@ -377,3 +377,34 @@ def test_a_finished_run_is_kept_and_another_budget_refused(finished):
     assert other.returncode != 0
     assert other.stderr.strip().splitlines()[-1].startswith("quality.py: ")
     assert "another budget" in other.stderr and "Traceback" not in other.stderr
+
+
+def test_the_plans_other_comparisons_join_the_holm_family(derived, tmp_path):
+    """A comparison config.json names beside the baseline's (here realformer_lite against
+    transformer_lite: the baseline comparison itself under another name, so the same Δ and tests)
+    is reported with its statistics and joins Holm's family, four tests where there were two; one
+    whose system has no run is listed as not run; quality.md prints both."""
+    quality_results, quality_report = benchmarks_module("quality_results"), benchmarks_module("quality_report")
+    from ea_fairseq_cli import significance
+
+    _, res, report = derived
+    results = tmp_path / "res"
+    shutil.copytree(res, results, symlinks=True)
+    config = json.loads((results / "config.json").read_text())
+    config["comparisons"] = [["realformer_lite", "transformer_lite"], ["realformer_lite", "ea_transformer_lite"]]
+    (results / "config.json").write_text(json.dumps(config))
+    out = quality_results.build(str(results))
+    pair, missing = out["comparisons"]["realformer_lite vs transformer_lite"], out["comparisons"][
+        "realformer_lite vs ea_transformer_lite"]
+    assert missing is None
+    tests = []
+    for m in ("sacrebleu", "chrf"):
+        alone = report["systems"]["realformer_lite"]["metrics"][m]
+        assert pair[m]["delta"] == pytest.approx(alone["delta"]) and pair[m]["p"] == pytest.approx(alone["p"])
+        assert pair[m]["ci"] == pytest.approx(alone["ci"]) and pair[m]["sign"] == alone["sign"]
+        tests += [out["systems"]["realformer_lite"]["metrics"][m], pair[m]]
+    assert [t["p_holm"] for t in tests] == pytest.approx(significance.holm([t["p"] for t in tests]))
+    text = quality_report.markdown(out, {"command": "ea-fairseq-compare", "output": ""}, None)
+    assert "### The plan's other comparisons" in text
+    assert "| realformer_lite vs ea_transformer_lite | – | not run yet" in text
+    assert f"| realformer_lite vs transformer_lite | sacreBLEU | {quality_results._f(pair['sacrebleu']['delta'], signed=True)} |" in text
