@@ -14,7 +14,7 @@ from ea_fairseq.models import attention_variants
 from ea_fairseq.modules.attention_protocol import AttentionModule
 
 from conftest import REPO, build_model, random_batch
-from families import FAMILIES, added_parameters, twin_model
+from support.families import FAMILIES, added_parameters, twin_model
 from test_decoding_properties import assert_incremental_equals_full
 
 DOC = os.path.join(REPO, "docs", "adding-a-variant.md")
@@ -46,7 +46,7 @@ def talking_heads():
 
 def family_of(line: str):
     """The family line's ``Family``, read with the family table's own names."""
-    import families
+    from support import families
 
     return eval(line.split(":", 1)[1].strip().rstrip(","), vars(families))
 

@@ -17,7 +17,7 @@ from ea_fairseq.analysis import flops as F
 from ea_fairseq.analysis import metrics as M
 from ea_fairseq.analysis.maps import AttentionCapture
 from ea_fairseq.models import building
-from families import FAMILIES, LSRA_BRANCHES
+from support.families import FAMILIES, LSRA_BRANCHES
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 LN2 = math.log(2.0)

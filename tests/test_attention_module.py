@@ -13,7 +13,7 @@ from ea_fairseq.modules.attention_maps import LogitMapAttention
 from ea_fairseq.modules.attention_protocol import AttentionModule
 
 from conftest import REPO, build_model
-from families import FAMILIES
+from support.families import FAMILIES
 
 #: every family but those that build the same modules at other values or sizes
 MODULE_SETS = [name for name, f in FAMILIES.items() if not f.variant_of]

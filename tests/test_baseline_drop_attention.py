@@ -6,7 +6,7 @@ from fairseq.models.transformer import TransformerModel
 
 from conftest import build_model, decoder_out, random_batch
 from ea_fairseq.modules import DropAttention
-from trained_checkpoints import train_command, train_many
+from support.trained_checkpoints import train_command, train_many
 
 TINY = ("--encoder-layers", "1", "--decoder-layers", "1")
 

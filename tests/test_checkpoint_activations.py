@@ -12,7 +12,7 @@ import torch
 
 from conftest import REPO, build_model, cli, cpu_autocast_supports, random_batch
 from ea_fairseq.models.stack import StackLayer
-from families import FAMILIES
+from support.families import FAMILIES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 # three layers: a middle layer reads what the first handed on and hands on its own

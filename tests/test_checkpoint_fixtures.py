@@ -21,7 +21,7 @@ from fairseq.sequence_generator import SequenceGenerator
 import ea_fairseq  # noqa: F401  (registers the plugin's models, as --user-dir does)
 from ea_ops import accelerators
 from ea_fairseq.modules.evolving_attention import EvolvingAttention
-from families import ACCELERATED_FIXTURES, FIXTURES as FIXTURE_FOLDERS
+from support.families import ACCELERATED_FIXTURES, FIXTURES as FIXTURE_FOLDERS
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "checkpoints")
 FAMILIES = tuple(FIXTURE_FOLDERS)  # its folders (families.py: Family.fixture)

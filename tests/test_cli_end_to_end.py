@@ -1,5 +1,5 @@
 """The architectures through the real command-line tools, as a user runs them: a
-representative few (fairseq's transformer, EA, RAN: ``Family.cli`` in tests/families.py)
+representative few (fairseq's transformer, EA, RAN: ``Family.cli`` in tests/support/families.py)
 through fairseq-train (--user-dir) -> ea-fairseq-average-checkpoints (its main, in process:
 its console script runs as a process in test_average_checkpoints.py) -> fairseq-generate
 --beam 5; every other family (not a mere variant at other option values) built as
@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from ea_fairseq_cli import average_checkpoints
 
 from conftest import REPO, build_model, cli, decoder_out, random_batch
-from families import CLI, FAMILIES, ROUND_TRIP
+from support.families import CLI, FAMILIES, ROUND_TRIP
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TINY = ["--encoder-layers", "2", "--decoder-layers", "2"]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from trained_checkpoints import ENV, family_checkpoints
+from support.trained_checkpoints import ENV, family_checkpoints
 
 PROBE = os.path.join(REPO, "benchmarks", "collapse_probe.py")
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-import recipe_fixtures as fx
+from support import recipe_fixtures as fx
 from ea_fairseq_cli import bleu
 from ea_fairseq_cli import compare_systems as compare
 

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from conftest import build_model, decoder_out, random_batch
 from ea_fairseq.analysis.flops import count_model, non_embedding_params
 from ea_fairseq.modules.long_short_range_attention import LITE_KERNEL_SIZES, LongShortRangeAttention
-from attention_calls import recorded_attention_calls
-from families import FAMILIES
-from paper_equations import attend, dot_product_logits, heads, masked_softmax
+from support.attention_calls import recorded_attention_calls
+from support.families import FAMILIES
+from support.paper_equations import attend, dot_product_logits, heads, masked_softmax
 
 TINY = ("--encoder-layers", "2", "--decoder-layers", "2", "--dropout", "0.0", "--attention-dropout", "0.0",
         "--lsra-weight-dropout", "0.0")

@@ -1,4 +1,4 @@
-"""The decoding properties, once for every family x precision x backend (tests/families.py).
+"""The decoding properties, once for every family x precision x backend (tests/support/families.py).
 
 For each family that decodes (``Family.decoding``), perturbed (``Family.perturb``: every
 mechanism parameter and scalar setting off its initial value), in each of its precisions (a model cast
@@ -35,7 +35,7 @@ from conftest import (DEVICE, batch_invariance_gap, beam_reorder_gap, build_mode
                       decoder_out, incremental_logprobs, make_dictionary, random_batch)
 from ea_ops import accelerators
 from ea_ops import dispatch
-from families import DECODING, FAMILIES, build_perturbed, settings, twin_model
+from support.families import DECODING, FAMILIES, build_perturbed, settings, twin_model
 
 SMALL = ("--encoder-layers", "2", "--decoder-layers", "2", "--dropout", "0.0", "--attention-dropout", "0.0",
          "--activation-dropout", "0.0")

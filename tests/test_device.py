@@ -7,7 +7,7 @@ GPU's first run spends its time on the GPU, not on the tests. What needs CUDA it
 (fairseq-train's ``--fp16``/``--bf16``/``--amp``, ``torch.cuda.set_sync_debug_mode``, cuDNN's
 TF32) carries the ``cuda`` marker and is skipped elsewhere with the reason.
 
-Checked per family of tests/families.py and per precision (the decoding properties --
+Checked per family of tests/support/families.py and per precision (the decoding properties --
 causality, incremental == full pass, batch invariance, beam search -- run on the same device
 in test_decoding_properties.py):
 
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import DEVICE, build_model, random_batch
-from device_support import EVERY_FAMILY, SMALL, cast, exact_float32, family_model, twin_arch  # noqa: F401  (fixture)
+from support.device_support import EVERY_FAMILY, SMALL, cast, exact_float32, family_model, twin_arch  # noqa: F401  (fixture)
 from ea_ops import accelerators
 from ea_fairseq.modules import AttentionMapConv
 from ea_fairseq.modules.drop_attention import DropAttention

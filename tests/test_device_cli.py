@@ -11,8 +11,8 @@ import time
 import pytest
 
 from conftest import ON_CUDA, REPO, THREADS, cli
-from device_support import exact_float32, needs_cuda, report  # noqa: F401  (fixture)
-from families import ANCHORED, FAMILIES
+from support.device_support import exact_float32, needs_cuda, report  # noqa: F401  (fixture)
+from support.families import ANCHORED, FAMILIES
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest)
 

@@ -9,8 +9,8 @@ from fairseq import optim
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
 from conftest import DEVICE, ON_CUDA, build_model, make_dictionary, parse
-from device_support import EVERY_FAMILY, SMALL, exact_float32, family_model, twin_arch  # noqa: F401  (fixture)
-from families import FAMILIES
+from support.device_support import EVERY_FAMILY, SMALL, exact_float32, family_model, twin_arch  # noqa: F401  (fixture)
+from support.families import FAMILIES
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest)
 
@@ -40,7 +40,7 @@ FP16_UPDATES = 3 if ON_CUDA else 2
 
 def fp16_updates(family_or_arch, updates=FP16_UPDATES, tamper=None):
     """fairseq's ``--fp16`` update, driven as its trainer drives it, on the device: the model
-    (a family of tests/families.py, or fairseq's ``transformer``/``transformer_lite``) cast
+    (a family of tests/support/families.py, or fairseq's ``transformer``/``transformer_lite``) cast
     with ``.half()``, ``FP16Optimizer`` (float32 master weights, flat on CUDA as by default;
     per parameter on CPU, ``--fp16-no-flatten-grads``, as flattening needs CUDA) built from
     fairseq-train's own options, dynamic loss scale starting at 128 (fairseq's default),

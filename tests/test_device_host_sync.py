@@ -16,7 +16,7 @@ from fairseq import optim
 
 from conftest import DEVICE, build_model, random_batch
 import ea_fairseq
-from device_support import (EVERY_FAMILY, SMALL, TOLERANCE, exact_float32, family_model,  # noqa: F401  (fixture)
+from support.device_support import (EVERY_FAMILY, SMALL, TOLERANCE, exact_float32, family_model,  # noqa: F401  (fixture)
                             needs_cuda, report)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest)

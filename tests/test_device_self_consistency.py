@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 
 from conftest import DEVICE, ON_CUDA, build_model, decoder_out, random_batch
-from device_support import DTYPES, REDUCTION, SMALL, exact_float32, family_model  # noqa: F401  (fixture)
+from support.device_support import DTYPES, REDUCTION, SMALL, exact_float32, family_model  # noqa: F401  (fixture)
 from ea_ops import accelerators
 from ea_fairseq.modules import AttentionMapConv
 from ea_fairseq.modules.drop_attention import DropAttention
-from families import FAMILIES
+from support.families import FAMILIES
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from families import FAMILIES
+from support.families import FAMILIES
 
 DRIVER = os.path.join(os.path.dirname(__file__), "drivers", "train_and_dump_rank.py")
 

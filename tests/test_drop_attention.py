@@ -4,7 +4,7 @@ import torch
 
 from conftest import build_model, decoder_out, random_batch
 from ea_fairseq.modules import AttentionMechanism, DropAttention
-from families import FAMILIES
+from support.families import FAMILIES
 
 
 def softmax_weights(shape, seed=0):

@@ -22,9 +22,9 @@ import dataclasses
 import pytest
 import torch
 
-from attention_calls import project_out, real_slots, recorded_attention_calls, values_of
+from support.attention_calls import project_out, real_slots, recorded_attention_calls, values_of
 from conftest import build_model, decoder_out, random_batch
-from families import FAMILIES
+from support.families import FAMILIES
 
 ALPHA, DECODER_ALPHA, BETA = 0.5, 0.3, 0.4
 SMALL = ("--encoder-layers", "2", "--decoder-layers", "2", "--dropout", "0.0", "--attention-dropout", "0.0",

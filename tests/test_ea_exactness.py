@@ -18,7 +18,7 @@ from ea_ops.reference import evolving_attention_reference
 from ea_ops import dispatch
 from ea_ops.contract import EvolvingAttentionParams, StepState
 from ea_ops import accelerators
-from families import FAMILIES
+from support.families import FAMILIES
 
 SMALL = ("--encoder-layers", "3", "--decoder-layers", "3", "--dropout", "0.0")
 ALL_OFF = ("--ea-alpha", "0", "--ea-beta", "0", "--ea-decoder-alpha", "0",

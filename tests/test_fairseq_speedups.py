@@ -6,7 +6,7 @@ import torch
 from fairseq.sequence_generator import SequenceGenerator
 
 from conftest import build_model, make_dictionary, random_batch
-from families import FAMILIES
+from support.families import FAMILIES
 from ea_fairseq.models import fairseq_speedups
 from ea_fairseq.models.fairseq_speedups import LISTED_RUN, ListedStateHolders
 

@@ -1,4 +1,4 @@
-"""The family table itself (tests/families.py): every family's perturbation moves every
+"""The family table itself (tests/support/families.py): every family's perturbation moves every
 mechanism parameter and scalar setting off its initial value, so the decoding properties
 (test_decoding_properties.py) exercise each mechanism as trained, never at an identity.
 
@@ -15,7 +15,7 @@ import torch
 
 from conftest import build_model, decoder_out, random_batch
 from ea_fairseq.models import building
-from families import FAMILIES, LSRA_BRANCHES, Family, added_parameters, draw, module_name, settings, twin_model
+from support.families import FAMILIES, LSRA_BRANCHES, Family, added_parameters, draw, module_name, settings, twin_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest)
 SMALL = ("--encoder-layers", "2", "--decoder-layers", "1")  # PA predicts from the second layer on

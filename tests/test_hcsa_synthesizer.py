@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attention_calls import project_out, real_slots, recorded_attention_calls, values_of
+from support.attention_calls import project_out, real_slots, recorded_attention_calls, values_of
 from conftest import build_model, decoder_out, random_batch
 from ea_fairseq.modules import HardCodedGaussianAttention, RandomSynthesizerAttention
 

@@ -12,8 +12,8 @@ from fairseq.models.transformer import TransformerModel
 from fairseq_cli import interactive
 
 from conftest import cli
-from families import TRAINED
-from trained_checkpoints import USER_DIR, family_checkpoints, run
+from support.families import TRAINED
+from support.trained_checkpoints import USER_DIR, family_checkpoints, run
 
 SENTENCES = ["s1 s2 s3", "s4 s5 s6 s7 s8 s9 s10", "s11", "s12 s13 s14 s15"]
 DECODE = ["--beam", "5", "--max-len-a", "0", "--max-len-b", "6", "--cpu", "--source-lang", "src",

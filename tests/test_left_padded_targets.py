@@ -15,7 +15,7 @@ from fairseq.sequence_generator import SequenceGenerator
 from conftest import cli, make_dictionary
 from ea_ops import accelerators
 from ea_ops import softmax as ms
-from families import ANCHORED, FAMILIES, LSRA_BRANCHES, PLUGIN_DECODERS, build_perturbed
+from support.families import ANCHORED, FAMILIES, LSRA_BRANCHES, PLUGIN_DECODERS, build_perturbed
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SMALL = ("--encoder-layers", "2", "--decoder-layers", "2", "--dropout", "0.0", "--attention-dropout", "0.0",

@@ -24,9 +24,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from conftest import build_model, make_dictionary, random_batch
 from ea_ops import accelerators
 from ea_fairseq.models import fairseq_speedups
-from families import FAMILIES
+from support.families import FAMILIES
 
-#: row of the table -> (family of tests/families.py, options): each arch at its defaults
+#: row of the table -> (family of tests/support/families.py, options): each arch at its defaults
 COUNTED = {
     "transformer_lite": ("vanilla", ()),
     "EA-Lite": ("ea-lite", ()),

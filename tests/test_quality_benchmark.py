@@ -27,7 +27,7 @@ import pytest
 import sacrebleu
 from sacrebleu.metrics import BLEU, CHRF
 
-from quality_support import REPO, benchmarks_module, quality
+from support.quality_support import REPO, benchmarks_module, quality
 
 SYSTEMS, SEEDS, LRS = ("transformer_lite", "realformer_lite"), (1,), ("0.002",)
 #: seed 2 of each system, derived from its seed 1: these test sentences' hypotheses replaced by their

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from quality_support import benchmarks_module
+from support.quality_support import benchmarks_module
 
 
 def _stored_run(path: Path, system: str, lr, **extra) -> dict:

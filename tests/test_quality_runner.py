@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from quality_support import REPO, benchmarks_module, quality
+from support.quality_support import REPO, benchmarks_module, quality
 
 
 def test_bad_arguments_get_one_line(tmp_path):

@@ -11,7 +11,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEn
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
 from conftest import build_model, make_dictionary, parse, random_batch
-from families import FAMILIES
+from support.families import FAMILIES
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # small models: a second thread only spins
 SMALL = ("--encoder-layers", "3", "--decoder-layers", "3", "--dropout", "0.0",

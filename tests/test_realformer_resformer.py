@@ -8,8 +8,8 @@ import pytest
 from fairseq.modules import MultiheadAttention
 
 from conftest import build_model, decoder_out, random_batch
-from attention_calls import recorded_attention_calls
-from paper_equations import attend, dot_product_logits, heads, masked_softmax
+from support.attention_calls import recorded_attention_calls
+from support.paper_equations import attend, dot_product_logits, heads, masked_softmax
 
 THREE = ("--encoder-layers", "3", "--decoder-layers", "3", "--dropout", "0.0", "--attention-dropout", "0.0")
 LENGTHS = [4, 9, 6]  # left-padded source batch

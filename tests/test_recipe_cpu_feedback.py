@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from recipe_support import RECIPES, TINY, TRAIN_SH_RUN, env, run  # noqa: F401  (fixture)
+from support.recipe_support import RECIPES, TINY, TRAIN_SH_RUN, env, run  # noqa: F401  (fixture)
 
 KNOWN_WARNINGS = """\
 /v/hydra/experimental/initialize.py:45: Hydra14MigrationWarning: 

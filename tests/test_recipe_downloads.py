@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-import recipe_fixtures as fx
+from support import recipe_fixtures as fx
 from test_recipes import RECIPES, env, run  # noqa: F401  (fixture)
 
 SCRIPTS = sorted(RECIPES.glob("prepare-*.sh"))

@@ -2,7 +2,7 @@
 in one line and never runs the code (negative controls: the code runs without the checks)."""
 import subprocess
 
-from recipe_support import RECIPES, REPO, env, run  # noqa: F401  (fixture)
+from support.recipe_support import RECIPES, REPO, env, run  # noqa: F401  (fixture)
 
 
 # A language that closes GNU sed's s::: command and then runs its e command: the sed program

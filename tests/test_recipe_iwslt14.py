@@ -5,9 +5,9 @@ import re
 
 import pytest
 
-import recipe_fixtures as fx
+from support import recipe_fixtures as fx
 from ea_fairseq_cli import bleu
-from recipe_support import (REPO, RECIPES, TINY, TINY_RUN, TRAIN_SH_RUN, compare_table, env,  # noqa: F401
+from support.recipe_support import (REPO, RECIPES, TINY, TINY_RUN, TRAIN_SH_RUN, compare_table, env,  # noqa: F401
                             evaluate_recipe, fairseq_train_in_process, lines, prepare, run, score_in, tool)
 
 

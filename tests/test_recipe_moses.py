@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from recipe_support import RECIPES
+from support.recipe_support import RECIPES
 
 MOSES = Path(__file__).parent / "fixtures" / "moses"
 # the steps of each fixture file, as nmt_text.py's text options (make_fixtures.sh: the Perl)

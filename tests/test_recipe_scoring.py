@@ -6,10 +6,10 @@ import subprocess
 
 import pytest
 
-import recipe_fixtures as fx
+from support import recipe_fixtures as fx
 from ea_fairseq_cli import bleu
 from ea_fairseq_cli import compare_systems as compare
-from recipe_support import compare_table, tool
+from support.recipe_support import compare_table, tool
 
 
 def test_compound_split_conventions_on_a_known_example(tmp_path):

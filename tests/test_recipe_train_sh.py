@@ -2,7 +2,7 @@
 precision and batch, the own-data direction, the log interval and --eval-bleu's options."""
 import shlex
 
-from recipe_support import RECIPES, dry_run, env, run  # noqa: F401  (fixture)
+from support.recipe_support import RECIPES, dry_run, env, run  # noqa: F401  (fixture)
 
 
 def test_train_sh_defaults_follow_the_papers(env, tmp_path):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from recipe_support import (RECIPES, REPO, TRAIN_SH_RUN, WALK_SIZES, doc_block, doc_commands, env,  # noqa: F401
+from support.recipe_support import (RECIPES, REPO, TRAIN_SH_RUN, WALK_SIZES, doc_block, doc_commands, env,  # noqa: F401
                             lines, run, walk_through_tree)
 
 QUICKSTART = "## Quickstart: your own parallel text"

@@ -5,9 +5,9 @@ import re
 
 import pytest
 
-import recipe_fixtures as fx
+from support import recipe_fixtures as fx
 from ea_fairseq_cli import bleu
-from recipe_support import RECIPES, env, evaluate_recipe, lines, prepare, run, train_in_process  # noqa: F401  (fixture)
+from support.recipe_support import RECIPES, env, evaluate_recipe, lines, prepare, run, train_in_process  # noqa: F401  (fixture)
 
 
 def _wmt14_en_de(root, env):

@@ -1,5 +1,5 @@
 """The prepare scripts of the translation recipes, offline, on tiny fixture archives
-(tests/recipe_fixtures.py): each runs with --raw-dir (so it never touches the network;
+(tests/support/recipe_fixtures.py): each runs with --raw-dir (so it never touches the network;
 EA_NO_DOWNLOAD is set as well) and its binarized output is checked; WMT'14 En-Fr and WMT'17
 Lv-En are trained on for a few updates with fairseq-train (its entry point, in this process).
 IWSLT'14 (prepared, trained and evaluated) is in test_recipe_iwslt14.py, WMT'14 En-De in
@@ -8,8 +8,8 @@ is in recipe_support.py.
 """
 import pytest
 
-import recipe_fixtures as fx
-from recipe_support import RECIPES, env, lines, prepare, run, train_in_process, two_at_a_time  # noqa: F401  (fixture)
+from support import recipe_fixtures as fx
+from support.recipe_support import RECIPES, env, lines, prepare, run, train_in_process, two_at_a_time  # noqa: F401  (fixture)
 
 
 

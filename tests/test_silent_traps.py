@@ -21,7 +21,7 @@ from conftest import cli
 from test_hub_interactive import interactive_session
 from test_recipe_short_runs import env, train  # noqa: F401  (fixtures)
 from test_valid_progress import BLEU, fairseq_train
-from trained_checkpoints import ENV, USER_DIR, train_command, train_many
+from support.trained_checkpoints import ENV, USER_DIR, train_command, train_many
 
 DECODE = ["--beam", "2", "--max-len-a", "0", "--max-len-b", "5", "--cpu", "--required-batch-size-multiple", "1"]
 DIRECTION = "was trained to translate"

@@ -37,7 +37,7 @@ from ea_fairseq.safety.no_code.consistency import LIMIT_OPTIMIZER_FACTOR, LIMIT_
 from ea_fairseq_cli import analysis, average_checkpoints, warm_start
 
 from conftest import cli
-from trained_checkpoints import ENV, USER_DIR
+from support.trained_checkpoints import ENV, USER_DIR
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TINY = ["--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "16", "--decoder-embed-dim", "16",

@@ -216,7 +216,7 @@ def test_an_ea_model_trains_through_the_kernels(monkeypatch):
     import copy
 
     from conftest import build_model, make_dictionary, random_batch
-    from families import FAMILIES
+    from support.families import FAMILIES
     from ea_ops import accelerators, dispatch
     from ea_ops.triton import interpret_on_cpu
 

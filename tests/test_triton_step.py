@@ -232,7 +232,7 @@ def test_an_ea_model_decodes_step_by_step_as_its_full_pass_computes(monkeypatch)
     import copy
 
     from conftest import build_model, make_dictionary, random_batch
-    from families import FAMILIES
+    from support.families import FAMILIES
 
     dictionary = make_dictionary()
     model = build_model("ea_transformer_lite", "--ea-alpha", "0.5", "--ea-beta", "0.5", "--ea-decoder-alpha", "0.3",

@@ -8,7 +8,7 @@ from fairseq import checkpoint_utils
 from conftest import REPO, decoder_out, random_batch
 from ea_fairseq.modules import AttentionMapConv
 from ea_fairseq_cli.warm_start import WarmStartError, main, warm_start
-from trained_checkpoints import TINY, family_checkpoints, run, train_command, train_many
+from support.trained_checkpoints import TINY, family_checkpoints, run, train_command, train_many
 
 EA_OFF = ["--ea-alpha", "0", "--ea-beta", "0", "--ea-decoder-alpha", "0"]
 

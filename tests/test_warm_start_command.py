@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import REPO
-from trained_checkpoints import ENV, family_checkpoints
+from support.trained_checkpoints import ENV, family_checkpoints
 
 HOSTILE = "a b;$(touch PWNED)`touch PWNED2`'q\"x\\y&|<>*?~#!{c,d}\n$HOME.pt"
 

@@ -1,5 +1,5 @@
 """Crafted checkpoints for the loading guard's tests (tests/test_safe_loading*.py): each attack
-edits a trusted transformer_lite checkpoint (trained by fairseq-train, tests/trained_checkpoints.py)
+edits a trusted transformer_lite checkpoint (trained by fairseq-train, tests/support/trained_checkpoints.py)
 so that fairseq's loading would run code, exhaust memory or build a model its weights do not
 fit, and names the path the refusal must show."""
 import argparse
@@ -12,7 +12,7 @@ from fairseq import checkpoint_utils
 from omegaconf import OmegaConf
 
 from ea_fairseq.safety import no_code as safety
-from trained_checkpoints import family_checkpoints
+from support.trained_checkpoints import family_checkpoints
 
 
 def payload(marker, tail="None") -> str:

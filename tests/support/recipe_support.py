@@ -3,7 +3,7 @@ running the tests, an environment that keeps every recipe offline and on the CPU
 run with its output shown when it fails, the tiny model's options, prepare + train steps,
 recipe jobs run two at a time, and the documentation's command blocks.
 
-The recipes run offline on tiny fixture archives (tests/recipe_fixtures.py): each prepare
+The recipes run offline on tiny fixture archives (tests/support/recipe_fixtures.py): each prepare
 script runs with --raw-dir (EA_NO_DOWNLOAD is set as well), its binarized output is trained
 on for a few updates with fairseq-train, and examples/translation/evaluate.sh scores the
 resulting checkpoints end to end.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 RECIPES = REPO / "examples" / "translation"
 BIN = Path(sys.executable).parent
 TINY = ["--arch", "transformer", "--encoder-layers", "1", "--decoder-layers", "1",

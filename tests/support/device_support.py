@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import DEVICE, ON_CUDA, build_model
-from families import ANCHORED, FAMILIES
+from support.families import ANCHORED, FAMILIES
 
 
 def needs_cuda(what: str):

@@ -97,7 +97,7 @@ class Family:
                 return spread
         raise KeyError(f"{name} is a mechanism parameter (fairseq's {self.twin} has none of that name) that "
                        f"{self.arch} {' '.join(self.options)} does not list: add its pattern and spread to "
-                       "the family's `mechanism` in tests/families.py")
+                       "the family's `mechanism` in tests/support/families.py")
 
     def perturbed(self, model, *sizes: str, seed: int = 3) -> None:
         """:meth:`perturb` ``model``, built with ``sizes`` (fairseq's options only), from ``seed``."""
@@ -198,7 +198,7 @@ def added_parameters(args, families: Optional[Iterable["Family"]] = None) -> Opt
         kind = getattr(args, f"{role}_attention", "vanilla")  # (fairseq's transformer: none)
         if kind not in formulas:
             raise KeyError(f"no family line states the parameters the {kind} attention adds: give the line that "
-                           "introduces it parameters=((VARIANT, formula(args, role, layers)),) in tests/families.py")
+                           "introduces it parameters=((VARIANT, formula(args, role, layers)),) in tests/support/families.py")
         added += formulas[kind](args, role, n)
     return added
 
@@ -246,7 +246,7 @@ def draw(attribute: str, value, generator: torch.Generator):
     """A value of setting ``attribute`` in its range, other than ``value`` (each element of a tuple)."""
     if attribute not in SETTINGS:
         raise KeyError(f"{attribute}={value!r} is a scalar mechanism setting without a range: add it to "
-                       "SETTINGS in tests/families.py (or to NOT_SETTINGS if it is a size)")
+                       "SETTINGS in tests/support/families.py (or to NOT_SETTINGS if it is a size)")
     low, high = SETTINGS[attribute]
     if isinstance(value, tuple):
         return tuple(draw(attribute, v, generator) for v in value)

@@ -6,15 +6,15 @@ import subprocess
 import sys
 
 from conftest import REPO, cli
-from families import TRAINED
+from support.families import TRAINED
 
 USER_DIR = os.path.join(REPO, "ea_fairseq")
 # 2+2 layers (so EA/PA/RAN hand maps between layers), every dimension 32, 4 heads
 TINY = ["--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "32",
         "--decoder-embed-dim", "32", "--encoder-ffn-embed-dim", "32", "--decoder-ffn-embed-dim", "32",
         "--encoder-attention-heads", "4", "--decoder-attention-heads", "4"]
-FAMILIES = TRAINED  # family -> (arch, extra options), from tests/families.py
-DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "drivers", "fairseq_train_many.py")
+FAMILIES = TRAINED  # family -> (arch, extra options), from tests/support/families.py
+DRIVER = os.path.join(REPO, "tests", "drivers", "fairseq_train_many.py")
 ENV = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
 _CACHE = {}
 
