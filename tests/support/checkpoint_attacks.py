@@ -1,4 +1,4 @@
-"""Crafted checkpoints for the loading guard's tests (tests/test_safe_loading*.py): each attack
+"""Crafted checkpoints for the loading guard's tests (tests/safety/test_safe_loading*.py): each attack
 edits a trusted transformer_lite checkpoint (trained by fairseq-train, tests/support/trained_checkpoints.py)
 so that fairseq's loading would run code, exhaust memory or build a model its weights do not
 fit, and names the path the refusal must show."""

@@ -1,4 +1,4 @@
-"""What the device suite (tests/test_device*.py) shares: the test device's marker for what
+"""What the device suite (tests/device/test_device*.py) shares: the test device's marker for what
 needs CUDA, the small models of every family cast as fairseq casts them, the precisions' bounds,
 float32 without TF32, and the report of measurements (``EA_FAIRSEQ_DEVICE_REPORT=<file>``
 appends them, as JSON lines, to ``<file>``)."""

@@ -110,8 +110,8 @@ def derive_seed(results: Path, system: str, sentences, work: Path) -> None:
     runner = q.Runner.__new__(q.Runner)  # link_refs only: nothing here trains
     runner.results = str(results)
     runner.link_refs(str(run / "eval"))
-    record.update(seed=2, derived=f"from seed 1 by tests/test_quality_benchmark.py: the hypotheses of test "
-                                  f"sentences {list(sentences)} replaced by their references",
+    record.update(seed=2, derived=f"from seed 1 by tests/benchmarks/test_quality_benchmark.py: the hypotheses of "
+                                  f"test sentences {list(sentences)} replaced by their references",
                   commands=[shlex.join(["ea-fairseq-bleu", *argv])])
     (run / "run.json").write_text(json.dumps(record, indent=1))
 

@@ -10,7 +10,7 @@ import torch
 from conftest import REPO
 from support.families import FAMILIES
 
-DRIVER = os.path.join(os.path.dirname(__file__), "drivers", "train_and_dump_rank.py")
+DRIVER = os.path.join(REPO, "tests", "drivers", "train_and_dump_rank.py")
 
 
 def free_port() -> int:

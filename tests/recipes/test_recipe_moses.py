@@ -7,7 +7,7 @@ import pytest
 
 from support.recipe_support import RECIPES
 
-MOSES = Path(__file__).parent / "fixtures" / "moses"
+MOSES = Path(__file__).parents[1] / "fixtures" / "moses"
 # the steps of each fixture file, as nmt_text.py's text options (make_fixtures.sh: the Perl)
 MOSES_PIPELINES = {
     "normalize": ["--normalize-punct"],

@@ -23,7 +23,7 @@ from ea_ops import accelerators
 from ea_fairseq.modules.evolving_attention import EvolvingAttention
 from support.families import ACCELERATED_FIXTURES, FIXTURES as FIXTURE_FOLDERS
 
-FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "checkpoints")
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "checkpoints")
 FAMILIES = tuple(FIXTURE_FOLDERS)  # its folders (families.py: Family.fixture)
 SOURCE_LENGTHS = (4, 7, 5)  # with the final </s>
 TARGET_LENGTHS = (3, 6, 5)  # with the leading </s> of prev_output_tokens

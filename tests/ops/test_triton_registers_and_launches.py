@@ -3,11 +3,11 @@ GPU, checked on any machine, no GPU needed: compiled for sm_90 (Hopper) in the v
 backend launches, they spill no registers (what the interpreter cannot show, checked before a
 GPU ever runs them); and an EA-Lite training update on them launches at most 1.05x the
 operations of its twin, transformer_lite (counted on a CPU under the interpreter). Their values
-and gradients: tests/test_triton_full_pass.py. The compiler harness
+and gradients: tests/ops/test_triton_full_pass.py. The compiler harness
 (:func:`compiles_without_spills`) and the launch counter (:class:`KernelLaunches`) are also
-tests/test_triton_step.py's.
+tests/ops/test_triton_step.py's.
 
-As tests/test_triton_full_pass.py: on CUDA compiled, on a CPU run in Triton's interpreter
+As tests/ops/test_triton_full_pass.py: on CUDA compiled, on a CPU run in Triton's interpreter
 (``bash scripts/test_triton.sh``), skipped elsewhere (the default suite).
 """
 import json
@@ -161,7 +161,7 @@ class KernelLaunches:
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="counted on a CPU, under Triton's interpreter")
 def test_an_ea_lite_training_update_launches_at_most_5_percent_more_than_the_twin(monkeypatch):
-    """EA-Lite's training update (tests/test_operation_counts.py's batch) with EA's Eq. 4 on the
+    """EA-Lite's training update (tests/attention/test_operation_counts.py's batch) with EA's Eq. 4 on the
     kernels, as on CUDA: at most 1.05x transformer_lite's non-view operations (its fused
     attention), 3 launches per EA attention. Negative control: the reference path's count
     (convolution, ReLU, mixes, masks and softmax as aten operations) exceeds the bound."""

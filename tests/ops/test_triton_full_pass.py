@@ -4,14 +4,14 @@ the previous map, the convolution's weight and bias) in the three layouts of EA 
 lengths, padded keys, left-padded targets, float32/float16/bfloat16, k = 3 and k = 1, α = 0 and
 β = 0; arguments of any strides, a previous map that broadcasts, masks that are not bool refused;
 the operation running them where the dispatcher says, and an EA-Lite model training through them.
-Its bounds (:func:`bound`, :func:`close`) are also tests/test_triton_step.py's.
+Its bounds (:func:`bound`, :func:`close`) are also tests/ops/test_triton_step.py's.
 
 On CUDA the kernels are compiled; on a CPU they run in Triton's interpreter
 (``bash scripts/test_triton.sh`` sets ``TRITON_INTERPRET=1``). Without triton, or on a CPU
 without the interpreter, the file is skipped (the default suite). Shapes are tiny: the
 interpreter runs every program in Python. What the interpreter cannot show (that the kernels
 compile for a GPU, and their registers) and what a training update launches on them:
-tests/test_triton_registers_and_launches.py.
+tests/ops/test_triton_registers_and_launches.py.
 """
 import os
 

@@ -1,4 +1,4 @@
-"""The device suite (tests/test_device*.py): fp16 training through fairseq's ``FP16Optimizer``
+"""The device suite (tests/device/test_device*.py): fp16 training through fairseq's ``FP16Optimizer``
 from loss scale 128 as fairseq's transformer of the same size trains (gradients within one
 halving of the loss scale of its, at most one more update skipped; a failure names the
 overflowing gradients)."""

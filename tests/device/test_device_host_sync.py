@@ -1,4 +1,4 @@
-"""The device suite (tests/test_device*.py): no tensor built from Python values or read back by
+"""The device suite (tests/device/test_device*.py): no tensor built from Python values or read back by
 the plugin's code in a training or a decoding step (what would copy between host and device on
 a GPU); on CUDA no host-device sync from the plugin's code in those steps, and what cuDNN's
 default TF32 does to float32 EA maps (measured and written to the report)."""
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest)
 
 PACKAGE = os.path.dirname(os.path.abspath(ea_fairseq.__file__))
 #: who made a call, by the file of the innermost frame outside torch (see :func:`call_site`)
-OWNERS = {"plugin": PACKAGE, "harness": os.path.dirname(os.path.abspath(__file__)),
+OWNERS = {"plugin": PACKAGE, "harness": os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
           "fairseq": os.path.dirname(os.path.dirname(os.path.abspath(optim.__file__)))}
 TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 #: TF32 as this process had it before the suite switched it off (PyTorch's default: cuDNN

@@ -258,7 +258,7 @@ def test_the_switch_runs_the_reference_everywhere():
     for value, want in (("0", "False"), ("1", "True")):
         env = dict(os.environ, **{accelerators.ENV_SWITCH: value})
         proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.dirname(__file__)), timeout=300)
+                              cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))), timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert want in proc.stdout.strip().splitlines()[-1]
 

@@ -16,7 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Dict, List, Set, Tuple
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PACKAGE_DIRS = [REPO / name for name in ("ea_fairseq", "ea_fairseq_cli", "ea_ops")]
 
 Edges = Dict[str, Dict[str, Tuple[str, int]]]  # importer -> imported -> (file, line)

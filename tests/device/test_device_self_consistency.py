@@ -1,4 +1,4 @@
-"""The device suite (tests/test_device*.py): self-consistency on the test device -- EA and PA
+"""The device suite (tests/device/test_device*.py): self-consistency on the test device -- EA and PA
 switched off equal fairseq's transformer in every precision, DropAttention's masks drawn on the
 device drop at rate p, EA's map convolutions are one public ``F.conv2d`` each."""
 from contextlib import nullcontext

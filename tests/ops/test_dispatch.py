@@ -16,7 +16,7 @@ from ea_ops import triton as gpu
 from ea_ops.contract import EvolvingAttentionParams, StepState
 
 HEADS = 4
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")

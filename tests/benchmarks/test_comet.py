@@ -124,8 +124,9 @@ def test_real_unbabel_comet_from_the_pinned_set(tmp_path):
 
     # a real COMET model (tiny, random, made here) scored end to end, offline
     model = tmp_path / "tiny-comet"
-    made = subprocess.run([str(venv_bin / "python"), str(Path(__file__).parent / "drivers" / "tiny_comet_model.py"),
-                           str(model)], capture_output=True, text=True, timeout=600)
+    driver = Path(__file__).parents[1] / "drivers" / "tiny_comet_model.py"
+    made = subprocess.run([str(venv_bin / "python"), str(driver), str(model)], capture_output=True, text=True,
+                          timeout=600)
     assert made.returncode == 0, made.stderr[-3000:]
     res = _bleu(venv_bin, tmp_path, "--comet-model", str(model))  # the model's directory
     assert res.returncode == 0, res.stderr[-3000:]

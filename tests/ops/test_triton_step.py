@@ -8,8 +8,8 @@ map that broadcasts, masks that are not bool refused; its purity; an EA-Lite mod
 on it as its full pass computes; its operation count per decoding step against the twin's;
 and its compilation for a GPU.
 
-As ``tests/test_triton_full_pass.py`` (whose bounds it uses; its compiler harness and launch
-counter: ``tests/test_triton_registers_and_launches.py``'s): on CUDA compiled, on a CPU run in
+As ``tests/ops/test_triton_full_pass.py`` (whose bounds it uses; its compiler harness and launch
+counter: ``tests/ops/test_triton_registers_and_launches.py``'s): on CUDA compiled, on a CPU run in
 Triton's interpreter (``bash scripts/test_triton.sh``), skipped elsewhere (the default suite).
 """
 import os
@@ -292,7 +292,7 @@ def test_an_ea_model_decodes_step_by_step_as_its_full_pass_computes(monkeypatch)
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="counted on a CPU, under Triton's interpreter")
 def test_an_ea_lite_decoding_step_launches_no_more_than_the_twins(monkeypatch):
-    """EA-Lite's beam-search decoding step (tests/test_operation_counts.py's step) with Eq. 4
+    """EA-Lite's beam-search decoding step (tests/attention/test_operation_counts.py's step) with Eq. 4
     on the kernel, as on CUDA: at most transformer_lite's non-view operations, one launch per
     EA attention. Negative control: the reference path's count (the convolution, ReLU, β mix,
     the cached rows' reorder and concatenation, the softmax and masks as aten operations)
@@ -314,7 +314,7 @@ def test_an_ea_lite_decoding_step_launches_no_more_than_the_twins(monkeypatch):
     assert reference.count > twin.count, table
 
 
-# Compiled in a process of its own (see tests/test_triton_registers_and_launches.py): for
+# Compiled in a process of its own (see tests/ops/test_triton_registers_and_launches.py): for
 # sm_90, at EA-Base's 8 heads, a 256-key row (self-attention, every input: fp16) and the widest
 # row the dispatcher gives it (cross-attention, a first step: float32 weights): no register spills.
 COMPILE = textwrap.dedent("""

@@ -1,4 +1,4 @@
-"""The device suite (tests/test_device*.py): every attention family on the test device, anchored to
+"""The device suite (tests/device/test_device*.py): every attention family on the test device, anchored to
 float64 on CPU.
 
 The device is ``EA_FAIRSEQ_TEST_DEVICE`` (``cpu``, ``cuda``, ``cuda:1``, ...), by default CUDA

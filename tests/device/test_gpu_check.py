@@ -32,8 +32,8 @@ EOF
     exit 1;;
   *)
     trap 'echo "<testsuites><testsuite><testcase name=\\"test_quick\\"/><testcase name=\\"test_skipped\\"><skipped message=\\"needs CUDA\\"/></testcase></testsuite></testsuites>" >"$xml"; exit 2' INT
-    echo "tests/test_device.py::test_quick PASSED"
-    echo "tests/test_device.py::test_slow[ea-lite] "
+    echo "tests/device/test_device.py::test_quick PASSED"
+    echo "tests/device/test_device.py::test_slow[ea-lite] "
     for _ in $(seq 600); do sleep 0.1; done;;
 esac
 """
@@ -59,7 +59,7 @@ def test_gpu_check_leaves_a_report_and_an_archive_and_keeps_its_time_limit(tmp_p
     report = (out / "gpu_check.md").read_text()
     assert "2 passed, 1 failed, 0 errors, 1 skipped" in report, report
     assert "(the suite's 'rest' process reached its time limit while running " \
-           "tests/test_device.py::test_slow[ea-lite])" in report, report
+           "tests/device/test_device.py::test_slow[ea-lite])" in report, report
     assert "* FAILED test_train_and_generate_in_low_precision: 2 of 23 pairs failed:" in report, report
     assert "  * ea-lite fp16: fairseq-generate: error: refused\n  * vanilla fp16: fairseq-train: error: overflow\n" \
         in report, report

@@ -7,11 +7,12 @@ one beam-search decoding step (beam 5, one sentence: the decoder's forward for t
 token and the beam reorder of its caches) and one training forward + backward, for every
 family against ``transformer_lite`` (fairseq's own attention: its fused
 ``scaled_dot_product_attention`` in training, its unfused path in decoding steps).
-``python tests/test_operation_counts.py`` prints the table (benchmarks/operation_counts.md);
-``python tests/test_operation_counts.py EA-Lite clone,cat`` a family against transformer_lite
+``python tests/attention/test_operation_counts.py`` prints the table (benchmarks/operation_counts.md);
+``python tests/attention/test_operation_counts.py EA-Lite clone,cat`` a family against transformer_lite
 operation by operation, and where the named operations come from (:class:`Where`).
 """
 import collections
+import os
 import re
 import sys
 import traceback
@@ -21,10 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import build_model, make_dictionary, random_batch
-from ea_ops import accelerators
-from ea_fairseq.models import fairseq_speedups
-from support.families import FAMILIES
+if __name__ == "__main__":  # run as a script: tests/ on sys.path, as pytest puts it there (conftest, support)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from conftest import build_model, make_dictionary, random_batch  # noqa: E402
+from ea_ops import accelerators  # noqa: E402
+from ea_fairseq.models import fairseq_speedups  # noqa: E402
+from support.families import FAMILIES  # noqa: E402
 
 #: row of the table -> (family of tests/support/families.py, options): each arch at its defaults
 COUNTED = {
@@ -273,7 +276,7 @@ class Where(OperationCounter):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-ROOT = str(__import__("pathlib").Path(__file__).resolve().parents[1]) + "/"
+ROOT = str(__import__("pathlib").Path(__file__).resolve().parents[2]) + "/"
 
 
 def by_operation(family: str, names=()) -> str:
@@ -301,8 +304,9 @@ def by_operation(family: str, names=()) -> str:
 
 
 if __name__ == "__main__":
-    # python tests/test_operation_counts.py                       the table
-    # python tests/test_operation_counts.py EA-Lite [op,op,...]   EA-Lite per operation, and where ops come from
+    # python tests/attention/test_operation_counts.py                       the table
+    # python tests/attention/test_operation_counts.py EA-Lite [op,op,...]   EA-Lite per operation,
+    #                                                                       and where ops come from
     import warnings
 
     warnings.simplefilter("ignore")  # detect_anomaly's notice

@@ -188,7 +188,7 @@ def test_generator_with_left_padded_prefix(family):
             assert torch.equal(tokens[real], forced[: tokens.numel()][real])
 
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.parametrize("arch", [FAMILIES[name].arch for name in ("ea-lite", "hcsa-lite")])

@@ -1,4 +1,4 @@
-"""The device suite (tests/test_device*.py): fairseq-train then fairseq-generate on the test
+"""The device suite (tests/device/test_device*.py): fairseq-train then fairseq-generate on the test
 device, pairs side by side; on CUDA in fp16/bf16/amp with no update skipped (fairseq's trainer
 runs --fp16/--bf16/--amp only there), elsewhere the runner itself in float32."""
 import math

@@ -14,7 +14,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONSTRAINTS = os.path.join(REPO, "constraints.txt")
 #: what setup_env.sh installs by name (and scripts/test_triton.sh: triton, where present):
 #: name -> extras
