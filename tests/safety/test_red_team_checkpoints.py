@@ -14,7 +14,7 @@ from fairseq.models.transformer import TransformerModel
 from ea_fairseq.safety.no_code import CheckpointError
 from ea_fairseq_cli import warm_start
 from test_trainer_checkpoints import fairseq_train, train_argv
-from trained_checkpoints import USER_DIR
+from support.trained_checkpoints import USER_DIR
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
