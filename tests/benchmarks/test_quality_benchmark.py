@@ -408,3 +408,25 @@ def test_the_plans_other_comparisons_join_the_holm_family(derived, tmp_path):
     assert "### The plan's other comparisons" in text
     assert "| realformer_lite vs ea_transformer_lite | – | not run yet" in text
     assert f"| realformer_lite vs transformer_lite | sacreBLEU | {quality_results._f(pair['sacrebleu']['delta'], signed=True)} |" in text
+
+
+def test_scored_learning_curve_points_give_the_report_its_section_and_figure(derived, tmp_path):
+    """Results holding learning-curve points (quality_curves.py) report them: quality.md gets the
+    section, with the figure beside the runs; results without them report as before."""
+    quality_report = benchmarks_module("quality_report")
+    _, res, _ = derived
+    results = tmp_path / "quality"
+    shutil.copytree(res, results, symlinks=True)
+    point = results / "curves" / "ea_transformer_lite" / "seed6" / "update240"
+    point.mkdir(parents=True)
+    (point / "valid.es-en.scores.json").write_text(json.dumps(
+        {"metrics": {"sacrebleu": {"score": 3.5}, "chrf": {"score": 21.0}}}))
+    written = quality_report.report(str(results))
+    text = (tmp_path / "quality.md").read_text()
+    assert "## Learning curves" in text and "| 240 | 3.50 (1) | 21.00 (1) |" in text
+    assert "![learning curves](quality/curves.svg)" in text and str(results / "curves.svg") in written
+    shutil.rmtree(results / "curves")
+    (results / "curves.svg").unlink()
+    quality_report.report(str(results))
+    assert "## Learning curves" not in (tmp_path / "quality.md").read_text()
+    assert not (results / "curves.svg").exists()
