@@ -28,6 +28,9 @@ Steps, per family (``SYSTEMS``):
    family's rate (the compute-matched baseline, EA's ablations, RAN without its attention
    dropout: ``SYSTEMS``, as ``quality/plan.md`` states them before their runs) trains every seed
    at it; the new seeds of the primary pair keep every checkpoint (``KEEP_CHECKPOINTS``).
+3. the rates tried beside the plan's for the primary pair (``LRS_BESIDE``: 5e-4 and 3e-3, seed 1,
+   the validation set), where ``--lrs`` is the plan's: recorded in ``choice.json`` beside the
+   choice, which they never change; the report names one that beats the chosen rate.
 
 Every family trains with the same ``--dropout`` (0.0); a mechanism that defines a dropout of its
 own keeps it, and the report says which (``SYSTEMS``).
@@ -167,6 +170,14 @@ def cmd_run(args):
     with ThreadPoolExecutor(args.parallel) as pool:
         for future in [pool.submit(runner.run_one, s, k, chosen[s], runner.run_dir(s, k)) for s, k in todo]:
             future.result()
+    # 3. the rates tried beside the plan's for the primary pair (seed 1, validation): reported, never chosen
+    beside = [(s, lr) for s in args.systems if chosen[s] is not None for lr in runner.lrs_beside(s)
+              if pending(runner.candidate_dir(s, lr), f"{s} seed 1 lr {lr:g}")]
+    with ThreadPoolExecutor(args.parallel) as pool:
+        for future in [pool.submit(runner.run_one, s, 1, lr, runner.candidate_dir(s, lr), True) for s, lr in beside]:
+            future.result()
+    for s in {s for s, _ in beside}:
+        runner.choose_lr(s)  # choice.json records them beside the choice
     for publisher in runner.publishers:
         publisher.join()
     if not (args.commit or args.report):

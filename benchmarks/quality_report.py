@@ -157,12 +157,33 @@ def lr_lines(out: dict) -> List[str]:
                 f"family's from {rates} on the "
                 "validation set, seed 1, for the runs it trains)."]
     grid = sorted({lr for c in chosen.values() for lr in c["valid"]}, key=float)
-    rows = [[s] + [" / ".join(_f(c["valid"][lr][m]) for m in METRICS) if lr in c["valid"] else "–" for lr in grid]
-            + [f"{c['lr']:g}"] for s, c in chosen.items()]
+    beside = sorted({lr for c in chosen.values() for lr in c.get("beside", {})} - set(grid), key=float)
+
+    def cell(c, lr):
+        scores = c["valid"].get(lr) or c.get("beside", {}).get(lr)
+        return " / ".join(_f(scores[m]) for m in METRICS) if scores else "–"
+
+    rows = [[s] + [cell(c, lr) for lr in grid + beside] + [f"{c['lr']:g}"] for s, c in chosen.items()]
     rule = next(iter(chosen.values()))["rule"]
-    return ([f"Each family's learning rate, chosen on the validation set with seed 1 ({rule}; that run is the "
-             "family's seed 1): validation sacreBLEU / chrF at each rate.", ""] +
-            _table(rows, ["system"] + [f"lr {lr}" for lr in grid] + ["chosen"]) + ([""] + later if later else []))
+    lines = [f"Each family's learning rate, chosen on the validation set with seed 1 ({rule}; that run is the "
+             "family's seed 1): validation sacreBLEU / chrF at each rate.", ""] + \
+        _table(rows, ["system"] + [f"lr {lr}" for lr in grid] + [f"lr {lr} (beside)" for lr in beside] + ["chosen"])
+    edges = [s for s, c in chosen.items() if len(grid) > 1 and f"{c['lr']:g}" in (grid[0], grid[-1])
+             and not c.get("beside")]
+    if edges:
+        lines += ["", f"Chosen at an edge of the grid {' / '.join(grid)} (a rate beyond it was not tried): "
+                      f"{', '.join(edges)}."]
+    if beside:
+        better = []
+        for s, c in chosen.items():
+            at_choice = c["valid"][f"{c['lr']:g}"]["sacrebleu"]
+            better += [f"{s} at {lr} ({_f(v['sacrebleu'])} against {_f(at_choice)} at {c['lr']:g})"
+                       for lr, v in c.get("beside", {}).items() if v["sacrebleu"] > at_choice]
+        lines += ["", "*beside*: rates tried beside the grid for the primary pair (quality/plan.md); they never change "
+                      "the choice, so the comparisons stay at the chosen rates. "
+                      + (f"**Finding**: a rate beside the grid beats the chosen one on validation sacreBLEU: "
+                         f"{'; '.join(better)}." if better else "None beats the chosen rate on validation sacreBLEU.")]
+    return lines + ([""] + later if later else [])
 
 
 def provenance_lines(out: dict) -> List[str]:

@@ -126,3 +126,36 @@ def test_systems_of_the_plan_take_their_familys_rate_and_the_primary_pair_keeps_
     assert all(plan.SYSTEMS[f][3] is None for f in taking.values())  # families choose their own
     assert [runner.seeds(s)[-1] for s in ("transformer_lite", "ea_transformer_lite")] == [10, 10]
     assert plan.KEEP_CHECKPOINTS == {"transformer_lite": 6, "ea_transformer_lite": 6}
+
+
+def test_rates_beside_the_grid_are_recorded_never_chosen_and_a_better_one_is_a_finding(tmp_path):
+    """The primary pair's rates beside the plan's grid (quality_plan.LRS_BESIDE) are tried only
+    where a run tries the plan's grid; choice.json records their validation scores beside the
+    choice, which they never change, and the report names one that beats the chosen rate."""
+    q, plan = benchmarks_module("quality_runner"), benchmarks_module("quality_plan")
+    report = benchmarks_module("quality_report")
+    runner = q.Runner.__new__(q.Runner)
+    runner.results, runner.args = str(tmp_path), type("Args", (), {"lrs": list(plan.LRS)})()
+    beside = plan.LRS_BESIDE["ea_transformer_lite"]
+    assert runner.lrs_beside("ea_transformer_lite") == list(beside) and runner.lrs_beside("pa_transformer_lite") == []
+    runner.args.lrs = [0.002]  # another grid than the plan's: nothing beside it
+    assert runner.lrs_beside("ea_transformer_lite") == []
+    runner.args.lrs = list(plan.LRS)
+    scores = {0.001: 4.0, 0.002: 3.0, beside[0]: 2.0, beside[1]: 9.0}
+    for lr, bleu in scores.items():
+        run = Path(runner.candidate_dir("ea_transformer_lite", lr))
+        (run / "valid").mkdir(parents=True)
+        (run / "run.json").write_text(json.dumps({"status": "finished"}))
+        metrics = {"sacrebleu": {"score": bleu}, "chrf": {"score": 20.0}, "chrf++": {"score": 20.0}}
+        (run / "valid" / "valid.es-en.scores.json").write_text(json.dumps({"metrics": metrics}))
+    assert runner.choose_lr("ea_transformer_lite") == 0.001  # 0.003's 9.0 does not change the choice
+    choice = json.loads((tmp_path / "lr_selection" / "ea_transformer_lite" / "choice.json").read_text())
+    assert sorted(choice["valid"]) == ["0.001", "0.002"] and sorted(choice["beside"]) == ["0.0005", "0.003"]
+    lines = report.lr_lines({"systems": {"ea_transformer_lite": {"lr_selection": choice, "lr_candidates": {}, "lr": []}},
+                             "budget": {"lrs": list(plan.LRS)}})
+    assert "| system | lr 0.001 | lr 0.002 | lr 0.0005 (beside) | lr 0.003 (beside) | chosen |" in lines
+    assert any("**Finding**" in x and "ea_transformer_lite at 0.003 (9.00 against 4.00 at 0.001)" in x for x in lines)
+    (Path(runner.candidate_dir("ea_transformer_lite", beside[1])) / "run.json").write_text('{"status": "failed"}')
+    runner.choose_lr("ea_transformer_lite")
+    choice = json.loads((tmp_path / "lr_selection" / "ea_transformer_lite" / "choice.json").read_text())
+    assert sorted(choice["beside"]) == ["0.0005"]  # only finished runs are recorded
