@@ -206,6 +206,13 @@ def test_segment_scores_bad_files_are_refused(tmp_path):
         compare.main([str(tmp_path / "base"), str(tmp_path / "text"), "--metric", "comet"])
     with pytest.raises(SystemExit, match="neither a metric of ea-fairseq-bleu .* nor a segment-score file"):
         compare.main([str(tmp_path / "base"), str(tmp_path / "text"), "--metric", "bleurt"])
+    scores = ev / "test.de-en.scores.json"
+    report = json.loads(scores.read_text())
+    for broken in ({k: v for k, v in report.items() if k != "translated"}, {**report, "sentences": "30"}, [report]):
+        scores.write_text(json.dumps(broken))
+        with pytest.raises(SystemExit, match=r"test.de-en.scores.json is not a scores file as ea-fairseq-bleu writes "
+                                             r"it \(a dict with mode \(str\), sentences \(int\), translated"):
+            compare.main([str(tmp_path / "base"), str(tmp_path / "text")])
 
 
 def _wmt_run(directory, refs, hyps, comet=None, model=compare.COMET22):
