@@ -38,6 +38,7 @@ def run(argv, cwd, stdin=""):
 def workdir(tmp_path_factory):
     """``data``: train, valid and test splits (5 sentences) binarized with the checkpoint
     fixtures' dictionaries; ``other``: the test split binarized with a larger joined dictionary;
+    ``twice``: ``data`` with a word twice in its source dictionary;
     ``checkpoint_best.pt`` and ``checkpoint_last.pt``: the EA fixture."""
     from fairseq import options
     from fairseq_cli import preprocess
@@ -67,6 +68,9 @@ def workdir(tmp_path_factory):
                 handler.close()
     for name in ("checkpoint_best.pt", "checkpoint_last.pt"):
         shutil.copy(os.path.join(FIXTURES, "ea", "checkpoint.pt"), d / name)
+    shutil.copytree(d / "data", d / "twice")  # its source dictionary with one word twice
+    with open(d / "twice" / "dict.src.txt", "a", encoding="utf-8") as f:
+        f.write("s2 1\n")
     return d
 
 
@@ -114,6 +118,12 @@ MISTAKES = [  # the command line, its exit status, the one line it prints (its s
                  "24, target 24; the data directory's dict.*.txt make source 96, target 96): give the data directory "
                  "it was trained on, or binarize with its dictionaries (fairseq-preprocess --srcdict/--tgtdict)",
                  id="data with other dictionaries"),
+    pytest.param(["fairseq-generate", "twice", *GENERATE[2:], "--path", "checkpoint_best.pt"], 1,
+                 "fairseq-generate: error: a dictionary fairseq read: Duplicate word found when loading Dictionary: "
+                 "'s2'. Duplicate words can overwrite earlier ones by adding the #fairseq:overwrite flag at the end "
+                 "of the corresponding row in the dictionary file. If using the Camembert model, please download an "
+                 "updated copy of the model file; give the dictionaries fairseq-preprocess wrote for this data",
+                 id="a word twice in a dictionary"),
     pytest.param(["fairseq-interactive", *GENERATE[1:], "--path", "checkpoint_best.pt", "-s", "src", "-t", "tgt",
                   "--buffer-size", "3", "--batch-size", "3",
                   "s1 s2\n" + " ".join(["s3"] * 1100) + "\ns4\n"], 1,
