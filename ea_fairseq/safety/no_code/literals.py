@@ -74,7 +74,7 @@ for _names, _use, _kind in (
     (("wer_args",), "eval() in the CTC criterion", _DATA),
     (("encoder_layers", "decoder_layers", "encoder_attention", "decoder_attention", "self_attention",
       "project_input", "gated_attention", "downsample", "pretrained"),
-     "eval() when a convolutional (fconv) model is built", _DATA),
+     "eval() when a convolutional (fconv) model is built (utils.eval_bool(), an LSTM's decoder_attention)", _DATA),
     (("feature_encoder_spec", "character_filters"), "eval() when the model's data or embedder is built", _DATA),
 ):
     for _name in _names:
