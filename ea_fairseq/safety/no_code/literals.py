@@ -14,8 +14,16 @@ import math
 import typing
 from typing import Any, Dict, Tuple
 
-from .plain import LIMIT_CHARS, LIMIT_ITEMS, _SCALARS, _Refused
 from .reading import UnsafeCheckpointError, _shown
+
+LIMIT_CHARS = 10_000  # an evaluated string longer than this is refused unread
+LIMIT_ITEMS = 100_000  # ... or one whose value would hold more items than this
+_SCALARS = (type(None), bool, int, float, str)
+
+
+class _Refused(Exception):
+    """A value that is not what its field may hold (the reason: the exception's text)."""
+
 
 def _is_int(x) -> bool:
     return type(x) is int

@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Tuple
 import numpy as np
 import torch
 
+from .literals import EVALUATED_FIELDS, LIMIT_CHARS, LIMIT_ITEMS, _SCALARS, _literal, _Refused  # noqa: F401
 from .numpy_values import PendingArray
 from .reading import UnsafeCheckpointError, _shown
 
@@ -22,15 +23,8 @@ LIMIT_DEPTH = 64  # nesting of containers
 LIMIT_CONFIG_NODES = 200_000  # values in the configuration, counted as often as referred to
 LIMIT_STATE_NODES = 20_000_000  # ... and in the rest of the state
 LIMIT_AMPLIFICATION = 16  # bytes all tensors declare / bytes of their distinct storages
-LIMIT_CHARS = 10_000  # an evaluated string longer than this is refused unread
-LIMIT_ITEMS = 100_000  # ... or one whose value would hold more items than this
 
-_SCALARS = (type(None), bool, int, float, str)
 _NUMPY_KINDS = "biufc"  # booleans, signed and unsigned integers, floating-point and complex numbers
-
-
-class _Refused(Exception):
-    pass
 
 
 LIMIT_READ_AS_CODE = 1 << 20  # a string longer than this that may be an expression is refused unread
@@ -43,7 +37,7 @@ def _not_code(text: str, path: str, walk: "_Walk") -> None:
     builds a value beyond the literal bounds (``[0] * 10**9``), is refused whatever its field: a
     checkpoint's configuration is data. The fields known to be evaluated are read as literals where
     they are generated (:mod:`.literals`), with their own message."""
-    if not _EXPRESSION.search(text) or path.rsplit(".", 1)[-1] in _evaluated_names():
+    if not _EXPRESSION.search(text) or path.rsplit(".", 1)[-1] in EVALUATED_FIELDS:
         return
     if len(text) > LIMIT_READ_AS_CODE:
         raise walk.refuse(path, f"a string of {len(text)} characters that may be a Python expression (a field "
@@ -57,18 +51,10 @@ def _not_code(text: str, path: str, walk: "_Walk") -> None:
         raise walk.refuse(path, f"{_shown(text)}, read as Python (as fairseq evaluates some fields), calls a "
                                 "function: code, not data")
     if any(isinstance(n, ast.BinOp) for n in nodes) and not any(isinstance(n, ast.Name) for n in nodes):
-        from .literals import _literal
-
         try:
             _literal(text)  # a literal expression: within the bounds of an evaluated field's
         except _Refused as why:
             raise walk.refuse(path, f"{_shown(text)}, read as Python (as fairseq evaluates some fields): {why}")
-
-
-def _evaluated_names():
-    from .literals import EVALUATED_FIELDS
-
-    return EVALUATED_FIELDS
 
 
 def _omegaconf_classes():
