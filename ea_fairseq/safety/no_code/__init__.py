@@ -41,9 +41,8 @@ tools, ``--restore-file``/``--finetune-from-model`` and the hub read a checkpoin
 """
 from .fields import LIMIT_POSITIONS
 from .hook import load_checkpoint, nonfinite_weights, sanitize
-from .literals import EVALUATED_FIELDS, Form
-from .plain import (LIMIT_AMPLIFICATION, LIMIT_CHARS, LIMIT_CONFIG_NODES, LIMIT_DEPTH, LIMIT_ITEMS,
-                    LIMIT_STATE_NODES)
+from .literals import EVALUATED_FIELDS, LIMIT_CHARS, LIMIT_ITEMS, Form
+from .plain import LIMIT_AMPLIFICATION, LIMIT_CONFIG_NODES, LIMIT_DEPTH, LIMIT_STATE_NODES
 from .reading import (CheckpointError, CorruptCheckpointError, UnsafeCheckpointError,
                       checkpoint_globals, checkpoint_globals_allowed, fairseq_checkpoint_globals,
                       numpy_checkpoint_globals, read_checkpoint)

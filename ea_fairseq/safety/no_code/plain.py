@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Tuple
 import numpy as np
 import torch
 
-from .literals import EVALUATED_FIELDS, LIMIT_CHARS, LIMIT_ITEMS, _SCALARS, _literal, _Refused  # noqa: F401
+from .literals import EVALUATED_FIELDS, _SCALARS, _literal, _Refused
 from .numpy_values import PendingArray
 from .reading import UnsafeCheckpointError, _shown
 
