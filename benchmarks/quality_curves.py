@@ -82,9 +82,13 @@ def score_points(runner) -> List[str]:
     return written
 
 
-def points(results: str) -> Dict[str, Dict[int, Dict[int, Tuple[float, float]]]]:
-    """``{system: {update: {seed: (sacreBLEU, chrF)}}}`` of the scored points."""
-    out: Dict[str, Dict[int, Dict[int, Tuple[float, float]]]] = {}
+#: ``{system: {update: {seed: (sacreBLEU, chrF)}}}``
+Points = Dict[str, Dict[int, Dict[int, Tuple[float, float]]]]
+
+
+def points(results: str) -> Points:
+    """The scored points of ``results``."""
+    out: Points = {}
     root = os.path.join(results, "curves")
     for system in sorted(os.listdir(root)) if os.path.isdir(root) else ():
         for seed_dir in sorted(os.listdir(os.path.join(root, system))):
@@ -106,11 +110,10 @@ def _cell(scores: Dict[int, Tuple[float, float]], metric: int) -> str:
     return f"{statistics.mean(values):.2f}{spread} ({len(values)})"
 
 
-def section(results: str, figure: str = FIGURE) -> List[str]:
-    """The report's section: a table of the mean ± standard deviation (seeds) of validation
-    sacreBLEU and chrF per update and system, and the figure (:func:`plot`) at ``figure``
-    (relative to the report)."""
-    curves = points(results)
+def section(curves: Points, figure: str = FIGURE) -> List[str]:
+    """The report's section of the scored points ``curves`` (:func:`points`): a table of the mean
+    ± standard deviation (seeds) of validation sacreBLEU and chrF per update and system, and the
+    figure (:func:`plot`) at ``figure`` (relative to the report)."""
     if not curves:
         return ["No point scored yet (`benchmarks/quality.py curves`)."]
     systems = sorted(curves)
@@ -125,10 +128,9 @@ def section(results: str, figure: str = FIGURE) -> List[str]:
             "lowest seed to the highest.", "", *lines, "", f"![learning curves]({figure})"]
 
 
-def plot(results: str, path: str) -> bool:
+def plot(curves: Points, path: str) -> bool:
     """The figure of :func:`section` at ``path`` (SVG, the same bytes for the same points);
     False where no point is scored."""
-    curves = points(results)
     if not curves:
         return False
     import matplotlib

@@ -354,10 +354,11 @@ def report(results: str, readme: Optional[str] = None) -> List[str]:
     plan_path = os.path.join(results, "plan.md")
     plan = open(plan_path, encoding="utf-8").read() if os.path.isfile(plan_path) else None
     figure = os.path.join(results, quality_curves.FIGURE)
-    curves = quality_curves.section(results, os.path.relpath(figure, os.path.dirname(stem)))
+    curves = quality_curves.points(results)
+    section = quality_curves.section(curves, os.path.relpath(figure, os.path.dirname(stem))) if curves else None
     with open(stem + ".md", "w", encoding="utf-8") as f:
-        f.write(markdown(out, compare, plan, curves if quality_curves.points(results) else None))
-    written = [stem + ".json", stem + ".md"] + ([figure] if quality_curves.plot(results, figure) else [])
+        f.write(markdown(out, compare, plan, section))
+    written = [stem + ".json", stem + ".md"] + ([figure] if quality_curves.plot(curves, figure) else [])
     if readme:
         update_readme(readme, readme_block(out))
         written.append(readme)

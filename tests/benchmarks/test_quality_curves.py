@@ -92,13 +92,15 @@ def test_a_failing_point_stops_and_leaves_nothing_in_its_place(tmp_path):
 def test_the_table_and_figure_come_from_the_stored_scores(tmp_path):
     curves = benchmarks_module("quality_curves")
     results = tmp_path / "results"
-    assert curves.section(str(results)) == ["No point scored yet (`benchmarks/quality.py curves`)."]
-    assert not curves.plot(str(results), str(tmp_path / "none.svg"))
+    assert curves.points(str(results)) == {}
+    assert curves.section({}) == ["No point scored yet (`benchmarks/quality.py curves`)."]
+    assert not curves.plot({}, str(tmp_path / "none.svg"))
     given = {("ea_transformer_lite", 6, 240): (5.0, 20.0), ("ea_transformer_lite", 7, 240): (7.0, 24.0),
              ("transformer_lite", 6, 240): (4.0, 18.0), ("transformer_lite", 6, 480): (8.0, 30.0)}
     for (system, seed, update), (bleu, chrf) in given.items():
         _scores(results / "curves" / system / f"seed{seed}" / f"update{update}", bleu, chrf)
-    lines = curves.section(str(results), "quality/curves.svg")
+    scored = curves.points(str(results))
+    lines = curves.section(scored, "quality/curves.svg")
     assert "| updates | ea_transformer_lite, sacreBLEU | ea_transformer_lite, chrF | transformer_lite, sacreBLEU |" \
            in lines[2]
     row240 = next(line for line in lines if line.startswith("| 240 |"))
@@ -107,5 +109,5 @@ def test_the_table_and_figure_come_from_the_stored_scores(tmp_path):
     assert next(line for line in lines if line.startswith("| 480 |")) == "| 480 |  |  | 8.00 (1) | 30.00 (1) |"
     assert lines[-1] == "![learning curves](quality/curves.svg)"
     one, two = tmp_path / "one.svg", tmp_path / "two.svg"
-    assert curves.plot(str(results), str(one)) and curves.plot(str(results), str(two))
+    assert curves.plot(scored, str(one)) and curves.plot(scored, str(two))
     assert one.read_bytes() == two.read_bytes() and b"<svg" in one.read_bytes()
