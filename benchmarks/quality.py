@@ -5,6 +5,7 @@ project's own tools.
 
     .venv/bin/python benchmarks/quality.py run [--commit] [--allow-dirty]   # trains what is not finished
     .venv/bin/python benchmarks/quality.py report [--update-readme]
+    .venv/bin/python benchmarks/quality.py curves [--commit]        # learning curves (quality_curves.py)
 
 ``run`` calls ``scripts/demo.sh`` once to prepare the data (DEMO_STOP_AFTER=data: the shipped
 Spanish->English Bible corpus, Moses tokenization, joint BPE, binarization), then once per
@@ -27,6 +28,9 @@ Steps, per family (``SYSTEMS``):
    family's rate (the compute-matched baseline, EA's ablations, RAN without its attention
    dropout: ``SYSTEMS``, as ``quality/plan.md`` states them before their runs) trains every seed
    at it; the new seeds of the primary pair keep every checkpoint (``KEEP_CHECKPOINTS``).
+3. the rates tried beside the plan's for the primary pair (``LRS_BESIDE``: 5e-4 and 3e-3, seed 1,
+   the validation set), where ``--lrs`` is the plan's: recorded in ``choice.json`` beside the
+   choice, which they never change; the report names one that beats the chosen rate.
 
 Every family trains with the same ``--dropout`` (0.0); a mechanism that defines a dropout of its
 own keeps it, and the report says which (``SYSTEMS``).
@@ -64,9 +68,10 @@ from concurrent.futures import ThreadPoolExecutor
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
+import quality_curves  # noqa: E402
 import quality_report  # noqa: E402
 from quality_plan import LRS, SYSTEMS  # noqa: E402
-from quality_runner import Runner, die  # noqa: E402
+from quality_runner import Runner, die, git_commit, report_outputs  # noqa: E402
 
 
 def check_provenance(runner: Runner, allow_dirty: bool) -> None:
@@ -82,6 +87,43 @@ def check_provenance(runner: Runner, allow_dirty: bool) -> None:
             "they ran, or give --allow-dirty (the changed files are recorded in each run)")
 
 
+def locked(runner: Runner, name: str):
+    """The work directory's lock ``name`` held for this process (one runner, one curve scorer)."""
+    os.makedirs(runner.work, exist_ok=True)
+    lock = open(os.path.join(runner.work, name), "a+")
+    try:  # two of them on one work directory would write the same places
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.seek(0)
+        die(f"another quality.py {name.split('.')[0]} (pid {lock.read().strip() or '?'}) is using {runner.work}: "
+            "wait for it or stop it (kill -- -PID stops it and what it started)")
+    return lock
+
+
+def claim(lock) -> None:
+    lock.truncate(0)
+    lock.write(str(os.getpid()))
+    lock.flush()
+
+
+def cmd_curves(args):
+    runner = Runner(args)
+    lock = locked(runner, "curves.lock")
+    check_provenance(runner, args.allow_dirty)
+    claim(lock)
+    runner.data = os.path.join(runner.work, "prep", "data")
+    if not os.path.isdir(runner.data):
+        die(f"no prepared data in {runner.work}: run `benchmarks/quality.py run` first (it prepares the data)")
+    written = quality_curves.score_points(runner)
+    print(f"[quality] curves: {len(written)} point(s) scored", file=sys.stderr, flush=True)
+    outputs = quality_report.report(runner.results, readme=args.readme if args.update_readme else None)
+    if args.commit and written:
+        git_commit([os.path.join(runner.results, "curves"), os.path.join(runner.results, "refs"), *outputs,
+                    *report_outputs(runner.results, args)],
+                   f"Quality benchmark: {len(written)} learning-curve point(s) scored, report regenerated")
+    return 0
+
+
 def cmd_run(args):
     unknown = [s for s in args.systems if s not in SYSTEMS]
     if unknown:
@@ -95,18 +137,9 @@ def cmd_run(args):
     runner = Runner(args)
     if args.commit and os.path.relpath(runner.results, REPO).startswith(".."):
         die(f"--commit: the results directory {runner.results} is outside the repository {REPO}")
-    os.makedirs(runner.work, exist_ok=True)
-    lock = open(os.path.join(runner.work, "run.lock"), "a+")
-    try:  # two runners on one work directory would train the same runs into the same place
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        lock.seek(0)
-        die(f"another quality.py run (pid {lock.read().strip() or '?'}) is using {runner.work}: wait for it "
-            "or stop it (kill -- -PID stops it and its trainings)")
+    lock = locked(runner, "run.lock")
     check_provenance(runner, args.allow_dirty)
-    lock.truncate(0)
-    lock.write(str(os.getpid()))
-    lock.flush()
+    claim(lock)
     runner.check_config()
     runner.prepare_data()
 
@@ -137,6 +170,14 @@ def cmd_run(args):
     with ThreadPoolExecutor(args.parallel) as pool:
         for future in [pool.submit(runner.run_one, s, k, chosen[s], runner.run_dir(s, k)) for s, k in todo]:
             future.result()
+    # 3. the rates tried beside the plan's for the primary pair (seed 1, validation): reported, never chosen
+    beside = [(s, lr) for s in args.systems if chosen[s] is not None for lr in runner.lrs_beside(s)
+              if pending(runner.candidate_dir(s, lr), f"{s} seed 1 lr {lr:g}")]
+    with ThreadPoolExecutor(args.parallel) as pool:
+        for future in [pool.submit(runner.run_one, s, 1, lr, runner.candidate_dir(s, lr), True) for s, lr in beside]:
+            future.result()
+    for s in {s for s, _ in beside}:
+        runner.choose_lr(s)  # choice.json records them beside the choice
     for publisher in runner.publishers:
         publisher.join()
     if not (args.commit or args.report):
@@ -147,12 +188,22 @@ def cmd_run(args):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    for name in ("run", "report"):
+    for name in ("run", "report", "curves"):
         q = sub.add_parser(name)
         q.add_argument("--results-dir", default=os.path.join(HERE, "quality"),
                        help="finished runs and the report [benchmarks/quality]")
         q.add_argument("--update-readme", action="store_true", help="rewrite the README's generated table")
         q.add_argument("--readme", default=os.path.join(REPO, "README.md"))
+    for name in ("run", "curves"):
+        q = sub.choices[name]
+        q.add_argument("--work-dir", default="~/.cache/ea_fairseq/quality",
+                       help="checkpoints, logs and data, outside the repository [~/.cache/ea_fairseq/quality]")
+        q.add_argument("--threads", type=int, default=1, help="CPU threads per run [1]")
+        q.add_argument("--allow-dirty", action="store_true",
+                       help="run on a working tree with uncommitted changes (recorded in each run)")
+        q.add_argument("--commit", action="store_true", help="git-commit what is scored with the regenerated report")
+    c = sub.choices["curves"]
+    c.set_defaults(seeds=None)
     r = sub.choices["run"]
     r.add_argument("--systems", nargs="+", default=list(SYSTEMS), metavar="SYSTEM",
                    help=f"[all: {' '.join(SYSTEMS)}]")
@@ -162,13 +213,7 @@ def main(argv=None) -> int:
                    help="learning rates tried per family on the validation set, seed 1 [0.001 0.002]")
     r.add_argument("--probe-batch", type=int, default=20,
                    help="the training batch benchmarks/collapse_probe.py probes [20]")
-    r.add_argument("--allow-dirty", action="store_true",
-                   help="run on a working tree with uncommitted changes (recorded in each run)")
-    r.add_argument("--work-dir", default="~/.cache/ea_fairseq/quality",
-                   help="checkpoints, logs and data, outside the repository [~/.cache/ea_fairseq/quality]")
     r.add_argument("--parallel", type=int, default=2, help="runs at a time [2]")
-    r.add_argument("--threads", type=int, default=1, help="CPU threads per run [1]")
-    r.add_argument("--commit", action="store_true", help="git-commit each finished run with the regenerated report")
     r.add_argument("--report", action="store_true", help="regenerate the report after each run (without --commit)")
     r.add_argument("--retry-failed", action="store_true", help="run failed runs again")
     budget = r.add_argument_group("budget (the demo's CPU defaults when not given; recorded, a results "
@@ -183,6 +228,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.command == "run":
         return cmd_run(args)
+    if args.command == "curves":
+        return cmd_curves(args)
     quality_report.report(os.path.abspath(args.results_dir), readme=args.readme if args.update_readme else None)
     return 0
 

@@ -22,7 +22,8 @@ SCRIPT = os.path.join(HERE, "quality.py")
 sys.path.insert(0, HERE)  # its sibling modules, however this file is loaded
 import quality_report  # noqa: E402
 import quality_results  # noqa: E402
-from quality_plan import BASELINE, BUDGET_ENV, COMPARISONS, GEN_ARGS, KEEP_CHECKPOINTS, SRC, SYSTEMS, TGT  # noqa: E402
+from quality_plan import (BASELINE, BUDGET_ENV, COMPARISONS, GEN_ARGS, KEEP_CHECKPOINTS, LRS, LRS_BESIDE,  # noqa: E402
+                          SRC, SYSTEMS, TGT)
 from quality_results import venv_bin  # noqa: E402
 
 
@@ -303,24 +304,37 @@ class Runner:
             os.symlink(os.path.relpath(shared, eval_dir), mine)
 
     # ------------------------------------------------------------------ learning rate
+    def lrs_beside(self, system: str):
+        """The rates tried beside the plan's for ``system`` (quality_plan.LRS_BESIDE), where
+        this run tries the plan's rates."""
+        return [lr for lr in LRS_BESIDE.get(system, ()) if lr not in self.args.lrs] \
+            if sorted(self.args.lrs) == sorted(LRS) else []
+
+    def valid_scores(self, system: str, lr: float) -> Optional[dict]:
+        """The validation scores of ``system``'s finished seed-1 run at ``lr``; None if not finished."""
+        record = self.finished_at(self.candidate_dir(system, lr))
+        if not record or record["status"] != "finished":
+            return None
+        with open(os.path.join(self.candidate_dir(system, lr), "valid", f"valid.{SRC}-{TGT}.scores.json"),
+                  encoding="utf-8") as f:
+            metrics = json.load(f)["metrics"]
+        return {m: metrics[m]["score"] for m in quality_results.METRICS}
+
     def choose_lr(self, system: str) -> Optional[float]:
         """The family's rate from its finished candidates (all of them finished), written to
-        lr_selection/SYSTEM/choice.json, its run linked as runs/SYSTEM/seed1; None if not all
-        finished."""
-        scores = {}
-        for lr in self.args.lrs:
-            record = self.finished_at(self.candidate_dir(system, lr))
-            if not record or record["status"] != "finished":
-                return None
-            valid = os.path.join(self.candidate_dir(system, lr), "valid", f"valid.{SRC}-{TGT}.scores.json")
-            with open(valid, encoding="utf-8") as f:
-                metrics = json.load(f)["metrics"]
-            scores[lr] = {m: metrics[m]["score"] for m in quality_results.METRICS}
+        lr_selection/SYSTEM/choice.json with the finished runs at the rates tried beside them
+        (``beside``: they never change the choice), its run linked as runs/SYSTEM/seed1; None if
+        not all finished."""
+        scores = {lr: self.valid_scores(system, lr) for lr in self.args.lrs}
+        if any(v is None for v in scores.values()):
+            return None
         best = max(scores, key=lambda lr: (scores[lr]["sacrebleu"], scores[lr]["chrf"], -lr))
+        beside = {lr: self.valid_scores(system, lr) for lr in self.lrs_beside(system)}
         quality_results.write_json(os.path.join(self.results, "lr_selection", system, "choice.json"),
                                   {"system": system, "lr": best, "seed": 1, "subset": "valid",
                                    "rule": "best validation sacreBLEU, then chrF, then the lower rate",
-                                   "valid": {f"{lr:g}": v for lr, v in sorted(scores.items())}})
+                                   "valid": {f"{lr:g}": v for lr, v in sorted(scores.items())},
+                                   "beside": {f"{lr:g}": v for lr, v in sorted(beside.items()) if v is not None}})
         link = self.run_dir(system, 1)
         os.makedirs(os.path.dirname(link), exist_ok=True)
         target = os.path.relpath(self.candidate_dir(system, best), os.path.dirname(link))

@@ -11,8 +11,9 @@ process still exits with status 1), and so a checkpoint the plugin refuses or fi
 (an exception class with ``one_line = True``). Two errors of fairseq itself, recognised by type
 and message, are one line too, saying what there is instead: a checkpoint file that is not there
 (``--path``: the checkpoints nearest it in its folder) and a split the data directory lacks
-(``--gen-subset``: the splits it has, :func:`did_you_mean`), a checkpoint trained with other
-dictionaries than the data directory's (torch's size mismatch of the embeddings alone), and an
+(``--gen-subset``: the splits it has, :func:`did_you_mean`), a dictionary fairseq cannot read (a
+malformed line, a duplicate word), a checkpoint trained with other dictionaries than the data
+directory's (torch's size mismatch of the embeddings alone), and an
 over-long input (with the option that sets the limit where a model built in this process limits
 positions itself, :func:`note_position_limit`, and in ``fairseq-interactive`` the task that goes
 on past such a line). Every other exception goes to the previous hook unchanged. In the same
@@ -29,6 +30,7 @@ from typing import Dict, Iterable, Optional
 _SIZE_ERROR = re.compile(r"Size of sample #\d+ is invalid")
 _MISSING_CHECKPOINT = re.compile(r"Model file not found: (?P<path>.+)")  # checkpoint_utils, IOError
 _MISSING_SPLIT = re.compile(r"Dataset not found: (?P<split>[^\s()]+) \((?P<data>.+)\)")  # the tasks
+_DICTIONARY = re.compile(r"Incorrect dictionary format, expected|Duplicate word found when loading Dictionary")
 _ARCH_CHOICE = re.compile(r"argument --arch/-a: invalid choice: (?P<arch>.+?) \(choose from ")
 _UNRECOGNIZED = "unrecognized arguments: "  # argparse's
 _EMBEDDINGS = re.compile(r"\tsize mismatch for (?P<name>(encoder|decoder)\.embed_tokens\.weight|decoder\.output_projection"
@@ -141,6 +143,9 @@ def _one_line(value) -> Optional[str]:
         return _too_long(str(value))
     if isinstance(value, RuntimeError) and str(value).startswith("Error(s) in loading state_dict"):
         return _other_dictionaries(str(value))
+    if isinstance(value, (ValueError, RuntimeError)) and _DICTIONARY.match(str(value)):  # Dictionary.add_from_file
+        return (f"a dictionary fairseq read: {str(value).splitlines()[0].rstrip('.')}; give the dictionaries "
+                "fairseq-preprocess wrote for this data")
     if not isinstance(value, OSError):
         return None
     match = _MISSING_CHECKPOINT.fullmatch(str(value))

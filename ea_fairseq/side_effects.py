@@ -7,7 +7,7 @@ fairseq, of the standard library or of omegaconf; each such replacement is a row
 :data:`SIDE_EFFECTS`, and :func:`install` (called once by :func:`ea_fairseq.load_plugin`) makes
 the permanent ones. This module is the only place the plugin assigns to another package's
 module, class or registry; a test compares fairseq's modules before and after the plugin is
-imported, so a replacement made anywhere else fails it (``tests/test_side_effects.py``).
+imported, so a replacement made anywhere else fails it (``tests/cli/test_side_effects.py``).
 
 Each row names
 

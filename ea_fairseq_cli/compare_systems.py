@@ -154,6 +154,10 @@ def _lines(path: str, root: str) -> List[str]:
         return f.read().split("\n")[:-1]
 
 
+#: what every scores.json ea-fairseq-bleu writes holds, and of which type
+SCORES_FIELDS = {"mode": str, "sentences": int, "translated": int, "metrics": dict}
+
+
 class Run:
     """One evaluated run: its scores.json, the texts each sacreBLEU metric scored, and the
     segment-score files beside it."""
@@ -164,6 +168,10 @@ class Run:
         self.root = root if root is not None else self.dir  # what the files it names may resolve inside
         with open_inside(path, self.root, "r", limit=LIMIT_SCORES, encoding="utf-8") as f:
             self.report = json.load(f)
+        if type(self.report) is not dict or any(type(self.report.get(k)) is not t for k, t in SCORES_FIELDS.items()):
+            raise SystemExit(f"ea-fairseq-compare: {path} is not a scores file as ea-fairseq-bleu writes it (a dict "
+                             f"with {', '.join(f'{k} ({t.__name__})' for k, t in SCORES_FIELDS.items())}): score the "
+                             "run again with ea-fairseq-bleu")
         self.prefix = path[:-len(".scores.json")] if path.endswith(".scores.json") else os.path.splitext(path)[0]
         self.segment_files = {m.group("name"): f for f in glob.glob(glob.escape(self.prefix) + ".seg.*")
                               if (m := SEGMENTS.match(f))}

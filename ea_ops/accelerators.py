@@ -5,7 +5,7 @@ operations (the reference, :mod:`ea_ops.reference`: device- and dtype-agnostic,
 autocast-friendly, the code the tests prove exact). An accelerated backend (the CPU's
 fused C++ passes, :mod:`ea_ops.cpu`) computes the same values and gradients, faster where
 it can; the dispatcher (:mod:`ea_ops.dispatch`) decides, in one table, which calls it
-takes, and tests hold each backend to the reference (``tests/test_accelerator_*.py``).
+takes, and tests hold each backend to the reference (``tests/ops/test_accelerator_*.py``).
 
 Switches: ``EA_FAIRSEQ_ACCELERATORS=0`` in the environment runs the reference everywhere
 (read once per process); :func:`reference_only` does so within a ``with`` block (this

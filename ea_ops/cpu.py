@@ -17,7 +17,7 @@ The C++ sources are ``csrc/evolving_attention.cpp`` (the passes, the step's driv
 ``csrc/evolving_attention_loops.h`` (the step's inner loops, built for AVX2 + FMA and for
 any CPU, chosen by the CPU's features; ``EA_FAIRSEQ_PORTABLE_KERNELS=1`` forces the
 portable build), compiled ahead by ``python -m ea_ops.build`` (:mod:`ea_ops.build`).
-``tests/test_accelerator_cpu.py`` holds both backends to the reference.
+``tests/ops/test_accelerator_cpu.py`` holds both backends to the reference.
 """
 from typing import Optional
 

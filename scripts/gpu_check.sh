@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# One-command check of a GPU machine: the device suite (tests/test_device*.py, the decoding
-# properties, tests/test_decoding_properties.py, and EA's Triton kernels against the float64
-# reference, tests/test_triton_full_pass.py, tests/test_triton_registers_and_launches.py and
-# tests/test_triton_step.py, skipped without triton) on the GPU, then the GPU benchmark in fp16 and
-# bf16 with reduced repeats (EA-Lite, EA-Base, RAN-ALL against their fairseq twins; in fp16 also
-# their profile: the top CUDA kernels of each model and its twin, `--profile`). It leaves
-# two files in OUT_DIR, whatever happens (a GPU machine may return only a few files):
+# One-command check of a GPU machine: the device suite (tests/device/test_device*.py, the
+# decoding properties, tests/attention/test_decoding_properties.py, and EA's Triton kernels
+# against the float64 reference, tests/ops/test_triton_full_pass.py,
+# tests/ops/test_triton_registers_and_launches.py and tests/ops/test_triton_step.py, skipped
+# without triton) on the GPU, then the GPU benchmark in fp16 and bf16 with reduced repeats
+# (EA-Lite, EA-Base, RAN-ALL against their fairseq twins; in fp16 also their profile: the
+# top CUDA kernels of each model and its twin, `--profile`). It leaves two files in OUT_DIR,
+# whatever happens (a GPU machine may return only a few files):
 #
 #   OUT_DIR/gpu_check.md             the report: environment, every failure, measurements, benchmark
 #   OUT_DIR/gpu_check-logs.tar.gz    every log and raw file (pytest logs and JUnit XML, the suite's
@@ -99,9 +100,9 @@ for part, rc in (("rest", suite_rc), ("cli", cli_rc)):
         elif outcome == "skipped":
             reason = case.find("skipped").get("message") or ""
             skipped[reason] = skipped.get(reason, 0) + 1
-lines += ["## Device suite (`tests/test_device*.py`, `tests/test_decoding_properties.py`, "
-          "`tests/test_triton_full_pass.py`, `tests/test_triton_registers_and_launches.py`, "
-          "`tests/test_triton_step.py`)", "",
+lines += ["## Device suite (`tests/device/test_device*.py`, `tests/attention/test_decoding_properties.py`, "
+          "`tests/ops/test_triton_full_pass.py`, `tests/ops/test_triton_registers_and_launches.py`, "
+          "`tests/ops/test_triton_step.py`)", "",
           f"{counts['passed']} passed, {counts['failure']} failed, {counts['error']} errors, "
           f"{counts['skipped']} skipped (pytest: {status(suite_rc)}; the fairseq-train/-generate "
           f"runs: {status(cli_rc)}).", ""]
@@ -158,8 +159,10 @@ cuda=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))")
 # runs them side by side itself) and everything else (on a GPU machine in 4 pytest-xdist
 # workers where it is installed). On a GPU the two benchmark runs follow it: 200 s of the
 # budget are kept for them and the report.
-pytest_args=(-p no:cacheprovider -v -rfEs --durations=20 tests/test_device*.py tests/test_decoding_properties.py
-             tests/test_triton_full_pass.py tests/test_triton_registers_and_launches.py tests/test_triton_step.py)
+pytest_args=(-p no:cacheprovider -v -rfEs --durations=20
+             tests/device/test_device*.py tests/attention/test_decoding_properties.py
+             tests/ops/test_triton_full_pass.py tests/ops/test_triton_registers_and_launches.py
+             tests/ops/test_triton_step.py)
 only="${SELECT:+ and ($SELECT)}"
 xdist=$([ "$cuda" = 1 ] && "$PY" -c "import xdist" 2>/dev/null && echo "-n 4")
 suite_limit=$(limit 250 $([ "$cuda" = 1 ] && echo 200 || echo 20))

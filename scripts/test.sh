@@ -4,7 +4,7 @@
 # (EA_FAIRSEQ_ACCELERATORS=0: no accelerator, as on a device none is registered for), then
 # the stored-output and exactness tests once more on ATen's generic CPU kernels (below). The
 # only accelerator is EA's, in float32/float64 on CPU; the decoding properties of every
-# family already run with it and without it (tests/test_decoding_properties.py).
+# family already run with it and without it (tests/attention/test_decoding_properties.py).
 # Extra arguments go to every pytest run, e.g. `bash scripts/test.sh -k causal`.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -24,7 +24,8 @@ export PYTHONDONTWRITEBYTECODE=1
   --dist loadfile --no-loadscope-reorder "$@" tests
 echo "[test] EA's tests with its reference implementation alone" >&2
 EA_FAIRSEQ_ACCELERATORS=0 "$venv/bin/python" -m pytest -q -p no:cacheprovider "$@" \
-  tests/test_ea_exactness.py tests/test_ea_model.py tests/test_ea_equation.py
+  tests/attention/test_ea_exactness.py tests/attention/test_ea_model.py \
+  tests/attention/test_ea_equation.py
 # The tests that compare with stored outputs or hold two computations equal, once more with
 # ATEN_CPU_CAPABILITY=default: ATen's generic kernels instead of the AVX2/AVX-512 ones the
 # first run picked for this CPU (other summation orders, no vector exp/log), so that no bound
@@ -33,9 +34,10 @@ EA_FAIRSEQ_ACCELERATORS=0 "$venv/bin/python" -m pytest -q -p no:cacheprovider "$
 echo "[test] stored outputs and exactness on ATen's generic CPU kernels" >&2
 ATEN_CPU_CAPABILITY=default "$venv/bin/python" -m pytest -q -p no:cacheprovider \
   -n "${EA_FAIRSEQ_TEST_WORKERS:-auto}" --dist loadfile "$@" \
-  tests/test_checkpoint_fixtures.py tests/test_ea_exactness.py tests/test_ea_equation.py \
-  tests/test_attention_module.py tests/test_families.py::test_reduces_to_its_twin \
-  tests/test_baseline_drop_attention.py::test_without_the_flag_it_is_fairseqs_transformer \
-  tests/test_decoding_properties.py::test_incremental_equals_full_pass_with_beam_reorders \
-  tests/test_dispatch.py::test_both_backends_agree_wherever_both_may_run \
-  tests/test_accelerator_cpu.py::test_accelerated_full_pass_equals_the_reference_with_gradients
+  tests/attention/test_checkpoint_fixtures.py tests/attention/test_ea_exactness.py \
+  tests/attention/test_ea_equation.py \
+  tests/attention/test_attention_module.py tests/attention/test_families.py::test_reduces_to_its_twin \
+  tests/attention/test_baseline_drop_attention.py::test_without_the_flag_it_is_fairseqs_transformer \
+  tests/attention/test_decoding_properties.py::test_incremental_equals_full_pass_with_beam_reorders \
+  tests/ops/test_dispatch.py::test_both_backends_agree_wherever_both_may_run \
+  tests/ops/test_accelerator_cpu.py::test_accelerated_full_pass_equals_the_reference_with_gradients

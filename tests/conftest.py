@@ -9,8 +9,22 @@ from ea_fairseq import side_effects
 from ea_fairseq.models import building
 from ea_fairseq.models.building import parse_options as parse  # noqa: F401  (tests' shorthand)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(TESTS)
 TEST_VOCAB = 44  # the tests' small vocabulary: 40 words and fairseq's 4 special symbols
+
+# The tests by subject, a folder each, none of them a package: pytest's default ("prepend")
+# import mode imports a test file under its basename, its folder put on sys.path, as it does this
+# file (tests/ on sys.path: the helpers are ``support.<module>``, these ``conftest``). Every
+# subject folder is put there here, before any test module is imported, so that a test module
+# that uses another's fixture or helper imports it by its basename whatever folder either is in
+# (``from test_analysis import tiny_checkpoint``), and does so in a file run alone as in the whole
+# suite. A test file's basename is therefore unique across tests/ (pytest refuses two files with
+# one basename).
+SUBJECTS = ("attention", "ops", "device", "cli", "recipes", "benchmarks", "safety")
+for _subject in SUBJECTS:
+    if os.path.join(TESTS, _subject) not in sys.path:
+        sys.path.append(os.path.join(TESTS, _subject))
 
 # At most two threads per test process, the cores shared among pytest-xdist's workers
 # (scripts/test.sh runs one worker per core), and the same number for the fairseq-train,

@@ -20,9 +20,8 @@ from fairseq.distributed import fsdp_wrap
 from fairseq.modules.checkpoint_activations import CheckpointFunction, pack_kwargs, unpack_non_tensors
 from torch import Tensor
 
-from ..modules.attention_map_carrier import LayerMaps, StackPass
+from ..modules.attention_map_carrier import LayerMaps, StackPass, bound
 from ..modules.attention_mechanism import AttentionMechanism
-from ..modules.recurrent_attention import RecurrentAttention, RecurrentAttentionMatrices
 
 def checkpointed(function, offload: bool, *args, **kwargs):
     """``function(*args, **kwargs)`` under fairseq's activation checkpointing (its
@@ -120,15 +119,9 @@ class StackLayer:
         (what the layer reads, by name); returns its result's items, then one value (or
         None) per name the layer hands on."""
         args, values = rest[:len(rest) - len(names)], rest[len(rest) - len(names):]
-        maps = LayerMaps(stack_pass, dict(zip(names, values)), self.wanted)
-        mechanisms = self._mechanisms
-        for module in mechanisms:  # what this call's attentions read and hand on
-            module.layer_maps = maps
-        try:
+        # what this call's attentions read and hand on
+        with bound(self._mechanisms, LayerMaps(stack_pass, dict(zip(names, values)), self.wanted)) as maps:
             result = super().forward(x, *args, **kwargs)
-        finally:
-            for module in mechanisms:
-                module.layer_maps = None
         result = (result,) if isinstance(result, Tensor) else tuple(result)  # (an encoder layer's x alone)
         return result + tuple(map(maps.outgoing.get, self.hands))
 
@@ -146,24 +139,28 @@ def wrap_layer(layer, cfg):
 class AttentionMapsMixin:
     """What an encoder or decoder of this plugin adds to fairseq's: one
     :class:`~ea_fairseq.modules.attention_map_carrier.StackPass` per forward pass handed to
-    its layers, and the RAN matrices its RAN layers share."""
+    its layers, and what its attentions share across layers (RAN's matrices), built by their
+    class (:meth:`~ea_fairseq.modules.attention_mechanism.AttentionMechanism.stack_shared`),
+    owned here and asked for the values of every pass."""
 
     def setup_attention_maps(self, cfg, heads: int) -> None:
         self.stack_pass: Optional[StackPass] = None
         self.stack_layers = [m for m in self.modules() if isinstance(m, StackLayer)]
-        recurrent = [m for m in self.modules() if isinstance(m, RecurrentAttention)]
-        self.recurrent_matrices = None
-        if recurrent:
-            self.recurrent_matrices = RecurrentAttentionMatrices(
-                heads, cfg.ran_max_positions, len(recurrent), fixed_init=cfg.ran_fixed_init,
-                layer_norm=not cfg.ran_no_layernorm, residual=not cfg.ran_no_residual,
-            )
-            for module in recurrent:
-                module.share_matrices(self.recurrent_matrices)
+        by_class = {}
+        for module in self.modules():
+            if isinstance(module, AttentionMechanism):
+                by_class.setdefault(type(module), []).append(module)
+        self.shared_names, provided = [], set()
+        for kind, modules in by_class.items():
+            shared = kind.stack_shared(modules, cfg, heads)
+            if shared is not None:
+                name, module = shared
+                setattr(self, name, module)
+                self.shared_names.append(name)
+                provided.update(module.provided_names())
         # each layer reads what an earlier layer hands on or the pass provides (RAN's
         # matrices), and hands on only what a later layer reads (the last one: nothing)
         names = [layer.carried_names() for layer in self.stack_layers]
-        provided = {f"ran:{k}" for k in range(len(recurrent))}
         for i, layer in enumerate(self.stack_layers):
             earlier = provided.union(*(writes for _, writes in names[:i]))
             later = set().union(*(reads for reads, _ in names[i + 1:]))
@@ -178,11 +175,11 @@ class AttentionMapsMixin:
     @contextmanager
     def attention_scope(self, length: int, incremental_state=None):
         """One forward pass of the stack: a fresh :class:`StackPass` handed to its layers,
-        with the RAN matrices of its RAN layers computed once (a decoding run keeps them in
-        its incremental state)."""
+        with what its shared modules provide (RAN's matrices) computed once (a decoding run
+        keeps them in its incremental state)."""
         values = {}
-        if self.recurrent_matrices is not None:
-            values = {f"ran:{k}": m for k, m in enumerate(self.recurrent_matrices(length, incremental_state))}
+        for name in self.shared_names:
+            values.update(getattr(self, name).pass_values(length, incremental_state))
         stack_pass = StackPass(values)
         self.stack_pass = stack_pass
         for layer in self.stack_layers:

@@ -16,8 +16,8 @@ search's reorder treats it:
   mechanism's: EA's :class:`~ea_ops.contract.StepState`), one row per hypothesis; reordered
   by the mechanism's ``reorder_mechanism_state``, which returns it in the new order (by
   default every tensor of the dict, batch first);
-* ``memo`` -- what a run derives once from the weights (a step's scaled projection, RAN's
-  causal weights), the same for every hypothesis: never reordered.
+* ``memo`` -- what a run derives once, the same for every hypothesis (a step's scaled
+  projection, RAN's causal weights, the positions of a position attention): never reordered.
 
 fairseq's decoder layer looks into its self-attention's cache under fairseq's names
 (``prev_key``, ``prev_value``, ``prev_key_padding_mask``: :meth:`AttentionCache.as_buffer`)

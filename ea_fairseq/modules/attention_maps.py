@@ -25,14 +25,11 @@ directly (``EvolvingAttention(embed_dim, heads, self_attention=True, slot="self"
 fairseq's ``MultiheadAttention`` arguments, then the mechanism's options).
 """
 import inspect
-import math
 from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn as nn
 from fairseq.incremental_decoding_utils import with_incremental_state
-from fairseq.modules.fairseq_dropout import FairseqDropout
-from fairseq.modules.quant_noise import quant_noise
 from torch import Tensor
 
 from ea_ops.masks import neutral_entries
@@ -73,37 +70,20 @@ class LogitMapAttention(AttentionMechanism, nn.Module):
                 f"{name} needs the attention logits, which xformers attention does not expose; "
                 "drop --encoder/--decoder-xformers-att-config.")
         super().__init__()
-        self.embed_dim, self.num_heads = embed_dim, num_heads
-        self.kdim = kdim if kdim is not None else embed_dim
-        self.vdim = vdim if vdim is not None else embed_dim
-        self.head_dim = embed_dim // num_heads
-        if self.head_dim * num_heads != embed_dim:
-            raise ValueError(f"embed_dim {embed_dim} is not divisible by num_heads {num_heads}")
+        self.self_attention = self_attention
+        self.encoder_decoder_attention = encoder_decoder_attention
+        self.init_mechanism(embed_dim, num_heads, dropout, kdim, vdim)
         if self_attention and not (self.kdim == self.vdim == embed_dim):
             raise ValueError("self-attention needs keys and values of the queries' width")
         self.scaling = self.head_dim ** -0.5
-        self.self_attention = self_attention
-        self.encoder_decoder_attention = encoder_decoder_attention
         self.beam_size = 1  # fairseq's generator sets it (set_beam_size)
-        # fairseq's module name, so that --retain-dropout-modules MultiheadAttention covers it
-        self.dropout_module = FairseqDropout(dropout, module_name="MultiheadAttention")
         # fairseq's projections, made in fairseq's order (the same random initial weights)
-        self.k_proj = quant_noise(nn.Linear(self.kdim, embed_dim, bias=bias), q_noise, qn_block_size)
-        self.v_proj = quant_noise(value_projection(self.vdim, embed_dim, bias=bias), q_noise, qn_block_size)
-        self.q_proj = quant_noise(nn.Linear(embed_dim, embed_dim, bias=bias), q_noise, qn_block_size)
-        self.out_proj = quant_noise(nn.Linear(embed_dim, embed_dim, bias=bias), q_noise, qn_block_size)
+        self.k_proj = self.projection(self.kdim, bias, q_noise, qn_block_size)
+        self.v_proj = self.projection(self.vdim, bias, q_noise, qn_block_size, value_projection)
+        self.q_proj = self.projection(embed_dim, bias, q_noise, qn_block_size)
+        self.out_proj = self.projection(embed_dim, bias, q_noise, qn_block_size)
         self.reset_projections()
-        self.init_mechanism()
         self.setup_mechanism(**options)
-
-    def reset_projections(self) -> None:
-        """fairseq's ``MultiheadAttention.reset_parameters``."""
-        gain = 1 / math.sqrt(2) if self.kdim == self.vdim == self.embed_dim else 1.0
-        for proj in (self.k_proj, self.v_proj, self.q_proj):
-            nn.init.xavier_uniform_(proj.weight, gain=gain)
-        nn.init.xavier_uniform_(self.out_proj.weight)
-        if self.out_proj.bias is not None:
-            nn.init.constant_(self.out_proj.bias, 0.0)
 
     def setup_mechanism(self, **options) -> None:
         """Add the mechanism's own parameters and settings (subclasses)."""

@@ -18,17 +18,22 @@ mechanism:
 4. softmax (zero weights in a row whose every key is masked), attention dropout or
    DropAttention, the value product and the output projection
    (:meth:`~AttentionMechanism.attend_logits`, which a mechanism that computes weights and
-   values itself overrides: EA's fused decoding step).
+   values itself overrides: EA's fused decoding step, RAN's decoding step with the weights
+   its run keeps).
 
 Beside it: the values a layer hands its attentions
 (:class:`~ea_fairseq.modules.attention_map_carrier.LayerMaps`), the map hooks, and the one
 cache of a decoding run (:class:`~ea_fairseq.modules.attention_cache.AttentionCache`) with
 its one beam reorder.
 """
+import math
 from collections import OrderedDict
 from typing import Any, Callable, Dict, Optional
 
 import torch
+import torch.nn as nn
+from fairseq.modules.fairseq_dropout import FairseqDropout
+from fairseq.modules.quant_noise import quant_noise
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
@@ -43,11 +48,22 @@ CACHE = "cache"
 
 
 class AttentionMechanism:
-    """A mixin for a module with ``embed_dim``, ``num_heads``, ``head_dim``, ``out_proj``,
-    ``dropout_module`` and fairseq's incremental-state helpers
-    (``fairseq.incremental_decoding_utils.with_incremental_state``)."""
+    """A mixin for an ``nn.Module`` with fairseq's incremental-state helpers
+    (``fairseq.incremental_decoding_utils.with_incremental_state``) and ``self_attention``,
+    ``encoder_decoder_attention``; :meth:`init_mechanism` gives it what every attention of
+    the plugin has of fairseq's ``MultiheadAttention``: its sizes, its attention dropout
+    module and, with :meth:`projection` and :meth:`reset_projections`, its projections."""
 
-    def init_mechanism(self) -> None:
+    def init_mechanism(self, embed_dim: int, num_heads: int, dropout: float,
+                       kdim: Optional[int] = None, vdim: Optional[int] = None) -> None:
+        self.embed_dim, self.num_heads = embed_dim, num_heads
+        self.kdim = kdim if kdim is not None else embed_dim
+        self.vdim = vdim if vdim is not None else embed_dim
+        self.head_dim = embed_dim // num_heads
+        if self.head_dim * num_heads != embed_dim:
+            raise ValueError(f"embed_dim {embed_dim} is not divisible by num_heads {num_heads}")
+        # fairseq's module name, so that --retain-dropout-modules MultiheadAttention covers it
+        self.dropout_module = FairseqDropout(dropout, module_name="MultiheadAttention")
         # instance attributes (a class attribute would shadow the registered submodule):
         self.layer_maps: Optional[LayerMaps] = None  # set by its layer while the layer runs
         # the names of what every layer of a pass derives alike from its masks
@@ -56,12 +72,36 @@ class AttentionMechanism:
         self.weight_dropout = None  # DropAttention, or None for fairseq's attention dropout
         self._map_hooks = OrderedDict()
 
+    def projection(self, in_features: int, bias: bool, q_noise: float, qn_block_size: int,
+                   make: Callable[..., nn.Linear] = nn.Linear) -> nn.Module:
+        """A projection to ``embed_dim`` as fairseq's ``MultiheadAttention`` makes it (with its
+        quantisation noise); ``make``: the ``nn.Linear`` (value residual's mixes values in)."""
+        return quant_noise(make(in_features, self.embed_dim, bias=bias), q_noise, qn_block_size)
+
+    def reset_projections(self) -> None:
+        """fairseq's ``MultiheadAttention.reset_parameters`` for the projections this module has."""
+        gain = 1 / math.sqrt(2) if self.kdim == self.vdim == self.embed_dim else 1.0
+        for name in ("k_proj", "v_proj", "q_proj"):
+            if hasattr(self, name):
+                nn.init.xavier_uniform_(getattr(self, name).weight, gain=gain)
+        nn.init.xavier_uniform_(self.out_proj.weight)
+        if self.out_proj.bias is not None:
+            nn.init.constant_(self.out_proj.bias, 0.0)
+
     # -- what the layers of a stack hand each other ----------------------------------------
     def carried_names(self):
         """``(reads, writes)``: the names of the values this module reads from the layers
         before it and hands on to the layers after it (:mod:`~ea_fairseq.modules.attention_map_carrier`);
         the stack hands on only what a later layer reads."""
         return (), ()
+
+    @classmethod
+    def stack_shared(cls, modules, cfg, heads: int):
+        """What the attentions ``modules`` of this class in one stack share across its layers:
+        ``(name, module)``, a module the stack owns under ``name`` and asks, at every pass,
+        for the values it provides (``provided_names()``, ``pass_values(length,
+        incremental_state)``); None (here): nothing."""
+        return None
 
     def previous_map(self, name: str) -> Optional[Tensor]:
         """The value ``name`` an earlier layer of the pass handed on (None: the first layer,
@@ -79,11 +119,7 @@ class AttentionMechanism:
         maps = self.layer_maps
         if maps is None or maps.stack_pass is None:
             return compute()
-        derived = maps.stack_pass.derived
-        value = derived.get(name)
-        if value is None:
-            value = derived[name] = compute()
-        return value
+        return maps.stack_pass.derive(name, compute)
 
     def set_weight_dropout(self, module: Optional[torch.nn.Module]) -> None:
         self.weight_dropout = module

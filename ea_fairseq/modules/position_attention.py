@@ -17,14 +17,11 @@ the same sentence alone. A decoding run's positions are its steps (fairseq's dec
 inputs are never left-padded).
 """
 import contextlib
-import math
 from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn as nn
 from fairseq.incremental_decoding_utils import with_incremental_state
-from fairseq.modules.fairseq_dropout import FairseqDropout
-from fairseq.modules.quant_noise import quant_noise
 from torch import Tensor
 
 from .attention_mechanism import AttentionMechanism
@@ -125,24 +122,11 @@ class PositionAttention(AttentionMechanism, nn.Module):
                  causal: bool = False, q_noise: float = 0.0, qn_block_size: int = 8,
                  value_projection: Callable[..., nn.Linear] = nn.Linear):
         super().__init__()
-        self.embed_dim, self.num_heads = embed_dim, num_heads
-        self.head_dim = embed_dim // num_heads
-        if self.head_dim * num_heads != embed_dim:
-            raise ValueError(f"embed_dim {embed_dim} is not divisible by num_heads {num_heads}")
-        # fairseq's module name, so that --retain-dropout-modules MultiheadAttention covers it
-        self.dropout_module = FairseqDropout(dropout, module_name="MultiheadAttention")
-        self.v_proj = quant_noise(value_projection(embed_dim, embed_dim, bias=bias), q_noise, qn_block_size)
-        self.out_proj = quant_noise(nn.Linear(embed_dim, embed_dim, bias=bias), q_noise, qn_block_size)
+        self.init_mechanism(embed_dim, num_heads, dropout)
+        self.v_proj = self.projection(embed_dim, bias, q_noise, qn_block_size, value_projection)
+        self.out_proj = self.projection(embed_dim, bias, q_noise, qn_block_size)
         self.causal = causal
-        self.init_mechanism()
         self.reset_projections()
-
-    def reset_projections(self) -> None:
-        """fairseq's ``MultiheadAttention.reset_parameters`` for these two projections."""
-        nn.init.xavier_uniform_(self.v_proj.weight, gain=1 / math.sqrt(2))
-        nn.init.xavier_uniform_(self.out_proj.weight)
-        if self.out_proj.bias is not None:
-            nn.init.constant_(self.out_proj.bias, 0.0)
 
     def cached_values(self, query: Tensor, incremental_state,
                       key_padding_mask: Optional[Tensor] = None) -> Tuple[Tensor, int, Optional[Tensor]]:
@@ -155,6 +139,15 @@ class PositionAttention(AttentionMechanism, nn.Module):
         v = self.v_proj(query).view(tgt_len, bsz, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
         _, v, key_padding_mask = self.cache(incremental_state).extend(None, v, key_padding_mask)
         return v, v.size(2) - tgt_len, key_padding_mask
+
+    def run_positions(self, length: int, incremental_state, device) -> Tensor:
+        """``0 .. length - 1`` (1, length) in a decoding run: a view of positions made once per
+        run (16 at its first step, doubled whenever a step goes past them), not per step."""
+        memo = self.cache(incremental_state).memo
+        kept = memo.get("positions")
+        if kept is None or kept.size(-1) < length:
+            kept = memo["positions"] = torch.arange(max(16, 2 * length), device=device).unsqueeze(0)
+        return kept[:, :length]
 
     def pass_one_hot(self, padding_mask: Tensor, positions: Tensor, dtype: torch.dtype) -> Tensor:
         """:func:`sentence_one_hot`, made once per pass of the stack (every layer alike)."""
@@ -169,34 +162,27 @@ class PositionAttention(AttentionMechanism, nn.Module):
         raise NotImplementedError
 
     def decoding_step_weights(self, start: int, tgt_len: int, src_len: int, incremental_state,
-                              dtype: torch.dtype) -> Tensor:
-        """The softmax weights (H, T, S) of a causal decoding step, shared by the whole batch
-        (nothing padded, no dropout, no weights asked for): a mechanism that can give them
-        without computing logits (RAN: rows of a causal softmax kept for the run) defines
-        this, and sets :attr:`step_weights_shared`."""
-        raise NotImplementedError
+                              dtype: torch.dtype) -> Optional[Tensor]:
+        """The softmax weights (H, T, S) of a causal decoding step, shared by the whole batch,
+        where a mechanism can give them without a softmax of its logits (RAN: rows of a causal
+        softmax kept for the run); None: the step softmaxes its logits as a full pass does."""
+        return None
 
-    #: whether :meth:`decoding_step_weights` is defined
-    step_weights_shared = False
-
-    def forward(self, query, key, value, key_padding_mask=None, incremental_state=None,
-                need_weights: bool = True, static_kv: bool = False, attn_mask=None,
-                before_softmax: bool = False, need_head_weights: bool = False):
-        """The attention path of every mechanism
-        (:meth:`~ea_fairseq.modules.attention_mechanism.AttentionMechanism.forward`), but for
-        a causal decoding step whose weights are the same for the whole batch, which takes
-        them from :meth:`decoding_step_weights`."""
-        if (self.step_weights_shared and incremental_state is not None and self.causal
-                and key_padding_mask is None and not torch.is_grad_enabled() and not self.drops_weights()
-                and not (need_weights or need_head_weights or before_softmax)
+    def attend_logits(self, logits, masked, query_padding_mask, v, incremental_state, bsz, tgt_len,
+                      need_weights, need_head_weights, empty=None):
+        """A causal decoding step whose weights are the same for every hypothesis (nothing
+        padded, no dropout, nobody asking for weights or maps) multiplies the values with
+        :meth:`decoding_step_weights`; every other call softmaxes its logits."""
+        if (incremental_state is not None and self.causal and not torch.is_grad_enabled()
+                and not (need_weights or need_head_weights or self._map_hooks or self.drops_weights())
                 and self.cache(incremental_state).key_padding is None):
-            tgt_len, bsz, _ = query.size()
-            v, start, _ = self.cached_values(query, incremental_state)
-            weights = self.decoding_step_weights(start, tgt_len, v.size(2), incremental_state, v.dtype)
-            out = torch.matmul(weights, v)  # one set of weights for the batch
-            return self.out_proj(out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, self.embed_dim)), None
-        return super().forward(query, key, value, key_padding_mask, incremental_state, need_weights,
-                               static_kv, attn_mask, before_softmax, need_head_weights)
+            src_len = v.size(1)
+            weights = self.decoding_step_weights(src_len - tgt_len, tgt_len, src_len, incremental_state, v.dtype)
+            if weights is not None:  # one set of weights for the batch
+                out = torch.matmul(weights, v.view(bsz, self.num_heads, src_len, self.head_dim))
+                return self.out_proj(out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, self.embed_dim)), None
+        return super().attend_logits(logits, masked, query_padding_mask, v, incremental_state, bsz, tgt_len,
+                                     need_weights, need_head_weights, empty)
 
     def attention_logits(self, query, key, value, key_padding_mask, attn_mask, incremental_state, static_kv):
         """The logit source: :meth:`position_logits` at the positions of this call's queries
@@ -215,7 +201,7 @@ class PositionAttention(AttentionMechanism, nn.Module):
             src_len = v.size(2)
             v = v.reshape(bsz * self.num_heads, src_len, self.head_dim)
             dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
-            k_pos = torch.arange(src_len, device=query.device).unsqueeze(0)
+            k_pos = self.run_positions(src_len, incremental_state, query.device)
             q_pos = k_pos[:, start : start + tgt_len]
             logits = self.position_logits(q_pos, k_pos, None, start, dtype)
             if self.causal and tgt_len > 1:

@@ -78,6 +78,14 @@ class RecurrentAttentionMatrices(nn.Module):
 
         return super()._apply(at_least_float32, recurse)
 
+    def provided_names(self) -> List[str]:
+        """The names under which a pass of the stack hands each RAN layer its ``A_l``."""
+        return [f"ran:{k}" for k in range(self.num_layers)]
+
+    def pass_values(self, length: int, incremental_state=None):
+        """``A_1 .. A_n`` of a pass over ``length`` positions, by name (:meth:`forward`)."""
+        return dict(zip(self.provided_names(), self(length, incremental_state)))
+
     def step(self, previous: Tensor) -> Tensor:
         """One application of the Recurrent Transition Module, Eqs. 3-4."""
         update = torch.tanh(self.transition(previous))
@@ -159,7 +167,6 @@ class RecurrentAttention(PositionAttention):
     """
 
     map_name = "recurrent"
-    step_weights_shared = True
 
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
                  causal: bool = False, q_noise: float = 0.0, qn_block_size: int = 8,
@@ -171,6 +178,17 @@ class RecurrentAttention(PositionAttention):
 
     def carried_names(self):
         return (f"ran:{self.ran_index}",), ()
+
+    @classmethod
+    def stack_shared(cls, modules, cfg, heads: int):
+        """The stack's matrices (``A_0`` and the transition), one ``A_l`` per RAN layer, in
+        the order the stack built them."""
+        matrices = RecurrentAttentionMatrices(
+            heads, cfg.ran_max_positions, len(modules), fixed_init=cfg.ran_fixed_init,
+            layer_norm=not cfg.ran_no_layernorm, residual=not cfg.ran_no_residual)
+        for module in modules:
+            module.share_matrices(matrices)
+        return "recurrent_matrices", matrices
 
     def share_matrices(self, matrices: Optional[RecurrentAttentionMatrices]) -> None:
         """The stack's matrices, whose ``A_(ran_index + 1)`` the stack hands this layer in every

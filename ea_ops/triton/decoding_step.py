@@ -1,6 +1,6 @@
 """One decoding step of EA Eq. (4) as one Triton kernel: the backend :func:`step` of the
 operation :func:`ea_ops.evolving_attention`, held to the reference's step
-(:func:`ea_ops.reference.convolve_rows`) and to the full pass by ``tests/test_triton_step.py``.
+(:func:`ea_ops.reference.convolve_rows`) and to the full pass by ``tests/ops/test_triton_step.py``.
 
 A step has one new query row per hypothesis (B, H, 1, S) in a shifted layout (decoder
 self-attention, ``causal``: the masked kernel, Fig. 3b; encoder-decoder attention,

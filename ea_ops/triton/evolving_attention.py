@@ -1,6 +1,6 @@
 """EA Eq. (4) of a whole map (a full pass) as Triton kernels, forward and backward: the
 backend :func:`full_pass` of the operation :func:`ea_ops.evolving_attention`, held to its
-reference (:func:`ea_ops.evolving_attention_reference`) by ``tests/test_triton_full_pass.py``.
+reference (:func:`ea_ops.evolving_attention_reference`) by ``tests/ops/test_triton_full_pass.py``.
 
 One program handles ``BLOCK_T`` query rows of one sentence, every head and every key, so the
 heads-to-heads convolution and the softmax need nothing from another program:

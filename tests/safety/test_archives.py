@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from ea_fairseq import side_effects
 from ea_fairseq.safety import archives
-from trained_checkpoints import ENV, USER_DIR, family_checkpoints
+from support.trained_checkpoints import ENV, USER_DIR, family_checkpoints
 
 
 def add(tar, name, data=b"", kind=tarfile.REGTYPE, linkname=""):

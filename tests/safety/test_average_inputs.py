@@ -13,7 +13,7 @@ import torch
 
 from ea_fairseq_cli import average_checkpoints as avg
 from test_average_checkpoints import BIN
-from trained_checkpoints import ENV, family_checkpoints
+from support.trained_checkpoints import ENV, family_checkpoints
 
 
 @pytest.fixture(scope="module")

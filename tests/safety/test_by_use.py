@@ -8,7 +8,7 @@ import torch
 
 from conftest import REPO, cli
 from test_confined_reads import built  # noqa: F401  (fixture: a model directory, the fixtures' dictionaries)
-from trained_checkpoints import USER_DIR, run
+from support.trained_checkpoints import USER_DIR, run
 
 
 def test_a_checkpoint_naming_gpt2_loads_where_no_tool_builds_its_bpe(built, tmp_path):  # noqa: F811

@@ -12,7 +12,7 @@ from fairseq import checkpoint_utils
 from conftest import cli
 from ea_fairseq.safety import no_code as safety
 from test_checkpoint_schema import hub, saved, trusted_state, unguarded_load, vanilla  # noqa: F401  (fixture)
-from trained_checkpoints import USER_DIR, run, train_command
+from support.trained_checkpoints import USER_DIR, run, train_command
 
 SECRET_LINE = "TOPSECRET-LINE-1 not-a-count"
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from ea_fairseq.safety import no_code as safety
 from ea_fairseq.safety.no_code.fields import shown_key, shown_text
 from test_checkpoint_schema import saved, trusted_state, vanilla  # noqa: F401  (fixture)
-from trained_checkpoints import USER_DIR, family_checkpoints
+from support.trained_checkpoints import USER_DIR, family_checkpoints
 
 
 @pytest.fixture(scope="module")

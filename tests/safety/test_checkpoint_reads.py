@@ -13,7 +13,7 @@ from fairseq.models.transformer import TransformerModel
 
 from ea_fairseq.safety.no_code import CheckpointError
 from test_confined_reads import built  # noqa: F401  (fixture: a model directory, the fixtures' dictionaries)
-from trained_checkpoints import USER_DIR
+from support.trained_checkpoints import USER_DIR
 
 KEY = b"-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAA\n"
 

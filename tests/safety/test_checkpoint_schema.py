@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from conftest import cli
 from ea_fairseq.safety import no_code as safety
-from trained_checkpoints import ENV, USER_DIR, family_checkpoints, run, train_command
+from support.trained_checkpoints import ENV, USER_DIR, family_checkpoints, run, train_command
 
 DRIVER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "drivers", "hub_load_many.py")
 

@@ -16,7 +16,7 @@ from fairseq.data import Dictionary
 from conftest import REPO, cli, write_synthetic_corpus
 from ea_fairseq import side_effects
 from ea_fairseq.safety.data_files import DataFileError
-from trained_checkpoints import USER_DIR, run, train_command
+from support.trained_checkpoints import USER_DIR, run, train_command
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "checkpoints")
 SECRET = "madeupword0002 t7 madeupword0001 s0"  # what the outside split holds (words of the dictionary)

@@ -17,7 +17,7 @@ from fairseq.data import Dictionary, data_utils, indexed_dataset
 
 from conftest import cli
 from ea_fairseq.safety.data_files import DataFileError
-from trained_checkpoints import ENV, TINY, USER_DIR, family_checkpoints
+from support.trained_checkpoints import ENV, TINY, USER_DIR, family_checkpoints
 
 HUGE = 2 ** 40
 SPLIT = "test.src-tgt.src"

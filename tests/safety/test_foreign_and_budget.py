@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import REPO, cli
-from trained_checkpoints import ENV, run
+from support.trained_checkpoints import ENV, run
 
 USER_DIR = os.path.join(REPO, "ea_fairseq")
 DRIVERS = os.path.join(REPO, "tests", "drivers")

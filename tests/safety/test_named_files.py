@@ -17,7 +17,7 @@ from fairseq.tasks.translation import TranslationTask
 from conftest import cli
 from ea_fairseq.safety.data_files import DICTIONARY_LIMIT, DataFileError
 from test_data_files import run_measured
-from trained_checkpoints import ENV, USER_DIR, family_checkpoints
+from support.trained_checkpoints import ENV, USER_DIR, family_checkpoints
 
 DRIVER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "drivers", "hub_named_files.py")
 FIFO, ZERO, HUGE = "a FIFO", "a link to /dev/zero, outside", "more than the 256 MiB allowed"

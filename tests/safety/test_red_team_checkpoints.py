@@ -14,7 +14,7 @@ from fairseq.models.transformer import TransformerModel
 from ea_fairseq.safety.no_code import CheckpointError
 from ea_fairseq_cli import warm_start
 from test_trainer_checkpoints import fairseq_train, train_argv
-from trained_checkpoints import USER_DIR
+from support.trained_checkpoints import USER_DIR
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -214,3 +214,33 @@ def test_an_ema_copy_that_is_not_the_models_is_refused_by_restore_file(fp16_run,
     monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # (unguarded, fairseq reaches its EMA)
     with pytest.raises(CheckpointError, match=r"refused: extra_state\['ema'\]\[.*\]: not a weight of the model"):
         fairseq_train([*resumed, "--store-ema", "--restore-file", str(tmp_path / "hostile.pt"), "--max-update", "2"])
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("conv_feature_layers", "__import__('pathlib').Path({marker!r}).touch() or [(512, 10, 5)]", "calls a function"),
+    ("override_encoder_layers", "[(lambda: __import__('pathlib').Path({marker!r}).touch())()]", "calls a function"),
+    ("conv_feature_layers", "[(512, 10, 5)] * 1000000000", "would hold more than"),
+], ids=["wav2vec2-call", "multires-hubert-lambda", "wav2vec2-size"])
+def test_a_field_another_family_evaluates_runs_nothing_and_allocates_nothing(fp16_run, tiny_data_bin, tmp_path,
+                                                                             field, value, message):
+    """A model section naming a family that ``eval()``s a string field the plugin does not list
+    (wav2vec2's ``conv_feature_layers``, multires HuBERT's ``override_encoder_layers``), with the
+    transformer's weights so that the model is built to compare them: refused by the hub before
+    any model is built, the marker never written; fairseq's own default of that field (a literal
+    expression) passes, and what stops that checkpoint is its model's budget."""
+    path, _ = fp16_run
+    marker = tmp_path / "ran"
+    state = torch.load(path, weights_only=False)
+    state["cfg"]["model"] = {"_name": "wav2vec2", field: value.format(marker=str(marker))}
+    (tmp_path / "model").mkdir()
+    torch.save(state, tmp_path / "model" / "model.pt")
+    with pytest.raises(CheckpointError, match=f"refused: cfg.model.{field}: .*{message}"):
+        TransformerModel.from_pretrained(str(tmp_path / "model"), checkpoint_file="model.pt",
+                                         data_name_or_path=tiny_data_bin, user_dir=USER_DIR)
+    assert not marker.exists()
+    state["cfg"]["model"][field] = "[(512, 10, 5)] + [(512, 3, 2)] * 4 + [(512,2,2)] + [(512,2,2)]"  # its default
+    torch.save(state, tmp_path / "model" / "model.pt")
+    with pytest.raises(CheckpointError) as refused:  # a wav2vec2 model is no transformer's weights
+        TransformerModel.from_pretrained(str(tmp_path / "model"), checkpoint_file="model.pt",
+                                         data_name_or_path=tiny_data_bin, user_dir=USER_DIR)
+    assert field not in str(refused.value) and "refused: the model its configuration describes" in str(refused.value)

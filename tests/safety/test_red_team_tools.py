@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import recipe_fixtures as fx
+from support import recipe_fixtures as fx
 from ea_fairseq.analysis.dumps import META_KEY
 from ea_fairseq_cli import bleu
-from recipe_support import RECIPES, REPO, env, run as recipe_run  # noqa: F401  (fixture)
+from support.recipe_support import RECIPES, REPO, env, run as recipe_run  # noqa: F401  (fixture)
 
 BIN = Path(sys.executable).parent
 SECRET = "SECRET=an outside file: not the run's to read\n"

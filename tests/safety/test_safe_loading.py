@@ -16,11 +16,11 @@ import torch
 from fairseq import checkpoint_utils, tasks
 from fairseq.models.transformer import TransformerModel
 
-from checkpoint_attacks import ATTACKS, checkpoints, crafted, trusted_state, unguarded_load  # noqa: F401  (fixture)
+from support.checkpoint_attacks import ATTACKS, checkpoints, crafted, trusted_state, unguarded_load  # noqa: F401  (fixture)
 from conftest import cli
 from ea_fairseq.safety import no_code as safety
 from ea_fairseq_cli import average_checkpoints as avg
-from trained_checkpoints import USER_DIR, run, train_command
+from support.trained_checkpoints import USER_DIR, run, train_command
 
 
 @pytest.mark.parametrize("attack", ["bytes-in-fconv", "code-in-evaluated-field", "oc.create-section",

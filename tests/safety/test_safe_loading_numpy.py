@@ -6,11 +6,11 @@ import pytest
 import torch
 from fairseq import checkpoint_utils
 
-from checkpoint_attacks import checkpoints, payload, trusted_state  # noqa: F401  (fixture)
+from support.checkpoint_attacks import checkpoints, payload, trusted_state  # noqa: F401  (fixture)
 from conftest import cli
 from ea_fairseq.safety import no_code as safety
 from ea_fairseq_cli import average_checkpoints as avg
-from trained_checkpoints import USER_DIR, run
+from support.trained_checkpoints import USER_DIR, run
 
 
 NUMERIC_NUMPY = {"counts": np.array([7, 5, 3, 1]), "sys_len": np.int64(9), "bleu": np.float64(12.5),

@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from checkpoint_attacks import checkpoints, trusted_state  # noqa: F401  (fixture)
+from support.checkpoint_attacks import checkpoints, trusted_state  # noqa: F401  (fixture)
 from ea_fairseq.safety import no_code as safety
 
 

@@ -12,11 +12,11 @@ from fairseq import checkpoint_utils, options
 from fairseq.models.transformer import TransformerModel
 from omegaconf import OmegaConf
 
-from checkpoint_attacks import (ATTACKS, _legacy_args_layout, _model_fields, checkpoints,  # noqa: F401  (fixture)
+from support.checkpoint_attacks import (ATTACKS, _legacy_args_layout, _model_fields, checkpoints,  # noqa: F401  (fixture)
                                 crafted, trusted_state)
 from ea_fairseq.safety import no_code as safety
 from ea_fairseq_cli import average_checkpoints as avg
-from trained_checkpoints import USER_DIR
+from support.trained_checkpoints import USER_DIR
 
 
 @pytest.mark.parametrize("arch,task", [

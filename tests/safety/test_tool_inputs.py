@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import recipe_fixtures as fx
+from support import recipe_fixtures as fx
 from ea_fairseq.analysis.dumps import META_KEY
 from ea_fairseq_cli import analysis as analysis_cli
 from ea_fairseq_cli import compare_systems as compare

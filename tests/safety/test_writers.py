@@ -14,8 +14,8 @@ from fairseq_cli import train
 from ea_fairseq import side_effects
 
 from conftest import cli
-from recipe_support import RECIPES, env, run as recipe_run  # noqa: F401  (fixture)
-from trained_checkpoints import USER_DIR
+from support.recipe_support import RECIPES, env, run as recipe_run  # noqa: F401  (fixture)
+from support.trained_checkpoints import USER_DIR
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 OUTSIDE = b"an outside file: not the run's to write\n"

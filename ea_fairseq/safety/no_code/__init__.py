@@ -13,7 +13,9 @@ fairseq receives has been generated here from it (docs/safety.md):
    checkpoint reported as such (:class:`CorruptCheckpointError`), not as a refusal.
 2. **Plain data** (:mod:`.plain`): the configuration rebuilt from ``None``, booleans, numbers,
    strings and lists, dicts and Namespaces of them, walked once with depth and size bounded;
-   no string holding ``${``; every tensor within its storage; outside the configuration,
+   no string holding ``${``, and none that, read as Python
+   (families ``eval()`` fields of their own that no list here can be sure to hold), calls a
+   function or builds a value beyond the literal bounds; every tensor within its storage; outside the configuration,
    numpy values only arrays and scalars of booleans and numbers, counted by their elements.
 3. **A generated configuration** (:mod:`.schema`, :mod:`.model`): every section built field by
    field from fairseq's dataclasses and the model's own option table (any family: a
@@ -39,9 +41,8 @@ tools, ``--restore-file``/``--finetune-from-model`` and the hub read a checkpoin
 """
 from .fields import LIMIT_POSITIONS
 from .hook import load_checkpoint, nonfinite_weights, sanitize
-from .literals import EVALUATED_FIELDS, Form
-from .plain import (LIMIT_AMPLIFICATION, LIMIT_CHARS, LIMIT_CONFIG_NODES, LIMIT_DEPTH, LIMIT_ITEMS,
-                    LIMIT_STATE_NODES)
+from .literals import EVALUATED_FIELDS, LIMIT_CHARS, LIMIT_ITEMS, Form
+from .plain import LIMIT_AMPLIFICATION, LIMIT_CONFIG_NODES, LIMIT_DEPTH, LIMIT_STATE_NODES
 from .reading import (CheckpointError, CorruptCheckpointError, UnsafeCheckpointError,
                       checkpoint_globals, checkpoint_globals_allowed, fairseq_checkpoint_globals,
                       numpy_checkpoint_globals, read_checkpoint)

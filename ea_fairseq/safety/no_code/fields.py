@@ -12,8 +12,7 @@ import re
 import typing
 from typing import Any, Dict, List, Optional, Tuple
 
-from .literals import EVALUATED_FIELDS, _evaluated_value, _literal
-from .plain import _Refused
+from .literals import EVALUATED_FIELDS, _evaluated_value, _literal, _Refused
 from ..data_files import CHECKED_FORMATS
 from .reading import _shown
 

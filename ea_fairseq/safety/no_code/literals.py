@@ -14,8 +14,16 @@ import math
 import typing
 from typing import Any, Dict, Tuple
 
-from .plain import LIMIT_CHARS, LIMIT_ITEMS, _SCALARS, _Refused
 from .reading import UnsafeCheckpointError, _shown
+
+LIMIT_CHARS = 10_000  # an evaluated string longer than this is refused unread
+LIMIT_ITEMS = 100_000  # ... or one whose value would hold more items than this
+_SCALARS = (type(None), bool, int, float, str)
+
+
+class _Refused(Exception):
+    """A value that is not what its field may hold (the reason: the exception's text)."""
+
 
 def _is_int(x) -> bool:
     return type(x) is int
@@ -74,7 +82,7 @@ for _names, _use, _kind in (
     (("wer_args",), "eval() in the CTC criterion", _DATA),
     (("encoder_layers", "decoder_layers", "encoder_attention", "decoder_attention", "self_attention",
       "project_input", "gated_attention", "downsample", "pretrained"),
-     "eval() when a convolutional (fconv) model is built", _DATA),
+     "eval() when a convolutional (fconv) model is built (utils.eval_bool(), an LSTM's decoder_attention)", _DATA),
     (("feature_encoder_spec", "character_filters"), "eval() when the model's data or embedder is built", _DATA),
 ):
     for _name in _names:

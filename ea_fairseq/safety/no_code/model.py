@@ -21,8 +21,7 @@ import functools
 import typing
 from typing import Any, Dict, List, Mapping, Optional
 
-from .literals import EVALUATED_FIELDS
-from .plain import _Refused
+from .literals import EVALUATED_FIELDS, _Refused
 from .fields import PATH_FIELDS, _fields, defaults, shown_key, typed
 from .reading import UnsafeCheckpointError, _shown
 

@@ -1,17 +1,21 @@
 """Plain data only: a checkpoint's configuration rebuilt from ``None``, ``bool``, ``int``,
 ``float``, ``str`` and lists, tuples, dicts and Namespaces of them, walked once (each container
 visited once however often it is referred to, its size counted as often as it is referred to),
-depth and size bounded; the rest of the state walked with the same bounds, every tensor
+depth and size bounded, no string of it code when read as Python (:func:`_not_code`); the rest of
+the state walked with the same bounds, every tensor
 within its storage, numpy values only arrays and scalars of booleans and numbers (counted by
 their elements; an unpickled array put in its place). Omegaconf containers are read from
 their stored content, nothing resolved."""
 import argparse
+import ast
 import collections
+import re
 from typing import Any, Dict, List, Tuple
 
 import numpy as np
 import torch
 
+from .literals import EVALUATED_FIELDS, _SCALARS, _literal, _Refused
 from .numpy_values import PendingArray
 from .reading import UnsafeCheckpointError, _shown
 
@@ -19,15 +23,38 @@ LIMIT_DEPTH = 64  # nesting of containers
 LIMIT_CONFIG_NODES = 200_000  # values in the configuration, counted as often as referred to
 LIMIT_STATE_NODES = 20_000_000  # ... and in the rest of the state
 LIMIT_AMPLIFICATION = 16  # bytes all tensors declare / bytes of their distinct storages
-LIMIT_CHARS = 10_000  # an evaluated string longer than this is refused unread
-LIMIT_ITEMS = 100_000  # ... or one whose value would hold more items than this
 
-_SCALARS = (type(None), bool, int, float, str)
 _NUMPY_KINDS = "biufc"  # booleans, signed and unsigned integers, floating-point and complex numbers
 
 
-class _Refused(Exception):
-    pass
+LIMIT_READ_AS_CODE = 1 << 20  # a string longer than this that may be an expression is refused unread
+_EXPRESSION = re.compile(r"[(\[{*]")  # what an expression that calls or multiplies holds
+
+
+def _not_code(text: str, path: str, walk: "_Walk") -> None:
+    """A configuration string that, read as Python (as fairseq's ``eval()`` reads some fields of
+    some families, and the fields a family evaluates are not all known here), calls anything, or
+    builds a value beyond the literal bounds (``[0] * 10**9``), is refused whatever its field: a
+    checkpoint's configuration is data. The fields known to be evaluated are read as literals where
+    they are generated (:mod:`.literals`), with their own message."""
+    if not _EXPRESSION.search(text) or path.rsplit(".", 1)[-1] in EVALUATED_FIELDS:
+        return
+    if len(text) > LIMIT_READ_AS_CODE:
+        raise walk.refuse(path, f"a string of {len(text)} characters that may be a Python expression (a field "
+                                "fairseq evaluates would run it)")
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return  # not an expression: text
+    nodes = list(ast.walk(tree))
+    if any(isinstance(n, ast.Call) for n in nodes):
+        raise walk.refuse(path, f"{_shown(text)}, read as Python (as fairseq evaluates some fields), calls a "
+                                "function: code, not data")
+    if any(isinstance(n, ast.BinOp) for n in nodes) and not any(isinstance(n, ast.Name) for n in nodes):
+        try:
+            _literal(text)  # a literal expression: within the bounds of an evaluated field's
+        except _Refused as why:
+            raise walk.refuse(path, f"{_shown(text)}, read as Python (as fairseq evaluates some fields): {why}")
 
 
 def _omegaconf_classes():
@@ -87,6 +114,8 @@ class _Walk:
             if kind is str and "${" in node:
                 raise self.refuse(path, f"{_shown(node)} holds an omegaconf interpolation ('${{'), "
                                         "which fairseq would resolve when the field is read")
+            if kind is str:
+                _not_code(node, path, self)
             return node, 1
         if depth > LIMIT_DEPTH:
             raise self.refuse(path, f"nested more than {LIMIT_DEPTH} deep")

@@ -28,9 +28,8 @@ from typing import Any, Dict, List, Optional
 
 from .fields import (PATH_FIELDS, REGISTRY_SECTIONS, _fields,  # noqa: F401
                      _unwrap_optional, declared, defaults, shown_key, shown_text, typed)
-from .literals import EVALUATED_FIELDS
+from .literals import EVALUATED_FIELDS, _Refused
 from .model import model_section
-from .plain import _Refused
 from .reading import UnsafeCheckpointError, _shown
 
 logger = logging.getLogger(__name__)
