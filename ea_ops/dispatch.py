@@ -37,6 +37,7 @@ switch the accelerated backends off) and whether the CPU backend's extension is 
 condition gives to a CPU backend, and never compiled here).
 """
 import functools
+import logging
 from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
@@ -46,6 +47,8 @@ from . import accelerators, cpu, library, reference
 from . import triton as gpu
 from .contract import BackendResult, EvolvingAttentionParams, StepState
 from .map_conv import check_layout
+
+logger = logging.getLogger(__name__)
 
 REFERENCE, CPU_FULL_PASS, CPU_STEP, CPU_STEP_ATTEND = "reference", "cpu_full_pass", "cpu_step", "cpu_step_attend"
 TRITON_FULL_PASS, TRITON_STEP = "triton_full_pass", "triton_step"
@@ -133,12 +136,12 @@ TRITON = (
     ACCELERATED[3],  # no intermediate maps
     ACCELERATED[4],  # a map convolution
     Condition("triton installed (the triton extra)", lambda c: c.triton),
-    Condition(f"at most {gpu.MAX_ROW_ELEMENTS} heads x keys a row (powers of two)",
-              lambda c: c.row_elements <= gpu.MAX_ROW_ELEMENTS),
 )
+ROW_IN_REGISTERS = Condition(f"at most {gpu.MAX_ROW_ELEMENTS} heads x keys a row (powers of two)",
+                             lambda c: c.row_elements <= gpu.MAX_ROW_ELEMENTS)
 TABLE: Dict[str, Backend] = {
     TRITON_FULL_PASS: Backend(TRITON + (FULL_PASS,), gpu.full_pass, attends=True),
-    TRITON_STEP: Backend(TRITON + STEP, gpu.step, attends=True),
+    TRITON_STEP: Backend(TRITON + STEP + (ROW_IN_REGISTERS,), gpu.step, attends=True),
     CPU_STEP_ATTEND: Backend(ACCELERATED + STEP + ATTEND, cpu.step, attends=True),
     CPU_STEP: Backend(ACCELERATED + STEP, cpu.step),
     CPU_FULL_PASS: Backend(ACCELERATED + (FULL_PASS,), cpu.full_pass),
@@ -201,9 +204,23 @@ def _cached(call: Call) -> Optional[str]:
     if call.has_conv:
         check_layout(call.layout, call.kernel_size)
     if call.built is not None:
-        return select(call)
+        return _told(call, select(call))
     backend = select(call._replace(built=True))
-    return backend if backend == REFERENCE or backend == select(call._replace(built=False)) else None
+    return _told(call, backend) if backend == REFERENCE or backend == select(call._replace(built=False)) else None
+
+
+def _told(call: Call, backend: str) -> str:
+    """``backend``, with one log line where a call with a map convolution on CUDA does not go
+    to the Triton kernels (once per configuration: :func:`_cached` calls it once), naming the
+    conditions that keep it from them: analysis asking for the maps, a dtype, triton not
+    installed, a decoding step the kernel does not take (its row too long among them)."""
+    if call.device_type == "cuda" and call.has_conv and backend not in (TRITON_FULL_PASS, TRITON_STEP):
+        kernels = TRITON_STEP if call.step else TRITON_FULL_PASS
+        logger.info("EA's attention on CUDA runs on %s, not the Triton kernels, for %s %s in %s (layout %s): "
+                    "not %s", backend, "decoding steps" if call.step else "full passes",
+                    "with autograd" if call.grad_enabled else "without autograd", str(call.dtype).replace("torch.", ""),
+                    call.layout, "; not ".join(refusals(call, kernels)))
+    return backend
 
 
 def forget() -> None:

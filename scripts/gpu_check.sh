@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # One-command check of a GPU machine: the device suite (tests/device/test_device*.py, the
 # decoding properties, tests/attention/test_decoding_properties.py, and EA's Triton kernels
-# against the float64 reference, tests/ops/test_triton_full_pass.py,
-# tests/ops/test_triton_registers_and_launches.py and tests/ops/test_triton_step.py, skipped
-# without triton) on the GPU, then the GPU benchmark in fp16 and bf16 with reduced repeats
+# against the float64 reference with their guards and compiled variants, tests/ops/test_triton_*.py,
+# skipped without triton) on the GPU, then the GPU benchmark in fp16 and bf16 with reduced repeats
 # (EA-Lite, EA-Base, RAN-ALL against their fairseq twins; in fp16 also their profile: the
 # top CUDA kernels of each model and its twin, `--profile`). It leaves two files in OUT_DIR,
 # whatever happens (a GPU machine may return only a few files):
@@ -101,8 +100,7 @@ for part, rc in (("rest", suite_rc), ("cli", cli_rc)):
             reason = case.find("skipped").get("message") or ""
             skipped[reason] = skipped.get(reason, 0) + 1
 lines += ["## Device suite (`tests/device/test_device*.py`, `tests/attention/test_decoding_properties.py`, "
-          "`tests/ops/test_triton_full_pass.py`, `tests/ops/test_triton_registers_and_launches.py`, "
-          "`tests/ops/test_triton_step.py`)", "",
+          "`tests/ops/test_triton_*.py`)", "",
           f"{counts['passed']} passed, {counts['failure']} failed, {counts['error']} errors, "
           f"{counts['skipped']} skipped (pytest: {status(suite_rc)}; the fairseq-train/-generate "
           f"runs: {status(cli_rc)}).", ""]
@@ -161,8 +159,7 @@ cuda=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))")
 # budget are kept for them and the report.
 pytest_args=(-p no:cacheprovider -v -rfEs --durations=20
              tests/device/test_device*.py tests/attention/test_decoding_properties.py
-             tests/ops/test_triton_full_pass.py tests/ops/test_triton_registers_and_launches.py
-             tests/ops/test_triton_step.py)
+             tests/ops/test_triton_*.py)
 only="${SELECT:+ and ($SELECT)}"
 xdist=$([ "$cuda" = 1 ] && "$PY" -c "import xdist" 2>/dev/null && echo "-n 4")
 suite_limit=$(limit 250 $([ "$cuda" = 1 ] && echo 200 || echo 20))

@@ -9,6 +9,7 @@ at their first call): it says whether they can run and holds the switch that giv
 calls under Triton's interpreter (``TRITON_INTERPRET=1``, set before triton is imported), which is how
 their tests run on a machine without a GPU (``bash scripts/test_triton.sh``).
 """
+import contextlib
 import functools
 import importlib
 import importlib.util
@@ -16,8 +17,11 @@ import os
 import threading
 from contextlib import contextmanager
 
-# The kernels keep one query row of every head in registers (the softmax's row and the
-# convolution's heads): next_pow2(heads) * next_pow2(keys) float32 values per row.
+import torch
+
+# The decoding step keeps one query row of every head in registers (the softmax's row and the
+# convolution's heads): next_pow2(heads) * next_pow2(keys) float32 values per row. (The full
+# pass takes the keys in blocks: any length.)
 MAX_ROW_ELEMENTS = 16384
 
 _local = threading.local()
@@ -30,8 +34,8 @@ def installed() -> bool:
 
 
 def row_elements(heads: int, keys: int) -> int:
-    """The float32 values of one query row the kernels hold: heads x keys, each rounded up
-    to a power of two (at most :data:`MAX_ROW_ELEMENTS`)."""
+    """The float32 values of one query row the decoding step holds: heads x keys, each rounded
+    up to a power of two (at most :data:`MAX_ROW_ELEMENTS`)."""
     return (1 << max(heads - 1, 0).bit_length()) * (1 << max(keys - 1, 0).bit_length())
 
 
@@ -73,3 +77,46 @@ def interpret_on_cpu():
         yield
     finally:
         _local.on_cpu -= 1
+
+
+def on_device(tensor):
+    """The block in which the kernels launch for ``tensor``: with its CUDA device current
+    (Triton launches on the current device and its current stream, which need not be the
+    tensors': a model on ``cuda:1``)."""
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
+
+
+def checked(logits, previous, weight, bias, masks, state=()) -> None:
+    """Refuse, in one line, arguments the kernels would read or write outside of: ``logits``
+    (B, H, T, S); ``previous`` None or broadcasting to them; ``weight`` (H, H, k, k) with k
+    odd; ``bias`` None or (H,); each of ``masks`` None or a bool tensor that broadcasts to the
+    logits; every tensor (``state``'s too) on the logits' device. The kernels take pointers and trust these
+    shapes: a smaller map would be read, and in the backward written, beyond its end."""
+    shape = tuple(logits.shape)
+    heads = shape[1] if len(shape) == 4 else None
+    k = weight.size(-1)
+    wrong = [what for bad, what in (
+        (len(shape) != 4, f"logits {shape}, not (B, H, T, S)"),
+        (previous is not None and not _broadcasts(_shape(previous), shape),
+         f"previous {_shape(previous)}, not broadcasting to {shape}"),
+        (_shape(weight) != (heads, heads, k, k) or not k % 2,
+         f"weight {_shape(weight)}, not ({heads}, {heads}, k, k), k odd"),
+        (bias is not None and _shape(bias) != (heads,), f"bias {_shape(bias)}, not ({heads},)"),
+        *((mask.dtype != torch.bool or not _broadcasts(_shape(mask), shape),
+           f"a mask {mask.dtype} {_shape(mask)}, not bool (True: masked) broadcasting to {shape}")
+          for mask in masks if mask is not None),
+        *((t.device != logits.device, f"a tensor on {t.device} beside logits on {logits.device}")
+          for t in (previous, weight, bias, *masks, *state) if t is not None),
+    ) if bad]
+    if wrong:
+        raise ValueError(f"EA's Triton kernels: {'; '.join(dict.fromkeys(wrong))}: pass the shapes "
+                         "ea_ops.evolving_attention documents, on one device")
+
+
+def _shape(tensor):
+    return tuple(tensor.shape) if tensor is not None else ()
+
+
+def _broadcasts(shape, target) -> bool:
+    """Whether a tensor of ``shape`` broadcasts to ``target`` (without growing it)."""
+    return len(shape) <= len(target) and all(s in (1, t) for s, t in zip(reversed(shape), reversed(target)))

@@ -46,7 +46,17 @@ from torch import Tensor
 
 from ..contract import BackendResult, EvolvingAttentionParams, StepState
 from ..values import value_product
-from .evolving_attention import _mask_args, blocks
+from . import MAX_ROW_ELEMENTS, checked, on_device
+from .evolving_attention import ELEMENTS_PER_THREAD, _mask_args
+
+# a step's row holds at least this many keys (padded): the keys of a decoding run's
+# self-attention grow every step, and each power of two below would be another compile
+MIN_KEYS = 32
+
+# the integer arguments (lengths, strides, the state's sizes): not specialised by Triton, so
+# that one compiled variant takes every step of a decoding run and every batch
+STEP_INTEGERS = ("H", "S", "B_E", "S_E", "sxb", "sxh", "sxs", "spb", "sph", "sps", "seb", "seh", "ser", "ses",
+                 "so", "smb", "sms")
 
 @triton.jit
 def _new_row(x_ptr, p_ptr, heads, cols, keep, sxh, sxs, sph, sps, alpha, HAS_PREV: tl.constexpr):
@@ -59,7 +69,7 @@ def _new_row(x_ptr, p_ptr, heads, cols, keep, sxh, sxs, sph, sps, alpha, HAS_PRE
     return x
 
 
-@triton.jit
+@triton.jit(do_not_specialize=STEP_INTEGERS)
 def _step_kernel(x_ptr, p_ptr, e_ptr, order_ptr, m_ptr, w_ptr, bias_ptr, out_ptr, carry_ptr, rows_ptr,
                  H, S, B_E, S_E, sxb, sxh, sxs, spb, sph, sps, seb, seh, ser, ses, so, smb, sms, alpha, beta,
                  K: tl.constexpr, C0: tl.constexpr, CAUSAL: tl.constexpr, HAS_PREV: tl.constexpr,
@@ -145,6 +155,17 @@ def _step_kernel(x_ptr, p_ptr, e_ptr, order_ptr, m_ptr, w_ptr, bias_ptr, out_ptr
     tl.store(rows_out + (K - 2) * S, (center + poison).to(rows_ptr.dtype.element_ty), mask=valid)
 
 
+def step_blocks(heads: int, keys: int):
+    """(BLOCK_H, BLOCK_S, warps) of a step's row of ``heads`` x ``keys``: every key in one
+    block, a power of two of at least :data:`MIN_KEYS`."""
+    block_h, block_s = triton.next_power_of_2(heads), max(MIN_KEYS, triton.next_power_of_2(keys))
+    if block_h * block_s > MAX_ROW_ELEMENTS:
+        raise ValueError(f"EA's Triton step takes at most {MAX_ROW_ELEMENTS} (heads x keys, rounded up to "
+                         f"powers of two) per row, got {heads} x {keys}: the dispatcher gives such calls "
+                         "to the reference")
+    return block_h, block_s, max(4, min(16, block_h * block_s // (32 * ELEMENTS_PER_THREAD)))
+
+
 def step(logits: Tensor, previous: Optional[Tensor], masked: Optional[Tensor], neutral: Optional[Tensor],
          params: EvolvingAttentionParams, *, state: StepState, values: Optional[Tensor] = None,
          hand_on: bool = False, return_maps: bool = False) -> BackendResult:
@@ -156,14 +177,18 @@ def step(logits: Tensor, previous: Optional[Tensor], masked: Optional[Tensor], n
     the weights (float32) and their product with the values. With ``hand_on`` the finite
     ``A_logit`` too. The next :class:`~ea_ops.contract.StepState` is a new tensor; no
     argument is written."""
+    checked(logits, previous, params.weight, params.bias, (masked,), (state.rows, state.order))
     bsz, heads, tgt_len, src_len = logits.shape
     weight = params.weight
     k = weight.size(-1)
     earlier, order = state.rows, state.order
-    if tgt_len != 1 or k < 2 or weight.shape != (heads, heads, k, k) or params.layout not in ("causal", "rows"):
-        raise ValueError(f"EA's Triton step takes one query row, (B, H, 1, S), a shifted layout and a k x k kernel, "
-                         f"k > 1: got logits {tuple(logits.shape)}, weight {tuple(weight.shape)}, layout "
-                         f"{params.layout!r}; the dispatcher gives other calls to the reference")
+    if (tgt_len != 1 or k < 2 or params.layout not in ("causal", "rows")
+            or (masked is not None and masked.dim() >= 3 and masked.size(-3) != 1)):
+        raise ValueError(f"EA's Triton step takes one query row, (B, H, 1, S), a shifted layout, a k x k kernel, "
+                         f"k > 1, and one mask for all heads: got logits {tuple(logits.shape)}, weight "
+                         f"{tuple(weight.shape)}, layout {params.layout!r}, mask "
+                         f"{None if masked is None else tuple(masked.shape)}; the dispatcher gives other calls "
+                         "to the reference")
     if earlier is not None and (earlier.dim() != 4 or earlier.shape[1:3] != (heads, k - 1)
                                 or earlier.size(3) > src_len or (order is None and earlier.size(0) != bsz)
                                 or (order is not None and (tuple(order.shape) != (bsz,)
@@ -173,7 +198,6 @@ def step(logits: Tensor, previous: Optional[Tensor], masked: Optional[Tensor], n
                          f"{tuple(earlier.shape)} and order "
                          f"{None if order is None else (tuple(order.shape), order.dtype)}: pass the state the "
                          "previous step returned, reordered by StepState.reordered")
-    block_h, _, block_s, warps = blocks(heads, 1, src_len, 1)
     weight = weight.contiguous()
     bias = None if params.bias is None else params.bias.contiguous()  # read as bias_ptr + head
     m, m_strides = _mask_args(masked, (bsz, 1, 1, src_len))
@@ -188,15 +212,18 @@ def step(logits: Tensor, previous: Optional[Tensor], masked: Optional[Tensor], n
     x_strides = (logits.stride(0), logits.stride(1), logits.stride(3))
     p_strides = (0, 0, 0) if previous is None else (previous.stride(0), previous.stride(1), previous.stride(3))
     e_strides = (0, 0, 0, 0) if earlier is None else tuple(earlier.stride())
-    _step_kernel[(bsz,)](
-        logits, previous, earlier, order, m, weight, bias, out, carried, rows, heads, src_len,
-        0 if earlier is None else earlier.size(0), 0 if earlier is None else earlier.size(3),
-        *x_strides, *p_strides, *e_strides, 0 if order is None else order.stride(0), *m_strides,
-        float(params.alpha), float(params.beta),
-        K=k, C0=k - 1 if params.layout == "causal" else k // 2, CAUSAL=params.layout == "causal",
-        HAS_PREV=previous is not None, HAS_EARLIER=earlier is not None, HAS_ORDER=order is not None,
-        HAS_MASK=m is not None, HAS_BIAS=bias is not None, SOFTMAX=softmax, HAND_ON=hand_on,
-        BLOCK_H=block_h, BLOCK_S=block_s, num_warps=warps)
+    if logits.numel():  # nothing to launch for no hypotheses or no keys
+        block_h, block_s, warps = step_blocks(heads, src_len)
+        with on_device(logits):
+            _step_kernel[(bsz,)](
+                logits, previous, earlier, order, m, weight, bias, out, carried, rows, heads, src_len,
+                0 if earlier is None else earlier.size(0), 0 if earlier is None else earlier.size(3),
+                *x_strides, *p_strides, *e_strides, 0 if order is None else order.stride(0), *m_strides,
+                float(params.alpha), float(params.beta),
+                K=k, C0=k - 1 if params.layout == "causal" else k // 2, CAUSAL=params.layout == "causal",
+                HAS_PREV=previous is not None, HAS_EARLIER=earlier is not None, HAS_ORDER=order is not None,
+                HAS_MASK=m is not None, HAS_BIAS=bias is not None, SOFTMAX=softmax, HAND_ON=hand_on,
+                BLOCK_H=block_h, BLOCK_S=block_s, num_warps=warps)
     following = StepState(rows)
     if not softmax:
         return BackendResult(out, masked_filled=True, state=following, carried=carried)

@@ -397,3 +397,22 @@ def test_an_even_kernel_is_refused_with_a_message_by_every_backend(layout):
     params = EvolvingAttentionParams(0.5, 0.5, torch.randn(HEADS, HEADS, 3, 3), None, layout)
     state = None if layout == "full" else StepState()
     assert evolving_attention(logits, None, None, None, params, state=state).logits.shape == logits.shape
+
+
+def test_a_cuda_call_that_misses_the_kernels_says_why_once_per_configuration(caplog):
+    """A call on CUDA with a map convolution that the Triton kernels do not take (analysis
+    asking for the maps; triton not installed) logs one line naming the conditions, once per
+    configuration; a call the kernels take logs nothing."""
+    on_kernels = BASE[dispatch.TRITON_FULL_PASS]
+    analysis = on_kernels._replace(return_maps=True, triton=False)
+    dispatch.forget()
+    try:
+        with caplog.at_level("INFO", logger=dispatch.__name__):
+            chosen = [dispatch.choose(call) for call in (on_kernels, analysis, analysis, on_kernels)]
+    finally:
+        dispatch.forget()
+    assert chosen == [dispatch.TRITON_FULL_PASS, dispatch.REFERENCE, dispatch.REFERENCE, dispatch.TRITON_FULL_PASS]
+    lines = [record.getMessage() for record in caplog.records]
+    assert len(lines) == 1, lines
+    assert "runs on reference, not the Triton kernels, for full passes with autograd in float16" in lines[0]
+    assert "not no intermediate maps asked for; not triton installed" in lines[0], lines[0]

@@ -87,12 +87,12 @@ def bound(dtype, terms):
 
 
 def check(layout, dtype, *, heads=3, tgt_len=7, src_len=7, k=3, alpha=0.3, beta=0.6, previous=True, bias=True,
-          softmax=False, hand_on=True, block_t=None, per_head=False, seed=0):
+          softmax=False, hand_on=True, tile=None, per_head=False, seed=0):
     """Run the kernels forward and backward and hold values and gradients to the reference."""
     logits, prev, weight, b = inputs(heads, tgt_len, src_len, k, dtype, previous, bias, seed)
     masked, neutral = masks(layout, tgt_len, src_len, heads, per_head)
     out, carried = EvolvingAttentionTriton.apply(logits, prev, weight, b, masked, neutral, alpha, beta, layout,
-                                                 softmax, hand_on, block_t)
+                                                 softmax, hand_on, tile)
     wide, ref_out, ref_a_logit = reference(logits, prev, weight, b, masked, neutral, alpha, beta, layout, softmax)
     terms = BSZ * tgt_len * src_len + 2 * heads * k * k + src_len
     g = torch.Generator().manual_seed(seed + 1)
@@ -137,8 +137,9 @@ def test_values_and_gradients_equal_the_float64_reference(layout, tgt_len, src_l
 
 
 def test_several_programs_per_map_with_a_mask_per_head():
-    # two query rows per program: 5 rows in three programs, the last with one row
-    check("causal", torch.float32, tgt_len=5, src_len=5, block_t=2, per_head=True, softmax=True)
+    # two query rows and two keys a block: 7 rows in four programs, the last with one row, and
+    # each program's 7 keys in four blocks, the last with one key (the softmax's running sums)
+    check("causal", torch.float32, tgt_len=7, src_len=7, tile=(2, 2), per_head=True, softmax=True)
 
 
 @pytest.mark.parametrize("layout", ["full", "causal", "rows"])

@@ -29,7 +29,7 @@ from test_triton_full_pass import DEVICE  # noqa: E402
 # Compiled in a process of its own: under the interpreter, triton.jit makes interpreted
 # functions, which the compiler does not take. For sm_90 with cuobjdump's resource count
 # (both ship in the triton wheel), every kernel in the variants the backend launches, at
-# EA-Base's 8 heads and a 32-key row: no registers spilled to local memory.
+# EA-Base's 8 heads (keys in blocks of 32, for rows of any length): no registers spilled to local memory.
 SM90 = textwrap.dedent("""
     import json, os, subprocess, tempfile, triton
     from triton.compiler import ASTSource
@@ -56,7 +56,7 @@ SM90 = textwrap.dedent("""
 """)
 COMPILE = textwrap.dedent("""
     from ea_ops.triton import evolving_attention as ea
-    block_h, block_t, block_s, warps = ea.blocks(8, 32, 32)
+    block_h, block_t, block_s, warps = ea.blocks(8)
     shape = dict(BLOCK_H=block_h, BLOCK_T=block_t, BLOCK_S=block_s, K=3)
 
     def build(kernel, pointers, constants):

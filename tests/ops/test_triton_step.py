@@ -320,10 +320,9 @@ def test_an_ea_lite_decoding_step_launches_no_more_than_the_twins(monkeypatch):
 COMPILE = textwrap.dedent("""
     from ea_ops.triton import MAX_ROW_ELEMENTS
     from ea_ops.triton import decoding_step as ea
-    from ea_ops.triton.evolving_attention import blocks
 
     def build(pointers, constants, keys):
-        block_h, _, block_s, warps = blocks(8, 1, keys, 1)
+        block_h, block_s, warps = ea.step_blocks(8, keys)
         report(keys, ea._step_kernel, pointers, dict(constants, BLOCK_H=block_h, BLOCK_S=block_s, K=3), warps)
 
     every = dict(x_ptr="*fp16", p_ptr="*fp16", e_ptr="*fp16", order_ptr="*i64", m_ptr="*u8", w_ptr="*fp16",
