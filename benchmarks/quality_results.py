@@ -7,7 +7,7 @@ its records with the same helpers (``write_json``, ``training_summary``, ``copy_
 
 Scores are those ea-fairseq-bleu wrote (each run's ``eval/test.es-en.scores.json``); the
 comparisons to the baseline are ea-fairseq-compare's seed-level inference
-(``ea_fairseq_cli.compare_systems.compare``: Δ of the means over seeds, its 95% CI by a
+(``ea_fairseq_cli.significance.compare``: Δ of the means over seeds, its 95% CI by a
 hierarchical bootstrap over seeds and test sentences and by Welch's t, Welch's p with Holm's
 correction over every reported test (each system in sacreBLEU and chrF: one family), the
 permutation test over the seeds, the sign agreement of the pairs of runs, and Kocmi et al.'s
@@ -213,6 +213,7 @@ def comparisons(finished: Dict[str, Dict[int, dict]], order: List[str], base_nam
     have finished runs, under the key ``"SYSTEM vs AGAINST"``: {metric: {name: result}}; Holm's
     correction over all of them; the runs' files read inside ``results``."""
     from ea_fairseq_cli import compare_systems as cs
+    from ea_fairseq_cli import significance as sig
 
     names = [base_name] + [s for s in order if s != base_name and finished.get(s)]
     if not finished.get(base_name) or len(names) < 2:
@@ -223,10 +224,10 @@ def comparisons(finished: Dict[str, Dict[int, dict]], order: List[str], base_nam
     for m in METRICS:
         stats = {s: [cs.sentence_statistics(m, r, False) for r in rs] for s, rs in runs.items()}
         score_of = cs.scorer(m, runs[base_name][0].sentences, False)
-        out[m] = cs.compare(stats, score_of, BOOTSTRAP, TRIALS, SEED)
+        out[m] = sig.compare(stats, score_of, BOOTSTRAP, TRIALS, SEED)
         for s, a in pairs:
-            out[m][f"{s} vs {a}"] = cs.compare({a: stats[a], s: stats[s]}, score_of, BOOTSTRAP, TRIALS, SEED)[s]
-    cs.holm_over_metrics(out)  # one family: every comparison in every metric
+            out[m][f"{s} vs {a}"] = sig.compare({a: stats[a], s: stats[s]}, score_of, BOOTSTRAP, TRIALS, SEED)[s]
+    sig.holm_over_metrics(out)  # one family: every comparison in every metric
     for m, result in out.items():
         agreed, _ = cs.agreement_of(m, [r for rs in runs.values() for r in rs])
         for s, against, key in [(s, base_name, s) for s in names[1:]] + [(s, a, f"{s} vs {a}") for s, a in pairs]:

@@ -84,14 +84,19 @@ def _unversioned(signature: str) -> str:
     return "|".join(part for part in str(signature).split("|") if not part.startswith("version:"))
 
 
+def _signature(metric: str) -> str:
+    """sacreBLEU's signature of ``metric`` with the settings ea-fairseq-bleu scores it with."""
+    m = bleu_script.sacrebleu_metric(metric)
+    m.corpus_score(["x"], [["x"]])  # (a signature names the number of references)
+    return str(m.get_signature())
+
+
 def agreement_of(metric: str, runs: List["Run"]) -> Tuple[Optional[str], str]:
     """The Kocmi et al. (2024) metric whose thresholds apply to ``metric`` as these runs computed
     it, or None and why not: the thresholds hold for the variant they were fitted on only."""
     if metric == "sacrebleu" or metric == "chrf":
         cls = "BLEU" if metric == "sacrebleu" else "chrF"
-        default_metric = bleu_script.sacrebleu_metric(metric)
-        default_metric.corpus_score(["x"], [["x"]])  # (a signature names the number of references)
-        default = _unversioned(default_metric.get_signature())
+        default = _unversioned(_signature(metric))
         if any(_unversioned(r.report["metrics"][metric]["signature"]) != default for r in runs):
             return None, f"not sacreBLEU's default {cls} signature, which the thresholds were fitted on"
         if metric == "chrf" and any("sacrebleu" not in bleu_script.MODE_METRICS.get(r.report["mode"], [])
@@ -238,51 +243,6 @@ def sentence_statistics(metric: str, run: Run, segment: bool) -> np.ndarray:
     return stats
 
 
-def compare(stats: Dict[str, List[np.ndarray]], score_of: sig.Scorer, bootstrap: int, trials: int,
-            seed: Optional[int], level: float = 0.95) -> Dict[str, dict]:
-    """Per system (the first is the baseline): its runs' scores, mean and std; for the others
-    Δ, the hierarchical bootstrap CI, Welch's t (two or more runs each), the permutation test
-    over the runs (two runs or more in all), the p of the test the pair allows (Welch; the
-    permutation test where one side has a single run; approximate randomisation for one run
-    against one run) and the sign agreement of the pairs of runs. Holm's adjustment is over
-    every test reported: :func:`holm_over_metrics`."""
-    names = list(stats)
-    boot = sig.hierarchical_bootstrap([stats[n] for n in names], score_of, bootstrap, seed, level)
-    out: Dict[str, dict] = {}
-    base = np.array([score_of(x.sum(0)) for x in stats[names[0]]])
-    for i, n in enumerate(names):
-        scores = np.array([score_of(x.sum(0)) for x in stats[n]])
-        entry = {"scores": scores.tolist(), "mean": float(scores.mean()),
-                 "std": float(scores.std(ddof=1)) if len(scores) > 1 else None}
-        if i:
-            entry.update(delta=float(scores.mean() - base.mean()), ci=boot["ci"](i, 0), welch=None, p=None,
-                         test=None, sign=sig.sign_agreement(base, scores))
-            entry["permutation"] = sig.permutation_test(base, scores, seed) if len(scores) + len(base) > 2 else None
-            if len(scores) > 1 and len(base) > 1:
-                entry["welch"] = sig.welch(base, scores, level)
-                entry["p"], entry["test"] = entry["welch"]["p"], "Welch"
-            elif len(scores) == 1 and len(base) == 1:
-                entry["p"] = sig.randomisation_test(stats[names[0]][0], stats[n][0], score_of, trials, seed)
-                entry["test"] = "AR"
-            else:  # one run against several: the seed spread of one side unknown
-                entry["p"], entry["test"] = entry["permutation"]["p"], "permutation"
-            # the human-agreement range: every difference either CI holds (a bootstrap of few seeds
-            # underestimates their spread, Welch's t ignores the test set's sampling noise)
-            w = entry["welch"]["ci"] if entry["welch"] else entry["ci"]
-            entry["agreement_ci"] = (min(entry["ci"][0], w[0]), max(entry["ci"][1], w[1]))
-        out[n] = entry
-    return out
-
-
-def holm_over_metrics(results: Dict[str, Dict[str, dict]]) -> int:
-    """Holm's adjusted p (``p_holm``) of every test in ``results`` ({metric: compare()'s
-    result}): one family, every system in every metric; the number of tests in it."""
-    entries = [e for result in results.values() for e in result.values() if "p" in e]
-    for e, adjusted in zip(entries, sig.holm([e["p"] for e in entries])):
-        e["p_holm"] = adjusted
-    return sum(e["p"] is not None for e in entries)
-
-
 def _p(x: Optional[float]) -> str:
     return "–" if x is None else "undefined" if np.isnan(x) else f"{x:.4f}"
 
@@ -384,9 +344,9 @@ def _main(argv=None) -> int:
         is_segment = metric not in sacre
         print(f"ea-fairseq-compare: {metric} ...", file=sys.stderr, flush=True)
         stats = {n: [sentence_statistics(metric, r, is_segment) for r in rs] for n, rs in systems.items()}
-        results[metric] = compare(stats, scorer(metric, first.sentences, is_segment), args.bootstrap, args.trials,
-                                  args.seed)
-    family = holm_over_metrics(results)
+        results[metric] = sig.compare(stats, scorer(metric, first.sentences, is_segment), args.bootstrap,
+                                      args.trials, args.seed)
+    family = sig.holm_over_metrics(results)
     coverage = (f"{report['translated']} of {report['sentences']} sentences"
                 if report["translated"] != report["sentences"] else f"{report['translated']} sentences")
     print(f"{args.subset} set, {coverage}; baseline: {names[0]}")
@@ -407,9 +367,7 @@ def _main(argv=None) -> int:
         if is_segment:
             title = f"{metric}: mean of the segment scores in {first.prefix}.seg.{metric} (and each run's)"
         else:
-            m = bleu_script.sacrebleu_metric(metric)
-            m.corpus_score(["x"], [["x"]])  # (a signature names the number of references)
-            title = f"{report['metrics'][metric]['label']}\nsacreBLEU signature: {m.get_signature()}"
+            title = f"{report['metrics'][metric]['label']}\nsacreBLEU signature: {_signature(metric)}"
         agreed, why_not = agreement_of(metric, runs) if args.agreement else (None, "")
         thresholds = AGREEMENT[agreed] if agreed else None
         small = is_segment and all(abs(x) <= 1.5 for e in result.values() for x in e["scores"])  # COMET: 0-1

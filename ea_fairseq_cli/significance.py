@@ -25,13 +25,15 @@ elsewhere) and ``score_of`` turns their column sums into the corpus score.
   direction of Δ.
 * ``agreement_range``: Kocmi et al. (2024)'s pairwise accuracy bands for every difference
   in a CI.
+* ``compare``: all of the above for several systems against a baseline, in one metric (what
+  ea-fairseq-compare prints a table of); ``holm_over_metrics``: Holm over several metrics.
 
 The t distribution is computed here (regularised incomplete beta function, Lentz's continued
 fraction as in Numerical Recipes §6.4), so the tool needs numpy only.
 """
 import itertools
 import math
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -233,6 +235,52 @@ def randomisation_test(base: np.ndarray, system: np.ndarray, score_of: Scorer, t
     b = _scores(score_of, keep @ base + swap @ system)
     c = int(np.sum(np.abs(a - b) >= observed - 1e-9 * max(observed, 1.0)))
     return (c + 1) / (trials + 1)
+
+
+# ----------------------------------------------------------------------------- systems
+def compare(stats: Dict[str, List[np.ndarray]], score_of: Scorer, bootstrap: int, trials: int,
+            seed: Optional[int], level: float = 0.95) -> Dict[str, dict]:
+    """Per system (the first is the baseline): its runs' scores, mean and std; for the others
+    Δ, the hierarchical bootstrap CI, Welch's t (two or more runs each), the permutation test
+    over the runs (two runs or more in all), the p of the test the pair allows (Welch; the
+    permutation test where one side has a single run; approximate randomisation for one run
+    against one run) and the sign agreement of the pairs of runs. Holm's adjustment is over
+    every test reported: :func:`holm_over_metrics`."""
+    names = list(stats)
+    boot = hierarchical_bootstrap([stats[n] for n in names], score_of, bootstrap, seed, level)
+    out: Dict[str, dict] = {}
+    base = np.array([score_of(x.sum(0)) for x in stats[names[0]]])
+    for i, n in enumerate(names):
+        scores = np.array([score_of(x.sum(0)) for x in stats[n]])
+        entry = {"scores": scores.tolist(), "mean": float(scores.mean()),
+                 "std": float(scores.std(ddof=1)) if len(scores) > 1 else None}
+        if i:
+            entry.update(delta=float(scores.mean() - base.mean()), ci=boot["ci"](i, 0), welch=None, p=None,
+                         test=None, sign=sign_agreement(base, scores))
+            entry["permutation"] = permutation_test(base, scores, seed) if len(scores) + len(base) > 2 else None
+            if len(scores) > 1 and len(base) > 1:
+                entry["welch"] = welch(base, scores, level)
+                entry["p"], entry["test"] = entry["welch"]["p"], "Welch"
+            elif len(scores) == 1 and len(base) == 1:
+                entry["p"] = randomisation_test(stats[names[0]][0], stats[n][0], score_of, trials, seed)
+                entry["test"] = "AR"
+            else:  # one run against several: the seed spread of one side unknown
+                entry["p"], entry["test"] = entry["permutation"]["p"], "permutation"
+            # the human-agreement range: every difference either CI holds (a bootstrap of few seeds
+            # underestimates their spread, Welch's t ignores the test set's sampling noise)
+            w = entry["welch"]["ci"] if entry["welch"] else entry["ci"]
+            entry["agreement_ci"] = (min(entry["ci"][0], w[0]), max(entry["ci"][1], w[1]))
+        out[n] = entry
+    return out
+
+
+def holm_over_metrics(results: Dict[str, Dict[str, dict]]) -> int:
+    """Holm's adjusted p (``p_holm``) of every test in ``results`` ({metric: compare()'s
+    result}): one family, every system in every metric; the number of tests in it."""
+    entries = [e for result in results.values() for e in result.values() if "p" in e]
+    for e, adjusted in zip(entries, holm([e["p"] for e in entries])):
+        e["p_holm"] = adjusted
+    return sum(e["p"] is not None for e in entries)
 
 
 # ----------------------------------------------------------------------------- human agreement

@@ -16,13 +16,14 @@ real dictionaries, against the weights of the checkpoint this thread read last
 (:func:`weights_read`); and the meta build that compares a checkpoint's configuration with its
 weights when it is read (:mod:`ea_fairseq.safety.no_code.consistency`).
 """
+import collections
 import functools
 import threading
 from typing import Any, Mapping, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from ..errors import UnsafeCheckpointError
 
@@ -43,10 +44,34 @@ class BudgetError(UnsafeCheckpointError):
 
 
 _TO_HOST = (torch.Tensor.cpu, torch.Tensor.cuda)
+_CONTAINERS = (tuple, list, dict, collections.deque)  # and their subclasses: what torch's tree_map walks
+
+
+def _map(fn, tree):
+    """``tree`` with ``fn`` applied to each of its tensors, as torch's ``tree_map`` does it: the
+    plain tuples, lists and dicts torch's operations take and return walked here (a build runs
+    thousands of operations: torch's general walk cost more than the build), their subclasses
+    (a named tuple, ``torch.Size``, an ``OrderedDict``) by ``tree_map`` itself."""
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        return kind([_map(fn, x) for x in tree])
+    if kind is dict:
+        return {k: _map(fn, v) for k, v in tree.items()}
+    if isinstance(tree, _CONTAINERS):
+        return tree_map(lambda t: fn(t) if isinstance(t, torch.Tensor) else t, tree)
+    return tree
+
+
+def _tensors(tree) -> list:
+    found = []
+    _map(lambda t: found.append(t) or t, tree)
+    return found
 
 
 def _storages(tree) -> set:
-    return {t.untyped_storage()._cdata for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)}
+    return {t.untyped_storage()._cdata for t in _tensors(tree)}
 
 
 class Budget(TorchFunctionMode):
@@ -72,12 +97,11 @@ class Budget(TorchFunctionMode):
         try:
             # detached: a meta copy of a parameter is otherwise a non-leaf tensor, whose ``.grad``
             # (read by ``Module.to`` for every parameter it moves) makes torch warn
-            on_meta = tree_map(lambda t: t.detach().to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs))
+            on_meta = _map(lambda t: t.detach().to("meta"), (args, kwargs))
             with torch.device("meta"):
                 out = func(*on_meta[0], **on_meta[1])
             given = _storages(on_meta)
-            self.used += sum(t.numel() for t in tree_flatten(out)[0]
-                             if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in given)
+            self.used += sum(t.numel() for t in _tensors(out) if t.untyped_storage()._cdata not in given)
         except Exception:  # noqa: BLE001  (no meta kernel: an operation that reads values, not one that sizes)
             pass
         if self.used > self.limit or self.operations < 0:

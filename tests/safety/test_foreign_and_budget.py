@@ -274,3 +274,24 @@ def test_the_budget_adds_no_warning_to_what_it_counts():
         with Budget(1 << 20, 1 << 10, "x"):
             layer.to("meta")
     assert [str(w.message) for w in caught] == [] and layer.weight.is_meta
+
+
+def test_the_budgets_walk_is_torchs():
+    """The budget's own walk of an operation's arguments and outputs reaches the tensors torch's
+    ``tree_map`` reaches, in its order, and rebuilds the same containers (plain ones walked by
+    itself, their subclasses handed to ``tree_map``), so a tensor it missed could not be allocated
+    before it is counted."""
+    from collections import OrderedDict
+
+    from torch.utils._pytree import tree_map
+
+    from ea_fairseq.safety.budget import _map
+
+    a, b, c = torch.zeros(1), torch.zeros(2), torch.nn.Parameter(torch.zeros(3))
+    for tree in [(a, [b, {"k": c}], 4, None), torch.max(torch.zeros(2, 3), 1), OrderedDict(x=[a, (b,)]),
+                 ([a], torch.Size([2, 3]), "s", torch.float16), {"out": (b, c), "size": [1, 2]}]:
+        seen, expected = [], []
+        mine = _map(lambda t: seen.append(t) or t.to("meta"), tree)
+        torchs = tree_map(lambda t: (expected.append(t) or t.to("meta")) if isinstance(t, torch.Tensor) else t, tree)
+        assert [id(t) for t in seen] == [id(t) for t in expected] and seen
+        assert type(mine) is type(torchs) and repr(mine) == repr(torchs)
