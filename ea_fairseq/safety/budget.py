@@ -19,11 +19,11 @@ weights when it is read (:mod:`ea_fairseq.safety.no_code.consistency`).
 A dictionary costs its reading before any model is built (fairseq keeps a few hundred bytes of
 Python objects a type), and fairseq-generate, -interactive and -eval-lm read theirs before the
 checkpoint: while such a command runs (:func:`checkpoints_named`, around fairseq-generate's
-``main`` and ``call_main``), a dictionary may hold at most one
-line per byte of the largest checkpoint it names, counted before fairseq reads it
-(:func:`named_checkpoint`, :mod:`ea_fairseq.safety.data_files`). Every type is a row of an
-embedding or output layer, at least one element of at least one byte, which the checkpoint stores
-(uncompressed). Training reads no checkpoint first: its dictionaries are not bounded.
+``main`` and ``call_main``), a dictionary may hold at most one line per byte of the largest
+checkpoint it names, counted before fairseq reads it (:func:`named_checkpoint`,
+:mod:`ea_fairseq.safety.data_files`). Every type is a row of an embedding or output layer, at
+least one element of at least one byte, which the checkpoint stores (uncompressed). Training
+names no checkpoint: its dictionaries are not bounded.
 """
 import argparse
 import contextlib

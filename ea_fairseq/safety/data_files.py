@@ -14,9 +14,9 @@ FIFO makes the first ``open()`` wait forever.
 a regular file inside the directory it is named in, links followed (a link out is refused before
 fairseq prints the file it leads to), whatever language codes fairseq put in its name, and at
 most a bound for its kind (:data:`DICTIONARY_LIMIT`, :data:`BPE_LIMIT`; a dictionary, while a
-command that names a checkpoint runs, at most a line per byte of it: :func:`_check_lines`). :func:`check` adds,
-for a binary split, a comparison of what the index declares with the sizes of the two files
-and then every item's place with the data file and its length (at most :data:`ITEM_LIMIT`
+command that names a checkpoint runs, at most a line per byte of it: :func:`_check_lines`).
+:func:`check` adds, for a binary split, a comparison of what the index declares with the sizes
+of the two files and then every item's place with the data file and its length (at most :data:`ITEM_LIMIT`
 tokens), no file with holes (a sparse file stores what it declares in no space), with nothing allocated
 beyond the index itself (mapped, never copied), and the index's format with the one fairseq is
 told to read it as; a raw-text split (``--dataset-impl raw``) must be a regular file.
