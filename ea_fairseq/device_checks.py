@@ -142,14 +142,18 @@ def checked_call_main(call_main):
     :data:`ea_fairseq.side_effects.SIDE_EFFECTS`), which every fairseq command line that runs a
     model hands its configuration and its ``main``: a run this machine cannot run
     (:func:`refusal`) is an :class:`~ea_fairseq.errors.OptionError`, before fairseq writes its
-    save dir or starts a process."""
+    save dir or starts a process. While it runs, the checkpoints it names bound the dictionaries
+    it reads before them (:func:`ea_fairseq.safety.budget.checkpoints_named`)."""
 
     def run(cfg, main, **kwargs):
+        from .safety.budget import checkpoints_named
+
         module = getattr(inspect.unwrap(main), "__module__", None)
         if module not in HYDRA_MAINS:
             message = refusal(cfg, COMMAND_LINE, training=module in TRAINING)
             if message:
                 raise OptionError(message)
-        return call_main(cfg, main, **kwargs)
+        with checkpoints_named(cfg):
+            return call_main(cfg, main, **kwargs)
 
     return run

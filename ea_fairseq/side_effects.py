@@ -100,13 +100,15 @@ SIDE_EFFECTS: Tuple[SideEffect, ...] = (
                "link planted under that name", SERVED_COMMAND_LINES),
     SideEffect("fairseq_cli.generate:main", "ea_fairseq.safety.writers:command_outputs_not_linked",
                "fairseq-generate's --results-path output is a file of its own, never written through a link "
-               "planted under that name", SERVED_COMMAND_LINES),
+               "planted under that name; the checkpoints it names bound the dictionaries it reads before them",
+               SERVED_COMMAND_LINES),
     SideEffect("sys:excepthook", "ea_fairseq.errors:chained_excepthook",
                "the plugin's option errors and checkpoint refusals print as one line, as argparse's do",
                SERVED_COMMAND_LINES),
     SideEffect("fairseq.distributed.utils:call_main", "ea_fairseq.device_checks:checked_call_main",
                "a run the machine cannot run (fairseq-train --fp16 without a CUDA GPU, --bf16 without torch_xla, "
-               "a world size above its GPUs) is one line before fairseq writes its save dir or starts processes",
+               "a world size above its GPUs) is one line before fairseq writes its save dir or starts processes; "
+               "the checkpoints it names bound the dictionaries it reads before them",
                SERVED_COMMAND_LINES),
     SideEffect("argparse:ArgumentParser.error", "ea_fairseq.errors:parser_error",
                "a refused command line is argparse's error line without the usage; an --arch or an option the "

@@ -272,19 +272,19 @@ def plot_maps(dump: "AttentionDump", sid: int, attention: str, kind: str = "weig
     Long sentences are cropped to the tokens that fit, from ``window_start`` (1-based) on."""
     if scale not in ("auto", "figure", "layer", "panel"):
         raise ValueError(f"scale is 'auto', 'figure', 'layer' or 'panel', not {scale!r}")
-    maps = dump.get(sid, attention, kind)  # (L, H, T, S)
+    shape = dump.shape(sid, attention, kind)  # (L, H, T, S)
     rows_tok, cols_tok = dump.axis_tokens(sid, attention)
-    layers = list(layers) if layers else list(range(1, maps.shape[0] + 1))
-    heads = list(heads) if heads else list(range(1, maps.shape[1] + 1))
+    layers = list(layers) if layers else list(range(1, shape[0] + 1))
+    heads = list(heads) if heads else list(range(1, shape[1] + 1))
     check_panels(dump, len(layers), len(heads), f"sentence {sid} {attention} {kind}, layers x heads",
                  "--layers and --heads")
     probabilities = kind == "weights"
-    win = fit_window(len(layers), len(heads), maps.shape[2], maps.shape[3], window_start)
-    shown = maps[[l - 1 for l in layers]][:, [h - 1 for h in heads]][:, :, win.q, win.k]
+    win = fit_window(len(layers), len(heads), shape[2], shape[3], window_start)
+    shown = dump.get(sid, attention, kind, ([l - 1 for l in layers], [h - 1 for h in heads], win.q, win.k))
     if scale == "auto":
         scale = "layer" if not probabilities and layers_differ(shown) else "figure"
-    rtok = _tokens(rows_tok, maps.shape[2], win.q, win.labelled)
-    ctok = _tokens(cols_tok, maps.shape[3], win.k, win.labelled)
+    rtok = _tokens(rows_tok, shape[2], win.q, win.labelled)
+    ctok = _tokens(cols_tok, shape[3], win.k, win.labelled)
     fig, axes = plt.subplots(len(layers), len(heads), squeeze=False, layout="constrained", figsize=win.figsize)
     norm = _norm(shown, probabilities)
     for r, layer in enumerate(layers):
@@ -325,19 +325,17 @@ def plot_kinds(dump: "AttentionDump", sid: int, attention: str, head: int = 1,
     if not kinds:
         raise ValueError(f"none of the kinds is in the dump; {attention} has {available}")
     check_panels(dump, 1, len(kinds), f"sentence {sid} {attention}, kinds", "--kind")
-    stacks = {k: dump.get(sid, attention, k) for k in kinds}
-    stacks = {k: a for k, a in stacks.items() if a.ndim == 4}  # stacked (layers, heads, T, S)
-    kinds = list(stacks)
-    first = next(iter(stacks.values()))
-    layers = list(layers) if layers else list(range(1, first.shape[0] + 1))
+    kinds = [k for k in kinds if len(dump.shape(sid, attention, k)) == 4]  # stacked (layers, heads, T, S)
+    first = dump.shape(sid, attention, kinds[0])
+    layers = list(layers) if layers else list(range(1, first[0] + 1))
     check_panels(dump, len(layers), len(kinds), f"sentence {sid} {attention}, layers x kinds", "--layers and --kind")
     rows_tok, cols_tok = dump.axis_tokens(sid, attention)
-    win = fit_window(len(layers), len(kinds), first.shape[2], first.shape[3], window_start)
-    rtok = _tokens(rows_tok, first.shape[2], win.q, win.labelled)
-    ctok = _tokens(cols_tok, first.shape[3], win.k, win.labelled)
+    win = fit_window(len(layers), len(kinds), first[2], first[3], window_start)
+    rtok = _tokens(rows_tok, first[2], win.q, win.labelled)
+    ctok = _tokens(cols_tok, first[3], win.k, win.labelled)
     fig, axes = plt.subplots(len(layers), len(kinds), squeeze=False, layout="constrained", figsize=win.figsize)
     for c, kind in enumerate(kinds):
-        m = stacks[kind][[l - 1 for l in layers], head - 1][:, win.q, win.k]
+        m = dump.get(sid, attention, kind, ([l - 1 for l in layers], [head - 1], win.q, win.k))[:, 0]
         probabilities = kind == "weights"
         per_layer = not probabilities and layers_differ(m)
         label = "weight (square-root scale)" if probabilities else kind

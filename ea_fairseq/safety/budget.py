@@ -15,11 +15,23 @@ Where: every model fairseq builds from a checkpoint (``fairseq.models.build_mode
 real dictionaries, against the weights of the checkpoint this thread read last
 (:func:`weights_read`); and the meta build that compares a checkpoint's configuration with its
 weights when it is read (:mod:`ea_fairseq.safety.no_code.consistency`).
+
+A dictionary costs its reading before any model is built (fairseq keeps a few hundred bytes of
+Python objects a type), and fairseq-generate, -interactive and -eval-lm read theirs before the
+checkpoint: while such a command runs (:func:`checkpoints_named`, around fairseq-generate's
+``main`` and ``call_main``), a dictionary may hold at most one line per byte of the largest
+checkpoint it names, counted before fairseq reads it (:func:`named_checkpoint`,
+:mod:`ea_fairseq.safety.data_files`). Every type is a row of an embedding or output layer, at
+least one element of at least one byte, which the checkpoint stores (uncompressed). Training
+names no checkpoint: its dictionaries are not bounded.
 """
+import argparse
 import collections
+import contextlib
 import functools
+import os
 import threading
-from typing import Any, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional, Tuple
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -136,3 +148,28 @@ def build_model(original):
             return original(cfg, task, from_checkpoint)
 
     return build
+
+
+@contextlib.contextmanager
+def checkpoints_named(cfg) -> Iterator[None]:
+    """While a command line runs with ``cfg`` (its configuration or, fairseq-generate's, its
+    parsed arguments), the largest of the checkpoints it names (``--path``, an ensemble's,
+    ``--lm-path``) bounds the dictionaries this thread reads (:func:`named_checkpoint`)."""
+    from fairseq.utils import split_paths
+
+    def field(section: str, name: str):
+        return getattr(cfg if isinstance(cfg, argparse.Namespace) else getattr(cfg, section, None), name, None)
+
+    path = field("common_eval", "path")
+    named = [*(split_paths(path) if isinstance(path, str) else ()), field("generation", "lm_path")]
+    sizes = [(os.path.getsize(p), p) for p in named if isinstance(p, str) and os.path.isfile(p)]
+    previous, _read.named = getattr(_read, "named", None), max(sizes, default=None)
+    try:
+        yield
+    finally:
+        _read.named = previous
+
+
+def named_checkpoint() -> Optional[Tuple[int, str]]:
+    """(bytes, path) of the largest checkpoint the command line this thread runs names, or None."""
+    return getattr(_read, "named", None)

@@ -13,9 +13,10 @@ FIFO makes the first ``open()`` wait forever.
 :func:`check_file` is the one check of such a file (:func:`ea_fairseq.safety.confined.inside`):
 a regular file inside the directory it is named in, links followed (a link out is refused before
 fairseq prints the file it leads to), whatever language codes fairseq put in its name, and at
-most a bound for its kind (:data:`DICTIONARY_LIMIT`, :data:`BPE_LIMIT`). :func:`check` adds,
-for a binary split, a comparison of what the index declares with the sizes of the two files
-and then every item's place with the data file and its length (at most :data:`ITEM_LIMIT`
+most a bound for its kind (:data:`DICTIONARY_LIMIT`, :data:`BPE_LIMIT`; a dictionary, while a
+command that names a checkpoint runs, at most a line per byte of it: :func:`_check_lines`).
+:func:`check` adds, for a binary split, a comparison of what the index declares with the sizes
+of the two files and then every item's place with the data file and its length (at most :data:`ITEM_LIMIT`
 tokens), no file with holes (a sparse file stores what it declares in no space), with nothing allocated
 beyond the index itself (mapped, never copied), and the index's format with the one fairseq is
 told to read it as; a raw-text split (``--dataset-impl raw``) must be a regular file.
@@ -51,7 +52,7 @@ from typing import Optional
 import numpy as np
 
 from ..errors import OptionError
-from . import confined
+from . import budget, confined
 
 LEGACY_MAGIC = b"TNTIDX\x00\x00"  # fairseq's IndexedDataset (--dataset-impl lazy / cached)
 MMAP_MAGIC = b"MMIDIDX\x00\x00"  # fairseq's MMapIndexedDataset (--dataset-impl mmap, the default)
@@ -313,6 +314,7 @@ def _check_dictionary(dictionary, f):
         return
     if os.path.exists(f):
         check_file(f, DICTIONARY, DICTIONARY_LIMIT)
+        _check_lines(f)
         return
     directory = os.path.dirname(f) or "."
     if not os.path.exists(directory):
@@ -323,6 +325,23 @@ def _check_dictionary(dictionary, f):
         + (f"the languages of {_shown(directory)} are {there}: give them as --source-lang/--target-lang "
            "(source_lang=/target_lang= in the hub)" if there else
            f"{_shown(directory)} has no dict.LANG.txt: {PREPARED}"))
+
+
+def _check_lines(path: str) -> None:
+    """While a command line that names a checkpoint runs, dictionary ``path`` holds at most a
+    line per byte of it (:func:`ea_fairseq.safety.budget.named_checkpoint`): counted a megabyte
+    at a time, stopping past that, before fairseq reads the file whole."""
+    named = budget.named_checkpoint()
+    if named is None:
+        return
+    limit, checkpoint = named
+    lines = 0
+    with confined.open_inside(path, _named_in(path)) as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            lines += chunk.count(b"\n")
+            if lines > limit:
+                raise _error(path, f"more than {limit:,} lines, more types than {_shown(checkpoint)} ({limit:,} "
+                                   "bytes) stores a row for", "use the dictionaries the checkpoint was trained with")
 
 
 def _check_bpe(cfg, *args, **kwargs):

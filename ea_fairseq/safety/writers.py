@@ -116,12 +116,17 @@ def command_outputs_not_linked(main):
     :data:`ea_fairseq.side_effects.SIDE_EFFECTS`): before fairseq opens an output the
     configuration names (:func:`_command_outputs`) with the builtin ``open`` or a
     ``logging.FileHandler``, a link planted under its name is replaced by a new empty file, so
-    fairseq writes or appends to a file of its own; a regular file is left as it is."""
+    fairseq writes or appends to a file of its own; a regular file is left as it is. The
+    checkpoints the command names bound the dictionaries it reads before them
+    (:func:`ea_fairseq.safety.budget.checkpoints_named`)."""
 
     def run(cfg, *args, **kwargs):
+        from .budget import checkpoints_named
+
         for path in _command_outputs(cfg):
             if os.path.islink(path):
                 write_bytes(path, b"")
-        return main(cfg, *args, **kwargs)
+        with checkpoints_named(cfg):
+            return main(cfg, *args, **kwargs)
 
     return run

@@ -246,8 +246,12 @@ def test_plot_colour_scales_fit_the_data(tmp_path, monkeypatch):
     class Dump:
         sentences = {0: type("S", (), {"kinds": {"encoder.self": ["weights", "logits"]}})()}
 
-        def get(self, sid, attention, kind):
-            return weights if kind == "weights" else np.log(weights) * 40
+        def shape(self, sid, attention, kind):
+            return weights.shape
+
+        def get(self, sid, attention, kind, part):
+            layers, heads, rows, cols = part
+            return (weights if kind == "weights" else np.log(weights) * 40)[layers][:, heads][:, :, rows, cols]
 
         def axis_tokens(self, sid, attention):
             return [f"t{i}" for i in range(5)], [f"s{i}" for i in range(keys)]

@@ -95,6 +95,20 @@ def test_figure_labels_tokens_readably_with_titles(tmp_path, monkeypatch, tokens
         assert inner and not any(t.get_visible() and t.get_text() for ax in inner for t in ax.get_yticklabels())
 
 
+def test_a_figure_reads_the_part_of_a_map_it_draws_as_the_map_holds_it(tmp_path):
+    """The layers, heads and crop a figure draws are read alone (``AttentionDump.get``'s part), in
+    the order the options give them, repeated or past the map's end: the whole map's values."""
+    from ea_fairseq.analysis.dumps import AttentionDump
+
+    write_dump(tmp_path / "maps.npz", 30, 20)
+    dump = AttentionDump(str(tmp_path / "maps.npz"))
+    whole = dump.get(0, "decoder.cross", "convolution")  # (6, 4, 20, 30)
+    for layers, heads, q, k in (([5, 0, 2], [3, 3, 1], slice(4, 17), slice(9, 30)),
+                                ([0], [0], slice(0, 20), slice(0, 30)), ([1], [-1], slice(19, 40), slice(29, 50))):
+        part = dump.get(0, "decoder.cross", "convolution", (layers, heads, q, k))
+        np.testing.assert_array_equal(part, whole[layers][:, heads][:, :, q, k])
+
+
 def test_short_sentence_is_not_cropped_and_window_start_moves_the_crop(tmp_path, monkeypatch):
     figures = []
     monkeypatch.setattr(plots, "_save", lambda fig, out: figures.append(fig) or out)

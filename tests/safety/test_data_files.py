@@ -158,3 +158,38 @@ def test_fairseq_generate_fails_fast_in_one_line(tmp_path, data, tmp_path_factor
          "--beam", "2", "--cpu", "--required-batch-size-multiple", "1"], tmp_path)
     assert code == 1 and lines[-1].startswith(f"fairseq-generate: error: {named}: {shown}"), "\n".join(lines[-20:])
     assert rss < 2 * 2 ** 30 and seconds < 120, (rss, seconds)
+
+
+def test_fairseq_generate_refuses_a_dictionary_its_checkpoint_stores_no_rows_for_before_reading_it(
+        tmp_path, data, tmp_path_factory, tiny_data_bin):
+    """fairseq-generate reads the data directory's dictionaries before the checkpoint. Each type is
+    a row of an embedding the checkpoint stores, a byte at least: a dictionary of more lines than
+    the checkpoint has bytes is refused as it is counted, before fairseq reads it. The control: the
+    same command on the directory it was trained on translates, and peaks no lower."""
+    checkpoint = family_checkpoints(tmp_path_factory, tiny_data_bin)["vanilla"]
+    size = os.path.getsize(checkpoint)  # 0.5 MB
+    command = [cli("fairseq-generate"), data, "--user-dir", USER_DIR, "--path", checkpoint, "--gen-subset", "test",
+               "--beam", "2", "--cpu", "--required-batch-size-multiple", "1"]
+    code, lines, control_rss, _ = run_measured(command, tmp_path)
+    assert code == 0, "\n".join(lines[-20:])
+    with open(data / "dict.src.txt", "a") as f:
+        # short lines that fairseq's Dictionary keeps as a few hundred bytes each: 2 million (28 MB of file)
+        # cost fairseq-generate half a gigabyte before the model's budget applies
+        f.writelines(f"w{i:09d} 1\n" for i in range(4 * size))
+    code, lines, rss, seconds = run_measured(command, tmp_path)
+    assert code == 1 and lines[-1] == (
+        f"fairseq-generate: error: {data / 'dict.src.txt'}: more than {size:,} lines, more types than {checkpoint} "
+        f"({size:,} bytes) stores a row for: use the dictionaries the checkpoint was trained with"), \
+        "\n".join(lines[-20:])
+    assert rss < control_rss + 2 ** 27, (rss, control_rss)
+
+
+def test_fairseq_train_reads_a_large_dictionary_no_checkpoint_bounds(tmp_path, data):
+    """Training reads no checkpoint before its dictionaries: 50,000 types more train as fairseq does."""
+    with open(data / "dict.src.txt", "a") as f:
+        f.writelines(f"w{i:09d} 1\n" for i in range(50_000))
+    code, lines, _, _ = run_measured(
+        [cli("fairseq-train"), data, "--user-dir", USER_DIR, "--arch", "transformer_lite", *TINY,
+         "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "600", "--max-update", "1", "--save-dir",
+         tmp_path / "ck", "--cpu", "--disable-validation", "--num-workers", "0"], tmp_path)
+    assert code == 0, "\n".join(lines[-20:])

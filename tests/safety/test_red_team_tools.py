@@ -184,11 +184,19 @@ def test_compare_reads_a_system_named_through_a_link_and_links_inside_it(tmp_pat
 
 # -- plot maps refuses a dump the plugin itself wrote ----------------------------------------------
 def _zero_dump(path: Path, shape) -> None:
+    """A dump of one sentence whose encoder.self weights are zeros of ``shape``, as np.savez_compressed
+    writes it, its map written a megabyte at a time (nothing of its size allocated here)."""
     meta = {"format": "ea_fairseq.analysis dump v1", "sentences": [
         {"id": 0, "source": ["a"] * shape[3], "target": ["b"] * shape[2], "decoder_input": ["b"] * shape[2],
          "maps": {"encoder.self": ["weights"]}}]}
-    np.savez_compressed(path, **{META_KEY: np.array(json.dumps(meta)), "0/encoder.self/weights":
-                                 np.zeros(shape, np.float32)})
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        with z.open(META_KEY + ".npy", "w") as f:
+            np.save(f, np.array(json.dumps(meta)))
+        with z.open("0/encoder.self/weights.npy", "w") as f:
+            np.lib.format.write_array_header_1_0(f, {"descr": "<f4", "fortran_order": False, "shape": shape})
+            left = 4 * int(np.prod(shape))
+            while left:
+                left -= f.write(bytes(min(left, 1 << 20)))
 
 
 def test_plot_maps_draws_a_dump_of_underflowed_zeros(tmp_path):
@@ -205,6 +213,25 @@ def test_plot_maps_draws_a_dump_of_underflowed_zeros(tmp_path):
                            "--out-dir", str(tmp_path / "fig"), "--layers", "1", "--heads", "1"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and os.listdir(tmp_path / "fig"), proc.stderr[-2000:]
+
+
+def test_plot_maps_holds_the_crop_it_draws_not_the_map_a_dump_declares(tmp_path):
+    """A 0.6 MB dump of one 8192-token sentence (2 heads of 8192 x 8192 zeros: 512 MiB inflated,
+    within every cap) drawn as the crop that fits, 66 x 66: only the crop's rows are kept as the
+    map inflates. The control: a dump of the crop's size, drawn by the same command, peaks no lower."""
+    from test_data_files import run_measured
+
+    _zero_dump(tmp_path / "big.npz", (1, 2, 8192, 8192))
+    _zero_dump(tmp_path / "crop.npz", (1, 2, 66, 66))
+    assert os.path.getsize(tmp_path / "big.npz") < 10 ** 6
+    peaks = {}
+    for name in ("crop", "big"):
+        code, lines, peaks[name], _ = run_measured(
+            [BIN / "ea-fairseq-analysis", "plot", "maps", tmp_path / f"{name}.npz", "--out-dir", tmp_path / name],
+            tmp_path)
+        assert code == 0 and os.listdir(tmp_path / name), "\n".join(lines[-20:])
+    assert "queries 1-66 of 8192" in "\n".join(lines)
+    assert peaks["big"] < peaks["crop"] + 2 ** 27, peaks
 
 
 def test_dump_reader_refuses_more_inflated_maps_in_all_than_its_budget(tmp_path, monkeypatch):
