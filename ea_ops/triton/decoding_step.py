@@ -73,7 +73,7 @@ def _new_row(x_ptr, p_ptr, heads, cols, keep, sxh, sxs, sph, sps, alpha, HAS_PRE
 def _step_kernel(x_ptr, p_ptr, e_ptr, order_ptr, m_ptr, w_ptr, bias_ptr, out_ptr, carry_ptr, rows_ptr,
                  H, S, B_E, S_E, sxb, sxh, sxs, spb, sph, sps, seb, seh, ser, ses, so, smb, sms, alpha, beta,
                  K: tl.constexpr, C0: tl.constexpr, CAUSAL: tl.constexpr, HAS_PREV: tl.constexpr,
-                 HAS_EARLIER: tl.constexpr, HAS_ORDER: tl.constexpr, HAS_MASK: tl.constexpr,
+                 HAS_EARLIER: tl.constexpr, HAS_ORDER: tl.constexpr,
                  HAS_BIAS: tl.constexpr, SOFTMAX: tl.constexpr, HAND_ON: tl.constexpr,
                  BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr):
     # the program's hypothesis: its pointers moved once (64-bit), offsets within it 32-bit
@@ -81,8 +81,7 @@ def _step_kernel(x_ptr, p_ptr, e_ptr, order_ptr, m_ptr, w_ptr, bias_ptr, out_ptr
     x_ptr += n * sxb
     if HAS_PREV:
         p_ptr += n * spb
-    if HAS_MASK:
-        m_ptr += n * smb
+    m_ptr += n * smb
     out_ptr += n * H * S
     if HAND_ON:
         carry_ptr += n * H * S
@@ -108,8 +107,7 @@ def _step_kernel(x_ptr, p_ptr, e_ptr, order_ptr, m_ptr, w_ptr, bias_ptr, out_ptr
     for c in tl.static_range(K):
         cols = j + (c - C0)
         keep = (cols >= 0) & (cols < S)
-        if HAS_MASK:
-            keep = keep & (tl.load(m_ptr + cols * sms, mask=keep, other=1) == 0)
+        keep = keep & (tl.load(m_ptr + cols * sms, mask=keep, other=1) == 0)
         cached = (cols >= 0) & (cols < S_E)
         for g in range(H):
             x = _new_row(x_ptr, p_ptr, g, cols, keep, sxh, sxs, sph, sps, alpha, HAS_PREV)
@@ -124,10 +122,7 @@ def _step_kernel(x_ptr, p_ptr, e_ptr, order_ptr, m_ptr, w_ptr, bias_ptr, out_ptr
     if HAS_BIAS:
         acc += tl.load(bias_ptr + h, mask=heads, other=0.0).to(tl.float32)
     inside = j < S
-    if HAS_MASK:
-        masked = tl.load(m_ptr + j * sms, mask=inside, other=1) != 0
-    else:
-        masked = j >= S
+    masked = tl.load(m_ptr + j * sms, mask=inside, other=1) != 0
     valid = heads & inside
     center = _new_row(x_ptr, p_ptr, h, j, valid & (masked == 0), sxh, sxs, sph, sps, alpha, HAS_PREV)
     a_logit = center + beta * (tl.maximum(acc, 0.0) - center) + poison
@@ -200,7 +195,7 @@ def step(logits: Tensor, previous: Optional[Tensor], masked: Optional[Tensor], n
                          "previous step returned, reordered by StepState.reordered")
     weight = weight.contiguous()
     bias = None if params.bias is None else params.bias.contiguous()  # read as bias_ptr + head
-    m, m_strides = _mask_args(masked, (bsz, 1, 1, src_len))
+    m, m_strides = _mask_args(masked, (bsz, 1, 1, src_len), logits.device)
     m_strides = m_strides[0], m_strides[3]
     if previous is not None:
         previous = previous.expand_as(logits)  # a map that broadcasts, read as the reference's α mix reads it
@@ -222,7 +217,7 @@ def step(logits: Tensor, previous: Optional[Tensor], masked: Optional[Tensor], n
                 float(params.alpha), float(params.beta),
                 K=k, C0=k - 1 if params.layout == "causal" else k // 2, CAUSAL=params.layout == "causal",
                 HAS_PREV=previous is not None, HAS_EARLIER=earlier is not None, HAS_ORDER=order is not None,
-                HAS_MASK=m is not None, HAS_BIAS=bias is not None, SOFTMAX=softmax, HAND_ON=hand_on,
+                HAS_BIAS=bias is not None, SOFTMAX=softmax, HAND_ON=hand_on,
                 BLOCK_H=block_h, BLOCK_S=block_s, num_warps=warps)
     following = StepState(rows)
     if not softmax:

@@ -22,6 +22,7 @@ Everything is computed in float32, whatever the dtype of the maps (float16, bflo
 float32); every result is rounded once, to the dtype of the tensor it is written into (the
 softmax's weights: float32, as the operation returns them).
 """
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -69,19 +70,17 @@ def _a_input(x_ptr, p_ptr, off, keep, alpha, HAS_PREV: tl.constexpr):
 
 
 @triton.jit
-def _kept(n_ptr, heads, rows, cols, inside, snh, snt, sns, HAS_NEUTRAL: tl.constexpr):
+def _kept(n_ptr, heads, rows, cols, inside, snh, snt, sns):
     """Inside the map and not neutral, at (heads, rows, cols) of the program's sentence."""
-    if HAS_NEUTRAL:
-        n = tl.load(n_ptr + heads * snh + rows * snt + cols * sns, mask=inside, other=1)
-        return inside & (n == 0)
-    return inside
+    n = tl.load(n_ptr + heads * snh + rows * snt + cols * sns, mask=inside, other=1)
+    return inside & (n == 0)
 
 
 @triton.jit
 def _convolution(x_ptr, p_ptr, w_ptr, n_ptr, hh, tt, jj, H, T, S, snh, snt, sns, alpha,
                  BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
                  K: tl.constexpr, R0: tl.constexpr, C0: tl.constexpr, CAUSAL: tl.constexpr,
-                 HAS_PREV: tl.constexpr, HAS_NEUTRAL: tl.constexpr, NEUTRAL_PER_HEAD: tl.constexpr):
+                 HAS_PREV: tl.constexpr, NEUTRAL_PER_HEAD: tl.constexpr):
     """``Conv(A_input)`` (no bias) at (every head, tt, jj): output (t, j) reads input
     (t + a - R0, j + c - C0) through tap (a, c); the causal layout keeps taps c <= a.
     A tap's offsets and (one for all heads) neutral entries are derived once for every
@@ -98,10 +97,10 @@ def _convolution(x_ptr, p_ptr, w_ptr, n_ptr, hh, tt, jj, H, T, S, snh, snt, sns,
                 off = rows * S + cols
                 keep = inside
                 if not NEUTRAL_PER_HEAD:
-                    keep = _kept(n_ptr, 0, rows, cols, inside, snh, snt, sns, HAS_NEUTRAL)
+                    keep = _kept(n_ptr, 0, rows, cols, inside, snh, snt, sns)
                 for g in range(H):
                     if NEUTRAL_PER_HEAD:
-                        keep = _kept(n_ptr, g, rows, cols, inside, snh, snt, sns, HAS_NEUTRAL)
+                        keep = _kept(n_ptr, g, rows, cols, inside, snh, snt, sns)
                     x = _a_input(x_ptr, p_ptr, off + g * T * S, keep, alpha, HAS_PREV)
                     w = tl.load(w_rows + (g * K + a) * K + c, mask=heads, other=0.0)
                     acc += w.to(tl.float32) * x
@@ -112,8 +111,8 @@ def _convolution(x_ptr, p_ptr, w_ptr, n_ptr, hh, tt, jj, H, T, S, snh, snt, sns,
 def _forward_kernel(x_ptr, p_ptr, w_ptr, bias_ptr, m_ptr, n_ptr, out_ptr, carry_ptr,
                     H, T, S, smb, smh, smt, sms, snb, snh, snt, sns, alpha, beta,
                     K: tl.constexpr, R0: tl.constexpr, C0: tl.constexpr, CAUSAL: tl.constexpr,
-                    HAS_PREV: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
-                    HAS_NEUTRAL: tl.constexpr, NEUTRAL_PER_HEAD: tl.constexpr, SOFTMAX: tl.constexpr,
+                    HAS_PREV: tl.constexpr, HAS_BIAS: tl.constexpr, NEUTRAL_PER_HEAD: tl.constexpr,
+                    SOFTMAX: tl.constexpr,
                     HAND_ON: tl.constexpr,
                     BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
     # the program's sentence: its pointers moved once (64-bit), offsets within it 32-bit
@@ -125,10 +124,8 @@ def _forward_kernel(x_ptr, p_ptr, w_ptr, bias_ptr, m_ptr, n_ptr, out_ptr, carry_
     out_ptr += base
     if HAND_ON:
         carry_ptr += base
-    if HAS_MASK:
-        m_ptr += b * smb
-    if HAS_NEUTRAL:
-        n_ptr += b * snb
+    m_ptr += b * smb
+    n_ptr += b * snb
     hh = tl.arange(0, BLOCK_H)[:, None, None]
     tt = (tile * BLOCK_T + tl.arange(0, BLOCK_T))[None, :, None]
     # the keys block by block: A_logit written (with -inf where masked), and with the softmax
@@ -139,19 +136,16 @@ def _forward_kernel(x_ptr, p_ptr, w_ptr, bias_ptr, m_ptr, n_ptr, out_ptr, carry_
         jj = (s0 + tl.arange(0, BLOCK_S))[None, None, :]
         valid = (hh < H) & (tt < T) & (jj < S)
         conv = _convolution(x_ptr, p_ptr, w_ptr, n_ptr, hh, tt, jj, H, T, S, snh, snt, sns, alpha, BLOCK_H,
-                            BLOCK_T, BLOCK_S, K, R0, C0, CAUSAL, HAS_PREV, HAS_NEUTRAL, NEUTRAL_PER_HEAD)
+                            BLOCK_T, BLOCK_S, K, R0, C0, CAUSAL, HAS_PREV, NEUTRAL_PER_HEAD)
         if HAS_BIAS:
             conv += tl.load(bias_ptr + hh, mask=hh < H, other=0.0).to(tl.float32)
         off = (hh * T + tt) * S + jj
-        keep = _kept(n_ptr, hh, tt, jj, valid, snh, snt, sns, HAS_NEUTRAL)
+        keep = _kept(n_ptr, hh, tt, jj, valid, snh, snt, sns)
         center = _a_input(x_ptr, p_ptr, off, keep, alpha, HAS_PREV)
         a_logit = center + beta * (tl.maximum(conv, 0.0) - center)
         if HAND_ON:
             tl.store(carry_ptr + off, a_logit.to(carry_ptr.dtype.element_ty), mask=valid)
-        if HAS_MASK:
-            masked = tl.load(m_ptr + hh * smh + tt * smt + jj * sms, mask=valid, other=1) != 0
-        else:
-            masked = jj >= S
+        masked = tl.load(m_ptr + hh * smh + tt * smt + jj * sms, mask=valid, other=1) != 0
         scores = tl.where(masked, float("-inf"), a_logit)
         tl.store(out_ptr + off, scores.to(out_ptr.dtype.element_ty), mask=valid)
         if SOFTMAX:
@@ -177,8 +171,8 @@ def _backward_conv_kernel(x_ptr, p_ptr, w_ptr, bias_ptr, m_ptr, n_ptr, probs_ptr
                           dconv_ptr, gin_ptr, shares_ptr,
                           H, T, S, smb, smh, smt, sms, snb, snh, snt, sns, alpha, beta,
                           K: tl.constexpr, R0: tl.constexpr, C0: tl.constexpr, CAUSAL: tl.constexpr,
-                          HAS_PREV: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
-                          HAS_NEUTRAL: tl.constexpr, NEUTRAL_PER_HEAD: tl.constexpr, SOFTMAX: tl.constexpr,
+                          HAS_PREV: tl.constexpr, HAS_BIAS: tl.constexpr, NEUTRAL_PER_HEAD: tl.constexpr,
+                          SOFTMAX: tl.constexpr,
                           HAS_GOUT: tl.constexpr, HAS_GCARRY: tl.constexpr,
                           BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
     b, tile = _program(T, BLOCK_T)
@@ -187,10 +181,8 @@ def _backward_conv_kernel(x_ptr, p_ptr, w_ptr, bias_ptr, m_ptr, n_ptr, probs_ptr
     x_ptr += base
     if HAS_PREV:
         p_ptr += base
-    if HAS_MASK:
-        m_ptr += b * smb
-    if HAS_NEUTRAL:
-        n_ptr += b * snb
+    m_ptr += b * smb
+    n_ptr += b * snb
     if SOFTMAX:
         probs_ptr += base
     if HAS_GOUT:
@@ -216,7 +208,7 @@ def _backward_conv_kernel(x_ptr, p_ptr, w_ptr, bias_ptr, m_ptr, n_ptr, probs_ptr
         valid = (hh < H) & (tt < T) & (jj < S)
         off = (hh * T + tt) * S + jj
         conv = _convolution(x_ptr, p_ptr, w_ptr, n_ptr, hh, tt, jj, H, T, S, snh, snt, sns, alpha, BLOCK_H, BLOCK_T,
-                            BLOCK_S, K, R0, C0, CAUSAL, HAS_PREV, HAS_NEUTRAL, NEUTRAL_PER_HEAD)
+                            BLOCK_S, K, R0, C0, CAUSAL, HAS_PREV, NEUTRAL_PER_HEAD)
         if HAS_BIAS:
             conv += tl.load(bias_ptr + hh, mask=hh < H, other=0.0).to(tl.float32)
         # the gradient of A_logit: through the softmax, or through the -inf fill
@@ -227,10 +219,8 @@ def _backward_conv_kernel(x_ptr, p_ptr, w_ptr, bias_ptr, m_ptr, n_ptr, probs_ptr
                 probs = tl.load(probs_ptr + off, mask=valid, other=0.0)
                 grad = probs * (g_out - dot[:, :, None])
             else:
-                if HAS_MASK:
-                    masked = tl.load(m_ptr + hh * smh + tt * smt + jj * sms, mask=valid, other=1)
-                    g_out = tl.where(masked != 0, 0.0, g_out)
-                grad = g_out
+                masked = tl.load(m_ptr + hh * smh + tt * smt + jj * sms, mask=valid, other=1)
+                grad = tl.where(masked != 0, 0.0, g_out)
         if HAS_GCARRY:
             grad += tl.load(gcarry_ptr + off, mask=valid, other=0.0).to(tl.float32)
         dconv = tl.where(conv > 0.0, beta * grad, 0.0)
@@ -255,10 +245,10 @@ def _backward_conv_kernel(x_ptr, p_ptr, w_ptr, bias_ptr, m_ptr, n_ptr, probs_ptr
                     tap_off = rows * S + cols
                     keep = inside
                     if not NEUTRAL_PER_HEAD:
-                        keep = _kept(n_ptr, 0, rows, cols, inside, snh, snt, sns, HAS_NEUTRAL)
+                        keep = _kept(n_ptr, 0, rows, cols, inside, snh, snt, sns)
                     for g in range(H):
                         if NEUTRAL_PER_HEAD:
-                            keep = _kept(n_ptr, g, rows, cols, inside, snh, snt, sns, HAS_NEUTRAL)
+                            keep = _kept(n_ptr, g, rows, cols, inside, snh, snt, sns)
                         x = _a_input(x_ptr, p_ptr, tap_off + g * T * S, keep, alpha, HAS_PREV)
                         share = tl.sum(tl.sum(dconv * x, axis=2), axis=1)
                         tl.store(shares + (g * K + a) * K + c, share, mask=h1 < H)
@@ -268,7 +258,7 @@ def _backward_conv_kernel(x_ptr, p_ptr, w_ptr, bias_ptr, m_ptr, n_ptr, probs_ptr
 def _backward_input_kernel(w_ptr, n_ptr, dconv_ptr, gin_ptr, gx_ptr, gp_ptr,
                            H, T, S, snb, snh, snt, sns, alpha,
                            K: tl.constexpr, R0: tl.constexpr, C0: tl.constexpr, CAUSAL: tl.constexpr,
-                           HAS_PREV: tl.constexpr, HAS_NEUTRAL: tl.constexpr,
+                           HAS_PREV: tl.constexpr,
                            BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
     b, tile = _program(T, BLOCK_T)
     base = b * H * T * S
@@ -277,8 +267,7 @@ def _backward_input_kernel(w_ptr, n_ptr, dconv_ptr, gin_ptr, gx_ptr, gp_ptr,
     gx_ptr += base
     if HAS_PREV:
         gp_ptr += base
-    if HAS_NEUTRAL:
-        n_ptr += b * snb
+    n_ptr += b * snb
     gg = tl.arange(0, BLOCK_H)[:, None, None]
     uu = (tile * BLOCK_T + tl.arange(0, BLOCK_T))[None, :, None]
     w_cols = w_ptr + gg * (K * K)
@@ -300,9 +289,8 @@ def _backward_input_kernel(w_ptr, n_ptr, dconv_ptr, gin_ptr, gx_ptr, gp_ptr,
                         d = tl.load(dconv_ptr + tap_off + h * T * S, mask=inside, other=0.0)
                         w = tl.load(w_cols + (h * H * K + a) * K + c, mask=heads, other=0.0)
                         acc += w.to(tl.float32) * d
-        if HAS_NEUTRAL:
-            neutral = tl.load(n_ptr + gg * snh + uu * snt + vv * sns, mask=valid, other=0)
-            acc = tl.where(neutral != 0, 0.0, acc)
+        neutral = tl.load(n_ptr + gg * snh + uu * snt + vv * sns, mask=valid, other=0)
+        acc = tl.where(neutral != 0, 0.0, acc)
         if HAS_PREV:
             tl.store(gx_ptr + off, ((1.0 - alpha) * acc).to(gx_ptr.dtype.element_ty), mask=valid)
             tl.store(gp_ptr + off, (alpha * acc).to(gp_ptr.dtype.element_ty), mask=valid)
@@ -330,12 +318,20 @@ def blocks(heads: int, tile: Optional[Tuple[int, int]] = None):
     return block_h, block_t, block_s, warps
 
 
-def _mask_args(mask: Optional[Tensor], shape):
-    """A bool mask broadcast to ``shape`` as (bytes, strides); a placeholder without one."""
+def _mask_args(mask: Optional[Tensor], shape, device):
+    """A bool mask broadcast to ``shape`` as (bytes, strides); without one, a zero byte read
+    at every entry (strides 0): the kernels read a mask whether or not a call has one, so
+    that a batch with padding and one without compile one variant."""
     if mask is None:
-        return None, (0, 0, 0, 0)
+        return _zero_byte(device), (0, 0, 0, 0)
     mask = mask.expand(shape)
     return mask.view(torch.uint8), tuple(mask.stride())
+
+
+@functools.lru_cache(maxsize=None)
+def _zero_byte(device) -> Tensor:
+    """One zero byte on ``device``, made once (no allocation per call)."""
+    return torch.zeros((), dtype=torch.uint8, device=device)
 
 
 class EvolvingAttentionTriton(torch.autograd.Function):
@@ -363,15 +359,15 @@ class EvolvingAttentionTriton(torch.autograd.Function):
             return out, carried
         k = weight.size(-1)
         block_h, block_t, block_s, warps = blocks(heads, tile)
-        m, m_strides = _mask_args(masked, shape)
-        n, n_strides = _mask_args(neutral, shape)
+        m, m_strides = _mask_args(masked, shape, logits.device)
+        n, n_strides = _mask_args(neutral, shape, logits.device)
         rows, cols = _offsets(layout, k)
         with on_device(logits):
             _forward_kernel[(triton.cdiv(tgt_len, block_t) * bsz,)](
                 logits, previous, weight, bias, m, n, out, carried, heads, tgt_len, src_len, *m_strides,
                 *n_strides, float(alpha), float(beta), K=k, R0=rows, C0=cols, CAUSAL=layout == "causal",
-                HAS_PREV=previous is not None, HAS_BIAS=bias is not None, HAS_MASK=m is not None,
-                HAS_NEUTRAL=n is not None, NEUTRAL_PER_HEAD=n_strides[1] != 0, SOFTMAX=softmax, HAND_ON=hand_on,
+                HAS_PREV=previous is not None, HAS_BIAS=bias is not None, NEUTRAL_PER_HEAD=n_strides[1] != 0,
+                SOFTMAX=softmax, HAND_ON=hand_on,
                 BLOCK_H=block_h, BLOCK_T=block_t, BLOCK_S=block_s, num_warps=warps)
         return out, carried
 
@@ -387,8 +383,8 @@ class EvolvingAttentionTriton(torch.autograd.Function):
                     None if bias is None else zero(bias), None, None, None, None, None, None, None, None)
         k = weight.size(-1)
         block_h, block_t, block_s, warps = blocks(heads, tile)
-        m, m_strides = _mask_args(masked, shape)
-        n, n_strides = _mask_args(neutral, shape)
+        m, m_strides = _mask_args(masked, shape, logits.device)
+        n, n_strides = _mask_args(neutral, shape, logits.device)
         rows, cols = _offsets(layout, k)
         grid = (triton.cdiv(tgt_len, block_t) * bsz,)
         dconv = torch.empty(shape, device=logits.device, dtype=torch.float32)
@@ -398,13 +394,12 @@ class EvolvingAttentionTriton(torch.autograd.Function):
         grad_out = None if grad_out is None else grad_out.contiguous()
         grad_carried = None if grad_carried is None else grad_carried.contiguous()
         constants = dict(K=k, R0=rows, C0=cols, CAUSAL=layout == "causal", HAS_PREV=has_previous,
-                         HAS_NEUTRAL=n is not None, BLOCK_H=block_h, BLOCK_T=block_t, BLOCK_S=block_s,
-                         num_warps=warps)
+                         BLOCK_H=block_h, BLOCK_T=block_t, BLOCK_S=block_s, num_warps=warps)
         with on_device(logits):
             _backward_conv_kernel[grid](
                 logits, previous, weight, bias, m, n, probs, grad_out, grad_carried, dconv, grad_in,
                 shares, heads, tgt_len, src_len, *m_strides, *n_strides, float(alpha), float(beta),
-                HAS_BIAS=bias is not None, HAS_MASK=m is not None, NEUTRAL_PER_HEAD=n_strides[1] != 0,
+                HAS_BIAS=bias is not None, NEUTRAL_PER_HEAD=n_strides[1] != 0,
                 SOFTMAX=softmax, HAS_GOUT=grad_out is not None,
                 HAS_GCARRY=grad_carried is not None, **constants)
             grad_logits = torch.empty_like(logits)

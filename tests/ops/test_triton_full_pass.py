@@ -87,10 +87,10 @@ def bound(dtype, terms):
 
 
 def check(layout, dtype, *, heads=3, tgt_len=7, src_len=7, k=3, alpha=0.3, beta=0.6, previous=True, bias=True,
-          softmax=False, hand_on=True, tile=None, per_head=False, seed=0):
+          softmax=False, hand_on=True, tile=None, per_head=False, masked_keys=True, seed=0):
     """Run the kernels forward and backward and hold values and gradients to the reference."""
     logits, prev, weight, b = inputs(heads, tgt_len, src_len, k, dtype, previous, bias, seed)
-    masked, neutral = masks(layout, tgt_len, src_len, heads, per_head)
+    masked, neutral = masks(layout, tgt_len, src_len, heads, per_head) if masked_keys else (None, None)
     out, carried = EvolvingAttentionTriton.apply(logits, prev, weight, b, masked, neutral, alpha, beta, layout,
                                                  softmax, hand_on, tile)
     wide, ref_out, ref_a_logit = reference(logits, prev, weight, b, masked, neutral, alpha, beta, layout, softmax)
@@ -140,6 +140,13 @@ def test_several_programs_per_map_with_a_mask_per_head():
     # two query rows and two keys a block: 7 rows in four programs, the last with one row, and
     # each program's 7 keys in four blocks, the last with one key (the softmax's running sums)
     check("causal", torch.float32, tgt_len=7, src_len=7, tile=(2, 2), per_head=True, softmax=True)
+
+
+@pytest.mark.parametrize("softmax", [False, True])
+def test_a_call_without_masks(softmax):
+    """No mask and no neutral entries (a batch without padding): the kernels read a zero byte
+    in their place, one compiled variant with the padded batches'."""
+    check("rows", torch.float32, tgt_len=5, src_len=6, softmax=softmax, masked_keys=False)
 
 
 @pytest.mark.parametrize("layout", ["full", "causal", "rows"])

@@ -63,9 +63,9 @@ COMPILE = textwrap.dedent("""
         report(kernel.__name__, kernel, pointers, constants, warps)
 
     maps = dict(x_ptr="*fp16", p_ptr="*fp16", w_ptr="*fp16", bias_ptr="*fp16", m_ptr="*u8", n_ptr="*u8")
-    first = dict(maps, p_ptr=None, bias_ptr=None, m_ptr=None, n_ptr=None)
-    every = dict(HAS_PREV=True, HAS_BIAS=True, HAS_MASK=True, HAS_NEUTRAL=True, NEUTRAL_PER_HEAD=False)
-    none = dict(HAS_PREV=False, HAS_BIAS=False, HAS_MASK=False, HAS_NEUTRAL=False, NEUTRAL_PER_HEAD=False)
+    first = dict(maps, p_ptr=None, bias_ptr=None)  # masks: always read (a zero byte without one)
+    every = dict(HAS_PREV=True, HAS_BIAS=True, NEUTRAL_PER_HEAD=False)
+    none = dict(HAS_PREV=False, HAS_BIAS=False, NEUTRAL_PER_HEAD=False)
     causal = dict(shape, R0=2, C0=2, CAUSAL=True)
     full = dict(shape, R0=1, C0=1, CAUSAL=False)
     build(ea._forward_kernel, dict(maps, out_ptr="*fp16", carry_ptr="*fp16"),
@@ -79,7 +79,7 @@ COMPILE = textwrap.dedent("""
           dict(full, **none, SOFTMAX=True, HAS_GOUT=True, HAS_GCARRY=False))
     build(ea._backward_input_kernel,
           dict(w_ptr="*fp16", n_ptr="*u8", dconv_ptr="*fp32", gin_ptr="*fp32", gx_ptr="*fp16", gp_ptr="*fp16"),
-          dict(causal, HAS_PREV=True, HAS_NEUTRAL=True))
+          dict(causal, HAS_PREV=True))
 """)
 
 

@@ -327,11 +327,11 @@ COMPILE = textwrap.dedent("""
 
     every = dict(x_ptr="*fp16", p_ptr="*fp16", e_ptr="*fp16", order_ptr="*i64", m_ptr="*u8", w_ptr="*fp16",
                  bias_ptr="*fp16", out_ptr="*fp32", carry_ptr="*fp16", rows_ptr="*fp16")
-    build(every, dict(C0=2, CAUSAL=True, HAS_PREV=True, HAS_EARLIER=True, HAS_ORDER=True, HAS_MASK=True,
+    build(every, dict(C0=2, CAUSAL=True, HAS_PREV=True, HAS_EARLIER=True, HAS_ORDER=True,
                       HAS_BIAS=True, SOFTMAX=True, HAND_ON=True), 256)
     first = dict(every, x_ptr="*fp32", p_ptr=None, e_ptr=None, order_ptr=None, w_ptr="*fp32", bias_ptr="*fp32",
                  carry_ptr=None, rows_ptr="*fp32")
-    build(first, dict(C0=1, CAUSAL=False, HAS_PREV=False, HAS_EARLIER=False, HAS_ORDER=False, HAS_MASK=True,
+    build(first, dict(C0=1, CAUSAL=False, HAS_PREV=False, HAS_EARLIER=False, HAS_ORDER=False,
                       HAS_BIAS=True, SOFTMAX=True, HAND_ON=False), MAX_ROW_ELEMENTS // 8)
 """)
 
