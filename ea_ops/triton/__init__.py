@@ -7,7 +7,9 @@ steps (:mod:`.decoding_step`: one kernel a step).
 This module imports neither triton nor the kernels (:func:`full_pass` and :func:`step` do,
 at their first call): it says whether they can run and holds the switch that gives them CPU
 calls under Triton's interpreter (``TRITON_INTERPRET=1``, set before triton is imported), which is how
-their tests run on a machine without a GPU (``bash scripts/test_triton.sh``).
+their tests run on a machine without a GPU (``bash scripts/test_triton.sh``); and what both
+kernels' hosts do before a launch: refuse what a kernel would read or write beyond
+(:func:`checked`) and make the tensors' device current (:func:`on_device`).
 """
 import contextlib
 import functools

@@ -2,21 +2,30 @@
 backend :func:`full_pass` of the operation :func:`ea_ops.evolving_attention`, held to its
 reference (:func:`ea_ops.evolving_attention_reference`) by ``tests/ops/test_triton_full_pass.py``.
 
-One program handles ``BLOCK_T`` query rows of one sentence, every head and every key, so the
-heads-to-heads convolution and the softmax need nothing from another program:
+One program handles ``BLOCK_T`` query rows of one sentence and every head, looping over the
+keys in blocks of ``BLOCK_S`` (the convolution reads its neighbours' entries from the maps,
+so a block needs nothing from another program or block). The tile is the same for every
+length, and the integer arguments are not specialised: one compiled variant takes every
+length, stride and batch (``benchmarks/triton_counts.py`` counts them):
 
 * forward, one kernel: ``A_input`` (the α mix with the previous layer's finite ``A_logit``,
   neutral zeros) is derived where the convolution reads it (``k x k`` taps of every input
   head, the layout's shift folded into the tap offsets: nothing padded, nothing cropped), then
-  bias, ReLU, the β mix and either ``A_logit`` with ``-inf`` where masked or the softmax (rows
-  whose every key is masked get zero weights); with ``hand_on`` also the finite ``A_logit``.
-  Nothing else is written: no ``A_input``, no convolution output.
-* backward, two kernels: the first recomputes the convolution (for ReLU's sign), takes the
-  gradient of ``A_logit`` (through the softmax where it ran) and writes the convolution's
-  output gradient and the β mix's direct gradient, and each program's share of the weight
-  and bias gradients (summed over programs by one reduction: deterministic, no atomics); the
-  second is the transposed convolution of that gradient over the heads, the neutral zeros,
-  and the α mix's split into the gradients of the logits and of the previous map.
+  bias, ReLU, the β mix and ``A_logit`` with ``-inf`` where masked, written; where the weights
+  are asked for, each row's running maximum and sum of exponentials over the blocks, then a
+  second pass turns the written scores into the softmax (rows whose every key is masked get
+  zero weights); with ``hand_on`` also the finite ``A_logit``. Nothing else is written: no
+  ``A_input``, no convolution output.
+* backward, two kernels: the first takes each row's sum of the weights times their gradient
+  (where the softmax ran), then block by block recomputes the convolution (for ReLU's sign),
+  takes the gradient of ``A_logit`` and writes the convolution's output gradient and the β
+  mix's direct gradient, and each block's share of the weight and bias gradients (summed over
+  programs and blocks by one reduction: deterministic, no atomics); the second is the
+  transposed convolution of that gradient over the heads, the neutral zeros, and the α mix's
+  split into the gradients of the logits and of the previous map.
+
+A mask is read whether or not a call has one (a zero byte in its place), so that batches with
+and without padding share a variant.
 
 Everything is computed in float32, whatever the dtype of the maps (float16, bfloat16,
 float32); every result is rounded once, to the dtype of the tensor it is written into (the
