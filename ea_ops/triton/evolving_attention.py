@@ -45,8 +45,7 @@ from ..values import value_product
 from . import checked, on_device
 
 # the integer arguments (lengths, strides): not specialised by Triton, so that one compiled
-# variant takes every length, stride and batch (specialised, every length divisible by 16 or
-# not, every stride 1 or not, would be another compile)
+# variant takes every length, stride and batch (not one for each divisible by 16 or not)
 MAP_INTEGERS = ("H", "T", "S", "smb", "smh", "smt", "sms", "snb", "snh", "snt", "sns")
 
 # a program's tile: the keys of a row in blocks of KEYS_BLOCK, query rows for about this many
@@ -86,31 +85,46 @@ def _kept(n_ptr, heads, rows, cols, inside, snh, snt, sns):
 
 
 @triton.jit
+def _tap(n_ptr, tt, jj, T, S, snh, snt, sns, a: tl.constexpr, c: tl.constexpr, R0: tl.constexpr, C0: tl.constexpr,
+         NEUTRAL_PER_HEAD: tl.constexpr):
+    """What tap (a, c) reads for outputs (tt, jj), input (tt + a - R0, jj + c - C0): (rows,
+    cols, inside the map, offsets, kept: inside, and not neutral where one mask serves all heads)."""
+    rows = tt + (a - R0)
+    cols = jj + (c - C0)
+    inside = (rows >= 0) & (rows < T) & (cols >= 0) & (cols < S)
+    keep = inside
+    if not NEUTRAL_PER_HEAD:
+        keep = _kept(n_ptr, 0, rows, cols, inside, snh, snt, sns)
+    return rows, cols, inside, rows * S + cols, keep
+
+
+@triton.jit
+def _tap_input(x_ptr, p_ptr, n_ptr, g, rows, cols, inside, off, keep, T, S, snh, snt, sns, alpha,
+               HAS_PREV: tl.constexpr, NEUTRAL_PER_HEAD: tl.constexpr):
+    """``A_input`` of input head ``g`` where a tap (:func:`_tap`) reads it."""
+    if NEUTRAL_PER_HEAD:
+        keep = _kept(n_ptr, g, rows, cols, inside, snh, snt, sns)
+    return _a_input(x_ptr, p_ptr, off + g * T * S, keep, alpha, HAS_PREV)
+
+
+@triton.jit
 def _convolution(x_ptr, p_ptr, w_ptr, n_ptr, hh, tt, jj, H, T, S, snh, snt, sns, alpha,
                  BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
                  K: tl.constexpr, R0: tl.constexpr, C0: tl.constexpr, CAUSAL: tl.constexpr,
                  HAS_PREV: tl.constexpr, NEUTRAL_PER_HEAD: tl.constexpr):
-    """``Conv(A_input)`` (no bias) at (every head, tt, jj): output (t, j) reads input
-    (t + a - R0, j + c - C0) through tap (a, c); the causal layout keeps taps c <= a.
-    A tap's offsets and (one for all heads) neutral entries are derived once for every
-    input head."""
+    """``Conv(A_input)`` (no bias) at (every head, tt, jj), tap by tap (:func:`_tap`); the
+    causal layout keeps taps c <= a."""
     acc = tl.zeros([BLOCK_H, BLOCK_T, BLOCK_S], dtype=tl.float32)
     w_rows = w_ptr + hh * (H * K * K)
     heads = hh < H
     for a in tl.static_range(K):
         for c in tl.static_range(K):
             if (not CAUSAL) or (c <= a):
-                rows = tt + (a - R0)
-                cols = jj + (c - C0)
-                inside = (rows >= 0) & (rows < T) & (cols >= 0) & (cols < S)
-                off = rows * S + cols
-                keep = inside
-                if not NEUTRAL_PER_HEAD:
-                    keep = _kept(n_ptr, 0, rows, cols, inside, snh, snt, sns)
+                rows, cols, inside, off, keep = _tap(n_ptr, tt, jj, T, S, snh, snt, sns, a, c, R0, C0,
+                                                     NEUTRAL_PER_HEAD)
                 for g in range(H):
-                    if NEUTRAL_PER_HEAD:
-                        keep = _kept(n_ptr, g, rows, cols, inside, snh, snt, sns)
-                    x = _a_input(x_ptr, p_ptr, off + g * T * S, keep, alpha, HAS_PREV)
+                    x = _tap_input(x_ptr, p_ptr, n_ptr, g, rows, cols, inside, off, keep, T, S, snh, snt, sns, alpha,
+                                   HAS_PREV, NEUTRAL_PER_HEAD)
                     w = tl.load(w_rows + (g * K + a) * K + c, mask=heads, other=0.0)
                     acc += w.to(tl.float32) * x
     return acc
@@ -248,17 +262,11 @@ def _backward_conv_kernel(x_ptr, p_ptr, w_ptr, bias_ptr, m_ptr, n_ptr, probs_ptr
                     for g in range(H):
                         tl.store(shares + (g * K + a) * K + c, tl.zeros([BLOCK_H], dtype=tl.float32), mask=h1 < H)
                 else:
-                    rows = tt + (a - R0)
-                    cols = jj + (c - C0)
-                    inside = (rows >= 0) & (rows < T) & (cols >= 0) & (cols < S)
-                    tap_off = rows * S + cols
-                    keep = inside
-                    if not NEUTRAL_PER_HEAD:
-                        keep = _kept(n_ptr, 0, rows, cols, inside, snh, snt, sns)
+                    rows, cols, inside, off, keep = _tap(n_ptr, tt, jj, T, S, snh, snt, sns, a, c, R0, C0,
+                                                         NEUTRAL_PER_HEAD)
                     for g in range(H):
-                        if NEUTRAL_PER_HEAD:
-                            keep = _kept(n_ptr, g, rows, cols, inside, snh, snt, sns)
-                        x = _a_input(x_ptr, p_ptr, tap_off + g * T * S, keep, alpha, HAS_PREV)
+                        x = _tap_input(x_ptr, p_ptr, n_ptr, g, rows, cols, inside, off, keep, T, S, snh, snt, sns,
+                                       alpha, HAS_PREV, NEUTRAL_PER_HEAD)
                         share = tl.sum(tl.sum(dconv * x, axis=2), axis=1)
                         tl.store(shares + (g * K + a) * K + c, share, mask=h1 < H)
 

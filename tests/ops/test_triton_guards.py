@@ -15,17 +15,13 @@ import os
 
 import pytest
 import torch
+# first: skips this file where that one is skipped (no triton; a CPU without the interpreter)
+from test_triton_full_pass import DEVICE, inputs, masks
 
-pytest.importorskip("triton")
-if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("no CUDA: the kernels run in Triton's interpreter, bash scripts/test_triton.sh",
-                allow_module_level=True)
-
-from ea_ops import EvolvingAttentionParams  # noqa: E402
-from ea_ops.contract import StepState  # noqa: E402
-from ea_ops.triton import decoding_step, evolving_attention  # noqa: E402
-from ea_ops.triton.evolving_attention import EvolvingAttentionTriton, full_pass  # noqa: E402
-from test_triton_full_pass import DEVICE, inputs, masks  # noqa: E402
+from ea_ops import EvolvingAttentionParams
+from ea_ops.contract import StepState
+from ea_ops.triton import decoding_step, evolving_attention
+from ea_ops.triton.evolving_attention import EvolvingAttentionTriton
 
 HEADS, T, S = 3, 5, 6
 
