@@ -47,7 +47,7 @@ from torch import Tensor
 from ..contract import BackendResult, EvolvingAttentionParams, StepState
 from ..values import value_product
 from . import MAX_ROW_ELEMENTS, checked, on_device
-from .evolving_attention import ELEMENTS_PER_THREAD, _mask_args
+from .evolving_attention import _mask_args, _offsets, warps
 
 # a step's row holds at least this many keys (padded): the keys of a decoding run's
 # self-attention grow every step, and each power of two below would be another compile
@@ -158,7 +158,7 @@ def step_blocks(heads: int, keys: int):
         raise ValueError(f"EA's Triton step takes at most {MAX_ROW_ELEMENTS} (heads x keys, rounded up to "
                          f"powers of two) per row, got {heads} x {keys}: the dispatcher gives such calls "
                          "to the reference")
-    return block_h, block_s, max(4, min(16, block_h * block_s // (32 * ELEMENTS_PER_THREAD)))
+    return block_h, block_s, warps(block_h * block_s)
 
 
 def step(logits: Tensor, previous: Optional[Tensor], masked: Optional[Tensor], neutral: Optional[Tensor],
@@ -215,7 +215,7 @@ def step(logits: Tensor, previous: Optional[Tensor], masked: Optional[Tensor], n
                 0 if earlier is None else earlier.size(0), 0 if earlier is None else earlier.size(3),
                 *x_strides, *p_strides, *e_strides, 0 if order is None else order.stride(0), *m_strides,
                 float(params.alpha), float(params.beta),
-                K=k, C0=k - 1 if params.layout == "causal" else k // 2, CAUSAL=params.layout == "causal",
+                K=k, C0=_offsets(params.layout, k)[1], CAUSAL=params.layout == "causal",
                 HAS_PREV=previous is not None, HAS_EARLIER=earlier is not None, HAS_ORDER=order is not None,
                 HAS_BIAS=bias is not None, SOFTMAX=softmax, HAND_ON=hand_on,
                 BLOCK_H=block_h, BLOCK_S=block_s, num_warps=warps)

@@ -48,10 +48,9 @@ from . import checked, on_device
 # variant takes every length, stride and batch (not one for each divisible by 16 or not)
 MAP_INTEGERS = ("H", "T", "S", "smb", "smh", "smt", "sms", "snb", "snh", "snt", "sns")
 
-# a program's tile: the keys of a row in blocks of KEYS_BLOCK, query rows for about this many
-# float32 values of a (heads x rows x keys) tile, at least four warps: compiled for sm_90
-# (H = 8: 4 rows, 8 values a thread), the kernels hold at most 136 registers a thread, no
-# spills (2048 values: the forward's loop over key blocks spills 16 bytes)
+# a program's tile: keys in blocks of KEYS_BLOCK, query rows for about TILE_ELEMENTS float32
+# values, at least four warps: for sm_90 at H = 8 (4 rows, 8 values a thread) the kernels hold
+# at most 136 registers a thread, no spills (2048 values: the forward spills 16 bytes)
 KEYS_BLOCK = 32
 TILE_ELEMENTS = 1024
 ELEMENTS_PER_THREAD = 16
@@ -64,6 +63,13 @@ def _program(T, BLOCK_T: tl.constexpr):
     pid = tl.program_id(0)
     tiles = tl.cdiv(T, BLOCK_T)
     return (pid // tiles).to(tl.int64), pid % tiles
+
+
+@triton.jit
+def _key_block(hh, tt, s0, H, T, S, BLOCK_S: tl.constexpr):
+    """Keys ``s0`` .. ``s0 + BLOCK_S`` of rows ``tt`` of heads ``hh``: (keys, inside, offsets)."""
+    jj = (s0 + tl.arange(0, BLOCK_S))[None, None, :]
+    return jj, (hh < H) & (tt < T) & (jj < S), (hh * T + tt) * S + jj
 
 
 @triton.jit
@@ -156,13 +162,11 @@ def _forward_kernel(x_ptr, p_ptr, w_ptr, bias_ptr, m_ptr, n_ptr, out_ptr, carry_
     top = tl.full([BLOCK_H, BLOCK_T], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_H, BLOCK_T], dtype=tl.float32)
     for s0 in range(0, S, BLOCK_S):
-        jj = (s0 + tl.arange(0, BLOCK_S))[None, None, :]
-        valid = (hh < H) & (tt < T) & (jj < S)
+        jj, valid, off = _key_block(hh, tt, s0, H, T, S, BLOCK_S)
         conv = _convolution(x_ptr, p_ptr, w_ptr, n_ptr, hh, tt, jj, H, T, S, snh, snt, sns, alpha, BLOCK_H,
                             BLOCK_T, BLOCK_S, K, R0, C0, CAUSAL, HAS_PREV, NEUTRAL_PER_HEAD)
         if HAS_BIAS:
             conv += tl.load(bias_ptr + hh, mask=hh < H, other=0.0).to(tl.float32)
-        off = (hh * T + tt) * S + jj
         keep = _kept(n_ptr, hh, tt, jj, valid, snh, snt, sns)
         center = _a_input(x_ptr, p_ptr, off, keep, alpha, HAS_PREV)
         a_logit = center + beta * (tl.maximum(conv, 0.0) - center)
@@ -182,9 +186,7 @@ def _forward_kernel(x_ptr, p_ptr, w_ptr, bias_ptr, m_ptr, n_ptr, out_ptr, carry_
         shift = tl.where(top == float("-inf"), 0.0, top)
         total = tl.where(total == 0.0, 1.0, total)
         for s0 in range(0, S, BLOCK_S):
-            jj = (s0 + tl.arange(0, BLOCK_S))[None, None, :]
-            valid = (hh < H) & (tt < T) & (jj < S)
-            off = (hh * T + tt) * S + jj
+            jj, valid, off = _key_block(hh, tt, s0, H, T, S, BLOCK_S)
             scores = tl.load(out_ptr + off, mask=valid, other=float("-inf"))
             tl.store(out_ptr + off, tl.exp(scores - shift[:, :, None]) / total[:, :, None], mask=valid)
 
@@ -220,16 +222,12 @@ def _backward_conv_kernel(x_ptr, p_ptr, w_ptr, bias_ptr, m_ptr, n_ptr, probs_ptr
     if SOFTMAX and HAS_GOUT:  # each row's sum of weights x their gradient, over every key
         dot = tl.zeros([BLOCK_H, BLOCK_T], dtype=tl.float32)
         for s0 in range(0, S, BLOCK_S):
-            jj = (s0 + tl.arange(0, BLOCK_S))[None, None, :]
-            valid = (hh < H) & (tt < T) & (jj < S)
-            off = (hh * T + tt) * S + jj
+            jj, valid, off = _key_block(hh, tt, s0, H, T, S, BLOCK_S)
             probs = tl.load(probs_ptr + off, mask=valid, other=0.0)
             dot += tl.sum(probs * tl.load(gout_ptr + off, mask=valid, other=0.0).to(tl.float32), axis=2)
-    blocks = tl.cdiv(S, BLOCK_S)
+    key_blocks = tl.cdiv(S, BLOCK_S)
     for s0 in range(0, S, BLOCK_S):
-        jj = (s0 + tl.arange(0, BLOCK_S))[None, None, :]
-        valid = (hh < H) & (tt < T) & (jj < S)
-        off = (hh * T + tt) * S + jj
+        jj, valid, off = _key_block(hh, tt, s0, H, T, S, BLOCK_S)
         conv = _convolution(x_ptr, p_ptr, w_ptr, n_ptr, hh, tt, jj, H, T, S, snh, snt, sns, alpha, BLOCK_H, BLOCK_T,
                             BLOCK_S, K, R0, C0, CAUSAL, HAS_PREV, NEUTRAL_PER_HEAD)
         if HAS_BIAS:
@@ -252,7 +250,7 @@ def _backward_conv_kernel(x_ptr, p_ptr, w_ptr, bias_ptr, m_ptr, n_ptr, probs_ptr
         # this program's share of the weight and bias gradients, one row of H * H * K * K + H
         # for each block of keys: for each tap, dconv against the tap's view of A_input (zero for
         # the causal layout's masked taps), then the bias's
-        row = shares_ptr + (program * blocks + s0 // BLOCK_S) * (H * H * K * K + H)
+        row = shares_ptr + (program * key_blocks + s0 // BLOCK_S) * (H * H * K * K + H)
         if HAS_BIAS:
             tl.store(row + H * H * K * K + h1, tl.sum(tl.sum(dconv, axis=2), axis=1), mask=h1 < H)
         shares = row + h1 * (H * K * K)
@@ -290,9 +288,7 @@ def _backward_input_kernel(w_ptr, n_ptr, dconv_ptr, gin_ptr, gx_ptr, gp_ptr,
     w_cols = w_ptr + gg * (K * K)
     heads = gg < H
     for s0 in range(0, S, BLOCK_S):  # the keys block by block
-        vv = (s0 + tl.arange(0, BLOCK_S))[None, None, :]
-        valid = (gg < H) & (uu < T) & (vv < S)
-        off = (gg * T + uu) * S + vv
+        vv, valid, off = _key_block(gg, uu, s0, H, T, S, BLOCK_S)
         acc = tl.load(gin_ptr + off, mask=valid, other=0.0)
         # input (u, v) of head g fed output (u - a + R0, v - c + C0) of head h through tap (a, c)
         for a in tl.static_range(K):
@@ -331,8 +327,12 @@ def blocks(heads: int, tile: Optional[Tuple[int, int]] = None):
     in place of those (tests: several programs and key blocks per map)."""
     block_h = triton.next_power_of_2(heads)
     block_t, block_s = tile or (max(1, TILE_ELEMENTS // (block_h * KEYS_BLOCK)), KEYS_BLOCK)
-    warps = max(4, min(16, block_h * block_t * block_s // (32 * ELEMENTS_PER_THREAD)))
-    return block_h, block_t, block_s, warps
+    return block_h, block_t, block_s, warps(block_h * block_t * block_s)
+
+
+def warps(elements: int) -> int:
+    """Warps (4 to 16) of a program holding ``elements`` float32 values, ELEMENTS_PER_THREAD each."""
+    return max(4, min(16, elements // (32 * ELEMENTS_PER_THREAD)))
 
 
 def _mask_args(mask: Optional[Tensor], shape, device):
