@@ -166,6 +166,9 @@ def test_no_key_or_value_from_a_checkpoint_breaks_a_log_line_or_a_message(vanill
     level, log.level = log.level, logging.DEBUG
     try:
         safety.sanitize(state, "c.pt", build_check=False)
+    except safety.UnsafeCheckpointError as code:  # a value that reads as a call: refused, in one printable line
+        assert str(code).isprintable() and "calls a function" in str(code), str(code)
+        return
     finally:
         log.removeHandler(records)
         log.setLevel(level)
