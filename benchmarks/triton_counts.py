@@ -23,80 +23,17 @@ Run (minutes on a CPU; the data-bin of ``bash scripts/demo.sh`` or any translati
 import argparse
 import collections
 import contextlib
-import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
+from ea_ops.triton.variants import KERNELS, Launches, registers
+
 ROOT = Path(__file__).resolve().parent.parent
 REPORT = ROOT / "benchmarks" / "triton_counts.md"
-KERNELS = {"evolving_attention": ("_forward_kernel", "_backward_conv_kernel", "_backward_input_kernel"),
-           "decoding_step": ("_step_kernel",)}
-OUTPUTS = {"out_ptr", "carry_ptr", "rows_ptr", "dconv_ptr", "gin_ptr", "shares_ptr", "gx_ptr", "gp_ptr"}
-
-
-def _binder(kernel):
-    """Triton's binder of ``kernel`` for sm_90: arguments -> (bound, specialisation, options)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler.compiler import make_backend
-    from triton.runtime.jit import JITFunction, create_function_from_signature
-    fn = JITFunction(kernel.fn, **getattr(kernel, "kwargs", {}))
-    return create_function_from_signature(fn.signature, fn.params, make_backend(GPUTarget("cuda", 90, 32)))
-
-
-class Launches:
-    """Inside the block, every launch of the kernels is keyed as Triton keys its compile cache,
-    recorded (kernel -> {key: specialisation}) and not run: its output tensors are zeroed."""
-
-    def __init__(self):
-        self.variants = collections.defaultdict(dict)
-        self.launches = collections.Counter()
-        self.grids = collections.defaultdict(set)
-
-    @contextlib.contextmanager
-    def recorded(self):
-        import importlib
-        saved = []
-        for module_name, names in KERNELS.items():
-            module = importlib.import_module(f"ea_ops.triton.{module_name}")
-            for name in names:
-                kernel = getattr(module, name)
-                saved.append((module, name, kernel))
-                setattr(module, name, _Recorded(self, name, kernel))
-        try:
-            yield self
-        finally:
-            for module, name, kernel in saved:
-                setattr(module, name, kernel)
-
-    def count(self, name=None):
-        return sum(len(keys) for kernel, keys in self.variants.items() if name in (None, kernel))
-
-
-class _Recorded:
-    def __init__(self, launches, name, kernel):
-        self.launches, self.name, self.kernel = launches, name, kernel
-        self.binder = _binder(kernel)
-        self.names = kernel.arg_names
-
-    def __getitem__(self, grid):
-        self.launches.grids[self.name].add(tuple(grid))
-
-        def run(*args, **kwargs):
-            _, specialization, options = self.binder(*args, **kwargs)
-            key = (tuple(specialization), json.dumps(options, sort_keys=True))
-            self.launches.variants[self.name].setdefault(key, (specialization, options))
-            self.launches.launches[self.name] += 1
-            for name, arg in zip(self.names, args):
-                if name in OUTPUTS and isinstance(arg, torch.Tensor):
-                    arg.zero_()
-        return run
-
-
 def _task(data: str):
     from fairseq.tasks.translation import TranslationConfig, TranslationTask
     pairs = sorted(p.name.split(".")[1] for p in Path(data).glob("train.*-*.*.idx"))
@@ -252,48 +189,6 @@ class _Named:
         return run
 
 
-COMPILE = """
-import json, os, subprocess, sys, tempfile, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from triton.compiler.compiler import make_backend
-from triton.runtime.jit import JITFunction
-import importlib
-CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-target = GPUTarget("cuda", 90, 32)
-backend = make_backend(target)
-for line in sys.stdin:
-    module, name, spec, options = json.loads(line)
-    kernel = getattr(importlib.import_module("ea_ops.triton." + module), name)
-    signature = {p: s[0] for p, s in zip(kernel.arg_names, spec)}
-    constexprs = {(i,): s[1] for i, s in enumerate(spec) if s[0] == "constexpr"}
-    attrs = {(i,): backend.parse_attr(s[1]) for i, s in enumerate(spec) if s[0] != "constexpr" and s[1]}
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options)
-    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
-        f.write(compiled.asm["cubin"])
-    usage = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    os.unlink(f.name)
-    fields = dict(f.split(":") for f in next(l for l in usage.splitlines() if "REG:" in l).split()[:5])
-    print(json.dumps([name, fields]), flush=True)
-"""
-
-
-def registers(variants):
-    """``[(module, kernel, specialisation, options)]`` compiled for sm_90 in a process without
-    the interpreter: ``[(kernel, {REG, STACK, SHARED, LOCAL, ...})]``."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    lines = "".join(json.dumps([m, n, s, o], default=str) + "\n" for m, n, s, o in variants)
-    done = subprocess.run([sys.executable, "-c", COMPILE], input=lines, capture_output=True, text=True, env=env)
-    if done.returncode != 0:
-        sys.exit(f"triton_counts: compiling for sm_90 failed: {done.stderr.strip().splitlines()[-1]}")
-    return [json.loads(line) for line in done.stdout.splitlines()]
-
-
-def _module_of(name):
-    return next(module for module, names in KERNELS.items() if name in names)
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("data", help="a translation data-bin (fairseq-preprocess's output)")
@@ -337,8 +232,12 @@ def main(argv=None):
                "the kernels issue (in parentheses: each address once per launch, what a cache that held the "
                "maps would fetch).")
     if not args.no_registers:
-        variants = [(_module_of(n), n, spec, options) for (n, _), (spec, options) in union.items()]
-        usage = registers(variants)
+        variants = [(module, n, spec, options) for (n, _), (spec, options) in union.items()
+                    for module, names in KERNELS.items() if n in names]
+        try:
+            usage = registers(variants)
+        except RuntimeError as e:
+            sys.exit(f"triton_counts: {e}")
         worst = collections.defaultdict(lambda: (0, 0, 0))
         for name, fields in usage:
             reg, stack, local = int(fields["REG"]), int(fields["STACK"]), int(fields["LOCAL"])

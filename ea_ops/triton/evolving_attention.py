@@ -24,9 +24,6 @@ length, stride and batch (``benchmarks/triton_counts.py`` counts them):
   transposed convolution of that gradient over the heads, the neutral zeros, and the α mix's
   split into the gradients of the logits and of the previous map.
 
-A mask is read whether or not a call has one (a zero byte in its place), so that batches with
-and without padding share a variant.
-
 Everything is computed in float32, whatever the dtype of the maps (float16, bfloat16,
 float32); every result is rounded once, to the dtype of the tensor it is written into (the
 softmax's weights: float32, as the operation returns them).
@@ -54,6 +51,9 @@ MAP_INTEGERS = ("H", "T", "S", "smb", "smh", "smt", "sms", "snb", "snh", "snt", 
 KEYS_BLOCK = 32
 TILE_ELEMENTS = 1024
 ELEMENTS_PER_THREAD = 16
+# the backward convolution kernel's register limit (sm_90: 142 to 182 at H = 4 and 8; without one
+# ptxas holds it to 128 and spills 8 to 16 bytes a thread)
+BACKWARD_CONV_REGISTERS = 192
 
 
 @triton.jit
@@ -330,6 +330,19 @@ def blocks(heads: int, tile: Optional[Tuple[int, int]] = None):
     return block_h, block_t, block_s, warps(block_h * block_t * block_s)
 
 
+def _setup(logits: Tensor, masked: Optional[Tensor], neutral: Optional[Tensor], layout: str, k: int,
+           tile: Optional[Tuple[int, int]], has_previous: bool):
+    """What each kernel of a full pass is launched with: the grid (sentences x row tiles, one
+    axis), both masks as ``(bytes, strides)``, the constexprs and warps of heads, tile, layout."""
+    bsz, heads, tgt_len, _ = shape = logits.shape
+    block_h, block_t, block_s, warps = blocks(heads, tile)
+    rows, cols = _offsets(layout, k)
+    constants = dict(K=k, R0=rows, C0=cols, CAUSAL=layout == "causal", HAS_PREV=has_previous,
+                     BLOCK_H=block_h, BLOCK_T=block_t, BLOCK_S=block_s, num_warps=warps)
+    return ((triton.cdiv(tgt_len, block_t) * bsz,), _mask_args(masked, shape, logits.device),
+            _mask_args(neutral, shape, logits.device), constants)
+
+
 def warps(elements: int) -> int:
     """Warps (4 to 16) of a program holding ``elements`` float32 values, ELEMENTS_PER_THREAD each."""
     return max(4, min(16, elements // (32 * ELEMENTS_PER_THREAD)))
@@ -374,18 +387,13 @@ class EvolvingAttentionTriton(torch.autograd.Function):
         ctx.save_for_backward(logits, previous, weight, bias, masked, neutral, out if softmax else None)
         if not logits.numel():
             return out, carried
-        k = weight.size(-1)
-        block_h, block_t, block_s, warps = blocks(heads, tile)
-        m, m_strides = _mask_args(masked, shape, logits.device)
-        n, n_strides = _mask_args(neutral, shape, logits.device)
-        rows, cols = _offsets(layout, k)
+        grid, (m, m_strides), (n, n_strides), constants = _setup(logits, masked, neutral, layout, weight.size(-1),
+                                                                 tile, previous is not None)
         with on_device(logits):
-            _forward_kernel[(triton.cdiv(tgt_len, block_t) * bsz,)](
+            _forward_kernel[grid](
                 logits, previous, weight, bias, m, n, out, carried, heads, tgt_len, src_len, *m_strides,
-                *n_strides, float(alpha), float(beta), K=k, R0=rows, C0=cols, CAUSAL=layout == "causal",
-                HAS_PREV=previous is not None, HAS_BIAS=bias is not None, NEUTRAL_PER_HEAD=n_strides[1] != 0,
-                SOFTMAX=softmax, HAND_ON=hand_on,
-                BLOCK_H=block_h, BLOCK_T=block_t, BLOCK_S=block_s, num_warps=warps)
+                *n_strides, float(alpha), float(beta), HAS_BIAS=bias is not None,
+                NEUTRAL_PER_HEAD=n_strides[1] != 0, SOFTMAX=softmax, HAND_ON=hand_on, **constants)
         return out, carried
 
     @staticmethod
@@ -398,29 +406,21 @@ class EvolvingAttentionTriton(torch.autograd.Function):
             zero = torch.zeros_like
             return (zero(logits), zero(previous) if has_previous else None, zero(weight),
                     None if bias is None else zero(bias), None, None, None, None, None, None, None, None)
-        k = weight.size(-1)
-        block_h, block_t, block_s, warps = blocks(heads, tile)
-        m, m_strides = _mask_args(masked, shape, logits.device)
-        n, n_strides = _mask_args(neutral, shape, logits.device)
-        rows, cols = _offsets(layout, k)
-        grid = (triton.cdiv(tgt_len, block_t) * bsz,)
-        dconv = torch.empty(shape, device=logits.device, dtype=torch.float32)
-        grad_in = torch.empty(shape, device=logits.device, dtype=torch.float32)
+        grid, (m, m_strides), (n, n_strides), constants = _setup(logits, masked, neutral, layout, weight.size(-1),
+                                                                 tile, has_previous)
+        dconv, grad_in = (torch.empty(shape, device=logits.device, dtype=torch.float32) for _ in range(2))
         taps = weight.numel()
-        shares = logits.new_empty((grid[0] * triton.cdiv(src_len, block_s), taps + heads), dtype=torch.float32)
-        grad_out = None if grad_out is None else grad_out.contiguous()
-        grad_carried = None if grad_carried is None else grad_carried.contiguous()
-        constants = dict(K=k, R0=rows, C0=cols, CAUSAL=layout == "causal", HAS_PREV=has_previous,
-                         BLOCK_H=block_h, BLOCK_T=block_t, BLOCK_S=block_s, num_warps=warps)
+        blocks_of_keys = grid[0] * triton.cdiv(src_len, constants["BLOCK_S"])
+        shares = logits.new_empty((blocks_of_keys, taps + heads), dtype=torch.float32)
+        grad_out, grad_carried = (None if g is None else g.contiguous() for g in (grad_out, grad_carried))
         with on_device(logits):
             _backward_conv_kernel[grid](
                 logits, previous, weight, bias, m, n, probs, grad_out, grad_carried, dconv, grad_in,
                 shares, heads, tgt_len, src_len, *m_strides, *n_strides, float(alpha), float(beta),
                 HAS_BIAS=bias is not None, NEUTRAL_PER_HEAD=n_strides[1] != 0,
                 SOFTMAX=softmax, HAS_GOUT=grad_out is not None,
-                HAS_GCARRY=grad_carried is not None, **constants)
-            grad_logits = torch.empty_like(logits)
-            grad_previous = torch.empty_like(previous) if has_previous else None
+                HAS_GCARRY=grad_carried is not None, maxnreg=BACKWARD_CONV_REGISTERS, **constants)
+            grad_logits, grad_previous = torch.empty_like(logits), torch.empty_like(previous) if has_previous else None
             _backward_input_kernel[grid](
                 weight, n, dconv, grad_in, grad_logits, grad_previous, heads, tgt_len, src_len, *n_strides,
                 float(alpha), **constants)

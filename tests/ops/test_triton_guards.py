@@ -5,13 +5,12 @@ the decoding step; empty maps (no sentences, no rows, no keys) give empty result
 gradients without a launch; a second derivative is refused; the launch grid is one axis
 (sentences x row tiles: no 65,535-sentence limit); and the integer arguments are not
 specialised, so one compiled variant takes every length and stride (keyed with Triton's own
-binder for sm_90, as its compile cache keys it: ``benchmarks/triton_counts.py`` counts an
-epoch's variants the same way).
+binder for sm_90, as its compile cache keys it, by :mod:`ea_ops.triton.variants`, with which
+``benchmarks/triton_counts.py`` counts an epoch's variants).
 
 As tests/ops/test_triton_full_pass.py: on CUDA compiled, on a CPU run in Triton's interpreter
 (``bash scripts/test_triton.sh``), skipped elsewhere (the default suite).
 """
-import os
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ from ea_ops import EvolvingAttentionParams
 from ea_ops.contract import StepState
 from ea_ops.triton import decoding_step, evolving_attention
 from ea_ops.triton.evolving_attention import EvolvingAttentionTriton
+from ea_ops.triton.variants import Launches
 
 HEADS, T, S = 3, 5, 6
 
@@ -91,22 +91,9 @@ def test_a_second_derivative_is_refused():
         grad.sum().backward()
 
 
-def _keyed(monkeypatch):
-    """The launches of the full pass's kernels, keyed as Triton's compile cache keys them for
-    sm_90 (benchmarks/triton_counts.py's recorder): kernel -> keys, and the grids."""
-    import importlib.util
-    import sys
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "triton_counts.py")
-    spec = importlib.util.spec_from_file_location("triton_counts", path)
-    counts = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "triton_counts", counts)
-    spec.loader.exec_module(counts)
-    return counts.Launches()
-
-
 @pytest.mark.skipif(DEVICE != "cpu", reason="keyed on a CPU, with Triton's binder for sm_90")
-def test_one_compiled_variant_takes_every_length_and_the_grid_is_one_axis(monkeypatch):
-    launches = _keyed(monkeypatch)
+def test_one_compiled_variant_takes_every_length_and_the_grid_is_one_axis():
+    launches = Launches()
     with launches.recorded():
         # rows and keys divisible by 16 and not, one, shorter and longer than a block of keys
         for tgt_len, src_len in ((9, 17), (16, 32), (17, 31), (1, 100), (64, 5), (130, 1)):
@@ -120,12 +107,12 @@ def test_one_compiled_variant_takes_every_length_and_the_grid_is_one_axis(monkey
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="keyed on a CPU, with Triton's binder for sm_90")
-def test_a_decoding_run_of_100_steps_compiles_four_variants(monkeypatch):
+def test_a_decoding_run_of_100_steps_compiles_four_variants():
     """Decoder self-attention's keys grow by one every step: the step's row is padded to a
     power of two of at least decoding_step.MIN_KEYS keys, and nothing else of a step is
     specialised, so 100 steps make four variants: the first step (no earlier rows), then one
     for each of 32, 64 and 128 keys."""
-    launches = _keyed(monkeypatch)
+    launches = Launches()
     weight, bias = draw(HEADS, HEADS, 3, 3), draw(HEADS)
     params = EvolvingAttentionParams(0.3, 0.6, weight, bias, "causal")
     state = StepState()

@@ -13,7 +13,6 @@ counter: ``tests/ops/test_triton_registers_and_launches.py``'s): on CUDA compile
 Triton's interpreter (``bash scripts/test_triton.sh``), skipped elsewhere (the default suite).
 """
 import os
-import textwrap
 
 import pytest
 import torch
@@ -26,7 +25,8 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 from ea_ops import EvolvingAttentionParams, accelerators, dispatch, evolving_attention  # noqa: E402
 from ea_ops.contract import StepState  # noqa: E402
 from ea_ops.softmax import fully_masked_rows  # noqa: E402
-from ea_ops.triton import decoding_step, interpret_on_cpu  # noqa: E402
+from ea_ops.triton import MAX_ROW_ELEMENTS, decoding_step, interpret_on_cpu  # noqa: E402
+from ea_ops.triton.variants import Launches  # noqa: E402
 from test_triton_full_pass import DEVICE, bound, close  # noqa: E402
 from test_triton_registers_and_launches import KernelLaunches, compiles_without_spills  # noqa: E402
 
@@ -314,30 +314,27 @@ def test_an_ea_lite_decoding_step_launches_no_more_than_the_twins(monkeypatch):
     assert reference.count > twin.count, table
 
 
-# Compiled in a process of its own (see tests/ops/test_triton_registers_and_launches.py): for
-# sm_90, at EA-Base's 8 heads, a 256-key row (self-attention, every input: fp16) and the widest
-# row the dispatcher gives it (cross-attention, a first step: float32 weights): no register spills.
-COMPILE = textwrap.dedent("""
-    from ea_ops.triton import MAX_ROW_ELEMENTS
-    from ea_ops.triton import decoding_step as ea
-
-    def build(pointers, constants, keys):
-        block_h, block_s, warps = ea.step_blocks(8, keys)
-        report(keys, ea._step_kernel, pointers, dict(constants, BLOCK_H=block_h, BLOCK_S=block_s, K=3), warps)
-
-    every = dict(x_ptr="*fp16", p_ptr="*fp16", e_ptr="*fp16", order_ptr="*i64", m_ptr="*u8", w_ptr="*fp16",
-                 bias_ptr="*fp16", out_ptr="*fp32", carry_ptr="*fp16", rows_ptr="*fp16")
-    build(every, dict(C0=2, CAUSAL=True, HAS_PREV=True, HAS_EARLIER=True, HAS_ORDER=True,
-                      HAS_BIAS=True, SOFTMAX=True, HAND_ON=True), 256)
-    first = dict(every, x_ptr="*fp32", p_ptr=None, e_ptr=None, order_ptr=None, w_ptr="*fp32", bias_ptr="*fp32",
-                 carry_ptr=None, rows_ptr="*fp32")
-    build(first, dict(C0=1, CAUSAL=False, HAS_PREV=False, HAS_EARLIER=False, HAS_ORDER=False,
-                      HAS_BIAS=True, SOFTMAX=True, HAND_ON=False), MAX_ROW_ELEMENTS // 8)
-""")
-
-
 def test_the_kernel_compiles_for_a_gpu_without_spilling_registers():
-    compiles_without_spills(COMPILE, 2)
+    """At EA-Base's 8 heads, the step's variants the backend launches at the widest rows it
+    takes, compiled for sm_90: decoder self-attention at 256 keys with every input (float16: a
+    previous map, the earlier rows in a beam order, bias, the weights out, the map handed on)
+    and encoder-decoder attention's first step at the widest row the dispatcher gives it
+    (float32, ``MAX_ROW_ELEMENTS // 8`` keys, no previous map)."""
+    launches = Launches()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad(), launches.recorded():
+        for layout, keys, dtype, every in (("causal", 256, torch.float16, True),
+                                           ("rows", MAX_ROW_ELEMENTS // 8, torch.float32, False)):
+            def draw(*shape):
+                return torch.randn(*shape, generator=g).to(DEVICE, dtype)
+
+            params = EvolvingAttentionParams(0.3, 0.6, draw(8, 8, K, K), draw(8), layout)
+            state = StepState(draw(BSZ, 8, K - 1, keys - 1), torch.arange(BSZ, device=DEVICE).flip(0)) \
+                if every else StepState()
+            masked = torch.zeros(BSZ, 1, 1, keys, dtype=torch.bool, device=DEVICE)
+            decoding_step.step(draw(BSZ, 8, 1, keys), draw(BSZ, 8, 1, keys) if every else None, masked, masked,
+                               params, state=state, values=draw(BSZ * 8, keys, HEAD_DIM), hand_on=every)
+    compiles_without_spills(launches, 2)
 
 
 def test_an_order_of_any_strides_and_integer_dtype_reads_the_hypotheses_it_names():
