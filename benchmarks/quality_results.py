@@ -29,7 +29,7 @@ LABEL = {"sacrebleu": "sacreBLEU", "chrf": "chrF"}
 BOOTSTRAP, TRIALS, SEED = 1000, 10000, 12345
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # quality_plan.py, however this is loaded
-from quality_plan import COMPARISONS  # noqa: E402
+from quality_plan import COMPARISONS, SENSITIVITY  # noqa: E402
 RAN_DROPOUT = "attention dropout 0.2, which the RAN paper sets (§Settings) and its architectures keep"
 #: the dropout a family's mechanism defines itself, kept beside the --dropout every family gets
 OWN_DROPOUT = {"ran_d_lite": RAN_DROPOUT, "ran_all_lite": RAN_DROPOUT,
@@ -206,31 +206,43 @@ def _stamp_option(record: dict, option: str) -> Optional[str]:
     return m.group(1) if m else None
 
 
+def comparison_name(system: str, against: str, seeds=None) -> str:
+    """The key of a comparison of the plan: ``"SYSTEM vs AGAINST"``, with ``", seeds K–L"``
+    where it compares those seeds alone (a consecutive range)."""
+    if not seeds:
+        return f"{system} vs {against}"
+    return f"{system} vs {against}, " + (f"seeds {min(seeds)}–{max(seeds)}" if len(seeds) > 1 else f"seed {seeds[0]}")
+
+
 def comparisons(finished: Dict[str, Dict[int, dict]], order: List[str], base_name: str, results: str,
                 pairs=()) -> Dict[str, Dict[str, dict]]:
     """ea-fairseq-compare's seed-level inference per metric, over the systems with a finished
-    run, the baseline first, and for each ``(system, against)`` of ``pairs`` whose two systems
-    have finished runs, under the key ``"SYSTEM vs AGAINST"``: {metric: {name: result}}; Holm's
-    correction over all of them; the runs' files read inside ``results``."""
+    run, the baseline first, and for each ``(system, against)`` or ``(system, against, seeds)``
+    of ``pairs`` whose two systems have finished runs (of those seeds), under the key
+    :func:`comparison_name`: {metric: {name: result}}; Holm's correction over all of them; the
+    runs' files read inside ``results``."""
     from ea_fairseq_cli import compare_systems as cs
     from ea_fairseq_cli import significance as sig
 
     names = [base_name] + [s for s in order if s != base_name and finished.get(s)]
     if not finished.get(base_name) or len(names) < 2:
         return {m: {} for m in METRICS}
-    runs = {s: [cs.Run(_scores_json(r), results) for _, r in sorted(finished[s].items())] for s in names}
-    pairs = [(s, a) for s, a in pairs if s in runs and a in runs]
+    runs = {s: {k: cs.Run(_scores_json(r), results) for k, r in sorted(finished[s].items())} for s in names}
+    pairs = [(s, a, tuple(p[0]) if p else None) for s, a, *p in pairs if s in runs and a in runs
+             and all(set(p[0]) & set(runs[x]) for x in (s, a) if p)]
     out = {}
     for m in METRICS:
-        stats = {s: [cs.sentence_statistics(m, r, False) for r in rs] for s, rs in runs.items()}
-        score_of = cs.scorer(m, runs[base_name][0].sentences, False)
-        out[m] = sig.compare(stats, score_of, BOOTSTRAP, TRIALS, SEED)
-        for s, a in pairs:
-            out[m][f"{s} vs {a}"] = sig.compare({a: stats[a], s: stats[s]}, score_of, BOOTSTRAP, TRIALS, SEED)[s]
+        stats = {s: {k: cs.sentence_statistics(m, r, False) for k, r in rs.items()} for s, rs in runs.items()}
+        score_of = cs.scorer(m, runs[base_name][min(runs[base_name])].sentences, False)
+        out[m] = sig.compare({s: list(st.values()) for s, st in stats.items()}, score_of, BOOTSTRAP, TRIALS, SEED)
+        for s, a, seeds in pairs:
+            both = {x: [v for k, v in stats[x].items() if seeds is None or k in seeds] for x in (a, s)}
+            out[m][comparison_name(s, a, seeds)] = sig.compare(both, score_of, BOOTSTRAP, TRIALS, SEED)[s]
     sig.holm_over_metrics(out)  # one family: every comparison in every metric
     for m, result in out.items():
-        agreed, _ = cs.agreement_of(m, [r for rs in runs.values() for r in rs])
-        for s, against, key in [(s, base_name, s) for s in names[1:]] + [(s, a, f"{s} vs {a}") for s, a in pairs]:
+        agreed, _ = cs.agreement_of(m, [r for rs in runs.values() for r in rs.values()])
+        for s, against, key in [(s, base_name, s) for s in names[1:]] + \
+                [(s, a, comparison_name(s, a, seeds)) for s, a, seeds in pairs]:
             e = result[key]
             e["agreement_thresholds"] = list(cs.AGREEMENT[agreed]) if agreed else None
             e["agreement"] = (cs.sig.agreement_range(e["agreement_ci"], cs.AGREEMENT[agreed], s, against,
@@ -301,10 +313,11 @@ def build(results: str) -> dict:
            "provenance": provenance([(f"{s} seed {k}", r) for s in order for k, r in sorted(runs.get(s, {}).items())] +
                                     [(candidate_name(s, lr, chose[s][lr]), r)
                                      for s in order for lr, r in candidates.get(s, {}).items()])}
-    pairs = [tuple(c) for c in config.get("comparisons", COMPARISONS)]
+    pairs = [tuple(c) for c in config.get("comparisons", COMPARISONS)] + list(SENSITIVITY)
     compared = comparisons(finished, order, base_name, results, pairs)
-    out["comparisons"] = {f"{s} vs {a}": ({m: _difference(compared[m][f"{s} vs {a}"]) for m in METRICS}
-                                          if f"{s} vs {a}" in compared[METRICS[0]] else None) for s, a in pairs}
+    names = [comparison_name(*c) for c in pairs]
+    out["comparisons"] = {n: ({m: _difference(compared[m][n]) for m in METRICS} if n in compared[METRICS[0]] else None)
+                          for n in names}
     for m in METRICS:
         sig = next((v[m]["signature"] for s in order for v in scores[s].values() if m in v), None)
         out["signatures"][m] = sig or (copy["metrics"][m]["signature"] if copy else None)

@@ -410,6 +410,26 @@ def test_the_plans_other_comparisons_join_the_holm_family(derived, tmp_path):
     assert f"| realformer_lite vs transformer_lite | sacreBLEU | {quality_results._f(pair['sacrebleu']['delta'], signed=True)} |" in text
 
 
+def test_a_comparison_over_some_seeds_takes_their_runs_alone(derived, monkeypatch):
+    """The plan's sensitivity analysis compares the primary pair over some seeds alone (6 to
+    10): here realformer_lite against transformer_lite over seed 2, whose Δ is the difference
+    of those two runs' scores (not of the means over seeds 1 and 2); it joins Holm's family."""
+    quality_results = benchmarks_module("quality_results")
+    from ea_fairseq_cli import significance
+
+    _, res, report = derived
+    monkeypatch.setattr(quality_results, "SENSITIVITY", (("realformer_lite", "transformer_lite", (2,)),))
+    out = quality_results.build(str(res))
+    subset = out["comparisons"]["realformer_lite vs transformer_lite, seed 2"]
+    tests = []
+    for m in ("sacrebleu", "chrf"):
+        scores = {s: report["systems"][s]["runs"]["2"]["scores"][m] for s in SYSTEMS}
+        assert subset[m]["delta"] == pytest.approx(scores["realformer_lite"] - scores["transformer_lite"])
+        assert subset[m]["delta"] != pytest.approx(out["systems"]["realformer_lite"]["metrics"][m]["delta"])
+        tests += [out["systems"]["realformer_lite"]["metrics"][m], subset[m]]
+    assert [t["p_holm"] for t in tests] == pytest.approx(significance.holm([t["p"] for t in tests]))
+
+
 def test_scored_learning_curve_points_give_the_report_its_section_and_figure(derived, tmp_path):
     """Results holding learning-curve points (quality_curves.py) report them: quality.md gets the
     section, with the figure beside the runs; results without them report as before."""
