@@ -28,7 +28,10 @@ Steps, per family (``SYSTEMS``):
    family's rate (the compute-matched baseline, EA's ablations, RAN without its attention
    dropout: ``SYSTEMS``, as ``quality/plan.md`` states them before their runs) trains every seed
    at it; the new seeds of the primary pair keep every checkpoint (``KEEP_CHECKPOINTS``).
-3. the rates tried beside the plan's for the primary pair (``LRS_BESIDE``: 5e-4 and 3e-3, seed 1,
+3. with ``--rerun``, the plan's runs trained again at the current commit (``RERUNS``: seed 1 of the
+   primary pair), once, into ``reruns/SYSTEM/seedK/``: the report sets them beside the stored
+   runs (``quality_reruns.py``: scores, and the test sentences translated differently).
+4. the rates tried beside the plan's for the primary pair (``LRS_BESIDE``: 5e-4 and 3e-3, seed 1,
    the validation set), where ``--lrs`` is the plan's: recorded in ``choice.json`` beside the
    choice, which they never change; the report names one that beats the chosen rate.
 
@@ -70,7 +73,8 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import quality_curves  # noqa: E402
 import quality_report  # noqa: E402
-from quality_plan import LRS, SYSTEMS  # noqa: E402
+import quality_reruns  # noqa: E402
+from quality_plan import LRS, RERUNS, SYSTEMS  # noqa: E402
 from quality_runner import Runner, die, git_commit, report_outputs  # noqa: E402
 
 
@@ -170,7 +174,14 @@ def cmd_run(args):
     with ThreadPoolExecutor(args.parallel) as pool:
         for future in [pool.submit(runner.run_one, s, k, chosen[s], runner.run_dir(s, k)) for s, k in todo]:
             future.result()
-    # 3. the rates tried beside the plan's for the primary pair (seed 1, validation): reported, never chosen
+    # 3. with --rerun, the plan's runs trained again at this commit (quality_reruns.py): reported beside them
+    again = [(s, k) for s, k in RERUNS if args.rerun and s in args.systems and chosen[s] is not None
+             and pending(quality_reruns.rerun_dir(runner.results, s, k), f"{s} seed {k} again")]
+    with ThreadPoolExecutor(args.parallel) as pool:
+        for future in [pool.submit(runner.run_one, s, k, chosen[s], quality_reruns.rerun_dir(runner.results, s, k))
+                       for s, k in again]:
+            future.result()
+    # 4. the rates tried beside the plan's for the primary pair (seed 1, validation): reported, never chosen
     beside = [(s, lr) for s in args.systems if chosen[s] is not None for lr in runner.lrs_beside(s)
               if pending(runner.candidate_dir(s, lr), f"{s} seed 1 lr {lr:g}")]
     with ThreadPoolExecutor(args.parallel) as pool:
@@ -216,6 +227,9 @@ def main(argv=None) -> int:
     r.add_argument("--parallel", type=int, default=2, help="runs at a time [2]")
     r.add_argument("--report", action="store_true", help="regenerate the report after each run (without --commit)")
     r.add_argument("--retry-failed", action="store_true", help="run failed runs again")
+    r.add_argument("--rerun", action="store_true",
+                   help=f"train the plan's runs again at this commit ({', '.join(f'{s} seed {k}' for s, k in RERUNS)}),"
+                        " once, into reruns/, reported beside the stored ones")
     budget = r.add_argument_group("budget (the demo's CPU defaults when not given; recorded, a results "
                                   "directory holds one budget)")
     budget.add_argument("--updates", type=int)

@@ -39,6 +39,9 @@ COMPARISONS = (("ea_transformer_lite", "transformer_lite_1400_updates"),
 #: the plan's sensitivity analysis, (system, against, seeds): the primary comparison over the
 #: seeds no run of which was seen before the plan (5 against 5), in the same Holm family
 SENSITIVITY = (("ea_transformer_lite", "transformer_lite", (6, 7, 8, 9, 10)),)
+#: (system, seed): the stored runs trained again at the current commit (``quality.py run --rerun``,
+#: quality_reruns.py): the stored runs still describe the code
+RERUNS = (("transformer_lite", 1), ("ea_transformer_lite", 1))
 #: system -> its first seed whose every checkpoint is kept (in --work-dir), for learning curves
 KEEP_CHECKPOINTS = {"transformer_lite": 6, "ea_transformer_lite": 6}
 LRS = (0.001, 0.002)

@@ -360,6 +360,7 @@ class Runner:
             print(f"[quality] report failed: {done.stderr.strip()[-1000:]}", file=sys.stderr, flush=True)
         if self.args.commit:
             paths = [final, os.path.join(self.results, "refs"), os.path.join(self.results, "config.json"),
+                     os.path.join(self.results, "reruns"),
                      os.path.join(self.results, "copy_source.json"), os.path.join(self.results, "runs"),
                      os.path.join(self.results, "lr_selection")] + report_outputs(self.results, self.args)
             status = json.load(open(os.path.join(final, "run.json"), encoding="utf-8"))["status"]

@@ -410,6 +410,31 @@ def test_the_plans_other_comparisons_join_the_holm_family(derived, tmp_path):
     assert f"| realformer_lite vs transformer_lite | sacreBLEU | {quality_results._f(pair['sacrebleu']['delta'], signed=True)} |" in text
 
 
+def test_a_rerun_at_the_same_commit_translates_alike_and_a_difference_is_reported(finished, tmp_path):
+    """``run --rerun`` trains the plan's transformer_lite seed 1 again into reruns/ (the fixture
+    runs no EA): on the same code and machine its hypotheses are the stored run's, 0 of the
+    test sentences differ; one hypothesis changed is reported as 1 of them."""
+    quality_reruns = benchmarks_module("quality_reruns")
+    tmp, res, common, _ = finished
+    results = tmp_path / "res"
+    shutil.copytree(res, results, symlinks=True)
+    argv = [str(results) if str(a) == str(res) else a for a in common]
+    done = quality("run", *argv, "--rerun", check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    trained = [line for line in done.stderr.splitlines() if ": training (" in line]
+    assert len(trained) == 1 and "reruns/transformer_lite/seed1" in trained[0], done.stderr[-2000:]
+    (row,) = quality_reruns.compared(str(results))
+    assert (row["system"], row["seed"], row["different"], row["sentences"]) == ("transformer_lite", 1, 0, TEST)
+    assert all(a == b for a, b in row["scores"].values()) and row["rerun"]["commit"] == row["stored"]["commit"]
+    hyp = results / "reruns" / "transformer_lite" / "seed1" / "eval" / "test.es-en.hyp.sacrebleu"
+    hyp.write_text("changed\n" + "".join(line + "\n" for line in lines(hyp)[1:]), encoding="utf-8")
+    (row,) = quality_reruns.compared(str(results))
+    assert row["different"] == 1
+    assert f"| 1 of {TEST} |" in "\n".join(quality_reruns.section([row]))
+    again = quality("run", *argv, "--rerun", check=False)  # done once: kept, not trained again
+    assert again.returncode == 0 and "seed 1 again: finished, kept" in again.stderr, again.stderr[-2000:]
+
+
 def test_a_comparison_over_some_seeds_takes_their_runs_alone(derived, monkeypatch):
     """The plan's sensitivity analysis compares the primary pair over some seeds alone (6 to
     10): here realformer_lite against transformer_lite over seed 2, whose Δ is the difference
