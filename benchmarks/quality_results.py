@@ -211,6 +211,8 @@ def comparison_name(system: str, against: str, seeds=None) -> str:
     where it compares those seeds alone (a consecutive range)."""
     if not seeds:
         return f"{system} vs {against}"
+    if sorted(seeds) != list(range(min(seeds), max(seeds) + 1)):
+        raise ValueError(f"a comparison over seeds takes a consecutive range, not {seeds}")
     return f"{system} vs {against}, " + (f"seeds {min(seeds)}–{max(seeds)}" if len(seeds) > 1 else f"seed {seeds[0]}")
 
 
@@ -229,7 +231,7 @@ def comparisons(finished: Dict[str, Dict[int, dict]], order: List[str], base_nam
         return {m: {} for m in METRICS}
     runs = {s: {k: cs.Run(_scores_json(r), results) for k, r in sorted(finished[s].items())} for s in names}
     pairs = [(s, a, tuple(p[0]) if p else None) for s, a, *p in pairs if s in runs and a in runs
-             and all(set(p[0]) & set(runs[x]) for x in (s, a) if p)]
+             and all(set(p[0]) <= set(runs[x]) for x in (s, a) if p)]  # a subset: once every seed is there
     out = {}
     for m in METRICS:
         stats = {s: {k: cs.sentence_statistics(m, r, False) for k, r in rs.items()} for s, rs in runs.items()}
@@ -313,7 +315,8 @@ def build(results: str) -> dict:
            "provenance": provenance([(f"{s} seed {k}", r) for s in order for k, r in sorted(runs.get(s, {}).items())] +
                                     [(candidate_name(s, lr, chose[s][lr]), r)
                                      for s in order for lr, r in candidates.get(s, {}).items()])}
-    pairs = [tuple(c) for c in config.get("comparisons", COMPARISONS)] + list(SENSITIVITY)
+    pairs = [tuple(c) for c in config.get("comparisons", COMPARISONS)] + \
+        [c for c in SENSITIVITY if all(set(c[2]) <= set(planned.get(s, ())) for s in c[:2])]  # where planned
     compared = comparisons(finished, order, base_name, results, pairs)
     names = [comparison_name(*c) for c in pairs]
     out["comparisons"] = {n: ({m: _difference(compared[m][n]) for m in METRICS} if n in compared[METRICS[0]] else None)

@@ -175,8 +175,9 @@ class Runner:
         arch, train_args, _, _ = SYSTEMS[system]
         if seed >= KEEP_CHECKPOINTS.get(system, 1 << 30):
             train_args = f"{train_args} --keep-interval-updates -1".strip()  # every checkpoint kept
-        name = f"{system} seed {seed} lr {lr:g}"
-        work = os.path.join(self.work, os.path.relpath(final, self.results))
+        place = os.path.relpath(final, self.results)
+        name = f"{system} seed {seed} lr {lr:g}" + (" again" if place.startswith("reruns") else "")
+        work = os.path.join(self.work, place)
         stage = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.partial")
         for d in (work, stage):
             shutil.rmtree(d, ignore_errors=True)

@@ -237,7 +237,7 @@ def main(argv=None):
         try:
             usage = registers(variants)
         except RuntimeError as e:
-            sys.exit(f"triton_counts: {e}")
+            sys.exit(f"triton_counts: {str(e).strip().splitlines()[-1]}")
         worst = collections.defaultdict(lambda: (0, 0, 0))
         for name, fields in usage:
             reg, stack, local = int(fields["REG"]), int(fields["STACK"]), int(fields["LOCAL"])

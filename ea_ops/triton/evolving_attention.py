@@ -51,9 +51,9 @@ MAP_INTEGERS = ("H", "T", "S", "smb", "smh", "smt", "sms", "snb", "snh", "snt", 
 KEYS_BLOCK = 32
 TILE_ELEMENTS = 1024
 ELEMENTS_PER_THREAD = 16
-# the backward convolution kernel's register limit (sm_90: 142 to 191 at H = 4 and 8; without one
-# ptxas holds it to 128 and spills 8 to 16 bytes a thread)
-BACKWARD_CONV_REGISTERS = 192
+# the backward convolution kernel's register limit on NVIDIA, not ROCm (no maxnreg there): on sm_90
+# 142 to 191 at H = 4 and 8; without one ptxas holds it to 128 and spills 8 to 16 bytes a thread
+BACKWARD_CONV_LIMIT = {} if torch.version.hip else {"maxnreg": 192}
 
 
 @triton.jit
@@ -419,7 +419,7 @@ class EvolvingAttentionTriton(torch.autograd.Function):
                 shares, heads, tgt_len, src_len, *m_strides, *n_strides, float(alpha), float(beta),
                 HAS_BIAS=bias is not None, NEUTRAL_PER_HEAD=n_strides[1] != 0,
                 SOFTMAX=softmax, HAS_GOUT=grad_out is not None,
-                HAS_GCARRY=grad_carried is not None, maxnreg=BACKWARD_CONV_REGISTERS, **constants)
+                HAS_GCARRY=grad_carried is not None, **BACKWARD_CONV_LIMIT, **constants)
             grad_logits, grad_previous = torch.empty_like(logits), torch.empty_like(previous) if has_previous else None
             _backward_input_kernel[grid](
                 weight, n, dconv, grad_in, grad_logits, grad_previous, heads, tgt_len, src_len, *n_strides,

@@ -32,7 +32,9 @@ def _binder(kernel):
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import make_backend
     from triton.runtime.jit import JITFunction, create_function_from_signature
-    fn = JITFunction(kernel.fn, **getattr(kernel, "kwargs", {}))
+    # on a GPU the kernel itself; under the interpreter a JITFunction of its function, with its
+    # options (do_not_specialize): either way the binder Triton keys that kernel's cache with
+    fn = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn, **kernel.kwargs)
     return create_function_from_signature(fn.signature, fn.params, make_backend(GPUTarget("cuda", 90, 32)))
 
 
@@ -125,13 +127,16 @@ for line in sys.stdin:
 def registers(variants):
     """``[(module, kernel, specialisation, options)]`` (:meth:`Launches.specialisations`)
     compiled for sm_90 in a process without the interpreter: ``[(kernel, {REG, STACK, SHARED,
-    LOCAL, ...})]``. A failed compile raises ``RuntimeError`` with the compiler's last line."""
+    LOCAL, ...})]``. A failed compile raises ``RuntimeError`` with the compiler's output's tail."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     lines = "".join(json.dumps([m, n, s, o], default=str) + "\n" for m, n, s, o in variants)
-    done = subprocess.run([sys.executable, "-c", COMPILE], input=lines, capture_output=True, text=True, env=env,
-                          timeout=600)
+    try:
+        done = subprocess.run([sys.executable, "-c", COMPILE], input=lines, capture_output=True, text=True,
+                              env=env, timeout=600)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError("compiling for sm_90 took over 600 s") from None
     if done.returncode != 0:
-        raise RuntimeError(f"compiling for sm_90 failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+        raise RuntimeError(f"compiling for sm_90 failed: {done.stderr.strip()[-3000:]}")
     return [json.loads(line) for line in done.stdout.splitlines()]

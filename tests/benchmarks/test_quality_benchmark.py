@@ -433,6 +433,11 @@ def test_a_rerun_at_the_same_commit_translates_alike_and_a_difference_is_reporte
     assert f"| 1 of {TEST} |" in "\n".join(quality_reruns.section([row]))
     again = quality("run", *argv, "--rerun", check=False)  # done once: kept, not trained again
     assert again.returncode == 0 and "seed 1 again: finished, kept" in again.stderr, again.stderr[-2000:]
+    record = results / "reruns" / "transformer_lite" / "seed1" / "run.json"
+    record.write_text(json.dumps(dict(json.loads(record.read_text()), status="failed", failure="demo.sh exited 1")))
+    (row,) = quality_reruns.compared(str(results))  # a failed re-run is a row that says so, not left out
+    assert row["problem"] == "the re-run failed: demo.sh exited 1"
+    assert "| the re-run failed: demo.sh exited 1 |" in "\n".join(quality_reruns.section([row]))
 
 
 def test_a_comparison_over_some_seeds_takes_their_runs_alone(derived, monkeypatch):
@@ -453,6 +458,8 @@ def test_a_comparison_over_some_seeds_takes_their_runs_alone(derived, monkeypatc
         assert subset[m]["delta"] != pytest.approx(out["systems"]["realformer_lite"]["metrics"][m]["delta"])
         tests += [out["systems"]["realformer_lite"]["metrics"][m], subset[m]]
     assert [t["p_holm"] for t in tests] == pytest.approx(significance.holm([t["p"] for t in tests]))
+    with pytest.raises(ValueError, match="consecutive"):
+        quality_results.comparison_name("realformer_lite", "transformer_lite", (6, 8))
 
 
 def test_scored_learning_curve_points_give_the_report_its_section_and_figure(derived, tmp_path):
