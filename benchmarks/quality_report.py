@@ -84,6 +84,40 @@ def comparisons_table(out: dict) -> List[str]:
     return _table(rows, head) if rows else []
 
 
+#: the plan's reading of each comparison (quality/plan.md, "What each outcome will be said to show"):
+#: (system, against): (what a sacreBLEU Δ > 0 at Holm p < 0.05 shows, what anything else shows)
+READINGS = {
+    ("ea_transformer_lite", "transformer_lite_1400_updates"): (
+        "EA-Lite's gain is a gain at equal compute: it beats transformer_lite given EA-Lite's CPU time",
+        "EA-Lite's gain is a gain in training speed at equal updates: given EA-Lite's CPU time, transformer_lite "
+        "is not worse at Holm p < 0.05"),
+    ("ea_transformer_lite", "ea_transformer_lite_alpha0"): (
+        "the α skip connection carries part of the gain: without it (α = 0, the convolution alone) EA-Lite is worse",
+        "the α skip connection's part is not shown: without it (α = 0) the difference does not hold"),
+    ("ea_transformer_lite", "ea_transformer_lite_beta0"): (
+        "the convolution carries part of the gain: without it (β = 0, the α skip alone) EA-Lite is worse",
+        "the convolution's part is not shown: without it (β = 0) the difference does not hold"),
+}
+
+
+def reading_lines(out: dict) -> List[str]:
+    """The plan's reading (:data:`READINGS`) applied to sacreBLEU, once both systems of a
+    comparison have every planned seed; until then, how many they have."""
+    systems, lines = out["systems"], []
+    for (s, a), (holds, otherwise) in READINGS.items():
+        have = {x: (len(systems[x]["seeds_finished"]), len(systems[x]["seeds_planned"])) if x in systems else (0, 0)
+                for x in (s, a)}
+        c = (out.get("comparisons") or {}).get(f"{s} vs {a}")
+        if c is None or any(done < planned or not planned for done, planned in have.values()):
+            lines.append(f"* {s} vs {a}: not read yet ({', '.join(f'{x} {d} of {n} seeds' for x, (d, n) in have.items())})")
+            continue
+        x = c["sacrebleu"]
+        verdict = holds if x["delta"] > 0 and x["p_holm"] < 0.05 else otherwise
+        lines.append(f"* {s} vs {a}: Δ sacreBLEU {_f(x['delta'], signed=True)}, Welch {_ci(x['welch_ci'])}, Holm p "
+                     f"{_p(x['p_holm'])}: {verdict}.")
+    return lines
+
+
 def _table(rows, head) -> List[str]:
     return ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"] + \
         ["| " + " | ".join(r) + " |" for r in rows]
@@ -255,6 +289,9 @@ def markdown(out: dict, compare: dict, plan: Optional[str] = None, curves: Optio
         lines += ["### The plan's other comparisons", "",
                   "Δ of the first system's mean to the second's, the same tests as above, in the same Holm family.",
                   ""] + comparisons_table(out) + [""]
+    lines += ["### What the plan said each outcome would show", "",
+              "The plan's reading of each comparison (stated before its runs), applied to sacreBLEU once both "
+              "sides have every planned seed; it says nothing about converged models.", ""] + reading_lines(out) + [""]
     if curves:
         lines += ["## Learning curves", ""] + curves + [""]
     if out.get("reruns") or any(k in out["systems"].get(s, {}).get("seeds_planned", []) for s, k in RERUNS):

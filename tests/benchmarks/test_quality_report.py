@@ -129,3 +129,23 @@ def test_the_training_loss_is_read_from_one_kind_of_log_line(tmp_path):
     log.write_text(f"{head}train | epoch 001 | loss 13.1 | nll_loss 13 | ppl 9000 | num_updates 2 | lr 1e-7\n")
     t = quality_results.training_summary(str(log))
     assert t["loss_curve"] == [[2, 13.1]] and (t["updates"], t["last_loss_update"]) == (2, 2)
+
+
+@pytest.mark.parametrize("delta, holm, done, says", [
+    (0.6, 0.90, 5, "a gain in training speed at equal updates"),
+    (0.6, 0.01, 5, "a gain at equal compute"),
+    (-0.6, 0.01, 5, "a gain in training speed at equal updates"),  # the baseline better: not EA's gain
+    (0.6, 0.01, 3, "not read yet (ea_transformer_lite 10 of 10 seeds, transformer_lite_1400_updates 3 of 5 seeds)"),
+])
+def test_the_plans_reading_of_the_compute_matched_comparison(delta, holm, done, says):
+    """The plan's pre-stated reading: EA-Lite's gain is one at equal compute only where it beats
+    the compute-matched baseline at Holm p < 0.05 (sacreBLEU), and nothing is read before both
+    sides have every planned seed."""
+    report = benchmarks_module("quality_report")
+    systems = {"ea_transformer_lite": {"seeds_finished": list(range(1, 11)), "seeds_planned": list(range(1, 11))},
+               "transformer_lite_1400_updates": {"seeds_finished": list(range(1, done + 1)),
+                                                 "seeds_planned": list(range(1, 6))}}
+    x = {"delta": delta, "welch_ci": [delta - 0.7, delta + 0.7], "p_holm": holm}
+    out = {"systems": systems, "comparisons": {"ea_transformer_lite vs transformer_lite_1400_updates": {"sacrebleu": x}}}
+    (line,) = [line for line in report.reading_lines(out) if "1400" in line]
+    assert says in line, line
