@@ -73,7 +73,6 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import quality_curves  # noqa: E402
 import quality_report  # noqa: E402
-import quality_reruns  # noqa: E402
 from quality_plan import LRS, RERUNS, SYSTEMS  # noqa: E402
 from quality_runner import Runner, die, git_commit, report_outputs  # noqa: E402
 
@@ -128,6 +127,13 @@ def cmd_curves(args):
     return 0
 
 
+def run_all(parallel: int, calls) -> None:
+    """Each ``(function, *args)`` of ``calls`` called, ``parallel`` at a time; the first error raised."""
+    with ThreadPoolExecutor(parallel) as pool:
+        for future in [pool.submit(*call) for call in calls]:
+            future.result()
+
+
 def cmd_run(args):
     unknown = [s for s in args.systems if s not in SYSTEMS]
     if unknown:
@@ -159,10 +165,7 @@ def cmd_run(args):
                   if pending(runner.candidate_dir(s, lr), f"{s} seed 1 lr {lr:g}")]
     print(f"[quality] learning rates: {len(candidates)} run(s) to do, {args.parallel} at a time with "
           f"{args.threads} thread(s) each; work files in {runner.work}", file=sys.stderr, flush=True)
-    with ThreadPoolExecutor(args.parallel) as pool:
-        for future in [pool.submit(runner.run_one, s, 1, lr, runner.candidate_dir(s, lr), True)
-                       for s, lr in candidates]:
-            future.result()
+    run_all(args.parallel, [(runner.run_one, s, 1, lr, runner.candidate_dir(s, lr), True) for s, lr in candidates])
     chosen = {s: runner.lr_of(s) for s in args.systems}
     # 2. the other seeds at the chosen rate (every seed of a system taking its family's rate)
     todo = [(s, k) for s in args.systems for k in runner.seeds(s)
@@ -171,22 +174,15 @@ def cmd_run(args):
     print(f"[quality] {len(todo)} run(s) to do at the chosen rates "
           f"({', '.join(f'{s} {lr:g}' for s, lr in chosen.items() if lr is not None) or 'none chosen'})",
           file=sys.stderr, flush=True)
-    with ThreadPoolExecutor(args.parallel) as pool:
-        for future in [pool.submit(runner.run_one, s, k, chosen[s], runner.run_dir(s, k)) for s, k in todo]:
-            future.result()
+    run_all(args.parallel, [(runner.run_one, s, k, chosen[s], runner.run_dir(s, k)) for s, k in todo])
     # 3. with --rerun, the plan's runs trained again at this commit (quality_reruns.py): reported beside them
     again = [(s, k) for s, k in RERUNS if args.rerun and s in args.systems and chosen[s] is not None
-             and pending(quality_reruns.rerun_dir(runner.results, s, k), f"{s} seed {k} again")]
-    with ThreadPoolExecutor(args.parallel) as pool:
-        for future in [pool.submit(runner.run_one, s, k, chosen[s], quality_reruns.rerun_dir(runner.results, s, k))
-                       for s, k in again]:
-            future.result()
+             and pending(runner.rerun_dir(s, k), f"{s} seed {k} again")]
+    run_all(args.parallel, [(runner.run_one, s, k, chosen[s], runner.rerun_dir(s, k)) for s, k in again])
     # 4. the rates tried beside the plan's for the primary pair (seed 1, validation): reported, never chosen
     beside = [(s, lr) for s in args.systems if chosen[s] is not None for lr in runner.lrs_beside(s)
               if pending(runner.candidate_dir(s, lr), f"{s} seed 1 lr {lr:g}")]
-    with ThreadPoolExecutor(args.parallel) as pool:
-        for future in [pool.submit(runner.run_one, s, 1, lr, runner.candidate_dir(s, lr), True) for s, lr in beside]:
-            future.result()
+    run_all(args.parallel, [(runner.run_one, s, 1, lr, runner.candidate_dir(s, lr), True) for s, lr in beside])
     for s in {s for s, _ in beside}:
         runner.choose_lr(s)  # choice.json records them beside the choice
     for publisher in runner.publishers:

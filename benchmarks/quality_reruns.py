@@ -16,10 +16,6 @@ from quality_plan import SRC, TGT
 from quality_results import LABEL, METRICS, _f, _lines, _read, _scores_json
 
 
-def rerun_dir(results: str, system: str, seed: int) -> str:
-    return os.path.join(results, "reruns", system, f"seed{seed}")
-
-
 def compared(results: str) -> List[dict]:
     """Every rerun beside its stored run: ``{system, seed, stored, rerun, scores, sentences,
     different}`` (``stored``/``rerun``: commit and CPU; ``scores``: metric -> [stored, rerun];

@@ -169,6 +169,10 @@ class Runner:
     def run_dir(self, system: str, seed: int) -> str:
         return os.path.join(self.results, "runs", system, f"seed{seed}")
 
+    def rerun_dir(self, system: str, seed: int) -> str:
+        """Where ``quality.py run --rerun`` trains a stored run again (quality_reruns.py)."""
+        return os.path.join(self.results, "reruns", system, f"seed{seed}")
+
     def run_one(self, system: str, seed: int, lr: float, final: str, validate: bool = False) -> None:
         """Train, translate and score one run into ``final`` (staged beside it, moved there
         once scored); ``validate``: also translate and score the validation set."""
