@@ -13,11 +13,9 @@ of both reports is recomputed with sacreBLEU and scipy from the stored hypothese
 Without training: the runner's refusals and its choice of learning rate are
 test_quality_runner.py's, the report of stored results that no runner trained here
 test_quality_report.py's."""
-import contextlib
 import json
 import lzma
 import os
-import shlex
 import shutil
 import statistics
 import subprocess
@@ -27,7 +25,7 @@ import pytest
 import sacrebleu
 from sacrebleu.metrics import BLEU, CHRF
 
-from support.quality_support import REPO, benchmarks_module, quality
+from support.quality_support import REPO, benchmarks_module, derive_seed, quality, tiny_corpus
 
 SYSTEMS, SEEDS, LRS = ("transformer_lite", "realformer_lite"), (1,), ("0.002",)
 #: seed 2 of each system, derived from its seed 1: these test sentences' hypotheses replaced by their
@@ -40,24 +38,10 @@ BUDGET = ["--updates", str(UPDATES), "--bpe-merges", "100", "--avg", "2", "--max
 KOCMI = {"sacrebleu": (0.52, 1.39), "chrf": (0.33, 1.00)}  # Kocmi et al. (2024), Table 1
 
 
-def tiny_corpus(out: Path) -> None:
-    """Short verse pairs of the shipped corpus (quick BPE, training and beam search)."""
-    out.mkdir()
-    corpus = REPO / "examples" / "translation" / "bible-es-en"
-    for split, n in (("train", TRAIN), ("valid", VALID), ("test", TEST)):
-        es = lzma.open(corpus / f"{split}.es.xz", "rt", encoding="utf-8").read().splitlines()
-        en = lzma.open(corpus / f"{split}.en.xz", "rt", encoding="utf-8").read().splitlines()
-        pairs = [(s, t) for s, t in zip(es, en) if len(s.split()) <= 9 and len(t.split()) <= 9][:n]
-        assert len(pairs) == n
-        for lang, k in (("es", 0), ("en", 1)):
-            with lzma.open(out / f"{split}.{lang}.xz", "wt", encoding="utf-8") as f:
-                f.writelines(p[k] + "\n" for p in pairs)
-
-
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("quality")
-    tiny_corpus(tmp / "corpus")
+    tiny_corpus(tmp / "corpus", {"train": TRAIN, "valid": VALID, "test": TEST})
     readme = tmp / "README.md"
     original = (REPO / "README.md").read_text(encoding="utf-8")
     readme.write_text(original, encoding="utf-8")
@@ -75,45 +59,6 @@ def finished(tmp_path_factory):
     done = quality("run", *common, "--update-readme", "--readme", readme, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     return tmp, res, common, json.loads((tmp / "res.json").read_text())
-
-
-def derive_seed(results: Path, system: str, sentences, work: Path) -> None:
-    """runs/SYSTEM/seed2 derived from seed 1 (not trained): seed 1's fairseq-generate output with
-    the hypotheses of ``sentences`` replaced by their references, scored by ea-fairseq-bleu (in
-    process, with the arguments the runner gave it) into the runner's layout: seed 1's records,
-    logs and probe, a fresh eval/, its references linked to refs/ by the runner's own code."""
-    from ea_fairseq_cli import bleu
-
-    q = benchmarks_module("quality_runner")
-
-    seed1 = (results / "runs" / system / "seed1").resolve()
-    run = results / "runs" / system / "seed2"
-    shutil.copytree(seed1, run, symlinks=True, ignore=shutil.ignore_patterns("eval", "valid"))
-    record = json.loads((run / "run.json").read_text())
-    argv = shlex.split(record["commands"][1])[1:]  # ea-fairseq-bleu GENERATE_OUTPUT --mode wmt ...
-    generated = Path(argv[0]).read_text(encoding="utf-8").splitlines()
-    refs = {line.split("\t")[0][2:]: line.split("\t")[-1] for line in generated if line.startswith("T-")}
-    out = []
-    for line in generated:
-        fields = line.split("\t")
-        tag, _, sid = fields[0].partition("-")
-        if tag in ("H", "D") and sid.isdigit() and int(sid) in sentences:
-            fields = fields[:2] + [refs[sid]]  # (id, score, text): an empty hypothesis has no text field
-        out.append("\t".join(fields))
-    work.mkdir(parents=True)
-    (work / "generate.out").write_text("\n".join(out) + "\n", encoding="utf-8")
-    argv[0] = str(work / "generate.out")
-    argv[argv.index("--out-prefix") + 1] = str(run / "eval" / "test.es-en")
-    (run / "eval").mkdir()
-    with open(run / "eval" / "bleu-test.es-en.txt", "w", encoding="utf-8") as log, contextlib.redirect_stdout(log):
-        assert bleu.main(argv) == 0
-    runner = q.Runner.__new__(q.Runner)  # link_refs only: nothing here trains
-    runner.results = str(results)
-    runner.link_refs(str(run / "eval"))
-    record.update(seed=2, derived=f"from seed 1 by tests/benchmarks/test_quality_benchmark.py: the hypotheses of "
-                                  f"test sentences {list(sentences)} replaced by their references",
-                  commands=[shlex.join(["ea-fairseq-bleu", *argv])])
-    (run / "run.json").write_text(json.dumps(record, indent=1))
 
 
 @pytest.fixture(scope="module")
