@@ -217,9 +217,11 @@ def main(argv=None):
     for label, launches in rows:
         lines.append(f"| {label} | " + " | ".join(f"{launches.count(n)} ({launches.launches[n]} launches)"
                                                   for n in names) + f" | **{launches.count()}** |")
-    union = {(n, k): v for launches in (epoch, everything) for n, keys in launches.variants.items()
-             for k, v in keys.items()}
-    lines.append(f"| epoch and the test split's decode together | | | | | **{len(union)}** |")
+    union = Launches()  # the variants of both, each once
+    for launches in (epoch, everything):
+        for n, keys in launches.variants.items():
+            union.variants[n].update(keys)
+    lines.append(f"| epoch and the test split's decode together | | | | | **{union.count()}** |")
     report = "\n".join(lines)
     traffic = bytes_per_element()
     report += ("\n\n| layout (EA-Lite's sizes, fp16) | " + " | ".join(f"`{n}`" for n in KERNELS["evolving_attention"])
@@ -232,10 +234,8 @@ def main(argv=None):
                "the kernels issue (in parentheses: each address once per launch, what a cache that held the "
                "maps would fetch).")
     if not args.no_registers:
-        variants = [(module, n, spec, options) for (n, _), (spec, options) in union.items()
-                    for module, names in KERNELS.items() if n in names]
         try:
-            usage = registers(variants)
+            usage = registers(union.specialisations())
         except RuntimeError as e:
             sys.exit(f"triton_counts: {str(e).strip().splitlines()[-1]}")
         worst = collections.defaultdict(lambda: (0, 0, 0))

@@ -42,9 +42,11 @@ class Launches:
     """Inside :meth:`recorded`, every launch of the kernels is keyed as Triton keys its compile
     cache for sm_90, recorded (``variants``: kernel -> {key: (specialisation, options)};
     ``launches``: kernel -> count; ``grids``: kernel -> grids) and not run: its output tensors
-    are zeroed."""
+    are zeroed. With ``run``, it is run instead: ``run(kernel's name, launch)`` returns what
+    ``launch()`` returns (a launch counter's hook)."""
 
-    def __init__(self):
+    def __init__(self, run=None):
+        self.run = run
         self.variants = collections.defaultdict(dict)
         self.launches = collections.Counter()
         self.grids = collections.defaultdict(set)
@@ -88,6 +90,8 @@ class _Recorded:
             key = (tuple(specialization), json.dumps(options, sort_keys=True))
             self.launches.variants[self.name].setdefault(key, (specialization, options))
             self.launches.launches[self.name] += 1
+            if self.launches.run is not None:
+                return self.launches.run(self.name, lambda: self.kernel[grid](*args, **kwargs))
             for name, arg in zip(self.names, args):
                 if name in OUTPUTS and isinstance(arg, torch.Tensor):
                     arg.zero_()

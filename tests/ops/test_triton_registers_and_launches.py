@@ -58,17 +58,13 @@ class KernelLaunches:
     """What a training update launches on CUDA with the kernels, counted on any device: the
     non-view aten operations (``test_operation_counts.OperationCounter``) around them, and
     each of the kernels' launches as one; on a CPU the interpreter's own operations during a
-    launch (its copies of the arguments) are not counted."""
+    launch (its copies of the arguments) are not counted. The launches run, recorded by
+    :class:`Launches` (``recorded()``: the block in which they are counted)."""
 
     NAMES = ("_forward_kernel", "_backward_conv_kernel", "_backward_input_kernel")
 
-    def __init__(self, monkeypatch, kernels=None, names=NAMES):
-        """``names``: the kernels of module ``kernels`` (the full pass's by default) counted."""
+    def __init__(self):
         import test_operation_counts as counts
-        if kernels is None:
-            from ea_ops.triton import evolving_attention as kernels
-
-        outer = self
 
         class Counter(counts.OperationCounter):
             paused = active = False  # active: inside the counter's block (launches outside are not counted)
@@ -86,33 +82,24 @@ class KernelLaunches:
                     return func(*args, **(kwargs or {}))
                 return super().__torch_dispatch__(func, types, args, kwargs)
 
-        class Counted:
-            def __init__(self, kernel, name):
-                self.kernel, self.name = kernel, name
-
-            def __getitem__(self, grid):
-                launch = self.kernel[grid]
-
-                def run(*args, **kwargs):
-                    counter = outer.counter
-                    if not counter.active:
-                        return launch(*args, **kwargs)
-                    counter.count, counter.all = counter.count + 1, counter.all + 1
-                    counter.ops["triton:" + self.name] += 1
-                    counter.paused = True
-                    try:
-                        return launch(*args, **kwargs)
-                    finally:
-                        counter.paused = False
-                return run
-
-        for name in names:
-            monkeypatch.setattr(kernels, name, Counted(getattr(kernels, name), name))
         self.counter = Counter()
+        self.recorded = Launches(run=self._counted).recorded
+
+    def _counted(self, name, launch):
+        counter = self.counter
+        if not counter.active:
+            return launch()
+        counter.count, counter.all = counter.count + 1, counter.all + 1
+        counter.ops["triton:" + name] += 1
+        counter.paused = True
+        try:
+            return launch()
+        finally:
+            counter.paused = False
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="counted on a CPU, under Triton's interpreter")
-def test_an_ea_lite_training_update_launches_at_most_5_percent_more_than_the_twin(monkeypatch):
+def test_an_ea_lite_training_update_launches_at_most_5_percent_more_than_the_twin():
     """EA-Lite's training update (tests/attention/test_operation_counts.py's batch) with EA's Eq. 4 on the
     kernels, as on CUDA: at most 1.05x transformer_lite's non-view operations (its fused
     attention), 3 launches per EA attention. Negative control: the reference path's count
@@ -123,8 +110,8 @@ def test_an_ea_lite_training_update_launches_at_most_5_percent_more_than_the_twi
 
     with accelerators.reference_only():
         twin, reference = (counts.training_count(counts.build(family)) for family in ("transformer_lite", "EA-Lite"))
-    launches = KernelLaunches(monkeypatch)
-    with interpret_on_cpu():
+    launches = KernelLaunches()
+    with interpret_on_cpu(), launches.recorded():
         fused = counts.training_count(counts.build("EA-Lite"), launches.counter)
     attentions = 18  # 6 encoder, 6 decoder self, 6 cross
     assert all(fused.ops["triton:" + name] == attentions for name in KernelLaunches.NAMES), fused.ops

@@ -291,7 +291,7 @@ def test_an_ea_model_decodes_step_by_step_as_its_full_pass_computes(monkeypatch)
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="counted on a CPU, under Triton's interpreter")
-def test_an_ea_lite_decoding_step_launches_no_more_than_the_twins(monkeypatch):
+def test_an_ea_lite_decoding_step_launches_no_more_than_the_twins():
     """EA-Lite's beam-search decoding step (tests/attention/test_operation_counts.py's step) with Eq. 4
     on the kernel, as on CUDA: at most transformer_lite's non-view operations, one launch per
     EA attention. Negative control: the reference path's count (the convolution, ReLU, β mix,
@@ -302,8 +302,8 @@ def test_an_ea_lite_decoding_step_launches_no_more_than_the_twins(monkeypatch):
     with accelerators.reference_only():
         twin, reference = (counts.decoding_step_count(counts.build(family))
                            for family in ("transformer_lite", "EA-Lite"))
-    launches = KernelLaunches(monkeypatch, decoding_step, ("_step_kernel",))
-    with interpret_on_cpu():
+    launches = KernelLaunches()
+    with interpret_on_cpu(), launches.recorded():
         fused = counts.decoding_step_count(counts.build("EA-Lite"), launches.counter)
     attentions = 12  # 6 decoder self, 6 cross
     assert fused.ops["triton:_step_kernel"] == attentions, fused.ops
