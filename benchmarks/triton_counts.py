@@ -142,7 +142,7 @@ def bytes_per_element(heads=4, length=25, bsz=2, dtype=torch.float16):
     of each layout, forward and backward, as EA-Lite runs them in training (a previous map,
     a bias, key padding, the weights asked for and the map handed on)."""
     from ea_ops import EvolvingAttentionParams
-    from ea_ops.triton import evolving_attention as kernels
+    from ea_ops.triton import evolving_attention as kernels, operators as host
     rows = []
     for layout in ("full", "causal", "rows"):
         g = torch.Generator().manual_seed(0)
@@ -161,9 +161,9 @@ def bytes_per_element(heads=4, length=25, bsz=2, dtype=torch.float16):
             for name in names:
                 setattr(kernels, name, _Named(saved[name], name, current))
             try:
-                out = kernels.full_pass(logits, previous, masked, masked,  # neutral: as the operation passes it
-                                        EvolvingAttentionParams(0.3, 0.6, weight, bias, layout),
-                                        values=values, hand_on=True)
+                out = host.full_pass(logits, previous, masked, masked,  # neutral: as the operation passes it
+                                     EvolvingAttentionParams(0.3, 0.6, weight, bias, layout),
+                                     values=values, hand_on=True)
                 (out.context.float().sum() + out.carried.float().sum()).backward()
             finally:
                 for name in names:

@@ -189,10 +189,11 @@ def autocast_on(device_type: str) -> bool:
 def choose(call: Call) -> str:
     """:func:`select`, once per configuration: the CPU extension's library is looked for
     (loaded, or warned about once) only where it decides the call."""
-    backend = _cached(call)
+    cached = _cached.__wrapped__ if torch.compiler.is_compiling() else _cached  # (traced once per graph)
+    backend = cached(call)
     if backend is None:
         library.extension()
-        backend = _cached(call._replace(built=library.status()))
+        backend = cached(call._replace(built=library.status()))
     return backend
 
 

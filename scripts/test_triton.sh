@@ -4,7 +4,8 @@
 # venv where it is missing (triton has no dependencies: the venv's torch stays as it is), then runs
 # tests/ops/test_triton_*.py: the full pass's values and gradients (_full_pass), the decoding
 # step (_step), the arguments refused and the variants compiled (_guards), the compilation for
-# sm_90 and the launches (_registers_and_launches). The
+# sm_90 and the launches (_registers_and_launches), the torch.library operators under opcheck,
+# torch.compile and CUDA graphs (_operators). The
 # default suite (scripts/test.sh) skips those files without the interpreter or a GPU.
 # Extra arguments go to pytest, e.g. `bash scripts/test_triton.sh -k causal`.
 set -euo pipefail

@@ -1,7 +1,8 @@
 """EA Eq. (4) on CUDA as Triton kernels: backends of the operation
 :func:`ea_ops.evolving_attention`, which its dispatcher (:mod:`ea_ops.dispatch`) gives calls
 on CUDA in float16, bfloat16 and float32 where triton is installed (the ``triton`` extra):
-full passes (:mod:`.evolving_attention`: one kernel forward, two backward) and decoding
+full passes (:mod:`.evolving_attention`: one kernel forward, two backward; launched by the
+``torch.library`` operators of :mod:`.operators`) and decoding
 steps (:mod:`.decoding_step`: one kernel a step).
 
 This module imports neither triton nor the kernels (:func:`full_pass` and :func:`step` do,
@@ -12,7 +13,6 @@ kernels' hosts do before a launch: refuse what a kernel would read or write beyo
 (:func:`checked`) and make the tensors' device current (:func:`on_device`).
 """
 import contextlib
-import functools
 import importlib
 import importlib.util
 import os
@@ -29,10 +29,13 @@ MAX_ROW_ELEMENTS = 16384
 _local = threading.local()
 
 
-@functools.lru_cache(maxsize=None)
+_INSTALLED = importlib.util.find_spec("triton") is not None
+
+
 def installed() -> bool:
-    """Whether triton can be imported (asked of the import system once, without importing it)."""
-    return importlib.util.find_spec("triton") is not None
+    """Whether triton can be imported (asked of the import system once, when this module is
+    imported, without importing triton: a constant where torch.compile traces a call)."""
+    return _INSTALLED
 
 
 def row_elements(heads: int, keys: int) -> int:
@@ -42,21 +45,19 @@ def row_elements(heads: int, keys: int) -> int:
 
 
 def full_pass(*args, **kwargs):
-    """:func:`ea_ops.triton.evolving_attention.full_pass` (the backend's signature of
+    """:func:`ea_ops.triton.operators.full_pass` (the backend's signature of
     :class:`~ea_ops.contract.BackendResult`), imported at the first call."""
-    return _kernels("evolving_attention").full_pass(*args, **kwargs)
+    from . import operators  # (an import statement: torch.compile traces through it)
+
+    return operators.full_pass(*args, **kwargs)
 
 
 def step(*args, **kwargs):
-    """:func:`ea_ops.triton.decoding_step.step` (the backend's signature of
+    """:func:`ea_ops.triton.operators.step` (the backend's signature of
     :class:`~ea_ops.contract.BackendResult`), imported at the first call."""
-    return _kernels("decoding_step").step(*args, **kwargs)
+    from . import operators
 
-
-@functools.lru_cache(maxsize=None)
-def _kernels(module: str):
-    """The kernels' module ``module`` of this package, imported once (it imports triton)."""
-    return importlib.import_module(f"{__name__}.{module}")
+    return operators.step(*args, **kwargs)
 
 
 def interpreted() -> bool:

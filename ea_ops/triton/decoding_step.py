@@ -1,5 +1,6 @@
-"""One decoding step of EA Eq. (4) as one Triton kernel: the backend :func:`step` of the
-operation :func:`ea_ops.evolving_attention`, held to the reference's step
+"""One decoding step of EA Eq. (4) as one Triton kernel, launched by the operator of
+:mod:`.operators` (the backend :func:`~.operators.step` of the operation
+:func:`ea_ops.evolving_attention`), held to the reference's step
 (:func:`ea_ops.reference.convolve_rows`) and to the full pass by ``tests/ops/test_triton_step.py``.
 
 A step has one new query row per hypothesis (B, H, 1, S) in a shifted layout (decoder
@@ -37,17 +38,11 @@ Everything is computed in float32, whatever the maps' dtype (float16, bfloat16, 
 and rounded once to the dtype of the tensor written (the state and ``A_logit``: the
 logits'; the weights: float32).
 """
-from typing import Optional
-
-import torch
 import triton
 import triton.language as tl
-from torch import Tensor
 
-from ..contract import BackendResult, EvolvingAttentionParams, StepState
-from ..values import value_product
-from . import MAX_ROW_ELEMENTS, checked, on_device
-from .evolving_attention import _mask_args, _offsets, warps
+from . import MAX_ROW_ELEMENTS
+from .evolving_attention import warps
 
 # a step's row holds at least this many keys (padded): the keys of a decoding run's
 # self-attention grow every step, and each power of two below would be another compile
@@ -159,69 +154,3 @@ def step_blocks(heads: int, keys: int):
                          f"powers of two) per row, got {heads} x {keys}: the dispatcher gives such calls "
                          "to the reference")
     return block_h, block_s, warps(block_h * block_s)
-
-
-def step(logits: Tensor, previous: Optional[Tensor], masked: Optional[Tensor], neutral: Optional[Tensor],
-         params: EvolvingAttentionParams, *, state: StepState, values: Optional[Tensor] = None,
-         hand_on: bool = False, return_maps: bool = False) -> BackendResult:
-    """One decoding step of Eq. (4), the backend's signature of
-    :class:`~ea_ops.contract.BackendResult`: one query row per hypothesis (B, H, 1, S), one
-    mask (B, 1, 1, S) for all heads (``neutral`` is ``masked``: no padded query rows), a
-    shifted layout, ``k > 1``, autograd off (the dispatcher gives it no other call). Without
-    ``values``: ``A_logit`` with ``-inf`` where masked; with them (B_kv * H, S, head_dim):
-    the weights (float32) and their product with the values. With ``hand_on`` the finite
-    ``A_logit`` too. The next :class:`~ea_ops.contract.StepState` is a new tensor; no
-    argument is written."""
-    checked(logits, previous, params.weight, params.bias, (masked,), (state.rows, state.order))
-    bsz, heads, tgt_len, src_len = logits.shape
-    weight = params.weight
-    k = weight.size(-1)
-    earlier, order = state.rows, state.order
-    if (tgt_len != 1 or k < 2 or params.layout not in ("causal", "rows")
-            or (masked is not None and masked.dim() >= 3 and masked.size(-3) != 1)):
-        raise ValueError(f"EA's Triton step takes one query row, (B, H, 1, S), a shifted layout, a k x k kernel, "
-                         f"k > 1, and one mask for all heads: got logits {tuple(logits.shape)}, weight "
-                         f"{tuple(weight.shape)}, layout {params.layout!r}, mask "
-                         f"{None if masked is None else tuple(masked.shape)}; the dispatcher gives other calls "
-                         "to the reference")
-    if earlier is not None and (earlier.dim() != 4 or earlier.shape[1:3] != (heads, k - 1)
-                                or earlier.size(3) > src_len or (order is None and earlier.size(0) != bsz)
-                                or (order is not None and (tuple(order.shape) != (bsz,)
-                                                           or order.dtype not in (torch.int32, torch.int64)))):
-        raise ValueError(f"a decoding step's state must hold rows (B', {heads}, {k - 1}, S' <= {src_len}) and an "
-                         f"int32/int64 order of {bsz} hypotheses (B' = {bsz} without one), got rows "
-                         f"{tuple(earlier.shape)} and order "
-                         f"{None if order is None else (tuple(order.shape), order.dtype)}: pass the state the "
-                         "previous step returned, reordered by StepState.reordered")
-    weight = weight.contiguous()
-    bias = None if params.bias is None else params.bias.contiguous()  # read as bias_ptr + head
-    m, m_strides = _mask_args(masked, (bsz, 1, 1, src_len), logits.device)
-    m_strides = m_strides[0], m_strides[3]
-    if previous is not None:
-        previous = previous.expand_as(logits)  # a map that broadcasts, read as the reference's α mix reads it
-    softmax = values is not None
-    shape = (bsz, heads, 1, src_len)
-    out = logits.new_empty(shape, dtype=torch.float32 if softmax else logits.dtype)
-    carried = logits.new_empty(shape) if hand_on else None
-    rows = logits.new_empty((bsz, heads, k - 1, src_len))
-    x_strides = (logits.stride(0), logits.stride(1), logits.stride(3))
-    p_strides = (0, 0, 0) if previous is None else (previous.stride(0), previous.stride(1), previous.stride(3))
-    e_strides = (0, 0, 0, 0) if earlier is None else tuple(earlier.stride())
-    if logits.numel():  # nothing to launch for no hypotheses or no keys
-        block_h, block_s, warps = step_blocks(heads, src_len)
-        with on_device(logits):
-            _step_kernel[(bsz,)](
-                logits, previous, earlier, order, m, weight, bias, out, carried, rows, heads, src_len,
-                0 if earlier is None else earlier.size(0), 0 if earlier is None else earlier.size(3),
-                *x_strides, *p_strides, *e_strides, 0 if order is None else order.stride(0), *m_strides,
-                float(params.alpha), float(params.beta),
-                K=k, C0=_offsets(params.layout, k)[1], CAUSAL=params.layout == "causal",
-                HAS_PREV=previous is not None, HAS_EARLIER=earlier is not None, HAS_ORDER=order is not None,
-                HAS_BIAS=bias is not None, SOFTMAX=softmax, HAND_ON=hand_on,
-                BLOCK_H=block_h, BLOCK_S=block_s, num_warps=warps)
-    following = StepState(rows)
-    if not softmax:
-        return BackendResult(out, masked_filled=True, state=following, carried=carried)
-    probs = out if values.dtype == out.dtype else out.to(values.dtype)
-    context = value_product(probs, values, bsz, 1)
-    return BackendResult(probs=out, context=context, state=following, carried=carried)

@@ -1,6 +1,7 @@
-"""EA Eq. (4) of a whole map (a full pass) as Triton kernels, forward and backward: the
-backend :func:`full_pass` of the operation :func:`ea_ops.evolving_attention`, held to its
-reference (:func:`ea_ops.evolving_attention_reference`) by ``tests/ops/test_triton_full_pass.py``.
+"""EA Eq. (4) of a whole map (a full pass) as Triton kernels, forward and backward, launched by
+the operators of :mod:`.operators` (the backend of the operation :func:`ea_ops.evolving_attention`),
+held to its reference (:func:`ea_ops.evolving_attention_reference`) by
+``tests/ops/test_triton_full_pass.py``.
 
 One program handles ``BLOCK_T`` query rows of one sentence and every head, looping over the
 keys in blocks of ``BLOCK_S`` (the convolution reads its neighbours' entries from the maps,
@@ -35,11 +36,6 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from torch.autograd.function import once_differentiable
-
-from ..contract import BackendResult, EvolvingAttentionParams, StepState
-from ..values import value_product
-from . import checked, on_device
 
 # the integer arguments (lengths, strides): not specialised by Triton, so that one compiled
 # variant takes every length, stride and batch (not one for each divisible by 16 or not)
@@ -362,89 +358,3 @@ def _mask_args(mask: Optional[Tensor], shape, device):
 def _zero_byte(device) -> Tensor:
     """One zero byte on ``device``, made once (no allocation per call)."""
     return torch.zeros((), dtype=torch.uint8, device=device)
-
-
-class EvolvingAttentionTriton(torch.autograd.Function):
-    """Eq. (4) of a full pass: ``(out, carried)`` with ``out`` the weights (float32, with
-    ``softmax``) or ``A_logit`` with ``-inf`` where masked, ``carried`` the finite ``A_logit``
-    (with ``hand_on``, else None). The arguments are checked (:func:`ea_ops.triton.checked`)
-    before a kernel reads them; a ``previous`` map that broadcasts is expanded (its gradient
-    summed back by autograd)."""
-
-    @staticmethod
-    def forward(ctx, logits, previous, weight, bias, masked, neutral, alpha, beta, layout, softmax, hand_on,
-                tile):
-        checked(logits, previous, weight, bias, (masked, neutral))
-        logits = logits.contiguous()
-        previous = None if previous is None else previous.expand_as(logits).contiguous()
-        weight = weight.contiguous()
-        bias = None if bias is None else bias.contiguous()  # read as bias_ptr + head
-        bsz, heads, tgt_len, src_len = shape = logits.shape
-        out = torch.empty(shape, device=logits.device, dtype=torch.float32 if softmax else logits.dtype)
-        carried = torch.empty_like(logits) if hand_on else None
-        ctx.setup = (alpha, beta, layout, softmax, tile, previous is not None)
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(logits, previous, weight, bias, masked, neutral, out if softmax else None)
-        if not logits.numel():
-            return out, carried
-        grid, (m, m_strides), (n, n_strides), constants = _setup(logits, masked, neutral, layout, weight.size(-1),
-                                                                 tile, previous is not None)
-        with on_device(logits):
-            _forward_kernel[grid](
-                logits, previous, weight, bias, m, n, out, carried, heads, tgt_len, src_len, *m_strides,
-                *n_strides, float(alpha), float(beta), HAS_BIAS=bias is not None,
-                NEUTRAL_PER_HEAD=n_strides[1] != 0, SOFTMAX=softmax, HAND_ON=hand_on, **constants)
-        return out, carried
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out, grad_carried):
-        alpha, beta, layout, softmax, tile, has_previous = ctx.setup
-        logits, previous, weight, bias, masked, neutral, probs = ctx.saved_tensors
-        bsz, heads, tgt_len, src_len = shape = logits.shape
-        if not logits.numel() or (grad_out is None and grad_carried is None):
-            zero = torch.zeros_like
-            return (zero(logits), zero(previous) if has_previous else None, zero(weight),
-                    None if bias is None else zero(bias), None, None, None, None, None, None, None, None)
-        grid, (m, m_strides), (n, n_strides), constants = _setup(logits, masked, neutral, layout, weight.size(-1),
-                                                                 tile, has_previous)
-        dconv, grad_in = (torch.empty(shape, device=logits.device, dtype=torch.float32) for _ in range(2))
-        taps = weight.numel()
-        blocks_of_keys = grid[0] * triton.cdiv(src_len, constants["BLOCK_S"])
-        shares = logits.new_empty((blocks_of_keys, taps + heads), dtype=torch.float32)
-        grad_out, grad_carried = (None if g is None else g.contiguous() for g in (grad_out, grad_carried))
-        with on_device(logits):
-            _backward_conv_kernel[grid](
-                logits, previous, weight, bias, m, n, probs, grad_out, grad_carried, dconv, grad_in,
-                shares, heads, tgt_len, src_len, *m_strides, *n_strides, float(alpha), float(beta),
-                HAS_BIAS=bias is not None, NEUTRAL_PER_HEAD=n_strides[1] != 0,
-                SOFTMAX=softmax, HAS_GOUT=grad_out is not None,
-                HAS_GCARRY=grad_carried is not None, **BACKWARD_CONV_LIMIT, **constants)
-            grad_logits, grad_previous = torch.empty_like(logits), torch.empty_like(previous) if has_previous else None
-            _backward_input_kernel[grid](
-                weight, n, dconv, grad_in, grad_logits, grad_previous, heads, tgt_len, src_len, *n_strides,
-                float(alpha), **constants)
-        total = shares.sum(0).to(weight.dtype)  # one reduction, one rounding, for weight and bias
-        grad_weight = total[:taps].view(weight.shape)
-        grad_bias = total[taps:] if bias is not None else None
-        return grad_logits, grad_previous, grad_weight, grad_bias, None, None, None, None, None, None, None, None
-
-
-def full_pass(logits: Tensor, previous: Optional[Tensor], masked: Optional[Tensor], neutral: Optional[Tensor],
-              params: EvolvingAttentionParams, *, state: Optional[StepState] = None, values: Optional[Tensor] = None,
-              hand_on: bool = False, return_maps: bool = False) -> BackendResult:
-    """Eq. (4) of whole maps (B, H, T, S) with a map convolution, the backend's signature of
-    :class:`~ea_ops.contract.BackendResult` (no ``state``, no ``return_maps``: the
-    dispatcher gives this backend neither). Without ``values``: ``A_logit`` with ``-inf`` in
-    the masked entries; with them (B_kv * H, S, head_dim): the weights, float32, softmax in the
-    kernel (zero weights in rows whose every key is masked), and their product with the
-    values. With ``hand_on`` the finite ``A_logit`` too, written by the same kernel."""
-    softmax = values is not None
-    out, carried = EvolvingAttentionTriton.apply(
-        logits, previous, params.weight, params.bias, masked, neutral, float(params.alpha), float(params.beta),
-        params.layout, softmax, hand_on, None)
-    if not softmax:
-        return BackendResult(out, masked_filled=True, carried=carried)
-    probs = out if values.dtype == out.dtype else out.to(values.dtype)
-    context = value_product(probs, values, logits.size(0), logits.size(2))
-    return BackendResult(probs=out, context=context, carried=carried)

@@ -26,7 +26,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 from ea_ops import EvolvingAttentionParams, evolving_attention_reference  # noqa: E402
 from ea_ops.masks import fill_masked  # noqa: E402
 from ea_ops.softmax import fully_masked_rows, masked_softmax  # noqa: E402
-from ea_ops.triton.evolving_attention import EvolvingAttentionTriton  # noqa: E402
+from ea_ops.triton.operators import evolving_attention_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 BSZ = 2
@@ -91,8 +91,8 @@ def check(layout, dtype, *, heads=3, tgt_len=7, src_len=7, k=3, alpha=0.3, beta=
     """Run the kernels forward and backward and hold values and gradients to the reference."""
     logits, prev, weight, b = inputs(heads, tgt_len, src_len, k, dtype, previous, bias, seed)
     masked, neutral = masks(layout, tgt_len, src_len, heads, per_head) if masked_keys else (None, None)
-    out, carried = EvolvingAttentionTriton.apply(logits, prev, weight, b, masked, neutral, alpha, beta, layout,
-                                                 softmax, hand_on, tile)
+    out, carried = evolving_attention_triton(logits, prev, weight, b, masked, neutral, alpha, beta, layout,
+                                             softmax, hand_on, tile)
     wide, ref_out, ref_a_logit = reference(logits, prev, weight, b, masked, neutral, alpha, beta, layout, softmax)
     terms = BSZ * tgt_len * src_len + 2 * heads * k * k + src_len
     g = torch.Generator().manual_seed(seed + 1)
@@ -177,8 +177,8 @@ def test_the_comparison_bites():
     _, _, want = reference(logits, prev, weight, b, masked, neutral, 0.3, 0.6, "full", False)
     relative = bound(torch.float32, BSZ * tgt_len * src_len + 2 * heads * k * k + src_len)
     for layout, beta in (("rows", 0.6), ("full", 0.61)):
-        _, got = EvolvingAttentionTriton.apply(logits, prev, weight, b, masked, neutral, 0.3, beta, layout,
-                                               False, True, None)
+        _, got = evolving_attention_triton(logits, prev, weight, b, masked, neutral, 0.3, beta, layout,
+                                           False, True, None)
         with pytest.raises(AssertionError):
             close(got.detach(), want.detach(), relative, "values")
 
@@ -280,7 +280,7 @@ def test_arguments_of_any_strides():
         leaves = [view().contiguous() if contiguous else view() for view in views]
         assert contiguous or not any(v.is_contiguous() for v in leaves)
         leaves = [v.requires_grad_() for v in leaves]
-        out, carried = EvolvingAttentionTriton.apply(*leaves, masked, neutral, 0.4, 0.7, "causal", True, True, None)
+        out, carried = evolving_attention_triton(*leaves, masked, neutral, 0.4, 0.7, "causal", True, True, None)
         grads = torch.autograd.grad((out * torch.arange(out.numel(), device=DEVICE).view_as(out)).sum()
                                     + carried.sum(), leaves)
         results.append([out, carried, *grads])

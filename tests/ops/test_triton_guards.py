@@ -19,16 +19,16 @@ from test_triton_full_pass import DEVICE, inputs, masks
 
 from ea_ops import EvolvingAttentionParams
 from ea_ops.contract import StepState
-from ea_ops.triton import decoding_step, evolving_attention
-from ea_ops.triton.evolving_attention import EvolvingAttentionTriton
+from ea_ops.triton import decoding_step, evolving_attention, operators
+from ea_ops.triton.operators import evolving_attention_triton
 from ea_ops.triton.variants import Launches
 
 HEADS, T, S = 3, 5, 6
 
 
 def run(logits, previous, weight, bias, masked=None, neutral=None, layout="full", softmax=False):
-    return EvolvingAttentionTriton.apply(logits, previous, weight, bias, masked, neutral, 0.3, 0.6, layout,
-                                         softmax, True, None)
+    return evolving_attention_triton(logits, previous, weight, bias, masked, neutral, 0.3, 0.6, layout,
+                                     softmax, True, None)
 
 
 def draw(*shape):
@@ -59,7 +59,7 @@ def test_arguments_the_kernels_would_read_beyond_are_refused_in_one_line(case):
     if "mask" not in case:  # the step too (its mask: one row of keys)
         params = EvolvingAttentionParams(0.3, 0.6, weight, bias, "causal")
         with torch.no_grad(), pytest.raises(ValueError, match="EA's Triton kernels: "):
-            decoding_step.step(logits[:, :, :1], previous[:, :, :1], None, None, params, state=StepState())
+            operators.step(logits[:, :, :1], previous[:, :, :1], None, None, params, state=StepState())
     # negative control: the same call with every shape right runs
     run(draw(2, HEADS, T, S), draw(1, HEADS, T, S), draw(HEADS, HEADS, 3, 3), draw(HEADS),
         torch.zeros(2, 1, 1, S, dtype=torch.bool, device=DEVICE), None)
@@ -79,7 +79,7 @@ def test_an_empty_map_gives_empty_results_and_zero_gradients_without_a_launch(em
         monkeypatch.setattr(decoding_step, "_step_kernel", None)
         params = EvolvingAttentionParams(0.3, 0.6, weight, bias, "rows")
         with torch.no_grad():
-            done = decoding_step.step(logits[:, :, :1], None, None, None, params, state=StepState())
+            done = operators.step(logits[:, :, :1], None, None, None, params, state=StepState())
         assert done.a_logit.shape == (2, HEADS, 1, 0) and done.state.rows.shape == (2, HEADS, 2, 0)
 
 
@@ -120,6 +120,6 @@ def test_a_decoding_run_of_100_steps_compiles_four_variants():
         for keys in range(1, 101):
             logits, previous = torch.randn(10, HEADS, 1, keys), torch.randn(10, HEADS, 1, keys)
             masked = torch.zeros(10, 1, 1, keys, dtype=torch.bool)
-            state = decoding_step.step(logits, previous, masked, masked, params, state=state).state
+            state = operators.step(logits, previous, masked, masked, params, state=state).state
             state = state.reordered(torch.arange(10).flip(0))
     assert len(launches.variants["_step_kernel"]) == 4, launches.variants

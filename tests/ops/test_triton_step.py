@@ -25,7 +25,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 from ea_ops import EvolvingAttentionParams, accelerators, dispatch, evolving_attention  # noqa: E402
 from ea_ops.contract import StepState  # noqa: E402
 from ea_ops.softmax import fully_masked_rows  # noqa: E402
-from ea_ops.triton import MAX_ROW_ELEMENTS, decoding_step, interpret_on_cpu  # noqa: E402
+from ea_ops.triton import MAX_ROW_ELEMENTS, decoding_step, interpret_on_cpu, operators  # noqa: E402
 from ea_ops.triton.variants import Launches  # noqa: E402
 from test_triton_full_pass import DEVICE, bound, close  # noqa: E402
 from test_triton_registers_and_launches import KernelLaunches, compiles_without_spills  # noqa: E402
@@ -220,7 +220,7 @@ def test_a_state_that_fits_no_step_is_refused_with_a_message():
                         (run.draw(BSZ, HEADS, K - 1, run.src_len), torch.zeros(BSZ)),  # index_select's refusal
                         (run.draw(BSZ, HEADS, K - 1, run.src_len), torch.zeros(BSZ, dtype=torch.int16))):
         with torch.no_grad(), pytest.raises(ValueError, match="StepState.reordered"):
-            decoding_step.step(logits, previous, masked, masked, run.params, state=StepState(rows, order))
+            operators.step(logits, previous, masked, masked, run.params, state=StepState(rows, order))
 
 
 def test_an_ea_model_decodes_step_by_step_as_its_full_pass_computes(monkeypatch):
@@ -332,7 +332,7 @@ def test_the_kernel_compiles_for_a_gpu_without_spilling_registers():
             state = StepState(draw(BSZ, 8, K - 1, keys - 1), torch.arange(BSZ, device=DEVICE).flip(0)) \
                 if every else StepState()
             masked = torch.zeros(BSZ, 1, 1, keys, dtype=torch.bool, device=DEVICE)
-            decoding_step.step(draw(BSZ, 8, 1, keys), draw(BSZ, 8, 1, keys) if every else None, masked, masked,
+            operators.step(draw(BSZ, 8, 1, keys), draw(BSZ, 8, 1, keys) if every else None, masked, masked,
                                params, state=state, values=draw(BSZ * 8, keys, HEAD_DIM), hand_on=every)
     compiles_without_spills(launches, 2)
 
