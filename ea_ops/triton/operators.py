@@ -121,8 +121,13 @@ def _keep(ctx, inputs, output) -> None:
     ctx.save_for_backward(logits, previous, weight, bias, masked, neutral, output[0] if softmax else None)
 
 
-@once_differentiable
 def _gradients(ctx, grads):
+    return _once_differentiable_gradients(ctx, *grads)  # (the outputs' gradients as arguments: a list hides
+    # from once_differentiable that they require grad, so a second derivative would not say why it is refused)
+
+
+@once_differentiable
+def _once_differentiable_gradients(ctx, *grads):
     alpha, beta, layout, softmax, hand_on, tile = ctx.setup
     logits, previous, weight, bias, masked, neutral, probs = ctx.saved_tensors
     grad_out, grad_carried = grads[0], grads[1] if hand_on else None
