@@ -36,21 +36,19 @@ def triton_full_pass(logits: Tensor, previous: Optional[Tensor], weight: Tensor,
     outputs = _fake(logits, previous, weight, bias, masked, neutral, alpha, beta, layout, softmax, hand_on, tile)
     if not logits.numel():
         return outputs
-    logits = logits.contiguous()
-    previous = None if previous is None else previous.expand_as(logits).contiguous()
-    bias = None if bias is None else bias.contiguous()  # read as bias_ptr + head
+    logits, previous, weight, bias = _as_read(logits, previous, weight, bias)
     grid, (m, m_strides), (n, n_strides), constants = kernels._setup(
         logits, masked, neutral, layout, weight.size(-1), tile, previous is not None)
     with on_device(logits):
         kernels._forward_kernel[grid](
-            logits, previous, weight.contiguous(), bias, m, n, outputs[0], outputs[1] if hand_on else None,
+            logits, previous, weight, bias, m, n, outputs[0], outputs[1] if hand_on else None,
             *logits.shape[1:], *m_strides, *n_strides, float(alpha), float(beta), HAS_BIAS=bias is not None,
             NEUTRAL_PER_HEAD=n_strides[1] != 0, SOFTMAX=softmax, HAND_ON=hand_on, **constants)
     return outputs
 
 
 @triton_full_pass.register_fake
-def _fake(logits, previous, weight, bias, masked, neutral, alpha, beta, layout, softmax, hand_on, tile=None):
+def _fake(logits, previous, weight, bias, masked, neutral, alpha, beta, layout, softmax, hand_on, tile):
     checked(logits, previous, weight, bias, (masked, neutral))
     out = logits.new_empty(logits.shape, dtype=torch.float32 if softmax else logits.dtype)
     return [out, logits.new_empty(logits.shape)] if hand_on else [out]
@@ -71,9 +69,7 @@ def triton_full_pass_backward(grad_out: Optional[Tensor], grad_carried: Optional
     grads = _input_gradients(grad_out, grad_carried, logits, previous, weight, bias, masked, neutral, probs, softmax)
     if not logits.numel() or (grad_out is None and grad_carried is None):
         return [g.zero_() for g in grads] + [weight.new_zeros((weight.numel() + logits.size(1),))]
-    logits, weight = logits.contiguous(), weight.contiguous()
-    previous = None if previous is None else previous.expand_as(logits).contiguous()
-    bias = None if bias is None else bias.contiguous()  # read as bias_ptr + head
+    logits, previous, weight, bias = _as_read(logits, previous, weight, bias)
     grid, (m, m_strides), (n, n_strides), constants = kernels._setup(
         logits, masked, neutral, layout, weight.size(-1), tile, previous is not None)
     heads, taps = logits.size(1), weight.numel()
@@ -95,9 +91,18 @@ def triton_full_pass_backward(grad_out: Optional[Tensor], grad_carried: Optional
 
 @triton_full_pass_backward.register_fake
 def _fake_backward(grad_out, grad_carried, logits, previous, weight, bias, masked, neutral, probs, alpha, beta,
-                   layout, softmax, tile=None):
+                   layout, softmax, tile):
     return (_input_gradients(grad_out, grad_carried, logits, previous, weight, bias, masked, neutral, probs, softmax)
             + [weight.new_empty((weight.numel() + logits.size(1),))])
+
+
+def _as_read(logits, previous, weight, bias):
+    """The full pass's tensors as its kernels read them: contiguous, a previous map that
+    broadcasts expanded to the logits' shape (a copy, in the forward and again in the backward:
+    nothing of the batch's size is kept between them), the bias read as ``bias_ptr + head``."""
+    logits = logits.contiguous()
+    return (logits, None if previous is None else previous.expand_as(logits).contiguous(), weight.contiguous(),
+            None if bias is None else bias.contiguous())
 
 
 def _input_gradients(grad_out, grad_carried, logits, previous, weight, bias, masked, neutral, probs, softmax):
@@ -161,11 +166,18 @@ def full_pass(logits: Tensor, previous: Optional[Tensor], masked: Optional[Tenso
     softmax = values is not None
     out, carried = evolving_attention_triton(logits, previous, params.weight, params.bias, masked, neutral,
                                              params.alpha, params.beta, params.layout, softmax, hand_on)
-    if not softmax:
-        return BackendResult(out, masked_filled=True, carried=carried)
+    return _result(out, carried, values, None)
+
+
+def _result(out: Tensor, carried: Optional[Tensor], values: Optional[Tensor],
+            state: Optional[StepState]) -> BackendResult:
+    """A backend's result from a kernel's ``out``: ``A_logit`` with ``-inf`` where masked, or,
+    with ``values``, the weights (float32) and their product with the values."""
+    if values is None:
+        return BackendResult(out, masked_filled=True, state=state, carried=carried)
     probs = out if values.dtype == out.dtype else out.to(values.dtype)
-    context = value_product(probs, values, logits.size(0), logits.size(2))
-    return BackendResult(probs=out, context=context, carried=carried)
+    context = value_product(probs, values, out.size(0), out.size(2))
+    return BackendResult(probs=out, context=context, state=state, carried=carried)
 
 
 @torch.library.custom_op("ea_ops::triton_step", mutates_args=())
@@ -242,9 +254,4 @@ def step(logits: Tensor, previous: Optional[Tensor], masked: Optional[Tensor], n
     out, rows, *handed = torch.ops.ea_ops.triton_step(
         logits, previous, state.rows, state.order, masked, params.weight, params.bias, float(params.alpha),
         float(params.beta), params.layout, softmax, hand_on)
-    carried, following = handed[0] if hand_on else None, StepState(rows)
-    if not softmax:
-        return BackendResult(out, masked_filled=True, state=following, carried=carried)
-    probs = out if values.dtype == out.dtype else out.to(values.dtype)
-    context = value_product(probs, values, logits.size(0), 1)
-    return BackendResult(probs=out, context=context, state=following, carried=carried)
+    return _result(out, handed[0] if hand_on else None, values, StepState(rows))
