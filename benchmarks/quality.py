@@ -34,6 +34,11 @@ Steps, per family (``SYSTEMS``):
 4. the rates tried beside the plan's for the primary pair (``LRS_BESIDE``: 5e-4 and 3e-3, seed 1,
    the validation set), where ``--lrs`` is the plan's: recorded in ``choice.json`` beside the
    choice, which they never change; the report names one that beats the chosen rate.
+5. with ``--rerun``, the runs that keep every checkpoint for the learning curves whose
+   checkpoints are gone from the work directory before any point of theirs was scored
+   (``quality_curves.lost``), trained again into ``reruns/SYSTEM/seedK/`` (every checkpoint kept):
+   ``quality.py curves`` scores their points from the re-run, and the report sets each re-run
+   beside its stored run as in step 3.
 
 Every family trains with the same ``--dropout`` (0.0); a mechanism that defines a dropout of its
 own keeps it, and the report says which (``SYSTEMS``).
@@ -185,6 +190,10 @@ def cmd_run(args):
     run_all(args.parallel, [(runner.run_one, s, 1, lr, runner.candidate_dir(s, lr), True) for s, lr in beside])
     for s in {s for s, _ in beside}:
         runner.choose_lr(s)  # choice.json records them beside the choice
+    # 5. with --rerun, the runs kept for the learning curves whose checkpoints are gone, trained again into reruns/
+    curves = [(s, k) for s, k in quality_curves.lost(runner) if args.rerun and s in args.systems
+              and pending(runner.rerun_dir(s, k), f"{s} seed {k} again")]
+    run_all(args.parallel, [(runner.run_one, s, k, chosen[s], runner.rerun_dir(s, k)) for s, k in curves])
     for publisher in runner.publishers:
         publisher.join()
     if not (args.commit or args.report):
@@ -225,7 +234,8 @@ def main(argv=None) -> int:
     r.add_argument("--retry-failed", action="store_true", help="run failed runs again")
     r.add_argument("--rerun", action="store_true",
                    help=f"train the plan's runs again at this commit ({', '.join(f'{s} seed {k}' for s, k in RERUNS)}),"
-                        " once, into reruns/, reported beside the stored ones")
+                        " and the curves' runs whose checkpoints are gone, once, into reruns/, reported beside "
+                        "the stored ones")
     budget = r.add_argument_group("budget (the demo's CPU defaults when not given; recorded, a results "
                                   "directory holds one budget)")
     budget.add_argument("--updates", type=int)

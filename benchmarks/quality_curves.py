@@ -8,7 +8,11 @@ over seeds, and the band from the lowest seed to the highest).
 Each point is the runner's validation (``Runner.validate``: the demo's beam search,
 ``ea-fairseq-bleu --mode wmt``) of one checkpoint, unaveraged, recorded like a run
 (``curves/SYSTEM/seedK/updateU/``: the scores, ``point.json`` with the commands, CPU time, the
-machine and the commit), staged beside its place and moved there once scored.
+machine and the commit), staged beside its place and moved there once scored. A run whose checkpoints are gone before
+any of its points is scored (:func:`lost`) is trained again by ``quality.py run --rerun`` into
+``reruns/``, and its points are scored from the re-run's checkpoints (``point.json`` names the
+checkpoint's place); the report's re-run section says whether the re-run translates the test
+set as the stored run does.
 
 The plan asks for every 200 updates; the runs save a checkpoint every 60 (the demo's
 ``DEMO_UPDATES / 20``), of which 200 is no multiple. :data:`CURVE_EVERY` is 240: the interval
@@ -49,36 +53,62 @@ def point_dir(results: str, system: str, seed: int, update: int) -> str:
     return os.path.join(results, "curves", system, f"seed{seed}", f"update{update}")
 
 
-def score_points(runner) -> List[str]:
-    """Every point not scored yet, of every finished run whose checkpoints are kept; the
-    directories written."""
-    written = []
+def train_dir(runner, system: str, seed: int):
+    """The training directory (in the work directory) holding the kept checkpoints of the run
+    ``system`` seed ``seed``: the run's own, or where they are gone, its re-run's
+    (``quality.py run --rerun`` trains such a run again, :func:`lost`); None if neither has any."""
+    for final in (runner.run_dir(system, seed), runner.rerun_dir(system, seed)):
+        found = os.path.join(runner.work, os.path.relpath(final, runner.results), "train", SYSTEMS[system][0])
+        if kept_checkpoints(found):
+            return found
+    return None
+
+
+def _curve_runs(runner):
+    """(system, seed, record) of every finished run whose checkpoints are kept for the curves."""
     for system, first in sorted(KEEP_CHECKPOINTS.items()):
-        arch = SYSTEMS[system][0]
         for seed in runner.seeds(system):
             done = runner.finished_at(runner.run_dir(system, seed))
-            if seed < first or not done or done["status"] != "finished":
+            if seed >= first and done and done["status"] == "finished":
+                yield system, seed, done
+
+
+def lost(runner) -> List[Tuple[str, int]]:
+    """(system, seed) of the finished runs that keep their checkpoints for the curves, none of
+    whose points is scored and whose checkpoints are gone from the work directory (and from
+    any re-run's): ``quality.py run --rerun`` trains them again, into ``reruns/``, where the
+    report also sets them beside the stored runs."""
+    return [(system, seed) for system, seed, _ in _curve_runs(runner)
+            if not os.path.isdir(os.path.dirname(point_dir(runner.results, system, seed, 0)))
+            and train_dir(runner, system, seed) is None]
+
+
+def score_points(runner) -> List[str]:
+    """Every point not scored yet, of every finished run whose checkpoints are kept (or whose
+    re-run's are); the directories written."""
+    written = []
+    for system, seed, _ in _curve_runs(runner):
+        train = train_dir(runner, system, seed)
+        for update, checkpoint in sorted(kept_checkpoints(train).items()) if train else ():
+            final = point_dir(runner.results, system, seed, update)
+            if os.path.exists(os.path.join(final, "point.json")):
                 continue
-            work = os.path.join(runner.work, os.path.relpath(runner.run_dir(system, seed), runner.results))
-            for update, checkpoint in sorted(kept_checkpoints(os.path.join(work, "train", arch)).items()):
-                final = point_dir(runner.results, system, seed, update)
-                if os.path.exists(os.path.join(final, "point.json")):
-                    continue
-                stage = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.partial")
-                shutil.rmtree(stage, ignore_errors=True)
-                record = {"system": system, "seed": seed, "update": update, "checkpoint": os.path.basename(checkpoint),
-                          "git": runner.git, "machine": runner.machine, "commands": []}
-                print(f"[quality] curve: {system} seed {seed} at {update} updates", file=sys.stderr, flush=True)
-                scratch = os.path.join(work, "curves", f"update{update}")
-                if runner.validate(record, checkpoint, scratch, stage) != 0:
-                    raise SystemExit(f"quality.py curves: {system} seed {seed} at {update} updates: {record['failure']}")
-                runner.link_refs(stage)
-                quality_results.write_json(os.path.join(stage, "point.json"), record)
-                shutil.rmtree(final, ignore_errors=True)
-                os.makedirs(os.path.dirname(final), exist_ok=True)
-                os.rename(stage, final)
-                shutil.rmtree(scratch, ignore_errors=True)
-                written.append(final)
+            stage = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.partial")
+            shutil.rmtree(stage, ignore_errors=True)
+            record = {"system": system, "seed": seed, "update": update,
+                      "checkpoint": os.path.relpath(checkpoint, runner.work),
+                      "git": runner.git, "machine": runner.machine, "commands": []}
+            print(f"[quality] curve: {system} seed {seed} at {update} updates", file=sys.stderr, flush=True)
+            scratch = os.path.join(os.path.dirname(os.path.dirname(train)), "curves", f"update{update}")
+            if runner.validate(record, checkpoint, scratch, stage) != 0:
+                raise SystemExit(f"quality.py curves: {system} seed {seed} at {update} updates: {record['failure']}")
+            runner.link_refs(stage)
+            quality_results.write_json(os.path.join(stage, "point.json"), record)
+            shutil.rmtree(final, ignore_errors=True)
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            os.rename(stage, final)
+            shutil.rmtree(scratch, ignore_errors=True)
+            written.append(final)
     return written
 
 

@@ -1,6 +1,7 @@
 """The stored runs still describe the code (quality/plan.md): the plan's seeds of the primary
 pair (:data:`quality_plan.RERUNS`) trained again, once, at the commit checked out when
-``quality.py run --rerun`` runs, each into ``reruns/SYSTEM/seedK/`` in a run's layout, and set here beside the stored
+``quality.py run --rerun`` runs (and the learning curves' runs whose checkpoints are gone,
+:func:`quality_curves.lost`), each into ``reruns/SYSTEM/seedK/`` in a run's layout, and set here beside the stored
 run ``runs/SYSTEM/seedK/``: both runs' commits and CPUs, each metric's score of both, and how
 many test sentences translate differently. The same hypotheses at another commit say that the
 code between the two trains and translates that run alike; a difference is reported, with the

@@ -1,7 +1,9 @@
 """The quality benchmark's learning curves (benchmarks/quality_curves.py): which checkpoints are
 points, each point scored once (resumable) and moved into place only once scored, a failing
-point leaving nothing behind, and the table and figure computed from the stored scores."""
+point leaving nothing behind, a run whose checkpoints are gone trained again and scored from its
+re-run, and the table and figure computed from the stored scores."""
 import json
+import shutil
 import statistics
 from pathlib import Path
 
@@ -14,6 +16,14 @@ def _scores(path, bleu: float, chrf: float) -> None:
     path.mkdir(parents=True, exist_ok=True)
     (path / "valid.es-en.scores.json").write_text(json.dumps(
         {"metrics": {"sacrebleu": {"score": bleu}, "chrf": {"score": chrf}}}))
+
+
+def checkpoints(train) -> None:
+    """What fairseq-train leaves in ``train`` with every checkpoint kept (60 updates apart)."""
+    train.mkdir(parents=True)
+    for update in range(60, 1201, 60):
+        (train / f"checkpoint_{1 + update // 600}_{update}.pt").write_bytes(b"")
+    (train / "checkpoint_last.pt").write_bytes(b"")
 
 
 class FakeRunner:
@@ -30,17 +40,16 @@ class FakeRunner:
                 run.mkdir(parents=True)
                 status = "failed" if seed == first + 1 and system == "transformer_lite" else "finished"
                 (run / "run.json").write_text(json.dumps({"status": status}))
-                train = tmp_path / "work" / "runs" / system / f"seed{seed}" / "train" / arch
-                train.mkdir(parents=True)
-                for update in range(60, 1201, 60):
-                    (train / f"checkpoint_{1 + update // 600}_{update}.pt").write_bytes(b"")
-                (train / "checkpoint_last.pt").write_bytes(b"")
+                checkpoints(tmp_path / "work" / "runs" / system / f"seed{seed}" / "train" / arch)
 
     def seeds(self, system):
         return list(range(1, 11))
 
     def run_dir(self, system, seed):
         return f"{self.results}/runs/{system}/seed{seed}"
+
+    def rerun_dir(self, system, seed):
+        return f"{self.results}/reruns/{system}/seed{seed}"
 
     def finished_at(self, final):
         try:
@@ -72,10 +81,27 @@ def test_every_kept_checkpoint_240_updates_apart_is_scored_once(tmp_path):
                       if not (s == "transformer_lite" and k == first[s] + 1))  # (that run failed)
     assert sorted(runner.validated) == expected and len(written) == len(expected)
     point = json.loads(open(f"{written[0]}/point.json").read())
-    assert point["checkpoint"].startswith("checkpoint_") and point["git"] == runner.git
+    assert point["checkpoint"].startswith("runs/") and point["git"] == runner.git
     assert not list((tmp_path / "results" / "curves").rglob("*.partial"))
     runner.validated.clear()
     assert curves.score_points(runner) == [] and runner.validated == []  # resumed: nothing again
+
+
+def test_a_run_whose_checkpoints_are_gone_is_trained_again_and_scored_from_its_rerun(tmp_path):
+    curves = benchmarks_module("quality_curves")
+    runner = FakeRunner(tmp_path, curves)
+    system, seed = "ea_transformer_lite", curves.KEEP_CHECKPOINTS["ea_transformer_lite"]
+    arch = benchmarks_module("quality_plan").SYSTEMS[system][0]
+    shutil.rmtree(tmp_path / "work" / "runs" / system / f"seed{seed}")
+    assert curves.lost(runner) == [(system, seed)]
+    checkpoints(tmp_path / "work" / "reruns" / system / f"seed{seed}" / "train" / arch)  # quality.py run --rerun
+    assert curves.lost(runner) == []
+    written = curves.score_points(runner)
+    from_rerun = [w for w in written if f"/{system}/seed{seed}/" in w]
+    assert len(from_rerun) == 5
+    assert json.loads(open(f"{from_rerun[0]}/point.json").read())["checkpoint"].startswith("reruns/")
+    shutil.rmtree(tmp_path / "work")  # scored, then every checkpoint gone: nothing to train again
+    assert curves.lost(runner) == [] and curves.score_points(runner) == []
 
 
 def test_a_failing_point_stops_and_leaves_nothing_in_its_place(tmp_path):
