@@ -1,6 +1,7 @@
 """docs/adding-a-variant.md works as written: its three blocks (the module, the registry
 entry, the family line) add a variant that the real option parser builds in every role and
-that decodes as a full pass computes."""
+that decodes as a full pass computes, and a mutant of it that skips its mechanism while
+decoding is caught."""
 import os
 import re
 import sys
@@ -12,6 +13,7 @@ from fairseq.sequence_generator import SequenceGenerator
 
 from ea_fairseq.models import attention_variants
 from ea_fairseq.modules.attention_protocol import AttentionModule
+from ea_ops.masks import fill_masked_
 
 from conftest import REPO, build_model, random_batch
 from support.families import FAMILIES, added_parameters, twin_model
@@ -83,6 +85,18 @@ def test_the_documented_variant_builds_in_every_role_and_decodes(talking_heads, 
         hypos = SequenceGenerator([model], dictionary, beam_size=3, max_len_b=5)._generate(
             {"net_input": {"src_tokens": src, "src_lengths": lengths}})
     assert len(hypos) == 3 and all(len(h) == 3 for h in hypos)
+    # a mutant that skips the mechanism while decoding (plain attention in its steps) fails the same check
+    transform = cls.transform_logits
+
+    def skipping(self, logits, masked, query_padding_mask, incremental_state):
+        if incremental_state is None:
+            return transform(self, logits, masked, query_padding_mask, incremental_state)
+        return fill_masked_(logits, masked, float("-inf"))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cls, "transform_logits", skipping)
+        with pytest.raises(AssertionError):
+            assert_incremental_equals_full(model, dictionary, 1e-5)
     # negative control: the mixing acts (the identity mix, plain attention, gives another output)
     with torch.no_grad():
         for m in built:
