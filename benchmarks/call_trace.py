@@ -7,13 +7,15 @@ fairseq and of this repository that one call runs, traced with ``sys.setprofile`
 For each of an encoder self-attention (the first layer's, a full pass) and a decoder
 self-attention's decoding step (the first layer's, at the third target position of a greedy
 decode, its cache filled by the steps before): the distinct functions called, the files they
-are in, and the switches (consecutive calls in different files); ``--show`` lists the calls.
+are in, the switches (consecutive calls in different files) and the branches of those
+functions (:func:`branches`, counted with ``ast``); ``--show`` lists the calls.
 The model is the arch at its defaults (or with the options given); torch's and Python's own
-functions are not counted,
-fairseq's and the repository's are. The first call of each kind warms caches (dispatch
-tables, masks) and is not counted: the numbers are those of every later call.
+functions are not counted, fairseq's and the repository's are. The first call of each kind
+warms caches (dispatch tables, masks) and is not counted: the numbers are those of every
+later call.
 """
 import argparse
+import ast
 import os
 import sys
 
@@ -59,10 +61,28 @@ def traced_call(module, run, which: int):
     return calls
 
 
+def branches(path: str, line: int) -> int:
+    """The branches of the function defined at ``line`` of ``path`` (``if``, conditional
+    expressions, loops, ``and``/``or`` operands after the first, ``except`` clauses,
+    comprehension conditions; nested functions' too); 0 for a lambda or a comprehension, which
+    belong to the function around them."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
+                min([node.lineno] + [d.lineno for d in node.decorator_list]) == line:
+            return sum(len(n.values) - 1 if isinstance(n, ast.BoolOp) else len(n.ifs)
+                       if isinstance(n, ast.comprehension) else 1
+                       for n in ast.walk(node) if isinstance(n, (ast.If, ast.IfExp, ast.For, ast.While, ast.BoolOp,
+                                                                ast.ExceptHandler, ast.comprehension)))
+    return 0
+
+
 def summary(calls):
     files = [c[0] for c in calls]
     switches = sum(a != b for a, b in zip(files, files[1:]))
-    return {"calls": len(calls), "functions": len(set(calls)), "files": len(set(files)), "switches": switches}
+    return {"calls": len(calls), "functions": len(set(calls)), "files": len(set(files)), "switches": switches,
+            "branches": sum(branches(path, line) for path, line, _ in set(calls))}
 
 
 def _short(path: str) -> str:
@@ -102,7 +122,7 @@ def main(argv=None) -> int:
     for name, calls in measure(args.arch, *options).items():
         s = summary(calls)
         print(f"{args.arch} {name}: {s['functions']} functions in {s['files']} files, {s['switches']} switches "
-              f"({s['calls']} calls)")
+              f"({s['calls']} calls), {s['branches']} branches in those functions")
         if args.show:
             for path, line, qualname in calls:
                 print(f"    {_short(path)}:{line} {qualname}")
