@@ -17,13 +17,16 @@ real dictionaries, against the weights of the checkpoint this thread read last
 weights when it is read (:mod:`ea_fairseq.safety.no_code.consistency`).
 
 A dictionary costs its reading before any model is built (fairseq keeps a few hundred bytes of
-Python objects a type), and fairseq-generate, -interactive and -eval-lm read theirs before the
-checkpoint: while such a command runs (:func:`checkpoints_named`, around fairseq-generate's
-``main`` and ``call_main``), a dictionary may hold at most one line per byte of the largest
-checkpoint it names, counted before fairseq reads it (:func:`named_checkpoint`,
-:mod:`ea_fairseq.safety.data_files`). Every type is a row of an embedding or output layer, at
-least one element of at least one byte, which the checkpoint stores (uncompressed). Training
-names no checkpoint: its dictionaries are not bounded.
+Python objects a type). Every type is a row of an embedding or output layer, at least one
+element of at least one byte, which the checkpoint stores (uncompressed), so a dictionary read
+for a checkpoint may hold at most one line per element of its weights or byte of its file,
+counted before fairseq reads it (:func:`dictionary_bound`, :mod:`ea_fairseq.safety.data_files`):
+fairseq-generate, -interactive and -eval-lm read their dictionaries before the checkpoint, so
+while such a command runs (:func:`checkpoints_named`, around fairseq-generate's ``main`` and
+``call_main``) the largest checkpoint it names bounds them by its bytes; the hub reads the
+checkpoint first, so between reading a checkpoint and building its model a thread's
+dictionaries are bounded by the elements of its weights. Training names no checkpoint: its
+dictionaries are not bounded.
 """
 import argparse
 import collections
@@ -91,15 +94,16 @@ class Budget(TorchFunctionMode):
     each before it is created, and raises :class:`BudgetError` past either limit, which
     :meth:`for_weights` sets from the weights of the checkpoint the model is built for."""
 
-    def __init__(self, limit: int, operations: int, what: str):
+    def __init__(self, limit: int, operations: int, what: str, weights: int = 0):
         super().__init__()
         self.limit, self.operations, self.what, self.used = limit, operations, what, 0
+        self.weights = weights  # the elements of the weights it was set from
 
     @classmethod
     def for_weights(cls, weights: Any, what: str) -> "Budget":
         tensors = [v for v in weights.values() if torch.is_tensor(v)] if isinstance(weights, Mapping) else []
-        return cls(FACTOR * sum(t.numel() for t in tensors) + SLACK,
-                   OPERATIONS_FACTOR * len(tensors) + OPERATIONS_SLACK, what)
+        elements = sum(t.numel() for t in tensors)
+        return cls(FACTOR * elements + SLACK, OPERATIONS_FACTOR * len(tensors) + OPERATIONS_SLACK, what, elements)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -154,7 +158,7 @@ def build_model(original):
 def checkpoints_named(cfg) -> Iterator[None]:
     """While a command line runs with ``cfg`` (its configuration or, fairseq-generate's, its
     parsed arguments), the largest of the checkpoints it names (``--path``, an ensemble's,
-    ``--lm-path``) bounds the dictionaries this thread reads (:func:`named_checkpoint`)."""
+    ``--lm-path``) bounds the dictionaries this thread reads (:func:`dictionary_bound`)."""
     from fairseq.utils import split_paths
 
     def field(section: str, name: str):
@@ -170,6 +174,13 @@ def checkpoints_named(cfg) -> Iterator[None]:
         _read.named = previous
 
 
-def named_checkpoint() -> Optional[Tuple[int, str]]:
-    """(bytes, path) of the largest checkpoint the command line this thread runs names, or None."""
-    return getattr(_read, "named", None)
+def dictionary_bound() -> Optional[Tuple[int, str, str]]:
+    """(lines, checkpoint, what they count) a dictionary this thread reads may hold: the bytes of
+    the largest checkpoint the command line this thread runs names, else the elements of the
+    weights of the checkpoint this thread read and has not built a model from yet; None if
+    neither (see the module's docstring)."""
+    named = getattr(_read, "named", None)
+    if named is not None:
+        return named[0], named[1], "bytes"
+    pending = getattr(_read, "last", None)
+    return None if pending is None else (pending.weights, pending.what, "weight elements")

@@ -328,20 +328,21 @@ def _check_dictionary(dictionary, f):
 
 
 def _check_lines(path: str) -> None:
-    """While a command line that names a checkpoint runs, dictionary ``path`` holds at most a
-    line per byte of it (:func:`ea_fairseq.safety.budget.named_checkpoint`): counted a megabyte
-    at a time, stopping past that, before fairseq reads the file whole."""
-    named = budget.named_checkpoint()
-    if named is None:
+    """Dictionary ``path``, read for a checkpoint, holds at most a line per byte or weight of it
+    (:func:`ea_fairseq.safety.budget.dictionary_bound`): counted a megabyte at a time, stopping
+    past that, before fairseq reads the file whole."""
+    bound = budget.dictionary_bound()
+    if bound is None:
         return
-    limit, checkpoint = named
-    lines = 0
+    limit, checkpoint, unit = bound
+    lines, carriage = 0, False  # lines as fairseq's text-mode reading splits them: \n, \r\n and a lone \r
     with confined.open_inside(path, _named_in(path)) as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
-            lines += chunk.count(b"\n")
+            lines += chunk.count(b"\n") + chunk.count(b"\r") - chunk.count(b"\r\n") - (carriage and chunk[:1] == b"\n")
+            carriage = chunk[-1:] == b"\r"
             if lines > limit:
-                raise _error(path, f"more than {limit:,} lines, more types than {_shown(checkpoint)} ({limit:,} "
-                                   "bytes) stores a row for", "use the dictionaries the checkpoint was trained with")
+                raise _error(path, f"more than {limit:,} lines, more types than {_shown(checkpoint)} stores a row "
+                                   f"for ({limit:,} {unit})", "use the dictionaries the checkpoint was trained with")
 
 
 def _check_bpe(cfg, *args, **kwargs):

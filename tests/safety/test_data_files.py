@@ -160,26 +160,28 @@ def test_fairseq_generate_fails_fast_in_one_line(tmp_path, data, tmp_path_factor
     assert rss < 2 * 2 ** 30 and seconds < 120, (rss, seconds)
 
 
+@pytest.mark.parametrize("newline", ["\n", "\r"], ids=["lf", "lone-cr"])
 def test_fairseq_generate_refuses_a_dictionary_its_checkpoint_stores_no_rows_for_before_reading_it(
-        tmp_path, data, tmp_path_factory, tiny_data_bin):
+        tmp_path, data, tmp_path_factory, tiny_data_bin, newline):
     """fairseq-generate reads the data directory's dictionaries before the checkpoint. Each type is
     a row of an embedding the checkpoint stores, a byte at least: a dictionary of more lines than
-    the checkpoint has bytes is refused as it is counted, before fairseq reads it. The control: the
-    same command on the directory it was trained on translates, and peaks no lower."""
+    the checkpoint has bytes is refused as it is counted, before fairseq reads it, its lines split
+    as fairseq's text-mode reading splits them (a lone carriage return ends a line too). The
+    control: the same command on the directory it was trained on translates, and peaks no lower."""
     checkpoint = family_checkpoints(tmp_path_factory, tiny_data_bin)["vanilla"]
     size = os.path.getsize(checkpoint)  # 0.5 MB
     command = [cli("fairseq-generate"), data, "--user-dir", USER_DIR, "--path", checkpoint, "--gen-subset", "test",
                "--beam", "2", "--cpu", "--required-batch-size-multiple", "1"]
     code, lines, control_rss, _ = run_measured(command, tmp_path)
     assert code == 0, "\n".join(lines[-20:])
-    with open(data / "dict.src.txt", "a") as f:
+    with open(data / "dict.src.txt", "a", newline="") as f:
         # short lines that fairseq's Dictionary keeps as a few hundred bytes each: 2 million (28 MB of file)
         # cost fairseq-generate half a gigabyte before the model's budget applies
-        f.writelines(f"w{i:09d} 1\n" for i in range(4 * size))
+        f.writelines(f"w{i:09d} 1{newline}" for i in range(4 * size))
     code, lines, rss, seconds = run_measured(command, tmp_path)
     assert code == 1 and lines[-1] == (
         f"fairseq-generate: error: {data / 'dict.src.txt'}: more than {size:,} lines, more types than {checkpoint} "
-        f"({size:,} bytes) stores a row for: use the dictionaries the checkpoint was trained with"), \
+        f"stores a row for ({size:,} bytes): use the dictionaries the checkpoint was trained with"), \
         "\n".join(lines[-20:])
     assert rss < control_rss + 2 ** 27, (rss, control_rss)
 

@@ -1,6 +1,7 @@
 """Dictionaries and BPE files that fairseq opens by name from a model directory or a data-bin
 (``dict.src.txt``; ``code``, ``sentencepiece.bpe.model`` picked up by the hub; ``--bpe-codes``)
-are refused when they are a FIFO, a link to /dev/zero or larger than their kind allows: through
+are refused when they are a FIFO, a link to /dev/zero or larger than their kind allows (a
+dictionary: more lines than the checkpoint the hub read before it has weights): through
 the hub from a directory and ``fairseq-generate``, in one line naming the file, in bounded time
 and memory. Unguarded, fairseq's own readers wait on the FIFO and read /dev/zero until memory
 runs out (the controls, in the same process as the hub loads)."""
@@ -21,6 +22,7 @@ from support.trained_checkpoints import ENV, USER_DIR, family_checkpoints
 
 DRIVER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "drivers", "hub_named_files.py")
 FIFO, ZERO, HUGE = "a FIFO", "a link to /dev/zero, outside", "more than the 256 MiB allowed"
+LINES = "more types than"  # a text file of more lines than the checkpoint's weights have elements
 
 
 def payload(path, kind):
@@ -30,6 +32,9 @@ def payload(path, kind):
         os.mkfifo(path)
     elif kind == ZERO:
         os.symlink("/dev/zero", path)
+    elif kind == LINES:  # 3.6 MB: the hub reads the checkpoint first, whose weights bound it
+        with open(path, "w") as f:
+            f.writelines(f"w{i:07d} 1\n" for i in range(300_000))
     else:  # a sparse regular file just over the dictionary bound
         with open(path, "wb") as f:
             f.truncate(DICTIONARY_LIMIT + 1)
@@ -51,6 +56,7 @@ HUB_CASES = {  # name -> (file in the model dir, payload, --bpe, phrase in the m
     "dictionary-fifo": ("dict.src.txt", FIFO, None, "a fairseq dictionary is a regular text file of at most 256 MiB"),
     "dictionary-dev-zero": ("dict.src.txt", ZERO, None, "a fairseq dictionary is a regular text file"),
     "dictionary-too-large": ("dict.tgt.txt", HUGE, None, "a fairseq dictionary is a regular text file"),
+    "dictionary-too-many-lines": ("dict.src.txt", LINES, None, "weight elements): use the dictionaries the checkpoint"),
     "sentencepiece-fifo": ("sentencepiece.bpe.model", FIFO, "sentencepiece", "a BPE file (--sentencepiece-model)"),
     "bpe-codes-dev-zero": ("code", ZERO, "subword_nmt", "a BPE file (--bpe-codes) is a regular file of at most 64 MiB"),
 }
