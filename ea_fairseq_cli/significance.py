@@ -188,6 +188,20 @@ def _scores(score_of: Scorer, sums: np.ndarray) -> np.ndarray:
     return np.array([score_of(row) for row in sums], dtype=np.float64)
 
 
+#: elements of one block of draws: the resamples and trials are drawn and scored a block of rows
+#: at a time, so memory stays this size however many sentences a test set has
+BLOCK_ELEMENTS = 1 << 22
+
+
+def row_blocks(rows: int, n: int) -> List[Tuple[int, int]]:
+    """``[start, stop)`` blocks of ``rows`` rows of ``n`` draws each, about
+    :data:`BLOCK_ELEMENTS` a block and a multiple of 32 rows but the last: numpy's generator
+    then draws the same numbers block by block as all at once (booleans come 32 to a word;
+    64-bit integers one at a time), so the results do not depend on the block size."""
+    step = max(32, BLOCK_ELEMENTS // max(n, 1) // 32 * 32)
+    return [(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
 def sentence_weights(rng: np.random.Generator, n: int, samples: int) -> np.ndarray:
     """(samples, n) counts of each sentence in each bootstrap resample of n sentences."""
     idx = rng.integers(0, n, size=(samples, n))
@@ -206,10 +220,15 @@ def hierarchical_bootstrap(systems: Sequence[Sequence[np.ndarray]], score_of: Sc
     means[s] - means[base]."""
     rng = np.random.default_rng(seed)
     n = systems[0][0].shape[0]
-    weights = sentence_weights(rng, n, samples)
+    blocks = [[[] for _ in runs] for runs in systems]  # per system and run: its scores, a block of resamples each
+    for start, stop in row_blocks(samples, n):
+        weights = sentence_weights(rng, n, stop - start)
+        for scores, runs in zip(blocks, systems):
+            for block, stats in zip(scores, runs):
+                block.append(_scores(score_of, weights @ stats))
     means = []
-    for runs in systems:
-        per_run = np.stack([_scores(score_of, weights @ stats) for stats in runs], axis=1)  # (samples, runs)
+    for scores, runs in zip(blocks, systems):
+        per_run = np.stack([np.concatenate(block) for block in scores], axis=1)  # (samples, runs)
         pick = rng.integers(0, len(runs), size=(samples, len(runs)))
         means.append(np.take_along_axis(per_run, pick, axis=1).mean(axis=1))
     tail = (1.0 - level) / 2.0 * 100.0
@@ -229,11 +248,13 @@ def randomisation_test(base: np.ndarray, system: np.ndarray, score_of: Scorer, t
     equal to the observed one is as extreme)."""
     observed = abs(score_of(system.sum(0)) - score_of(base.sum(0)))
     rng = np.random.default_rng(seed)
-    swap = rng.integers(2, size=(trials, base.shape[0]), dtype=bool)
-    keep = ~swap
-    a = _scores(score_of, swap @ base + keep @ system)
-    b = _scores(score_of, keep @ base + swap @ system)
-    c = int(np.sum(np.abs(a - b) >= observed - 1e-9 * max(observed, 1.0)))
+    a, b = [], []
+    for start, stop in row_blocks(trials, base.shape[0]):
+        swap = rng.integers(2, size=(stop - start, base.shape[0]), dtype=bool)
+        keep = ~swap
+        a.append(_scores(score_of, swap @ base + keep @ system))
+        b.append(_scores(score_of, keep @ base + swap @ system))
+    c = int(np.sum(np.abs(np.concatenate(a) - np.concatenate(b)) >= observed - 1e-9 * max(observed, 1.0)))
     return (c + 1) / (trials + 1)
 
 

@@ -7,6 +7,7 @@ import pytest
 from support.families import FAMILIES
 from support.quality_support import benchmarks_module
 
+SIZES = ("--encoder-layers", "2", "--decoder-layers", "2")  # a second layer: the maps handed between layers
 GUARDS = ("ea_fairseq/safety/", "ea_fairseq/errors.py", "ea_fairseq/side_effects.py", "ea_fairseq/hydra_checks.py")
 
 
@@ -14,7 +15,7 @@ GUARDS = ("ea_fairseq/safety/", "ea_fairseq/errors.py", "ea_fairseq/side_effects
 def test_an_attention_call_runs_no_guard_and_chooses_no_backend_again(name):
     trace = benchmarks_module("call_trace")
     family = FAMILIES[name]
-    measured = trace.measure(*family.args())
+    measured = trace.measure(*family.args(), *SIZES)
     assert measured["encoder self-attention"], "the encoder's first self-attention was not traced"
     for kind, calls in measured.items():
         if kind == "decoding step" and not family.decoding:

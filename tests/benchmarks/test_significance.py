@@ -1,6 +1,7 @@
 """ea_fairseq_cli.significance, each statistic against scipy, sacreBLEU or the textbook
 computation written out on fixed data."""
 import math
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -219,3 +220,26 @@ def test_agreement_names_a_preferred_system_only_below_the_holm_threshold():
     for p in (0.0502, None, float("nan")):
         text = sig.agreement_range((0.5, 4.0), chrf, "ea", "base", p)
         assert text.startswith("55% or more if the difference holds; no preferred system (") and "prefer ea" not in text
+
+
+def test_resampling_memory_is_a_block_of_rows_whatever_the_sentences(monkeypatch):
+    """The bootstrap's resamples and the randomisation's trials are drawn and scored a block of
+    rows at a time (``row_blocks``): a test set of 100,000 sentences costs a block's memory, not
+    resamples x sentences (205 MB of weights here, and as much again of indices), and the draws
+    are the same as all at once (the randomisation's p equal, the bootstrap's to summation order)."""
+    rng = np.random.default_rng(0)
+    n, rows = 100_000, 256
+    runs = [[rng.random((n, 2))], [rng.random((n, 2))]]
+    score = lambda row: float(row[0] / row[1])  # noqa: E731
+    tracemalloc.start()
+    try:
+        blocked = sig.hierarchical_bootstrap(runs, score, rows, 3)
+        p = sig.randomisation_test(runs[0][0], runs[1][0], score, rows, 7)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 100 * 2 ** 20, peak
+    monkeypatch.setattr(sig, "BLOCK_ELEMENTS", rows * n)  # one block: everything at once
+    whole = sig.hierarchical_bootstrap(runs, score, rows, 3)
+    assert all(np.allclose(a, b, rtol=1e-12, atol=0) for a, b in zip(blocked["means"], whole["means"]))
+    assert sig.randomisation_test(runs[0][0], runs[1][0], score, rows, 7) == p
