@@ -38,6 +38,7 @@ from typing import Any, Iterator, Mapping, Optional, Tuple
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from ..errors import UnsafeCheckpointError
@@ -89,15 +90,63 @@ def _storages(tree) -> set:
     return {t.untyped_storage()._cdata for t in _tensors(tree)}
 
 
+class _Allocations(TorchDispatchMode):
+    """The allocations of its :class:`Budget`'s block that reach torch's dispatcher without a
+    torch function the budget sees: legacy constructors (``torch.Tensor(n, m)``,
+    ``FloatTensor``), which fairseq's convolutions and attention biases build their parameters
+    with, and which take no ``meta`` device. Each is sized on ``meta`` and charged before it runs."""
+
+    def __init__(self, budget: "Budget"):
+        super().__init__()
+        self.budget = budget
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        budget = self.budget
+        budget.seen += 1  # (calling an operation runs the budget's torch function again: not counted there)
+        try:
+            if budget.seen == 1 and any(a.name == "device" for a in func._schema.arguments) \
+                    and not _tensors((args, kwargs)):  # a factory no torch function of the budget counted
+                budget.operations -= 1
+                budget.charge(sum(t.numel() for t in _tensors(func(*args, **dict(kwargs, device="meta")))))
+            return func(*args, **kwargs)
+        finally:
+            budget.seen -= 1
+
+
 class Budget(TorchFunctionMode):
     """Counts the torch operations in its block and the elements of the tensors they create,
     each before it is created, and raises :class:`BudgetError` past either limit, which
-    :meth:`for_weights` sets from the weights of the checkpoint the model is built for."""
+    :meth:`for_weights` sets from the weights of the checkpoint the model is built for. What
+    reaches the dispatcher without a torch function (legacy constructors) is counted by
+    :class:`_Allocations`, entered with it."""
 
     def __init__(self, limit: int, operations: int, what: str, weights: int = 0):
         super().__init__()
         self.limit, self.operations, self.what, self.used = limit, operations, what, 0
         self.weights = weights  # the elements of the weights it was set from
+        self.seen = 0  # > 0 while a torch function runs that this mode has counted
+        self._allocations: Optional[_Allocations] = None
+
+    def __enter__(self):
+        self._allocations = _Allocations(self).__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._allocations.__exit__(*exc)
+
+    def charge(self, elements: int) -> None:
+        """``elements`` more, and one operation; :class:`BudgetError` past either limit."""
+        self.used += elements
+        if self.used > self.limit or self.operations < 0:
+            raise BudgetError(f"{self.what}: refused: the model its configuration describes would create more "
+                              f"than {self.limit:,} elements (parameters, buffers and tables) or take more "
+                              "operations to build than its weights justify, with these dictionaries; nothing was "
+                              "allocated. Nothing in the checkpoint was run; use the dictionaries and "
+                              "configuration it was trained with.")
 
     @classmethod
     def for_weights(cls, weights: Any, what: str) -> "Budget":
@@ -107,26 +156,28 @@ class Budget(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.seen and isinstance(func, torch._ops.OpOverload):  # an operation :class:`_Allocations` runs
+            return func(*args, **kwargs)
         self.operations -= 1
         if func in _TO_HOST and isinstance(args[0], torch.Tensor) and args[0].is_meta:
             return args[0]  # a build on meta that initialises on the host (BART's normal_ draws on the CPU)
+        self.seen += 1
         try:
-            # detached: a meta copy of a parameter is otherwise a non-leaf tensor, whose ``.grad``
-            # (read by ``Module.to`` for every parameter it moves) makes torch warn
-            on_meta = _map(lambda t: t.detach().to("meta"), (args, kwargs))
-            with torch.device("meta"):
-                out = func(*on_meta[0], **on_meta[1])
-            given = _storages(on_meta)
-            self.used += sum(t.numel() for t in _tensors(out) if t.untyped_storage()._cdata not in given)
-        except Exception:  # noqa: BLE001  (no meta kernel: an operation that reads values, not one that sizes)
-            pass
-        if self.used > self.limit or self.operations < 0:
-            raise BudgetError(f"{self.what}: refused: the model its configuration describes would create more "
-                              f"than {self.limit:,} elements (parameters, buffers and tables) or take more "
-                              "operations to build than its weights justify, with these dictionaries; nothing was "
-                              "allocated. Nothing in the checkpoint was run; use the dictionaries and "
-                              "configuration it was trained with.")
-        return func(*args, **kwargs)
+            elements = 0
+            try:
+                # detached: a meta copy of a parameter is otherwise a non-leaf tensor, whose ``.grad``
+                # (read by ``Module.to`` for every parameter it moves) makes torch warn
+                on_meta = _map(lambda t: t.detach().to("meta"), (args, kwargs))
+                with torch.device("meta"):
+                    out = func(*on_meta[0], **on_meta[1])
+                given = _storages(on_meta)
+                elements = sum(t.numel() for t in _tensors(out) if t.untyped_storage()._cdata not in given)
+            except Exception:  # noqa: BLE001  (no meta kernel: an operation that reads values, not one that sizes)
+                pass
+            self.charge(elements)
+            return func(*args, **kwargs)
+        finally:
+            self.seen -= 1
 
 
 _read = threading.local()  # per thread: the budget of the checkpoint it read last

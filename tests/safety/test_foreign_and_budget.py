@@ -194,6 +194,22 @@ def test_a_table_the_checkpoint_does_not_store_is_refused_before_it_is_allocated
     assert_refused_by_the_budget(*measured(tiny_data_bin, tmp_path / "wide.pt"))
 
 
+def test_parameters_of_torchs_legacy_constructors_are_counted_before_they_are_allocated(
+        foreign, tiny_data_bin, tmp_path):
+    """fairseq's convolutions (``ConvTBC`` here, fconv's; lightconv's and LSRA's likewise) make their
+    weights with ``torch.Tensor(k, in, out)``, which no torch function sees and which ignores the
+    ``meta`` device: a kernel width of 750,001 makes the encoder's one 1.5 GB. The budget counts it
+    at torch's dispatcher, before it is allocated; the control is the checkpoint as trained."""
+    state = state_of(foreign["fconv"])
+    state["cfg"]["model"].encoder_layers = "[(16, 750001)]"
+    torch.save(state, tmp_path / "wide_kernel.pt")
+    control = measured(tiny_data_bin, foreign["fconv"])
+    assert control[0] == 0, control[1][-3000:]
+    status, out, seconds, peak = measured(tiny_data_bin, tmp_path / "wide_kernel.pt")
+    assert_refused_by_the_budget(status, out, seconds, peak)
+    assert peak < control[3] + 2 ** 28, (peak, control[3])
+
+
 #: the same construction, 8192 wide, 64 positions (10 MB of weights): its dictionaries then decide
 #: what fairseq builds: 50,000 symbols make the two embeddings and the output projection
 #: 3 x 50,000 x 8192 floats, 4.9 GB
