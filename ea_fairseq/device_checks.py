@@ -15,6 +15,7 @@ use the CPU (``--cpu``, ``common.cpu=true``), except the forms fairseq trains on
 (``--amp``, whose autocast turns itself off there, ``--memory-efficient-fp16`` and
 ``--fp16-no-flatten-grads``, in float16).
 """
+import functools
 import importlib.util
 import inspect
 import os
@@ -146,14 +147,14 @@ def checked_call_main(call_main):
     it reads before them (:func:`ea_fairseq.safety.budget.checkpoints_named`)."""
 
     def run(cfg, main, **kwargs):
-        from .safety.budget import checkpoints_named
+        from .safety.budget import with_checkpoints_named
 
         module = getattr(inspect.unwrap(main), "__module__", None)
         if module not in HYDRA_MAINS:
             message = refusal(cfg, COMMAND_LINE, training=module in TRAINING)
             if message:
                 raise OptionError(message)
-        with checkpoints_named(cfg):
-            return call_main(cfg, main, **kwargs)
+        # in this process or in each process fairseq starts for a device (they read the dictionaries too)
+        return call_main(cfg, functools.partial(with_checkpoints_named, main), **kwargs)
 
     return run

@@ -142,15 +142,17 @@ def permutation_test(base: Sequence[float], system: Sequence[float], seed: Optio
     observed = abs(b.mean() - a.mean())
     total = math.comb(n, k)
     exact = total <= EXACT_LIMIT
-    if exact:
-        picks = np.zeros((total, n), dtype=bool)
-        for row, chosen in enumerate(itertools.combinations(range(n), k)):
-            picks[row, list(chosen)] = True
-    else:
-        rng = np.random.default_rng(seed)
-        picks = np.argsort(rng.random((EXACT_LIMIT, n)), axis=1) < k
-    sums = picks @ pooled
-    deltas = np.abs(sums / k - (pooled.sum() - sums) / (n - k))
+    combinations, rng, blocks = itertools.combinations(range(n), k), np.random.default_rng(seed), []
+    for start, stop in row_blocks(min(total, EXACT_LIMIT), n):  # a block of assignments at a time
+        if exact:
+            picks = np.zeros((stop - start, n), dtype=bool)
+            for row, chosen in enumerate(itertools.islice(combinations, stop - start)):
+                picks[row, list(chosen)] = True
+        else:
+            picks = np.argsort(rng.random((stop - start, n)), axis=1) < k
+        sums = picks @ pooled
+        blocks.append(np.abs(sums / k - (pooled.sum() - sums) / (n - k)))
+    deltas = np.concatenate(blocks)
     tolerance = 1e-9 * max(observed, 1e-300)
     count = int(np.sum(deltas >= observed - tolerance))
     extreme = int(np.sum(deltas >= deltas.max() - 1e-9 * max(deltas.max(), 1e-300)))
@@ -193,19 +195,23 @@ def _scores(score_of: Scorer, sums: np.ndarray) -> np.ndarray:
 BLOCK_ELEMENTS = 1 << 22
 
 
-def row_blocks(rows: int, n: int) -> List[Tuple[int, int]]:
+def row_blocks(rows: int, n: int, multiple: int = 1) -> List[Tuple[int, int]]:
     """``[start, stop)`` blocks of ``rows`` rows of ``n`` draws each, about
-    :data:`BLOCK_ELEMENTS` a block and a multiple of 32 rows but the last: numpy's generator
-    then draws the same numbers block by block as all at once (booleans come 32 to a word;
-    64-bit integers one at a time), so the results do not depend on the block size."""
-    step = max(32, BLOCK_ELEMENTS // max(n, 1) // 32 * 32)
+    :data:`BLOCK_ELEMENTS` a block and a multiple of ``multiple`` rows but the last: numpy's
+    generator then draws the same numbers block by block as all at once (64-bit integers and
+    floats one at a time; booleans 32 to a word, so a block of them is a multiple of 32 rows),
+    so the results do not depend on the block size."""
+    step = max(multiple, BLOCK_ELEMENTS // max(n, 1) // multiple * multiple)
     return [(start, min(start + step, rows)) for start in range(0, rows, step)]
 
 
 def sentence_weights(rng: np.random.Generator, n: int, samples: int) -> np.ndarray:
     """(samples, n) counts of each sentence in each bootstrap resample of n sentences."""
     idx = rng.integers(0, n, size=(samples, n))
-    return np.stack([np.bincount(row, minlength=n) for row in idx]).astype(np.float64)
+    weights = np.empty((samples, n), dtype=np.float64)
+    for row, drawn in zip(weights, idx):
+        row[:] = np.bincount(drawn, minlength=n)
+    return weights
 
 
 def hierarchical_bootstrap(systems: Sequence[Sequence[np.ndarray]], score_of: Scorer, samples: int,
@@ -249,7 +255,7 @@ def randomisation_test(base: np.ndarray, system: np.ndarray, score_of: Scorer, t
     observed = abs(score_of(system.sum(0)) - score_of(base.sum(0)))
     rng = np.random.default_rng(seed)
     a, b = [], []
-    for start, stop in row_blocks(trials, base.shape[0]):
+    for start, stop in row_blocks(trials, base.shape[0], multiple=32):
         swap = rng.integers(2, size=(stop - start, base.shape[0]), dtype=bool)
         keep = ~swap
         a.append(_scores(score_of, swap @ base + keep @ system))

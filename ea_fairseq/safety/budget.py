@@ -11,10 +11,12 @@ that compute them) before the real operation runs. Past the budget the build sto
 too large costs no memory and no more time than the budget's worth of building.
 
 Where: every model fairseq builds from a checkpoint (``fairseq.models.build_model`` with
-``from_checkpoint``: the command-line tools, the hub, ``ea-fairseq-analysis``), with the task's
-real dictionaries, against the weights of the checkpoint this thread read last
-(:func:`weights_read`); and the meta build that compares a checkpoint's configuration with its
-weights when it is read (:mod:`ea_fairseq.safety.no_code.consistency`).
+``from_checkpoint``, or with the very model configuration fairseq loaded from the checkpoint
+this thread read last, which is how a task whose ``build_model`` takes no ``from_checkpoint``
+builds it: the command-line tools, the hub, ``ea-fairseq-analysis``), with the task's real
+dictionaries, against the weights of that checkpoint (:func:`weights_read`,
+:func:`configuration_read`); and the meta build that compares a checkpoint's configuration with
+its weights when it is read (:mod:`ea_fairseq.safety.no_code.consistency`).
 
 A dictionary costs its reading before any model is built (fairseq keeps a few hundred bytes of
 Python objects a type). Every type is a row of an embedding or output layer, at least one
@@ -125,6 +127,7 @@ class Budget(TorchFunctionMode):
         super().__init__()
         self.limit, self.operations, self.what, self.used = limit, operations, what, 0
         self.weights = weights  # the elements of the weights it was set from
+        self.configuration: Any = None  # the model configuration fairseq loaded with them
         self.seen = 0  # > 0 while a torch function runs that this mode has counted
         self._allocations: Optional[_Allocations] = None
 
@@ -151,7 +154,9 @@ class Budget(TorchFunctionMode):
     @classmethod
     def for_weights(cls, weights: Any, what: str) -> "Budget":
         tensors = [v for v in weights.values() if torch.is_tensor(v)] if isinstance(weights, Mapping) else []
-        elements = sum(t.numel() for t in tensors)
+        # the elements stored: each storage once, however many tensors view it
+        storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() // t.element_size() for t in tensors}
+        elements = sum(storages.values())
         return cls(FACTOR * elements + SLACK, OPERATIONS_FACTOR * len(tensors) + OPERATIONS_SLACK, what, elements)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -189,14 +194,24 @@ def weights_read(source: str, weights: Any) -> None:
     _read.last = Budget.for_weights(weights, source)
 
 
+def configuration_read(state: Mapping) -> None:
+    """Record, for this thread, the model configuration (``cfg.model``, or the legacy ``args``)
+    of the checkpoint state fairseq just loaded (after :func:`weights_read`): a build given that
+    very object is a build from the checkpoint, whatever ``from_checkpoint`` says."""
+    pending: Optional[Budget] = getattr(_read, "last", None)
+    cfg = state.get("cfg") if isinstance(state, Mapping) else None
+    if pending is not None:
+        pending.configuration = cfg.model if cfg is not None and "model" in cfg else state.get("args")
+
+
 def build_model(original):
     """``fairseq.models.build_model`` (``original``) building a model from a checkpoint under
     the budget of the checkpoint this thread read last; any other build as fairseq does."""
 
     @functools.wraps(original)
     def build(cfg, task, from_checkpoint=False):
-        budget: Optional[Budget] = getattr(_read, "last", None) if from_checkpoint else None
-        if budget is None:
+        budget: Optional[Budget] = getattr(_read, "last", None)
+        if budget is None or not (from_checkpoint or cfg is budget.configuration is not None):
             return original(cfg, task, from_checkpoint)
         _read.last = None
         with budget:
@@ -217,12 +232,33 @@ def checkpoints_named(cfg) -> Iterator[None]:
 
     path = field("common_eval", "path")
     named = [*(split_paths(path) if isinstance(path, str) else ()), field("generation", "lm_path")]
-    sizes = [(os.path.getsize(p), p) for p in named if isinstance(p, str) and os.path.isfile(p)]
+    sizes = [(_stored_bytes(p), p) for p in named if isinstance(p, str) and os.path.isfile(p)]
     previous, _read.named = getattr(_read, "named", None), max(sizes, default=None)
     try:
         yield
     finally:
         _read.named = previous
+
+
+def _stored_bytes(path: str) -> int:
+    """The bytes file ``path`` stores: none for a link out of its directory or what is not a
+    regular file (the checkpoint is read from inside its directory only), the blocks it holds
+    for a sparse file."""
+    from .confined import ConfinedPathError, inside
+
+    try:
+        status = os.stat(inside(path))
+    except (ConfinedPathError, OSError):
+        return 0
+    return min(status.st_size, getattr(status, "st_blocks", status.st_size // 512 + 1) * 512)
+
+
+def with_checkpoints_named(main, cfg, **kwargs):
+    """``main(cfg, **kwargs)`` under :func:`checkpoints_named`: what fairseq's ``call_main``
+    runs, in its own process or in each it starts (a module-level function, so that
+    ``functools.partial(with_checkpoints_named, main)`` pickles to them)."""
+    with checkpoints_named(cfg):
+        return main(cfg, **kwargs)
 
 
 def dictionary_bound() -> Optional[Tuple[int, str, str]]:

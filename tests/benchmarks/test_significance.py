@@ -223,10 +223,11 @@ def test_agreement_names_a_preferred_system_only_below_the_holm_threshold():
 
 
 def test_resampling_memory_is_a_block_of_rows_whatever_the_sentences(monkeypatch):
-    """The bootstrap's resamples and the randomisation's trials are drawn and scored a block of
-    rows at a time (``row_blocks``): a test set of 100,000 sentences costs a block's memory, not
-    resamples x sentences (205 MB of weights here, and as much again of indices), and the draws
-    are the same as all at once (the randomisation's p equal, the bootstrap's to summation order)."""
+    """The bootstrap's resamples, the randomisation's trials and the permutation test's
+    assignments are made and scored a block of rows at a time (``row_blocks``): a test set of
+    100,000 sentences costs a block's memory, not resamples x sentences (205 MB of weights here,
+    and as much again of indices), nor 6,000 runs 6,000 x 6,000 assignments; the draws are the
+    same as all at once (the randomisation's p equal, the bootstrap's to summation order)."""
     rng = np.random.default_rng(0)
     n, rows = 100_000, 256
     runs = [[rng.random((n, 2))], [rng.random((n, 2))]]
@@ -235,10 +236,12 @@ def test_resampling_memory_is_a_block_of_rows_whatever_the_sentences(monkeypatch
     try:
         blocked = sig.hierarchical_bootstrap(runs, score, rows, 3)
         p = sig.randomisation_test(runs[0][0], runs[1][0], score, rows, 7)
+        many = sig.permutation_test(rng.random(5999), [0.5])  # 6,000 runs: every assignment, 6,000 x 6,000
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
     assert peak < 100 * 2 ** 20, peak
+    assert many["exact"] and many["assignments"] == 6000
     monkeypatch.setattr(sig, "BLOCK_ELEMENTS", rows * n)  # one block: everything at once
     whole = sig.hierarchical_bootstrap(runs, score, rows, 3)
     assert all(np.allclose(a, b, rtol=1e-12, atol=0) for a, b in zip(blocked["means"], whole["means"]))

@@ -195,3 +195,24 @@ def test_fairseq_train_reads_a_large_dictionary_no_checkpoint_bounds(tmp_path, d
          "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "600", "--max-update", "1", "--save-dir",
          tmp_path / "ck", "--cpu", "--disable-validation", "--num-workers", "0"], tmp_path)
     assert code == 0, "\n".join(lines[-20:])
+
+
+def test_a_checkpoint_lends_the_dictionaries_only_the_bytes_it_stores(tmp_path):
+    """The bound a command line's checkpoint sets its dictionaries (read before the checkpoint is)
+    counts what the file stores inside its directory: a sparse file's blocks, nothing for a link
+    out of the directory."""
+    import argparse
+
+    from ea_fairseq.safety import budget
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "real.pt").write_bytes(b"x" * 10_000)
+    with open(model / "sparse.pt", "wb") as f:
+        f.truncate(1 << 30)
+    os.symlink(sys.executable, model / "outside.pt")
+    bounds = {}
+    for name in ("real.pt", "sparse.pt", "outside.pt"):
+        with budget.checkpoints_named(argparse.Namespace(path=str(model / name), lm_path=None)):
+            bounds[name] = budget.dictionary_bound()[0]
+    assert bounds["real.pt"] == 10_000 and bounds["sparse.pt"] < 1 << 16 and bounds["outside.pt"] == 0, bounds

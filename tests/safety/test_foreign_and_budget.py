@@ -210,6 +210,29 @@ def test_parameters_of_torchs_legacy_constructors_are_counted_before_they_are_al
     assert peak < control[3] + 2 ** 28, (peak, control[3])
 
 
+def test_a_task_whose_build_model_takes_no_from_checkpoint_builds_under_the_budget_all_the_same(tmp_path):
+    """fairseq's ``load_model_ensemble_and_task`` (the hub's, fairseq-validate's) tells a task's
+    ``build_model`` that it builds from a checkpoint only if it takes ``from_checkpoint``;
+    ``nlu_finetuning``'s does not. The model the checkpoint's configuration describes (wav2vec2,
+    3 layers 2048 wide: 1 GB) is built under the budget of its weights (3 elements) all the same."""
+    from fairseq import checkpoint_utils
+
+    state = {"cfg": {"model": {"_name": "wav2vec2", "encoder_layers": 3, "encoder_embed_dim": 2048,
+                               "encoder_ffn_embed_dim": 8192, "encoder_attention_heads": 1,
+                               "conv_feature_layers": "[(8,10,5)]", "conv_pos": 4, "conv_pos_groups": 1,
+                               "final_dim": 8},
+                     "task": {"_name": "nlu_finetuning", "data": str(tmp_path)},
+                     "common": {}, "checkpoint": {}, "dataset": {}, "optimization": {}},
+             "model": {"x": torch.zeros(3)}, "extra_state": {"best": 0.0},
+             "optimizer_history": [{"criterion_name": "CrossEntropyCriterion", "optimizer_name": "Adam",
+                                    "lr_scheduler_state": {"best": 0}, "num_updates": 0}]}
+    torch.save(state, tmp_path / "c.pt")
+    from ea_fairseq.safety.budget import BudgetError
+
+    with pytest.raises(BudgetError, match="would create more than 16,777,228 elements"):
+        checkpoint_utils.load_model_ensemble_and_task([str(tmp_path / "c.pt")])
+
+
 #: the same construction, 8192 wide, 64 positions (10 MB of weights): its dictionaries then decide
 #: what fairseq builds: 50,000 symbols make the two embeddings and the output projection
 #: 3 x 50,000 x 8192 floats, 4.9 GB
@@ -311,3 +334,14 @@ def test_the_budgets_walk_is_torchs():
         torchs = tree_map(lambda t: (expected.append(t) or t.to("meta")) if isinstance(t, torch.Tensor) else t, tree)
         assert [id(t) for t in seen] == [id(t) for t in expected] and seen
         assert type(mine) is type(torchs) and repr(mine) == repr(torchs)
+
+
+def test_weights_that_view_one_storage_count_it_once():
+    """A checkpoint's weights are what it stores: 17 tensors viewing one 1 MiB storage give the
+    budget (and the hub's dictionary bound) 1 MiB of elements, not 17."""
+    from ea_fairseq.safety import budget
+
+    stored = torch.zeros(1 << 20, dtype=torch.uint8)
+    weights = {f"w{i}": stored[i:] for i in range(17)}
+    assert budget.Budget.for_weights(weights, "c.pt").weights == 1 << 20
+    assert budget.Budget.for_weights({"a": torch.zeros(3), "b": torch.zeros(4)}, "c.pt").weights == 7

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Mapping
 
 import torch
 
-from ..budget import weights_read
+from ..budget import configuration_read, weights_read
 from .consistency import check_model_matches, check_training_state, check_upgradable
 from .fields import shown_key, shown_text
 from .plain import LIMIT_AMPLIFICATION, _Walk
@@ -153,8 +153,10 @@ def checkpoint_loader(original):
         states = _pending.__dict__.setdefault("states", [])
         states.append(state)
         try:
-            return original(path, arg_overrides, load_on_all_ranks)
+            loaded = original(path, arg_overrides, load_on_all_ranks)
         finally:
             states.pop()
+        configuration_read(loaded)  # a build given its model configuration is budgeted too
+        return loaded
 
     return load_checkpoint_to_cpu
