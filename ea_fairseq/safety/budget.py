@@ -256,7 +256,9 @@ def _stored_bytes(path: str) -> int:
 def with_checkpoints_named(main, cfg, **kwargs):
     """``main(cfg, **kwargs)`` under :func:`checkpoints_named`: what fairseq's ``call_main``
     runs, in its own process or in each it starts (a module-level function, so that
-    ``functools.partial(with_checkpoints_named, main)`` pickles to them)."""
+    ``functools.partial(with_checkpoints_named, main)`` pickles to them). A checkpoint an earlier
+    run of this thread read (a hydra multirun's previous job) bounds nothing in this one."""
+    _read.last = None
     with checkpoints_named(cfg):
         return main(cfg, **kwargs)
 
