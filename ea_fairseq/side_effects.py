@@ -65,6 +65,11 @@ SIDE_EFFECTS: Tuple[SideEffect, ...] = (
                "ea_fairseq.safety.no_code.hook:torch_for_checkpoint_utils",
                "inside that loader, in its thread, fairseq's torch.load returns the sanitized state instead "
                "of unpickling the file again; torch itself everywhere else", EVERY_PROCESS),
+    SideEffect("fairseq.checkpoint_utils:load_model_ensemble_and_task", "ea_fairseq.safety.budget:loading_budgeted",
+               "what loading a checkpoint builds after reading it (its task's build_model, the model's "
+               "load_state_dict and the upgrades there: classification heads) is under that checkpoint's budget "
+               "until the call returns (the hub, fairseq-generate, -interactive, -validate, -eval-lm load through it)",
+               EVERY_PROCESS),
     SideEffect("fairseq.models:build_model", "ea_fairseq.safety.budget:build_model",
                "a model fairseq builds from a checkpoint (every task's build_model calls this) is built under "
                "the budget of the weights this thread read last: nothing is allocated past it", EVERY_PROCESS),
@@ -120,7 +125,7 @@ SIDE_EFFECTS: Tuple[SideEffect, ...] = (
                "ea_fairseq.side_effects:prefetching_finished_at_exit",
                "a command line that stops mid-epoch (--max-update) exits with its status instead of aborting "
                "when Python finalizes while the prefetch thread is inside torch", SERVED_COMMAND_LINES, how="call"),
-    SideEffect("fairseq.checkpoint_utils:load_model_ensemble_and_task", "ea_fairseq.tasks.direction:direction_checked",
+    SideEffect("fairseq.checkpoint_utils:load_model_ensemble", "ea_fairseq.tasks.direction:direction_checked",
                "a checkpoint decoded in another direction than its --source-lang/--target-lang (fairseq-generate "
                "-s/-t the other way round on a joint dictionary) is one warning line; the loading is fairseq's",
                SERVED_COMMAND_LINES),

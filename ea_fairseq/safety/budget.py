@@ -190,8 +190,41 @@ _read = threading.local()  # per thread: the budget of the checkpoint it read la
 
 def weights_read(source: str, weights: Any) -> None:
     """Record, for this thread, the checkpoint just read: the next model fairseq builds from a
-    checkpoint in this thread is budgeted by its weights."""
+    checkpoint in this thread is budgeted by its weights; inside :func:`loading_budgeted`, from
+    here on everything is."""
     _read.last = Budget.for_weights(weights, source)
+    session = getattr(_read, "session", None)
+    if session is not None:
+        session.append(_read.last.__enter__())
+
+
+def reading() -> None:
+    """A checkpoint is about to be read in this thread: the budget of the one read before it in
+    the same loading (:func:`loading_budgeted`) ends here, before the new file is read and
+    compared with its configuration."""
+    session = getattr(_read, "session", None)
+    while session:
+        session.pop().__exit__(None, None, None)
+
+
+def loading_budgeted(original):
+    """``fairseq.checkpoint_utils.load_model_ensemble_and_task`` (``original``): from each
+    checkpoint's reading (:func:`weights_read` enters its budget) to the next one's or to the
+    end of the call, everything the loading does is under that checkpoint's budget: the task's
+    ``build_model`` (which registers a classification head sized by its configuration after the
+    model is built), the model's ``load_state_dict`` and the upgrades that run there (RoBERTa's
+    heads, sized by the shapes of stored tensors)."""
+
+    @functools.wraps(original)
+    def load(*args, **kwargs):
+        outer, _read.session = getattr(_read, "session", None), []
+        try:
+            return original(*args, **kwargs)
+        finally:
+            reading()
+            _read.session = outer
+
+    return load
 
 
 def configuration_read(state: Mapping) -> None:
@@ -214,6 +247,8 @@ def build_model(original):
         if budget is None or not (from_checkpoint or cfg is budget.configuration is not None):
             return original(cfg, task, from_checkpoint)
         _read.last = None
+        if budget in (getattr(_read, "session", None) or ()):  # entered when it was read, for the whole loading
+            return original(cfg, task, from_checkpoint)
         with budget:
             return original(cfg, task, from_checkpoint)
 

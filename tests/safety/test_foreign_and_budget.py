@@ -233,6 +233,44 @@ def test_a_task_whose_build_model_takes_no_from_checkpoint_builds_under_the_budg
         checkpoint_utils.load_model_ensemble_and_task([str(tmp_path / "c.pt")])
 
 
+ROBERTA = {"_name": "roberta", "encoder_layers": 1, "encoder_embed_dim": 16, "encoder_ffn_embed_dim": 16,
+           "encoder_attention_heads": 2, "max_positions": 32}
+HEADS = {  # what sizes a classification head that loading registers after the model's build
+    # RoBERTa's upgrade in load_state_dict: the shapes of the (empty) head weights the checkpoint stores
+    "stored-head-shapes": ({**ROBERTA, "load_checkpoint_heads": True}, {"_name": "masked_lm", "tokens_per_sample": 32},
+                           {"classification_heads.h.out_proj.weight": torch.empty(8192, 0),
+                            "classification_heads.h.dense.weight": torch.empty(4096, 0)}),
+    # sentence_prediction's build_model: the task's num_classes
+    "task-num-classes": (ROBERTA, {"_name": "sentence_prediction", "num_classes": 2_000_000, "regression_target": True,
+                                   "max_positions": 32}, {}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HEADS))
+def test_what_loading_registers_after_the_build_is_under_the_checkpoints_budget(case, tmp_path):
+    """``load_model_ensemble_and_task`` (the hub's, fairseq-validate's) registers a classification
+    head after ``models.build_model`` returns: in the task's ``build_model`` and in the model's
+    ``load_state_dict``. Each is sized by the checkpoint (33 million elements against weights of
+    100) and charged to its budget until the loading returns."""
+    from fairseq import checkpoint_utils
+
+    from ea_fairseq.safety.budget import BudgetError
+
+    model, task, stored = HEADS[case]
+    (tmp_path / "dict.txt").write_text("a 1\nb 1\nc 1\n")
+    for sub in ("input0", "label"):
+        (tmp_path / sub).mkdir()
+        (tmp_path / sub / "dict.txt").write_text("a 1\nb 1\nc 1\n")
+    state = {"cfg": {"model": model, "task": {**task, "data": str(tmp_path)},
+                     "criterion": {"_name": "sentence_prediction", "classification_head_name": "h"}},
+             "model": {"dummy": torch.zeros(100), **stored}, "extra_state": {},
+             "optimizer_history": [{"criterion_name": "CrossEntropyCriterion", "optimizer_name": "Adam",
+                                    "lr_scheduler_state": {"best": None}, "num_updates": 0}]}
+    torch.save(state, tmp_path / "model.pt")
+    with pytest.raises(BudgetError, match="would create more than 16,777,616 elements"):
+        checkpoint_utils.load_model_ensemble_and_task([str(tmp_path / "model.pt")])
+
+
 #: the same construction, 8192 wide, 64 positions (10 MB of weights): its dictionaries then decide
 #: what fairseq builds: 50,000 symbols make the two embeddings and the output projection
 #: 3 x 50,000 x 8192 floats, 4.9 GB

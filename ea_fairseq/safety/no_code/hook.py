@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Mapping
 
 import torch
 
-from ..budget import configuration_read, weights_read
+from ..budget import configuration_read, reading, weights_read
 from .consistency import check_model_matches, check_training_state, check_upgradable
 from .fields import shown_key, shown_text
 from .plain import LIMIT_AMPLIFICATION, _Walk
@@ -147,6 +147,7 @@ def checkpoint_loader(original):
 
     def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
         source = shown_text(str(path))  # the name every message gives it (a file name is input too)
+        reading()  # the budget of the checkpoint read before this one in the same loading ends
         state = sanitize(read_checkpoint(PathManager.get_local_path(path), source), source)
         check_upgradable(state, source)  # what fairseq's own upgrade indexes before anything else
         weights_read(source, state.get("model"))  # the model fairseq builds next is budgeted by them
