@@ -338,3 +338,20 @@ def test_arbitrary_strings_in_every_string_field_never_run_and_arrive_typed(tmp_
         if result["outcome"] == "refused":
             assert "\n" not in result["message"] and "Nothing in the checkpoint was run" in result["message"]
     assert sum(r["outcome"] == "loaded" for r in results) > 0  # the property is not vacuous
+
+
+@pytest.mark.parametrize("arch, field, value", [
+    ("s2t_transformer", "load_pretrained_encoder_from", "/etc/hostname"),
+    ("wav2vec_ctc", "w2v_path", "../elsewhere/checkpoint.pt"),
+    ("roberta_enc_dec", "pretrained_mlm_checkpoint", "/tmp/other/model.pt"),
+])
+def test_a_model_field_naming_a_file_elsewhere_is_not_honoured(arch, field, value):
+    """A model's field that names a checkpoint or file elsewhere, which the model would read while
+    it is built (any model family: no list of such fields), takes no value, and the loader says so."""
+    from ea_fairseq.safety.no_code.model import model_section
+    from ea_fairseq.safety.no_code.schema import Generator
+
+    gen = Generator("c.pt")
+    out = model_section(gen, {"_name": arch, field: value, "dropout": 0.25}, "cfg.model", False)
+    assert out[field] is None and out["dropout"] == 0.25
+    assert gen.paths == [f"cfg.model.{field}={value!r}"]

@@ -8,6 +8,7 @@ import dataclasses
 import enum
 import functools
 import math
+import os
 import re
 import typing
 from typing import Any, Dict, List, Optional, Tuple
@@ -183,3 +184,11 @@ def _defaults(dataclass_type) -> Dict[str, Any]:
     from omegaconf import OmegaConf
 
     return OmegaConf.to_container(OmegaConf.structured(dataclass_type), resolve=False, enum_to_str=True)
+
+
+def _names_a_path(value: Any) -> bool:
+    """Whether a string value names a file or directory elsewhere (absolute, or through a
+    separator): fairseq's tasks open such fields (``lang_dict``, ``labels``, ...) when set up,
+    and its models the checkpoints such fields name (``load_pretrained_encoder_from``,
+    ``w2v_path``, ``pretrained_mlm_checkpoint``, ...) when built."""
+    return type(value) is str and (os.path.isabs(value) or os.sep in value or ".." in value)

@@ -22,7 +22,7 @@ import typing
 from typing import Any, Dict, List, Mapping, Optional
 
 from .literals import EVALUATED_FIELDS, _Refused
-from .fields import PATH_FIELDS, _fields, defaults, shown_key, typed
+from .fields import PATH_FIELDS, _fields, _names_a_path, defaults, shown_key, typed
 from .reading import UnsafeCheckpointError, _shown
 
 _NESTED = ("encoder", "decoder", "quant_noise")
@@ -198,6 +198,9 @@ def model_section(gen, given: Any, path: str, legacy: bool):
                 out[key] = typed(value, declared if value is not None else Optional[declared], key)
         except _Refused as why:
             raise gen.refuse(here, value, why) from None
+        if _names_a_path(out[key]):  # a checkpoint or file elsewhere, which the model would read as it is built
+            gen.paths.append(f"{here}={_shown(value)}")
+            out[key] = None
     if legacy or type(given) is argparse.Namespace:
         return argparse.Namespace(**out)
     return out

@@ -22,11 +22,10 @@ as fairseq takes them: the file it then opens is confined to its directory (:mod
 import argparse
 import dataclasses
 import logging
-import os
 import re
 from typing import Any, Dict, List, Optional
 
-from .fields import (PATH_FIELDS, REGISTRY_SECTIONS, _fields,  # noqa: F401
+from .fields import (PATH_FIELDS, REGISTRY_SECTIONS, _fields, _names_a_path,  # noqa: F401
                      _unwrap_optional, declared, defaults, shown_key, shown_text, typed)
 from .literals import EVALUATED_FIELDS, _Refused
 from .model import model_section
@@ -174,12 +173,6 @@ class Generator:
         if self.dropped:
             logger.info("%s: configuration fields fairseq does not declare were dropped: %s", self.source,
                         ", ".join(self.dropped[:20]) + (", ..." if len(self.dropped) > 20 else ""))
-
-
-def _names_a_path(value: Any) -> bool:
-    """Whether a task's string value names a file or directory elsewhere (absolute, or through a
-    separator): fairseq's tasks open such fields (``lang_dict``, ``labels``, ...) when set up."""
-    return type(value) is str and (os.path.isabs(value) or os.sep in value or ".." in value)
 
 
 def _complete_namespace(model: argparse.Namespace, out: Dict[str, Any], given: Dict[str, Any]) -> None:
