@@ -36,7 +36,7 @@ import contextlib
 import functools
 import os
 import threading
-from typing import Any, Iterator, Mapping, Optional, Tuple
+from typing import Any, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -259,15 +259,25 @@ def build_model(original):
 def checkpoints_named(cfg) -> Iterator[None]:
     """While a command line runs with ``cfg`` (its configuration or, fairseq-generate's, its
     parsed arguments), the largest of the checkpoints it names (``--path``, an ensemble's,
-    ``--lm-path``) bounds the dictionaries this thread reads (:func:`dictionary_bound`)."""
+    ``--lm-path``; each as the files fairseq will load for it: ``--checkpoint-suffix``, its
+    shards) bounds the dictionaries this thread reads (:func:`dictionary_bound`)."""
+    from fairseq.checkpoint_utils import get_maybe_sharded_checkpoint_filename
     from fairseq.utils import split_paths
 
     def field(section: str, name: str):
         return getattr(cfg if isinstance(cfg, argparse.Namespace) else getattr(cfg, section, None), name, None)
 
+    suffix, shards = field("checkpoint", "checkpoint_suffix") or "", field("checkpoint", "checkpoint_shard_count")
+    shards = shards if type(shards) is int and shards > 0 else 1
+
+    def loaded(path: str) -> List[str]:
+        return [get_maybe_sharded_checkpoint_filename(path, suffix, k, shards) for k in range(shards)]
+
     path = field("common_eval", "path")
-    named = [*(split_paths(path) if isinstance(path, str) else ()), field("generation", "lm_path")]
-    sizes = [(_stored_bytes(p), p) for p in named if isinstance(p, str) and os.path.isfile(p)]
+    named = [loaded(p) for p in (split_paths(path) if isinstance(path, str) else ())]
+    named += [[field("generation", "lm_path")]]
+    sizes = [(sum(map(_stored_bytes, files)), files[0]) for files in named
+             if all(isinstance(f, str) and os.path.isfile(f) for f in files)]
     previous, _read.named = getattr(_read, "named", None), max(sizes, default=None)
     try:
         yield

@@ -199,8 +199,8 @@ def test_fairseq_train_reads_a_large_dictionary_no_checkpoint_bounds(tmp_path, d
 
 def test_a_checkpoint_lends_the_dictionaries_only_the_bytes_it_stores(tmp_path):
     """The bound a command line's checkpoint sets its dictionaries (read before the checkpoint is)
-    counts what the file stores inside its directory: a sparse file's blocks, nothing for a link
-    out of the directory."""
+    counts what the files fairseq will load for it (its suffix, its shards) store inside their
+    directory: a sparse file's blocks, nothing for a link out of the directory."""
     import argparse
 
     from ea_fairseq.safety import budget
@@ -216,3 +216,7 @@ def test_a_checkpoint_lends_the_dictionaries_only_the_bytes_it_stores(tmp_path):
         with budget.checkpoints_named(argparse.Namespace(path=str(model / name), lm_path=None)):
             bounds[name] = budget.dictionary_bound()[0]
     assert bounds["real.pt"] == 10_000 and bounds["sparse.pt"] < 1 << 16 and bounds["outside.pt"] == 0, bounds
+    (model / "ck-best.pt").write_bytes(b"x" * 5_000)  # the file fairseq loads for --checkpoint-suffix -best
+    with budget.checkpoints_named(argparse.Namespace(path=str(model / "ck.pt"), checkpoint_suffix="-best",
+                                                     lm_path=None)):
+        assert budget.dictionary_bound()[:2] == (5_000, str(model / "ck-best.pt"))
