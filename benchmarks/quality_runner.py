@@ -32,14 +32,21 @@ def die(msg: str):
 
 
 def machine() -> dict:
-    cpu = platform.processor() or ""
+    """The machine a run ran on. Two hosts named alike (a VM's "AMD EPYC") may still sum floats
+    differently, so the CPU's family, model and vector instructions are kept beside its name."""
+    info = {}
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+            for line in f:
+                key, _, value = line.partition(":")
+                info.setdefault(key.strip(), value.strip())
     except OSError:
         pass
     from importlib.metadata import version
-    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "host": platform.node(),
+    return {"cpu": info.get("model name") or platform.processor() or "", "cores": os.cpu_count(),
+            "cpu_model": " ".join(f"{k} {info[k]}" for k in ("cpu family", "model", "stepping") if k in info),
+            "vector": " ".join(sorted(f for f in info.get("flags", "").split() if f.startswith(("avx", "fma")))),
+            "platform": platform.platform(), "host": platform.node(),
             "python": platform.python_version(), "torch": version("torch"), "fairseq": version("ve-fairseq"),
             "nice": os.nice(0)}
 
