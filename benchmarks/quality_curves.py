@@ -56,10 +56,12 @@ def point_dir(results: str, system: str, seed: int, update: int) -> str:
 def train_dir(runner, system: str, seed: int):
     """The training directory (in the work directory) holding the kept checkpoints of the run
     ``system`` seed ``seed``: the run's own, or where they are gone, its re-run's
-    (``quality.py run --rerun`` trains such a run again, :func:`lost`); None if neither has any."""
+    (``quality.py run --rerun`` trains such a run again, :func:`lost`), once it has finished; None
+    if neither has any."""
     for final in (runner.run_dir(system, seed), runner.rerun_dir(system, seed)):
         found = os.path.join(runner.work, os.path.relpath(final, runner.results), "train", SYSTEMS[system][0])
-        if kept_checkpoints(found):
+        done = runner.finished_at(final)
+        if kept_checkpoints(found) and done and done["status"] == "finished":
             return found
     return None
 

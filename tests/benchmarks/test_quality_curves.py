@@ -95,6 +95,11 @@ def test_a_run_whose_checkpoints_are_gone_is_trained_again_and_scored_from_its_r
     shutil.rmtree(tmp_path / "work" / "runs" / system / f"seed{seed}")
     assert curves.lost(runner) == [(system, seed)]
     checkpoints(tmp_path / "work" / "reruns" / system / f"seed{seed}" / "train" / arch)  # quality.py run --rerun
+    unfinished = [w for w in curves.score_points(runner) if f"/{system}/seed{seed}/" in w]
+    assert unfinished == [] and curves.lost(runner) == [(system, seed)]  # the re-run has not finished yet
+    rerun = tmp_path / "results" / "reruns" / system / f"seed{seed}"
+    rerun.mkdir(parents=True)
+    (rerun / "run.json").write_text(json.dumps({"status": "finished"}))
     assert curves.lost(runner) == []
     written = curves.score_points(runner)
     from_rerun = [w for w in written if f"/{system}/seed{seed}/" in w]
