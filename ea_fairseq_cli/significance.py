@@ -263,12 +263,13 @@ def randomisation_test(base: np.ndarray, system: np.ndarray, score_of: Scorer, t
     equal to the observed one is as extreme)."""
     observed = abs(score_of(system.sum(0)) - score_of(base.sum(0)))
     rng = np.random.default_rng(seed)
-    a, b = [], []
+    # a trial's sums: the system's with the swapped sentences' statistics exchanged for the base's
+    # (a = system + swapped (base - system)), and the base's the other way (b = base - the same)
+    gain, a, b = base - system, [], []
     for start, stop in row_blocks(trials, base.shape[0], multiple=32):
-        swap = rng.integers(2, size=(stop - start, base.shape[0]), dtype=bool)
-        keep = ~swap
-        a.append(_scores(score_of, _product(swap, base) + _product(keep, system)))
-        b.append(_scores(score_of, _product(keep, base) + _product(swap, system)))
+        moved = _product(rng.integers(2, size=(stop - start, base.shape[0]), dtype=bool), gain)
+        a.append(_scores(score_of, system.sum(0) + moved))
+        b.append(_scores(score_of, base.sum(0) - moved))
     c = int(np.sum(np.abs(np.concatenate(a) - np.concatenate(b)) >= observed - 1e-9 * max(observed, 1.0)))
     return (c + 1) / (trials + 1)
 
