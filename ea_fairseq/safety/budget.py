@@ -287,15 +287,16 @@ def checkpoints_named(cfg) -> Iterator[None]:
 
 def _stored_bytes(path: str) -> int:
     """The bytes file ``path`` stores: none for a link out of its directory or what is not a
-    regular file (the checkpoint is read from inside its directory only), the blocks it holds
-    for a sparse file."""
+    regular file (the checkpoint is read from inside its directory only), up to its first hole
+    for a sparse file (:func:`ea_fairseq.safety.data_files.stored_bytes`, as a data split)."""
     from .confined import ConfinedPathError, inside
+    from .data_files import stored_bytes
 
     try:
-        status = os.stat(inside(path))
+        real = inside(path)
+        return stored_bytes(real, os.path.getsize(real))
     except (ConfinedPathError, OSError):
         return 0
-    return min(status.st_size, getattr(status, "st_blocks", status.st_size // 512 + 1) * 512)
 
 
 def with_checkpoints_named(main, cfg, **kwargs):
