@@ -110,7 +110,8 @@ def measure(arch: str, *options: str):
             tokens = torch.cat([tokens, logits[:, -1:].argmax(-1)], dim=1)
 
     with torch.no_grad():  # the second run of each is traced: the first warms what is cached
-        return {"encoder self-attention": traced_call(model.encoder.layers[0].self_attn, lambda: (encode(), encode()), 2),
+        return {"encoder self-attention": traced_call(model.encoder.layers[0].self_attn,
+                                                      lambda: (encode(), encode()), 2),
                 "decoding step": traced_call(model.decoder.layers[0].self_attn, lambda: (decode(), decode()), 6)}
 
 

@@ -8,11 +8,11 @@ over seeds, and the band from the lowest seed to the highest).
 Each point is the runner's validation (``Runner.validate``: the demo's beam search,
 ``ea-fairseq-bleu --mode wmt``) of one checkpoint, unaveraged, recorded like a run
 (``curves/SYSTEM/seedK/updateU/``: the scores, ``point.json`` with the commands, CPU time, the
-machine and the commit), staged beside its place and moved there once scored. A run whose checkpoints are gone before
-any of its points is scored (:func:`lost`) is trained again by ``quality.py run --rerun`` into
-``reruns/``, and its points are scored from the re-run's checkpoints (``point.json`` names the
-checkpoint's place); the report's re-run section says whether the re-run translates the test
-set as the stored run does.
+machine and the commit), staged beside its place and moved there once scored. A run whose
+checkpoints are gone before any of its points is scored (:func:`lost`) is trained again by
+``quality.py run --rerun`` into ``reruns/``, and its points are scored from the re-run's
+checkpoints once it has finished (``point.json`` names the checkpoint's place); the report's
+re-run section says whether the re-run translates the test set as the stored run does.
 
 The plan asks for every 200 updates; the runs save a checkpoint every 60 (the demo's
 ``DEMO_UPDATES / 20``), of which 200 is no multiple. :data:`CURVE_EVERY` is 240: the interval
@@ -60,19 +60,22 @@ def train_dir(runner, system: str, seed: int):
     if neither has any."""
     for final in (runner.run_dir(system, seed), runner.rerun_dir(system, seed)):
         found = os.path.join(runner.work, os.path.relpath(final, runner.results), "train", SYSTEMS[system][0])
-        done = runner.finished_at(final)
-        if kept_checkpoints(found) and done and done["status"] == "finished":
+        if kept_checkpoints(found) and _finished(runner, final):
             return found
     return None
 
 
+def _finished(runner, final: str) -> bool:
+    done = runner.finished_at(final)
+    return bool(done) and done["status"] == "finished"
+
+
 def _curve_runs(runner):
-    """(system, seed, record) of every finished run whose checkpoints are kept for the curves."""
+    """(system, seed) of every finished run whose checkpoints are kept for the curves."""
     for system, first in sorted(KEEP_CHECKPOINTS.items()):
         for seed in runner.seeds(system):
-            done = runner.finished_at(runner.run_dir(system, seed))
-            if seed >= first and done and done["status"] == "finished":
-                yield system, seed, done
+            if seed >= first and _finished(runner, runner.run_dir(system, seed)):
+                yield system, seed
 
 
 def lost(runner) -> List[Tuple[str, int]]:
@@ -80,7 +83,7 @@ def lost(runner) -> List[Tuple[str, int]]:
     whose points is scored and whose checkpoints are gone from the work directory (and from
     any re-run's): ``quality.py run --rerun`` trains them again, into ``reruns/``, where the
     report also sets them beside the stored runs."""
-    return [(system, seed) for system, seed, _ in _curve_runs(runner)
+    return [(system, seed) for system, seed in _curve_runs(runner)
             if not os.path.isdir(os.path.dirname(point_dir(runner.results, system, seed, 0)))
             and train_dir(runner, system, seed) is None]
 
@@ -89,7 +92,7 @@ def score_points(runner) -> List[str]:
     """Every point not scored yet, of every finished run whose checkpoints are kept (or whose
     re-run's are); the directories written."""
     written = []
-    for system, seed, _ in _curve_runs(runner):
+    for system, seed in _curve_runs(runner):
         train = train_dir(runner, system, seed)
         for update, checkpoint in sorted(kept_checkpoints(train).items()) if train else ():
             final = point_dir(runner.results, system, seed, update)
