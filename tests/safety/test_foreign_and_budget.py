@@ -210,53 +210,37 @@ def test_parameters_of_torchs_legacy_constructors_are_counted_before_they_are_al
     assert peak < control[3] + 2 ** 28, (peak, control[3])
 
 
-def test_a_task_whose_build_model_takes_no_from_checkpoint_builds_under_the_budget_all_the_same(tmp_path):
-    """fairseq's ``load_model_ensemble_and_task`` (the hub's, fairseq-validate's) tells a task's
-    ``build_model`` that it builds from a checkpoint only if it takes ``from_checkpoint``;
-    ``nlu_finetuning``'s does not. The model the checkpoint's configuration describes (wav2vec2,
-    3 layers 2048 wide: 1 GB) is built under the budget of its weights (3 elements) all the same."""
-    from fairseq import checkpoint_utils
-
-    state = {"cfg": {"model": {"_name": "wav2vec2", "encoder_layers": 3, "encoder_embed_dim": 2048,
-                               "encoder_ffn_embed_dim": 8192, "encoder_attention_heads": 1,
-                               "conv_feature_layers": "[(8,10,5)]", "conv_pos": 4, "conv_pos_groups": 1,
-                               "final_dim": 8},
-                     "task": {"_name": "nlu_finetuning", "data": str(tmp_path)},
-                     "common": {}, "checkpoint": {}, "dataset": {}, "optimization": {}},
-             "model": {"x": torch.zeros(3)}, "extra_state": {"best": 0.0},
-             "optimizer_history": [{"criterion_name": "CrossEntropyCriterion", "optimizer_name": "Adam",
-                                    "lr_scheduler_state": {"best": 0}, "num_updates": 0}]}
-    torch.save(state, tmp_path / "c.pt")
-    from ea_fairseq.safety.budget import BudgetError
-
-    with pytest.raises(BudgetError, match="would create more than 16,777,228 elements"):
-        checkpoint_utils.load_model_ensemble_and_task([str(tmp_path / "c.pt")])
-
-
 ROBERTA = {"_name": "roberta", "encoder_layers": 1, "encoder_embed_dim": 16, "encoder_ffn_embed_dim": 16,
            "encoder_attention_heads": 2, "max_positions": 32}
-HEADS = {  # what sizes a classification head that loading registers after the model's build
-    # RoBERTa's upgrade in load_state_dict: the shapes of the (empty) head weights the checkpoint stores
+LOADINGS = {  # what loading a checkpoint builds beyond models.build_model(from_checkpoint=True)
+    # nlu_finetuning's build_model takes no from_checkpoint: wav2vec2, 3 layers 2048 wide (1 GB)
+    "build-without-from-checkpoint": ({"_name": "wav2vec2", "encoder_layers": 3, "encoder_embed_dim": 2048,
+                                       "encoder_ffn_embed_dim": 8192, "encoder_attention_heads": 1,
+                                       "conv_feature_layers": "[(8,10,5)]", "conv_pos": 4, "conv_pos_groups": 1,
+                                       "final_dim": 8}, {"_name": "nlu_finetuning"}, {}),
+    # RoBERTa's upgrade in load_state_dict: a head the shapes of the (empty) stored head weights describe
     "stored-head-shapes": ({**ROBERTA, "load_checkpoint_heads": True}, {"_name": "masked_lm", "tokens_per_sample": 32},
                            {"classification_heads.h.out_proj.weight": torch.empty(8192, 0),
                             "classification_heads.h.dense.weight": torch.empty(4096, 0)}),
-    # sentence_prediction's build_model: the task's num_classes
+    # sentence_prediction's build_model, after the model's: a head of the task's num_classes
     "task-num-classes": (ROBERTA, {"_name": "sentence_prediction", "num_classes": 2_000_000, "regression_target": True,
                                    "max_positions": 32}, {}),
 }
 
 
-@pytest.mark.parametrize("case", sorted(HEADS))
-def test_what_loading_registers_after_the_build_is_under_the_checkpoints_budget(case, tmp_path):
-    """``load_model_ensemble_and_task`` (the hub's, fairseq-validate's) registers a classification
-    head after ``models.build_model`` returns: in the task's ``build_model`` and in the model's
-    ``load_state_dict``. Each is sized by the checkpoint (33 million elements against weights of
-    100) and charged to its budget until the loading returns."""
+@pytest.mark.parametrize("case", sorted(LOADINGS))
+def test_everything_loading_builds_from_a_checkpoint_is_under_its_budget(case, tmp_path):
+    """``load_model_ensemble_and_task`` (the hub's, fairseq-validate's) builds from a checkpoint
+    more than ``models.build_model(from_checkpoint=True)``: a task whose ``build_model`` takes no
+    ``from_checkpoint`` (``nlu_finetuning``) builds without saying so, and a classification head is
+    registered after the build, in the task's ``build_model`` and in the model's
+    ``load_state_dict``. Each is sized by the checkpoint (33 million elements to 1 GB against
+    weights of 100) and charged to its budget until the loading returns."""
     from fairseq import checkpoint_utils
 
     from ea_fairseq.safety.budget import BudgetError
 
-    model, task, stored = HEADS[case]
+    model, task, stored = LOADINGS[case]
     (tmp_path / "dict.txt").write_text("a 1\nb 1\nc 1\n")
     for sub in ("input0", "label"):
         (tmp_path / sub).mkdir()
