@@ -288,9 +288,8 @@ def checkpoints_named(cfg) -> Iterator[None]:
 def _stored_bytes(path: str) -> int:
     """The bytes file ``path`` stores: none for a link out of its directory or what is not a
     regular file (the checkpoint is read from inside its directory only), up to its first hole
-    for a sparse file (:func:`ea_fairseq.safety.data_files.stored_bytes`, as a data split)."""
-    from .confined import ConfinedPathError, inside
-    from .data_files import stored_bytes
+    for a sparse file (:func:`ea_fairseq.safety.confined.stored_bytes`, as a data split)."""
+    from .confined import ConfinedPathError, inside, stored_bytes
 
     try:
         real = inside(path)

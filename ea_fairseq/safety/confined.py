@@ -68,3 +68,16 @@ def open_inside(path, root=None, mode: str = "rb", limit: Optional[int] = None, 
     except BaseException:
         os.close(fd)
         raise
+
+
+def stored_bytes(path, size: int) -> int:
+    """The bytes of the ``size`` that ``path`` declares which it stores from its start: up to
+    its first hole (a sparse file declares its size in no space); ``size`` on a file system that
+    cannot say."""
+    if size == 0 or not hasattr(os, "SEEK_HOLE"):
+        return size
+    with open(path, "rb") as f:
+        try:
+            return min(size, os.lseek(f.fileno(), 0, os.SEEK_HOLE))
+        except OSError:
+            return size

@@ -138,23 +138,10 @@ def check_file(path: str, remedy: str = BINARY, limit: Optional[int] = None) -> 
     return info.st_size
 
 
-def stored_bytes(path: str, size: int) -> int:
-    """The bytes of the ``size`` that ``path`` declares which it stores from its start: up to
-    its first hole (a sparse file declares its size in no space); ``size`` on a file system that
-    cannot say."""
-    if size == 0 or not hasattr(os, "SEEK_HOLE"):
-        return size
-    with open(path, "rb") as f:
-        try:
-            return min(size, os.lseek(f.fileno(), 0, os.SEEK_HOLE))
-        except OSError:
-            return size
-
-
 def _check_stored(path: str, size: int) -> None:
     """``path`` stores every byte it declares: no hole (a sparse file declares its size in no
     space, and fairseq reads or allocates by the size; fairseq-preprocess never writes one)."""
-    hole = stored_bytes(path, size)
+    hole = confined.stored_bytes(path, size)
     if hole < size:
         raise _error(path, f"a file with holes ({size:,} bytes declared, the first hole at byte {hole:,}: a sparse "
                            "file stores what it declares in no space)")
